@@ -1,0 +1,58 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both create .venv and install
+# everything first; later runs reinstall only when the build inputs changed.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+DEPS_STAMP := $(VENV)/.deps-installed
+PKG_STAMP := $(VENV)/.moecomm-installed
+BUILD_INPUTS := $(shell find csrc bindings -type f 2>/dev/null) CMakeLists.txt pyproject.toml
+PY_SOURCES := python serving tests bench
+CXX_SOURCES = $(shell find csrc bindings -name '*.h' -o -name '*.cc' -o -name '*.cu' -o -name '*.cuh')
+
+.PHONY: demo test lint format pytest build venv bench clean
+
+venv: $(PKG_STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# torch is pinned to the CPU wheel on local disk; any other request pulls a multi-GB CUDA build.
+$(DEPS_STAMP): pyproject.toml | $(PY)
+	$(PIP) install -q torch==2.13.0 "numpy<2.3"
+	$(PIP) install -q "scikit-build-core>=0.10" "pybind11>=2.12" ninja \
+		"pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "pyzmq>=25" \
+		"ruff>=0.6" "clang-format>=18" triton
+	touch $@
+
+$(PKG_STAMP): $(DEPS_STAMP) $(BUILD_INPUTS)
+	$(PIP) install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+build: $(PKG_STAMP)
+
+demo: $(PKG_STAMP)
+	$(PY) -m moecomm.demo
+
+lint: $(DEPS_STAMP)
+	$(VENV)/bin/ruff check $(PY_SOURCES)
+	$(VENV)/bin/ruff format --check $(PY_SOURCES)
+	$(VENV)/bin/clang-format --dry-run --Werror $(CXX_SOURCES)
+
+format: $(DEPS_STAMP)
+	$(VENV)/bin/ruff check --fix $(PY_SOURCES)
+	$(VENV)/bin/ruff format $(PY_SOURCES)
+	$(VENV)/bin/clang-format -i $(CXX_SOURCES)
+
+pytest: $(PKG_STAMP)
+	$(PY) -m pytest -q
+
+test: lint pytest
+
+bench: $(PKG_STAMP)
+	$(PY) bench/rtt.py --json bench/results/rtt.json
+
+clean:
+	rm -rf build $(VENV) .pytest_cache .ruff_cache .hypothesis

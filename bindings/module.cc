@@ -1,0 +1,9 @@
+#include "registry.h"
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "moecomm native core: slot protocol, transports, slot I/O";
+  moecomm::bindings::register_errors(m);
+  moecomm::bindings::register_protocol(m);
+  moecomm::bindings::register_transport(m);
+  moecomm::bindings::register_slots(m);
+}

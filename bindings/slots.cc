@@ -1,0 +1,133 @@
+// Slot I/O over a transport. Addresses of host buffers arrive as integers; the Python API has
+// already checked dtype, shape and contiguity of the tensors they come from.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+
+#include "common/error.h"
+#include "registry.h"
+#include "transport/slot_io.h"
+
+namespace py = pybind11;
+
+namespace moecomm::bindings {
+
+using namespace moecomm::slots;
+
+namespace {
+
+template <typename T>
+const T* ptr(uintptr_t address) {
+  return reinterpret_cast<const T*>(address);
+}
+
+}  // namespace
+
+void register_slots(py::module_& m) {
+  py::enum_<WaitStatus>(m, "WaitStatus")
+      .value("OK", WaitStatus::kOk)
+      .value("TIMEOUT", WaitStatus::kTimeout)
+      .value("PEER_LOST", WaitStatus::kPeerLost);
+
+  py::class_<SlotRing>(m, "SlotRing")
+      .def(py::init([](const SlotConfig& c, uint32_t num_slots, bool request) {
+             MC_CHECK(num_slots >= 1, "a slot ring needs at least one slot");
+             return SlotRing{c, num_slots, request};
+           }),
+           py::arg("config"), py::arg("num_slots"), py::arg("request"))
+      .def_readonly("config", &SlotRing::config)
+      .def_readonly("num_slots", &SlotRing::num_slots)
+      .def_readonly("request", &SlotRing::request)
+      .def_property_readonly("slot_bytes", &SlotRing::slot_bytes)
+      .def_property_readonly("region_bytes", &SlotRing::region_bytes)
+      .def("slot_offset", &SlotRing::slot_offset, py::arg("slot"));
+
+  py::class_<Incoming>(m, "Incoming")
+      .def_readonly("slot", &Incoming::slot)
+      .def_readonly("seq", &Incoming::seq)
+      .def_readonly("offline", &Incoming::offline)
+      .def_readonly("header", &Incoming::header)
+      .def_readonly("code", &Incoming::code)
+      .def_readonly("payload_offset", &Incoming::payload_offset)
+      .def_property_readonly("act_offset", [](const Incoming& i) { return i.layout.act_offset; })
+      .def_property_readonly("scale_offset",
+                             [](const Incoming& i) { return i.layout.scale_offset; })
+      .def_property_readonly("ids_offset", [](const Incoming& i) { return i.layout.ids_offset; })
+      .def_property_readonly("scores_offset",
+                             [](const Incoming& i) { return i.layout.scores_offset; });
+
+  py::class_<Outcome>(m, "Outcome")
+      .def_readonly("status", &Outcome::status)
+      .def_readonly("offline", &Outcome::offline)
+      .def_readonly("word", &Outcome::word)
+      .def_readonly("stale_dropped", &Outcome::stale_dropped)
+      .def_readonly("header", &Outcome::header)
+      .def_readonly("code", &Outcome::code)
+      .def_readonly("payload_offset", &Outcome::payload_offset);
+
+  m.def(
+      "send_request",
+      [](Transport& t, Region& server, const SlotRing& ring, uint32_t slot, uint64_t client_id,
+         uint64_t seq, uint32_t layer_id, uint32_t num_tokens, uint32_t topk, Encoding encoding,
+         uintptr_t activations, uintptr_t scales, uintptr_t expert_ids, uintptr_t scores) {
+        RequestData r{layer_id,          num_tokens,         topk,
+                      encoding,          ptr<void>(activations), ptr<float>(scales),
+                      ptr<int32_t>(expert_ids), ptr<float>(scores)};
+        send_request(t, server, ring, slot, client_id, seq, r);
+      },
+      py::arg("transport"), py::arg("server"), py::arg("ring"), py::arg("slot"),
+      py::arg("client_id"), py::arg("seq"), py::arg("layer_id"), py::arg("num_tokens"),
+      py::arg("topk"), py::arg("encoding"), py::arg("activations"), py::arg("scales"),
+      py::arg("expert_ids"), py::arg("scores"), py::call_guard<py::gil_scoped_release>());
+
+  m.def("poll_requests", &poll_requests, py::arg("transport"), py::arg("local"), py::arg("ring"),
+        py::arg("client_id"), py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "wait_doorbell",
+      [](Transport& t, Region& local, uint64_t seen, int64_t timeout_ns,
+         std::shared_ptr<Region> peer) {
+        transport::WaitResult r;
+        {
+          py::gil_scoped_release release;
+          r = wait_doorbell(t, local, seen, timeout_ns, peer.get());
+        }
+        return py::make_tuple(r.status, r.value);
+      },
+      py::arg("transport"), py::arg("local"), py::arg("seen"), py::arg("timeout_ns"),
+      py::arg("peer") = nullptr);
+
+  m.def(
+      "send_response",
+      [](Transport& t, Region& local, const SlotRing& request_ring, Region& client,
+         const SlotRing& response_ring, uint32_t slot, uint64_t client_id, uint64_t seq,
+         uint32_t layer_id, uint32_t num_tokens, Encoding encoding, uintptr_t activations) {
+        send_response(t, local, request_ring, client, response_ring, slot, client_id, seq,
+                      layer_id, num_tokens, encoding, ptr<void>(activations));
+      },
+      py::arg("transport"), py::arg("local"), py::arg("request_ring"), py::arg("client"),
+      py::arg("response_ring"), py::arg("slot"), py::arg("client_id"), py::arg("seq"),
+      py::arg("layer_id"), py::arg("num_tokens"), py::arg("encoding"), py::arg("activations"),
+      py::call_guard<py::gil_scoped_release>());
+
+  m.def("send_error", &send_error, py::arg("transport"), py::arg("local"),
+        py::arg("request_ring"), py::arg("client"), py::arg("response_ring"), py::arg("slot"),
+        py::arg("client_id"), py::arg("seq"), py::arg("layer_id"), py::arg("status"),
+        py::arg("reason"), py::call_guard<py::gil_scoped_release>());
+
+  m.def("mark_offline", &mark_offline, py::arg("transport"), py::arg("local"), py::arg("ring"),
+        py::arg("slot"), py::arg("seq"), py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "wait_response",
+      [](Transport& t, Region& local, const SlotRing& ring, uint32_t slot, uint64_t client_id,
+         uint64_t seq, int64_t timeout_ns, std::shared_ptr<Region> peer) {
+        return wait_response(t, local, ring, slot, client_id, seq, timeout_ns, peer.get());
+      },
+      py::arg("transport"), py::arg("local"), py::arg("ring"), py::arg("slot"),
+      py::arg("client_id"), py::arg("seq"), py::arg("timeout_ns"), py::arg("peer") = nullptr,
+      py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace moecomm::bindings

@@ -1,0 +1,121 @@
+// Header validation: a specific code and reason for every way a header can be wrong. The reader
+// copies the header out of the slot once (the writer may still be scribbling on it) and checks
+// the copy; nothing here reads beyond the bytes it is told the slot has.
+#pragma once
+
+#include <cstdint>
+
+#include "common/macros.h"
+#include "protocol/header.h"
+#include "protocol/layout.h"
+#include "protocol/signal.h"
+
+namespace moecomm::protocol {
+
+enum class ValidateCode : int32_t {
+  kOk = 0,
+  kSlotTooSmall = 1,
+  kBadMagic = 2,
+  kBadVersion = 3,
+  kBadKind = 4,
+  kBadEncoding = 5,
+  kQuantizedResponse = 6,
+  kZeroTokens = 7,
+  kTooManyTokens = 8,
+  kHiddenMismatch = 9,
+  kBadTopk = 10,
+  kPayloadSizeMismatch = 11,
+  kPayloadExceedsSlot = 12,
+  kClientMismatch = 13,
+  kSeqMismatch = 14,
+  kBadStatus = 15,
+  kReservedNonzero = 16,
+};
+constexpr int32_t kNumValidateCodes = 17;
+
+MC_HOST_DEVICE inline const char* validate_reason(ValidateCode c) {
+  switch (c) {
+    case ValidateCode::kOk: return "ok";
+    case ValidateCode::kSlotTooSmall: return "slot too small to hold a signal word and a header";
+    case ValidateCode::kBadMagic: return "bad magic: not a moecomm slot header";
+    case ValidateCode::kBadVersion: return "unsupported protocol version";
+    case ValidateCode::kBadKind: return "message kind is not the one expected in this slot";
+    case ValidateCode::kBadEncoding: return "unknown activation encoding";
+    case ValidateCode::kQuantizedResponse: return "response activations cannot be quantized";
+    case ValidateCode::kZeroTokens: return "num_tokens is zero";
+    case ValidateCode::kTooManyTokens: return "num_tokens exceeds the slot's max_tokens";
+    case ValidateCode::kHiddenMismatch: return "hidden size differs from the connection's";
+    case ValidateCode::kBadTopk: return "topk is zero or exceeds the connection's topk";
+    case ValidateCode::kPayloadSizeMismatch: return "payload_bytes disagrees with the header sizes";
+    case ValidateCode::kPayloadExceedsSlot: return "payload does not fit in the slot";
+    case ValidateCode::kClientMismatch: return "client id is not the owner of this slot";
+    case ValidateCode::kSeqMismatch: return "header sequence number differs from the signal's";
+    case ValidateCode::kBadStatus: return "status field invalid for this message kind";
+    case ValidateCode::kReservedNonzero: return "reserved header fields are not zero";
+  }
+  return "unknown validation code";
+}
+
+// What the reader expects of a header in a given slot.
+struct Expectation {
+  MessageKind kind = MessageKind::kRequest;
+  SlotConfig config;
+  uint64_t slot_bytes = 0;  // bytes actually available from the start of the slot
+  uint64_t client_id = 0;
+  uint64_t seq = 0;  // from the signal word the reader acquired
+};
+
+MC_HOST_DEVICE inline bool response_status_known(int32_t s) {
+  return s == 0 || (s > 0 && s < kNumValidateCodes) ||
+         (s >= kFirstServerStatus && s <= kLastServerStatus);
+}
+
+// Checks a header copy. `h` must have been copied from a slot of at least kPayloadOffset bytes;
+// use read_and_validate() to get both the copy and the check.
+MC_HOST_DEVICE inline ValidateCode validate_header(const SlotHeader& h, const Expectation& e) {
+  if (e.slot_bytes < kPayloadOffset) return ValidateCode::kSlotTooSmall;
+  if (h.magic != kMagic) return ValidateCode::kBadMagic;
+  if (h.version != kVersion) return ValidateCode::kBadVersion;
+  if (h.kind != static_cast<uint8_t>(e.kind)) return ValidateCode::kBadKind;
+  if (h.reserved0 != 0 || h.reserved1 != 0) return ValidateCode::kReservedNonzero;
+  if (h.client_id != e.client_id) return ValidateCode::kClientMismatch;
+  if (h.seq != e.seq) return ValidateCode::kSeqMismatch;
+  const bool request = e.kind == MessageKind::kRequest;
+  if (request ? h.status != 0 : !response_status_known(h.status)) return ValidateCode::kBadStatus;
+
+  const uint64_t capacity = e.slot_bytes - kPayloadOffset;
+  if (!request && h.status != 0) {
+    // Error response: the payload is a reason string; only its size needs to be sane.
+    if (h.payload_bytes > capacity) return ValidateCode::kPayloadExceedsSlot;
+    return ValidateCode::kOk;
+  }
+  if (!encoding_known(h.encoding)) return ValidateCode::kBadEncoding;
+  const Encoding enc = static_cast<Encoding>(h.encoding);
+  if (!request && encoding_quantized(enc)) return ValidateCode::kQuantizedResponse;
+  if (h.num_tokens == 0) return ValidateCode::kZeroTokens;
+  if (h.num_tokens > e.config.max_tokens) return ValidateCode::kTooManyTokens;
+  if (h.hidden != e.config.hidden) return ValidateCode::kHiddenMismatch;
+  if (request ? (h.topk == 0 || h.topk > e.config.topk) : h.topk != 0) {
+    return ValidateCode::kBadTopk;
+  }
+  // Bounded above: tokens <= max_tokens and hidden/topk equal the connection's, so no overflow.
+  const PayloadLayout p = request ? request_payload_layout(h.num_tokens, h.hidden, h.topk, enc)
+                                  : response_payload_layout(h.num_tokens, h.hidden, enc);
+  if (h.payload_bytes != p.total) return ValidateCode::kPayloadSizeMismatch;
+  if (p.total > capacity) return ValidateCode::kPayloadExceedsSlot;
+  return ValidateCode::kOk;
+}
+
+// Copies the header out of `slot` (which has `e.slot_bytes` readable bytes) into `out` and
+// validates the copy. Never touches memory past kPayloadOffset.
+MC_HOST_DEVICE inline ValidateCode read_and_validate(const void* slot, const Expectation& e,
+                                                     SlotHeader* out) {
+  if (e.slot_bytes < kPayloadOffset) return ValidateCode::kSlotTooSmall;
+  const auto* src = reinterpret_cast<const volatile uint64_t*>(
+      static_cast<const unsigned char*>(slot) + kHeaderOffset);
+  auto* dst = reinterpret_cast<uint64_t*>(out);
+  for (uint32_t i = 0; i < sizeof(SlotHeader) / sizeof(uint64_t); ++i) dst[i] = src[i];
+  return validate_header(*out, e);
+}
+
+}  // namespace moecomm::protocol

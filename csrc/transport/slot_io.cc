@@ -1,0 +1,255 @@
+#include "transport/slot_io.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "common/error.h"
+
+namespace moecomm::slots {
+
+using protocol::kDoorbellBytes;
+using protocol::kHeaderOffset;
+using protocol::kPayloadOffset;
+using protocol::kSignalOffset;
+using protocol::make_signal;
+using protocol::MessageKind;
+using protocol::signal_seq;
+using protocol::signal_state;
+using protocol::SlotState;
+using transport::SignalOp;
+using transport::WaitOp;
+using transport::WaitPredicate;
+
+namespace {
+
+constexpr uint64_t kDoorbellOffset = 0;
+
+SlotHeader make_header(MessageKind kind, const SlotConfig& c, uint32_t layer_id,
+                       uint32_t num_tokens, uint32_t topk, Encoding enc, uint64_t payload_bytes,
+                       uint64_t client_id, uint64_t seq, int32_t status) {
+  SlotHeader h{};
+  h.magic = protocol::kMagic;
+  h.version = protocol::kVersion;
+  h.kind = static_cast<uint8_t>(kind);
+  h.encoding = static_cast<uint8_t>(enc);
+  h.layer_id = layer_id;
+  h.num_tokens = num_tokens;
+  h.hidden = c.hidden;
+  h.topk = topk;
+  h.payload_bytes = payload_bytes;
+  h.client_id = client_id;
+  h.seq = seq;
+  h.status = status;
+  return h;
+}
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+void check_seq(uint64_t seq) {
+  MC_CHECK(seq <= protocol::kMaxSeq, "sequence number ", seq, " exceeds 56 bits");
+}
+
+// Response header + signal + doorbell, after the payload has been put. The request slot is
+// released first: once the client sees the response it may reuse the slot at once.
+void finish_response(Transport& t, Region& local, const SlotRing& request_ring, Region& client,
+                     const SlotRing& response_ring, uint32_t slot, uint64_t seq,
+                     const SlotHeader& h) {
+  const uint64_t off = response_ring.slot_offset(slot);
+  t.put(client, off + kHeaderOffset, &h, sizeof(h));
+  t.signal(local, request_ring.slot_offset(slot) + kSignalOffset,
+           make_signal(SlotState::kIdle, seq), SignalOp::kSet);
+  t.signal(client, off + kSignalOffset, make_signal(SlotState::kResponseReady, seq),
+           SignalOp::kSet);
+  t.signal(client, kDoorbellOffset, 1, SignalOp::kAdd);
+}
+
+}  // namespace
+
+uint64_t SlotRing::slot_bytes() const {
+  return request ? protocol::request_slot_bytes(config) : protocol::response_slot_bytes(config);
+}
+
+uint64_t SlotRing::region_bytes() const { return protocol::region_bytes(slot_bytes(), num_slots); }
+
+uint64_t SlotRing::slot_offset(uint32_t slot) const {
+  return protocol::slot_offset(slot_bytes(), slot);
+}
+
+void SlotRing::check(const Region& r, uint32_t slot) const {
+  MC_CHECK(slot < num_slots, "slot ", slot, " out of range: the ring has ", num_slots, " slots");
+  MC_CHECK(r.size() >= region_bytes(), r.describe(), " holds ", r.size(),
+           " bytes, the slot ring needs ", region_bytes());
+}
+
+void check_request(const SlotRing& ring, const RequestData& req) {
+  const SlotConfig& c = ring.config;
+  MC_CHECK(ring.request, "requests go into a request ring");
+  MC_CHECK(req.num_tokens >= 1, "a request needs at least one token");
+  MC_CHECK(req.num_tokens <= c.max_tokens, "request of ", req.num_tokens,
+           " tokens exceeds the slot's max_tokens ", c.max_tokens);
+  MC_CHECK(req.topk >= 1 && req.topk <= c.topk, "request topk ", req.topk,
+           " must be in [1, ", c.topk, "]");
+  MC_CHECK(protocol::encoding_known(static_cast<uint8_t>(req.encoding)), "unknown encoding ",
+           static_cast<int>(req.encoding));
+  const bool quantized = protocol::encoding_quantized(req.encoding);
+  MC_CHECK(quantized == (req.scales != nullptr),
+           quantized ? "a quantized request needs scales" : "scales given for an unquantized request");
+  MC_CHECK(req.activations != nullptr && req.expert_ids != nullptr && req.scores != nullptr,
+           "request activations, expert ids and scores are required");
+  const PayloadLayout p =
+      protocol::request_payload_layout(req.num_tokens, c.hidden, req.topk, req.encoding);
+  MC_CHECK(kPayloadOffset + p.total <= ring.slot_bytes(), "request payload of ", p.total,
+           " bytes does not fit the slot (", ring.slot_bytes() - kPayloadOffset, " bytes)");
+}
+
+void send_request(Transport& t, Region& server, const SlotRing& ring, uint32_t slot,
+                  uint64_t client_id, uint64_t seq, const RequestData& req) {
+  ring.check(server, slot);
+  check_request(ring, req);
+  check_seq(seq);
+  const SlotConfig& c = ring.config;
+  const PayloadLayout p =
+      protocol::request_payload_layout(req.num_tokens, c.hidden, req.topk, req.encoding);
+  const uint64_t base = ring.slot_offset(slot) + kPayloadOffset;
+  t.put(server, base + p.act_offset, req.activations, p.act_bytes);
+  if (p.scale_bytes > 0) t.put(server, base + p.scale_offset, req.scales, p.scale_bytes);
+  t.put(server, base + p.ids_offset, req.expert_ids, p.ids_bytes);
+  t.put(server, base + p.scores_offset, req.scores, p.scores_bytes);
+  const SlotHeader h = make_header(MessageKind::kRequest, c, req.layer_id, req.num_tokens,
+                                   req.topk, req.encoding, p.total, client_id, seq, 0);
+  t.put(server, ring.slot_offset(slot) + kHeaderOffset, &h, sizeof(h));
+  t.signal(server, ring.slot_offset(slot) + kSignalOffset,
+           make_signal(SlotState::kRequestReady, seq), SignalOp::kSet);
+  t.signal(server, kDoorbellOffset, 1, SignalOp::kAdd);
+}
+
+std::vector<Incoming> poll_requests(Transport& t, Region& local, const SlotRing& ring,
+                                    uint64_t client_id) {
+  MC_CHECK(ring.request, "poll_requests reads a request ring");
+  ring.check(local, 0);
+  std::vector<Incoming> ready;
+  protocol::Expectation e;
+  e.kind = MessageKind::kRequest;
+  e.config = ring.config;
+  e.slot_bytes = ring.slot_bytes();
+  e.client_id = client_id;
+  for (uint32_t s = 0; s < ring.num_slots; ++s) {
+    const uint64_t off = ring.slot_offset(s);
+    const uint64_t w = t.load(local, off + kSignalOffset);
+    if (signal_state(w) != SlotState::kRequestReady) continue;
+    Incoming in;
+    in.slot = s;
+    in.seq = signal_seq(w);
+    e.seq = in.seq;
+    in.code = protocol::read_and_validate(local.data() + off, e, &in.header);
+    in.payload_offset = off + kPayloadOffset;
+    if (in.code == ValidateCode::kOk) {
+      in.layout = protocol::request_payload_layout(in.header.num_tokens, in.header.hidden,
+                                                   in.header.topk,
+                                                   static_cast<Encoding>(in.header.encoding));
+    }
+    ready.push_back(in);
+  }
+  return ready;
+}
+
+transport::WaitResult wait_doorbell(Transport& t, Region& local, uint64_t seen, int64_t timeout_ns,
+                                    const Region* peer) {
+  WaitPredicate pred{WaitOp::kNotEqual, ~uint64_t{0}, seen};
+  return t.wait(local, kDoorbellOffset, pred, timeout_ns, peer);
+}
+
+void send_response(Transport& t, Region& local, const SlotRing& request_ring, Region& client,
+                   const SlotRing& response_ring, uint32_t slot, uint64_t client_id, uint64_t seq,
+                   uint32_t layer_id, uint32_t num_tokens, Encoding encoding,
+                   const void* activations) {
+  request_ring.check(local, slot);
+  response_ring.check(client, slot);
+  check_seq(seq);
+  MC_CHECK(!response_ring.request, "responses go into a response ring");
+  MC_CHECK(!protocol::encoding_quantized(encoding), "responses are never quantized");
+  MC_CHECK(num_tokens >= 1 && num_tokens <= response_ring.config.max_tokens, "response of ",
+           num_tokens, " tokens outside [1, ", response_ring.config.max_tokens, "]");
+  const PayloadLayout p =
+      protocol::response_payload_layout(num_tokens, response_ring.config.hidden, encoding);
+  MC_CHECK(kPayloadOffset + p.total <= response_ring.slot_bytes(), "response payload of ",
+           p.total, " bytes does not fit the slot");
+  t.put(client, response_ring.slot_offset(slot) + kPayloadOffset, activations, p.act_bytes);
+  const SlotHeader h = make_header(MessageKind::kResponse, response_ring.config, layer_id,
+                                   num_tokens, 0, encoding, p.total, client_id, seq, 0);
+  finish_response(t, local, request_ring, client, response_ring, slot, seq, h);
+}
+
+void send_error(Transport& t, Region& local, const SlotRing& request_ring, Region& client,
+                const SlotRing& response_ring, uint32_t slot, uint64_t client_id, uint64_t seq,
+                uint32_t layer_id, int32_t status, const std::string& reason) {
+  request_ring.check(local, slot);
+  response_ring.check(client, slot);
+  check_seq(seq);
+  MC_CHECK(status != 0 && protocol::response_status_known(status), "error status ", status,
+           " is not a known non-zero response status");
+  const uint64_t capacity = response_ring.slot_bytes() - kPayloadOffset;
+  const uint64_t n = std::min<uint64_t>(reason.size(), capacity);
+  t.put(client, response_ring.slot_offset(slot) + kPayloadOffset, reason.data(), n);
+  const SlotHeader h = make_header(MessageKind::kResponse, response_ring.config, layer_id, 0, 0,
+                                   Encoding::kBF16, n, client_id, seq, status);
+  finish_response(t, local, request_ring, client, response_ring, slot, seq, h);
+}
+
+void mark_offline(Transport& t, Region& local, const SlotRing& ring, uint32_t slot, uint64_t seq) {
+  ring.check(local, slot);
+  t.signal(local, ring.slot_offset(slot) + kSignalOffset, make_signal(SlotState::kOffline, seq),
+           SignalOp::kSet);
+}
+
+Outcome wait_response(Transport& t, Region& local, const SlotRing& ring, uint32_t slot,
+                      uint64_t client_id, uint64_t seq, int64_t timeout_ns, const Region* peer) {
+  MC_CHECK(!ring.request, "wait_response reads a response ring");
+  ring.check(local, slot);
+  const uint64_t off = ring.slot_offset(slot);
+  const int64_t deadline = timeout_ns < 0 ? INT64_MAX : now_ns() + timeout_ns;
+  Outcome out;
+  // The word left by the previous round trip on this slot is expected, not a late answer;
+  // only older answers that arrive while we wait are counted as dropped.
+  uint64_t last_seen = t.load(local, off + kSignalOffset);
+  for (;;) {
+    const uint64_t w = t.load(local, off + kSignalOffset);
+    const SlotState state = signal_state(w);
+    if (state == SlotState::kOffline) {
+      out.offline = true;
+      out.word = w;
+      return out;
+    }
+    if (state == SlotState::kResponseReady && signal_seq(w) == seq) break;
+    if (state == SlotState::kResponseReady && signal_seq(w) < seq && w != last_seen) {
+      ++out.stale_dropped;
+    }
+    last_seen = w;
+    const int64_t remaining = deadline == INT64_MAX ? -1 : std::max<int64_t>(0, deadline - now_ns());
+    const transport::WaitResult r =
+        t.wait(local, off + kSignalOffset, WaitPredicate{WaitOp::kNotEqual, ~uint64_t{0}, w},
+               remaining, peer);
+    if (r.status != WaitStatus::kOk) {
+      out.status = r.status;
+      out.word = r.value;
+      return out;
+    }
+  }
+  out.word = t.load(local, off + kSignalOffset);
+  protocol::Expectation e;
+  e.kind = MessageKind::kResponse;
+  e.config = ring.config;
+  e.slot_bytes = ring.slot_bytes();
+  e.client_id = client_id;
+  e.seq = seq;
+  out.code = protocol::read_and_validate(local.data() + off, e, &out.header);
+  out.payload_offset = off + kPayloadOffset;
+  return out;
+}
+
+}  // namespace moecomm::slots

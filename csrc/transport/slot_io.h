@@ -1,0 +1,114 @@
+// The slot protocol over any Transport: how a client writes a request, how a server finds,
+// validates and answers requests, and how a client waits for its answer. Every ordering rule of
+// the protocol lives here, once:
+//   writer: payload, then header, then the signal word (release), then the doorbell;
+//   server: copy what it needs, release its request slot (IDLE), then signal the response, so a
+//           client that reuses the slot at once can never have its new request wiped;
+//   reader: acquire the signal word before reading anything else; copy the header, validate it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "protocol/header.h"
+#include "protocol/layout.h"
+#include "protocol/signal.h"
+#include "protocol/validate.h"
+#include "transport/transport.h"
+
+namespace moecomm::slots {
+
+using protocol::Encoding;
+using protocol::PayloadLayout;
+using protocol::SlotConfig;
+using protocol::SlotHeader;
+using protocol::ValidateCode;
+using transport::Region;
+using transport::Transport;
+using transport::WaitStatus;
+
+// Where a region's slots live: the same shape on both sides (request slots in the server's
+// memory, response slots in the client's).
+struct SlotRing {
+  SlotConfig config;
+  uint32_t num_slots = 0;
+  bool request = true;  // request slots (server side) or response slots (client side)
+
+  uint64_t slot_bytes() const;
+  uint64_t region_bytes() const;
+  uint64_t slot_offset(uint32_t slot) const;
+  // Throws unless `r` is large enough for this ring and `slot` is in range.
+  void check(const Region& r, uint32_t slot) const;
+};
+
+// A request as the client hands it over: pointers into host memory, laid out densely.
+struct RequestData {
+  uint32_t layer_id = 0;
+  uint32_t num_tokens = 0;
+  uint32_t topk = 0;
+  Encoding encoding = Encoding::kBF16;
+  const void* activations = nullptr;  // [num_tokens, hidden] in `encoding`
+  const float* scales = nullptr;      // [num_tokens, scales_per_token] when quantized
+  const int32_t* expert_ids = nullptr;  // [num_tokens, topk], -1 = not for this server
+  const float* scores = nullptr;        // [num_tokens, topk]
+};
+
+// Checks everything about a request before a single byte is written. Throws with a reason.
+void check_request(const SlotRing& ring, const RequestData& req);
+
+// Client: writes `req` into `slot` of the server's request region and signals REQUEST_READY|seq.
+// The doorbell line at offset 0 of `server` is bumped afterwards.
+void send_request(Transport& t, Region& server, const SlotRing& ring, uint32_t slot,
+                  uint64_t client_id, uint64_t seq, const RequestData& req);
+
+struct Incoming {
+  uint32_t slot = 0;
+  uint64_t seq = 0;
+  bool offline = false;  // the slot was marked OFFLINE (its client is gone)
+  SlotHeader header{};
+  ValidateCode code = ValidateCode::kOk;
+  uint64_t payload_offset = 0;  // region offset of the payload
+  PayloadLayout layout{};       // meaningful when code == kOk
+};
+
+// Server: every slot of `local` whose signal is REQUEST_READY, header copied and validated.
+std::vector<Incoming> poll_requests(Transport& t, Region& local, const SlotRing& ring,
+                                    uint64_t client_id);
+
+// Server: sleeps until the doorbell of `local` differs from `seen` (the value read before the
+// last poll), the deadline passes or `peer` dies. Returns the wait result.
+transport::WaitResult wait_doorbell(Transport& t, Region& local, uint64_t seen, int64_t timeout_ns,
+                                    const Region* peer);
+
+// Server: answers the request in `slot`: writes the response payload and header into the
+// client's region, marks its own request slot IDLE, then signals RESPONSE_READY|seq.
+void send_response(Transport& t, Region& local, const SlotRing& request_ring, Region& client,
+                   const SlotRing& response_ring, uint32_t slot, uint64_t client_id, uint64_t seq,
+                   uint32_t layer_id, uint32_t num_tokens, Encoding encoding,
+                   const void* activations);
+
+// Server: answers with an error `status` and a reason string (truncated to fit the slot).
+void send_error(Transport& t, Region& local, const SlotRing& request_ring, Region& client,
+                const SlotRing& response_ring, uint32_t slot, uint64_t client_id, uint64_t seq,
+                uint32_t layer_id, int32_t status, const std::string& reason);
+
+// Server: marks `slot` of its own request region OFFLINE (its client is gone).
+void mark_offline(Transport& t, Region& local, const SlotRing& ring, uint32_t slot, uint64_t seq);
+
+struct Outcome {
+  WaitStatus status = WaitStatus::kOk;
+  bool offline = false;  // the peer marked the slot OFFLINE instead of answering
+  uint64_t word = 0;
+  uint64_t stale_dropped = 0;  // late answers to older sequence numbers that were ignored
+  SlotHeader header{};
+  ValidateCode code = ValidateCode::kOk;
+  uint64_t payload_offset = 0;
+};
+
+// Client: waits for RESPONSE_READY with sequence `seq` in `slot` of its own response region.
+// Answers carrying an older sequence number are dropped (counted in stale_dropped).
+Outcome wait_response(Transport& t, Region& local, const SlotRing& ring, uint32_t slot,
+                      uint64_t client_id, uint64_t seq, int64_t timeout_ns, const Region* peer);
+
+}  // namespace moecomm::slots

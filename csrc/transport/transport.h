@@ -1,0 +1,92 @@
+// The transport interface: register memory a peer can write, attach to a peer's memory, write
+// into it one-sided, raise signal words with release semantics and wait on one's own words with
+// acquire semantics and a deadline. The slot protocol (protocol/) is written against this
+// interface only, so it runs unchanged over every backend.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace moecomm::transport {
+
+enum class SignalOp : uint8_t {
+  kSet = 0,  // store the value (slot state words)
+  kAdd = 1,  // add the value (arrival counters, doorbells)
+};
+
+enum class WaitOp : uint8_t {
+  kEqual = 0,     // (word & mask) == value
+  kNotEqual = 1,  // (word & mask) != value
+};
+
+struct WaitPredicate {
+  WaitOp op = WaitOp::kNotEqual;
+  uint64_t mask = ~uint64_t{0};
+  uint64_t value = 0;
+
+  bool satisfied(uint64_t word) const {
+    const bool eq = (word & mask) == value;
+    return op == WaitOp::kEqual ? eq : !eq;
+  }
+};
+
+enum class WaitStatus : uint8_t {
+  kOk = 0,
+  kTimeout = 1,
+  kPeerLost = 2,
+};
+
+struct WaitResult {
+  WaitStatus status = WaitStatus::kOk;
+  uint64_t value = 0;  // the last word observed
+};
+
+// Memory registered with a transport: either our own (owned) or a peer's we attached to.
+class Region {
+ public:
+  virtual ~Region() = default;
+  // Local mapping of the region. Backends that cannot map a peer's memory return nullptr for
+  // attached regions; shm maps both.
+  virtual uint8_t* data() = 0;
+  virtual uint64_t size() const = 0;
+  // The string a peer passes to Transport::attach().
+  virtual std::string handle() const = 0;
+  virtual bool owned() const = 0;
+  // Gives up the region's name (an owned region can no longer be attached to). The mapping
+  // itself lives until the object is destroyed, so views handed out earlier stay valid.
+  virtual void close() = 0;
+  virtual bool closed() const = 0;
+  // Human-readable identity of the region's owner, for error messages.
+  virtual std::string describe() const = 0;
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual std::string name() const = 0;
+  // A new zero-filled region of `bytes` that peers can attach to.
+  virtual std::shared_ptr<Region> create_region(uint64_t bytes) = 0;
+  virtual std::shared_ptr<Region> attach(const std::string& handle) = 0;
+  // One-sided write of `bytes` from local memory into a peer's region.
+  virtual void put(Region& dst, uint64_t offset, const void* src, uint64_t bytes) = 0;
+  // Raises the 64-bit word at `offset` in `dst`; everything put before it is visible to a reader
+  // that observes the new value (release). Wakes a reader sleeping on that word.
+  virtual void signal(Region& dst, uint64_t offset, uint64_t value, SignalOp op) = 0;
+  // Waits until the word at `offset` of our own region satisfies `pred` (acquire), the deadline
+  // passes, or `peer` (optional) is found dead. Never blocks past the deadline.
+  virtual WaitResult wait(Region& local, uint64_t offset, const WaitPredicate& pred,
+                          int64_t timeout_ns, const Region* peer) = 0;
+  // Reads the word at `offset` of our own region with acquire semantics.
+  virtual uint64_t load(Region& local, uint64_t offset) = 0;
+  // Orders all earlier puts before all later ones.
+  virtual void fence() = 0;
+  // False once the owner of `peer` is known to be gone.
+  virtual bool peer_alive(const Region& peer) = 0;
+};
+
+// Signal words live at the start of a cache line: backends keep per-word state (shm: the count
+// of sleeping waiters) in the rest of the line.
+constexpr uint64_t kSignalWordAlign = 64;
+
+}  // namespace moecomm::transport

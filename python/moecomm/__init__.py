@@ -1,0 +1,1 @@
+"""moecomm: communication and kernels for Mixture-of-Experts serving with disaggregated experts."""

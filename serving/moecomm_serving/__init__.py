@@ -1,0 +1,1 @@
+"""moecomm_serving: the reference serving layer (CLI, model, HTTP front end)."""
