@@ -1,0 +1,1 @@
+"""Expert-path compute: quantization, dispatch packing, reorganization, grouped GEMM, combine."""
