@@ -78,9 +78,9 @@ def format_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]]) 
         for r in rows
     ]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
-    line = "  ".join(h.rjust(w) for h, w in zip(headers, widths))
+    line = "  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))
     sep = "  ".join("-" * w for w in widths)
-    body = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    body = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
     return "\n".join([line, sep, *body])
 
 
