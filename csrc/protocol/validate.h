@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "common/macros.h"
 #include "protocol/header.h"
@@ -113,8 +114,12 @@ MC_HOST_DEVICE inline ValidateCode read_and_validate(const void* slot, const Exp
   if (e.slot_bytes < kPayloadOffset) return ValidateCode::kSlotTooSmall;
   const auto* src = reinterpret_cast<const volatile uint64_t*>(
       static_cast<const unsigned char*>(slot) + kHeaderOffset);
-  auto* dst = reinterpret_cast<uint64_t*>(out);
-  for (uint32_t i = 0; i < sizeof(SlotHeader) / sizeof(uint64_t); ++i) dst[i] = src[i];
+  // Word-wise volatile loads (the writer may still be changing the slot), then memcpy into the
+  // struct: writing the struct through a uint64_t* would break strict aliasing.
+  constexpr uint32_t kWords = sizeof(SlotHeader) / sizeof(uint64_t);
+  uint64_t words[kWords];
+  for (uint32_t i = 0; i < kWords; ++i) words[i] = src[i];
+  memcpy(out, words, sizeof(SlotHeader));
   return validate_header(*out, e);
 }
 

@@ -1,0 +1,352 @@
+"""Both ends of one (client, server) connection over the slot protocol.
+
+`ClientChannel` owns the response slots and writes requests into the server's memory;
+`ServerChannel` owns the request slots and writes responses into the client's memory. Each side
+waits only for transitions the other side makes (the client for RESPONSE_READY in its own
+memory, the server for REQUEST_READY / the doorbell in its own), so neither can wait on itself.
+
+Every wait has a deadline and releases the GIL.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from moecomm import _C
+from moecomm.errors import PeerLostError, ProtocolError, RemoteError, TimeoutError
+from moecomm.protocol import (
+    ENCODING_DTYPE,
+    Encoding,
+    ResponseStatus,
+    SlotLayout,
+    ValidateCode,
+    as_encoding,
+    scales_per_token,
+    validate_reason,
+)
+from moecomm.transport import (
+    Region,
+    Transport,
+    WaitStatus,
+    reap_stale_segments,
+    region_bytes_view,
+    view,
+)
+
+# Generous default for a single expert round trip; callers pass tighter ones.
+DEFAULT_TIMEOUT_S = 30.0
+# Slots per connection: one per micro-batch in flight; two give double-batch overlap.
+DEFAULT_NUM_SLOTS = 2
+
+
+def _ns(timeout_s: float) -> int:
+    if timeout_s is None or timeout_s < 0:
+        raise ValueError(f"timeout must be a non-negative number of seconds, got {timeout_s!r}")
+    return int(timeout_s * 1e9)
+
+
+def _host_tensor(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU for the shm transport, got {t.device}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+    return t.contiguous()
+
+
+def _reason(region_bytes: torch.Tensor, offset: int, nbytes: int) -> str:
+    return bytes(region_bytes[offset : offset + nbytes].tolist()).decode("utf-8", "replace")
+
+
+@dataclass
+class Response:
+    slot: int
+    seq: int
+    layer_id: int
+    num_tokens: int
+    activations: torch.Tensor  # [num_tokens, hidden], a view into the client's response slot
+    stale_dropped: int = 0
+
+
+class ClientChannel:
+    """The client's end: response slots in our memory, requests written into the server's."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        layout: SlotLayout,
+        client_id: int,
+        num_slots: int = DEFAULT_NUM_SLOTS,
+        name: str = "server",
+    ):
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.transport = transport
+        self.layout = layout
+        self.client_id = int(client_id)
+        self.num_slots = num_slots
+        self.name = name
+        self.request_ring = _C.SlotRing(layout.config, num_slots, True)
+        self.response_ring = _C.SlotRing(layout.config, num_slots, False)
+        self.region: Region = transport.create_region(self.response_ring.region_bytes)
+        self._bytes = region_bytes_view(self.region)
+        self.server: Region | None = None
+        self._seq = itertools.count(1)
+
+    @property
+    def handle(self) -> str:
+        return self.region.handle
+
+    def connect(self, server_handle: str) -> None:
+        server = self.transport.attach(server_handle)
+        if server.size < self.request_ring.region_bytes:
+            raise ProtocolError(
+                f"{self.name}: its region holds {server.size} bytes, the "
+                f"agreed slot layout needs {self.request_ring.region_bytes}"
+            )
+        self.server = server
+
+    def next_seq(self) -> int:
+        return next(self._seq)
+
+    def send(
+        self,
+        slot: int,
+        x: torch.Tensor,
+        expert_ids: torch.Tensor,
+        scores: torch.Tensor,
+        layer_id: int = 0,
+        scales: torch.Tensor | None = None,
+        encoding: Encoding | str | None = None,
+    ) -> int:
+        """Writes a request into `slot` of the server and signals it. Returns its sequence
+        number. Everything is checked before a byte is written."""
+        if self.server is None:
+            raise RuntimeError(f"{self.name}: send before connect")
+        enc = self.layout.encoding if encoding is None else as_encoding(encoding)
+        if x.dim() != 2:
+            raise ValueError(f"x must be [num_tokens, hidden], got shape {list(x.shape)}")
+        n, k = x.shape[0], expert_ids.shape[-1] if expert_ids.dim() == 2 else -1
+        x = _host_tensor(x, "x", ENCODING_DTYPE[enc], (n, self.layout.hidden))
+        expert_ids = _host_tensor(expert_ids, "expert_ids", torch.int32, (n, k))
+        scores = _host_tensor(scores, "scores", torch.float32, (n, k))
+        scales_addr = 0
+        s = scales_per_token(enc, self.layout.hidden)
+        if s:
+            if scales is None:
+                raise ValueError(f"encoding {enc.name} needs scales of shape [{n}, {s}]")
+            scales = _host_tensor(scales, "scales", torch.float32, (n, s))
+            scales_addr = scales.data_ptr()
+        elif scales is not None:
+            raise ValueError(f"scales given for the unquantized encoding {enc.name}")
+        seq = self.next_seq()
+        _C.send_request(
+            self.transport,
+            self.server,
+            self.request_ring,
+            slot,
+            self.client_id,
+            seq,
+            layer_id,
+            n,
+            k,
+            enc,
+            x.data_ptr(),
+            scales_addr,
+            expert_ids.data_ptr(),
+            scores.data_ptr(),
+        )
+        return seq
+
+    def wait(self, slot: int, seq: int, timeout: float = DEFAULT_TIMEOUT_S) -> Response:
+        """Waits for the answer to request `seq` in `slot`. Late answers to older requests are
+        dropped. Raises TimeoutError, PeerLostError, ProtocolError or RemoteError."""
+        where = f"{self.name} slot {slot} seq {seq}: "
+        out = _C.wait_response(
+            self.transport,
+            self.region,
+            self.response_ring,
+            slot,
+            self.client_id,
+            seq,
+            _ns(timeout),
+            self.server,
+        )
+        if out.status == WaitStatus.TIMEOUT:
+            raise TimeoutError(f"{where}no response within {timeout:.3f} s")
+        if out.status == WaitStatus.PEER_LOST:
+            reap_stale_segments()
+            raise PeerLostError(f"{where}the server process died ({self.server.describe()})")
+        if out.offline:
+            raise PeerLostError(f"{where}the server marked the slot OFFLINE")
+        if out.code != ValidateCode.OK:
+            raise ProtocolError(f"{where}invalid response header: {validate_reason(out.code)}")
+        h = out.header
+        if h.status != 0:
+            raise RemoteError(
+                h.status, _reason(self._bytes, out.payload_offset, h.payload_bytes), where
+            )
+        y = view(
+            self._bytes,
+            out.payload_offset,
+            (h.num_tokens, h.hidden),
+            ENCODING_DTYPE[Encoding(h.encoding)],
+        )
+        return Response(slot, seq, h.layer_id, h.num_tokens, y, out.stale_dropped)
+
+    def close(self) -> None:
+        self.region.close()
+
+
+@dataclass
+class Request:
+    slot: int
+    seq: int
+    client_id: int
+    code: ValidateCode
+    layer_id: int = 0
+    num_tokens: int = 0
+    topk: int = 0
+    encoding: Encoding | None = None
+    activations: torch.Tensor | None = None  # views into the server's request slot
+    scales: torch.Tensor | None = None
+    expert_ids: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
+
+    @property
+    def valid(self) -> bool:
+        return self.code == ValidateCode.OK
+
+
+class ServerChannel:
+    """The server's end: request slots in our memory, responses written into the client's."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        layout: SlotLayout,
+        client_id: int,
+        num_slots: int = DEFAULT_NUM_SLOTS,
+        name: str = "client",
+    ):
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.transport = transport
+        self.layout = layout
+        self.client_id = int(client_id)
+        self.num_slots = num_slots
+        self.name = name
+        self.request_ring = _C.SlotRing(layout.config, num_slots, True)
+        self.response_ring = _C.SlotRing(layout.config, num_slots, False)
+        self.region: Region = transport.create_region(self.request_ring.region_bytes)
+        self._bytes = region_bytes_view(self.region)
+        self.client: Region | None = None
+        self._doorbell = 0
+
+    @property
+    def handle(self) -> str:
+        return self.region.handle
+
+    def connect(self, client_handle: str) -> None:
+        client = self.transport.attach(client_handle)
+        if client.size < self.response_ring.region_bytes:
+            raise ProtocolError(
+                f"{self.name}: its region holds {client.size} bytes, the "
+                f"agreed slot layout needs {self.response_ring.region_bytes}"
+            )
+        self.client = client
+
+    def poll(self) -> list[Request]:
+        """Every request slot in REQUEST_READY, validated, with zero-copy views of valid ones."""
+        self._doorbell = self.transport.load(self.region, 0)
+        out = []
+        for inc in _C.poll_requests(self.transport, self.region, self.request_ring, self.client_id):
+            req = Request(inc.slot, inc.seq, self.client_id, inc.code)
+            if inc.code == ValidateCode.OK:
+                h = inc.header
+                enc = Encoding(h.encoding)
+                base = inc.payload_offset
+                n, hid, k = h.num_tokens, h.hidden, h.topk
+                req.layer_id, req.num_tokens, req.topk, req.encoding = h.layer_id, n, k, enc
+                req.activations = view(
+                    self._bytes, base + inc.act_offset, (n, hid), ENCODING_DTYPE[enc]
+                )
+                s = scales_per_token(enc, hid)
+                if s:
+                    req.scales = view(self._bytes, base + inc.scale_offset, (n, s), torch.float32)
+                req.expert_ids = view(self._bytes, base + inc.ids_offset, (n, k), torch.int32)
+                req.scores = view(self._bytes, base + inc.scores_offset, (n, k), torch.float32)
+            out.append(req)
+        return out
+
+    def wait(self, timeout: float = DEFAULT_TIMEOUT_S) -> list[Request]:
+        """Ready requests; [] when the deadline passes first. Raises PeerLostError when the
+        client process dies."""
+        reqs = self.poll()
+        if reqs:
+            return reqs
+        status, _ = _C.wait_doorbell(
+            self.transport, self.region, self._doorbell, _ns(timeout), self.client
+        )
+        if status == WaitStatus.PEER_LOST:
+            reap_stale_segments()
+            raise PeerLostError(f"{self.name}: the client process died ({self.client.describe()})")
+        return self.poll()
+
+    def respond(self, req: Request, y: torch.Tensor) -> None:
+        """Answers `req` with y [num_tokens, hidden]. y may be a view of the request itself."""
+        y = _host_tensor(
+            y, "y", ENCODING_DTYPE[self.layout.out_encoding], (req.num_tokens, self.layout.hidden)
+        )
+        _C.send_response(
+            self.transport,
+            self.region,
+            self.request_ring,
+            self.client,
+            self.response_ring,
+            req.slot,
+            self.client_id,
+            req.seq,
+            req.layer_id,
+            req.num_tokens,
+            self.layout.out_encoding,
+            y.data_ptr(),
+        )
+
+    def reject(
+        self,
+        req: Request,
+        status: int | ValidateCode | ResponseStatus | None = None,
+        reason: str | None = None,
+    ) -> None:
+        """Answers `req` with an error; by default the validation failure that it carries."""
+        code = int(req.code if status is None else status)
+        if reason is None:
+            reason = validate_reason(req.code)
+        _C.send_error(
+            self.transport,
+            self.region,
+            self.request_ring,
+            self.client,
+            self.response_ring,
+            req.slot,
+            self.client_id,
+            req.seq,
+            req.layer_id,
+            code,
+            reason,
+        )
+
+    def mark_offline(self) -> None:
+        """Marks every slot OFFLINE (the client is gone)."""
+        for s in range(self.num_slots):
+            _C.mark_offline(self.transport, self.region, self.request_ring, s, 0)
+
+    def close(self) -> None:
+        self.region.close()

@@ -1,0 +1,49 @@
+"""Transports and their regions, with zero-copy torch views over region memory."""
+
+from __future__ import annotations
+
+import torch
+
+from moecomm import _C
+
+Region = _C.Region
+Transport = _C.Transport
+ShmTransport = _C.ShmTransport
+SignalOp = _C.SignalOp
+WaitOp = _C.WaitOp
+WaitStatus = _C.WaitStatus
+
+
+def region_bytes_view(region: Region) -> torch.Tensor:
+    """The whole region as a uint8 tensor sharing its memory. The tensor keeps the region (and
+    so its mapping) alive."""
+    return torch.frombuffer(region, dtype=torch.uint8)
+
+
+def view(
+    region_bytes: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
+    """A typed tensor of `shape` at byte `offset` of a region's uint8 view (zero copy)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    n = 1
+    for s in shape:
+        n *= s
+    nbytes = n * itemsize
+    if offset < 0 or offset + nbytes > region_bytes.numel():
+        raise ValueError(
+            f"view of {nbytes} bytes at offset {offset} exceeds the region "
+            f"({region_bytes.numel()} bytes)"
+        )
+    if offset % itemsize:
+        raise ValueError(f"offset {offset} is not aligned to the {itemsize}-byte {dtype}")
+    return region_bytes[offset : offset + nbytes].view(dtype).view(shape)
+
+
+def reap_stale_segments(pid: int = 0) -> int:
+    """Removes shm segments whose owning process is gone (all of them, or those of `pid`)."""
+    return _C.shm_reap_stale_segments(pid)
+
+
+def list_segments(pid: int = 0) -> list[str]:
+    """Names of moecomm shm segments in /dev/shm (all, or those of `pid`)."""
+    return list(_C.shm_list_segments(pid))
