@@ -9,7 +9,10 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <set>
 #include <sstream>
 #include <vector>
 
@@ -75,6 +78,39 @@ bool parse_segment_name(const std::string& name, ProcessId* owner) {
   return end != p && *end == '-';
 }
 
+// Names of the segments this process owns and has not closed yet. Python may never destroy a
+// region object before the interpreter exits, so the registry unlinks the leftovers when the
+// process exits normally; a killed process leaves them to the reaper.
+class OwnedSegments {
+ public:
+  // Never destroyed: a region closed during static destruction must still find it alive.
+  static OwnedSegments& instance() {
+    static OwnedSegments* registry = [] {
+      auto* r = new OwnedSegments();
+      std::atexit([] { instance().unlink_all(); });
+      return r;
+    }();
+    return *registry;
+  }
+  void add(const std::string& name) {
+    std::lock_guard<std::mutex> lock(mu_);
+    names_.insert(name);
+  }
+  void remove(const std::string& name) {
+    std::lock_guard<std::mutex> lock(mu_);
+    names_.erase(name);
+  }
+  void unlink_all() {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& name : names_) shm_unlink(("/" + name).c_str());
+    names_.clear();
+  }
+
+ private:
+  std::mutex mu_;
+  std::set<std::string> names_;
+};
+
 class ShmRegion final : public Region {
  public:
   ShmRegion(std::string name, uint8_t* base, uint64_t mapped, bool owned, ProcessId owner)
@@ -92,7 +128,10 @@ class ShmRegion final : public Region {
   bool closed() const override { return closed_.load(std::memory_order_acquire); }
   void close() override {
     if (closed_.exchange(true)) return;
-    if (owned_) shm_unlink(("/" + name_).c_str());
+    if (owned_) {
+      shm_unlink(("/" + name_).c_str());
+      OwnedSegments::instance().remove(name_);
+    }
   }
   std::string describe() const override {
     std::ostringstream os;
@@ -188,6 +227,7 @@ std::shared_ptr<Region> ShmTransport::create_region(uint64_t bytes) {
   hdr->user_bytes = mapped - kSegmentHeaderBytes;
   // The magic goes last so an attacher never sees a half-written segment header as valid.
   std::atomic_ref<uint32_t>(hdr->magic).store(kSegmentMagic, std::memory_order_release);
+  OwnedSegments::instance().add(name);
   return std::make_shared<ShmRegion>(name, static_cast<uint8_t*>(base), mapped, true, self_);
 }
 
