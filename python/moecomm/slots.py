@@ -10,7 +10,6 @@ Every wait has a deadline and releases the GIL.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -97,7 +96,7 @@ class ClientChannel:
         self.region: Region = transport.create_region(self.response_ring.region_bytes)
         self._bytes = region_bytes_view(self.region)
         self.server: Region | None = None
-        self._seq = itertools.count(1)
+        self._next_seq = 1  # 0 is the sequence of the zero-filled (IDLE) slot
 
     @property
     def handle(self) -> str:
@@ -112,8 +111,15 @@ class ClientChannel:
             )
         self.server = server
 
+    def peek_seq(self) -> int:
+        """The sequence number the next send() will use."""
+        return self._next_seq
+
     def next_seq(self) -> int:
-        return next(self._seq)
+        """Takes a sequence number (also for callers that resend to another server)."""
+        seq = self._next_seq
+        self._next_seq += 1
+        return seq
 
     def send(
         self,
