@@ -47,7 +47,7 @@ def run(max_tokens: int, hidden: int, topk: int, rounds: int) -> int:
             sent = []
             for slot in (0, 1):
                 n = 1 + (r * 2 + slot) * (max_tokens - 1) // max(1, 2 * rounds - 1)
-                x, ids, scores = make_pattern(CLIENT_ID, client.peek_seq(), n, layout, gen)
+                x, ids, scores, _ = make_pattern(CLIENT_ID, client.peek_seq(), n, layout, gen)
                 t0 = time.perf_counter_ns()
                 got_seq = client.send(slot, x, ids, scores, layer_id=r)
                 sent.append((slot, got_seq, x, t0))
@@ -64,7 +64,7 @@ def run(max_tokens: int, hidden: int, topk: int, rounds: int) -> int:
                     f"{'bit-exact' if ok else 'MISMATCH'}, {us:.0f} us"
                 )
         # A request whose payload does not match its header pattern is answered with an error.
-        x, ids, scores = make_pattern(CLIENT_ID, client.peek_seq(), 2, layout, gen)
+        x, ids, scores, _ = make_pattern(CLIENT_ID, client.peek_seq(), 2, layout, gen)
         ids[0, 0] = -1
         s = client.send(0, x, ids, scores)
         try:

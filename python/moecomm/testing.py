@@ -2,8 +2,9 @@
 the round-trip benchmark.
 
 Payloads carry their own origin so that any byte that lands in the wrong place is caught:
-x[t, 0] = client id, x[t, 1] = seq, x[t, 2] = token index (each mod 256, exact in bf16),
-expert_ids[t, k] = (t + k + seq) mod 251, scores[t, k] = (7·seq + t·K + k) mod 2^20.
+x[t, 0] = client id, x[t, 1] = seq, x[t, 2] = token index (each mod 128: exact in bf16, fp16
+and int8), expert_ids[t, k] = (t + k + seq) mod 251, scores[t, k] = (7·seq + t·K + k) mod 2^20,
+and for quantized encodings scales[t, j] = t + j.
 """
 
 from __future__ import annotations
@@ -14,14 +15,14 @@ from dataclasses import dataclass
 import torch
 
 from moecomm.errors import PeerLostError
-from moecomm.protocol import ENCODING_DTYPE, ResponseStatus, SlotLayout
+from moecomm.protocol import ENCODING_DTYPE, ResponseStatus, SlotLayout, scales_per_token
 from moecomm.slots import ServerChannel
 from moecomm.transport import ShmTransport
 
 # Small enough that the ids are exact in any encoding and look like real local expert ids.
 PATTERN_EXPERTS = 251
-# Integers below 2^8 are exact in bf16 and fp16 alike.
-PATTERN_MOD = 256
+# Integers below 2^7 are exact in bf16, fp16 and int8 alike.
+PATTERN_MOD = 128
 # Integers below 2^24 are exact in f32; keep scores well inside that.
 SCORE_MOD = 1 << 20
 # How often an idle identity server looks at its control pipe.
@@ -36,10 +37,13 @@ def make_pattern(
     layout: SlotLayout,
     generator: torch.Generator | None = None,
 ):
-    """x [n, H], expert_ids [n, K] int32, scores [n, K] f32 whose origin can be read back."""
+    """x [n, H], expert_ids [n, K] int32, scores [n, K] f32 and scales [n, S] f32 (None when
+    the encoding is not quantized) whose origin can be read back."""
     n, h, k = num_tokens, layout.hidden, layout.topk
     dtype = ENCODING_DTYPE[layout.encoding]
-    x = torch.randn(n, h, generator=generator).to(dtype)
+    # Quantized encodings carry small integers; floats carry a normal sample.
+    x = torch.randn(n, h, generator=generator) * (8 if dtype == torch.int8 else 1)
+    x = x.to(dtype)
     t = torch.arange(n)
     marks = [client_id % PATTERN_MOD, seq % PATTERN_MOD]
     for col, val in enumerate(marks[: min(h, 2)]):
@@ -49,7 +53,9 @@ def make_pattern(
     kk = torch.arange(k)
     ids = ((t[:, None] + kk[None, :] + seq) % PATTERN_EXPERTS).to(torch.int32)
     scores = ((7 * seq + t[:, None] * k + kk[None, :]) % SCORE_MOD).to(torch.float32)
-    return x, ids, scores
+    s = scales_per_token(layout.encoding, h)
+    scales = (t[:, None] + torch.arange(s)[None, :]).to(torch.float32) if s else None
+    return x, ids, scores, scales
 
 
 def check_pattern(req, client_id: int) -> str | None:
@@ -63,12 +69,16 @@ def check_pattern(req, client_id: int) -> str | None:
     want_scores = ((7 * req.seq + t[:, None] * k + kk[None, :]) % SCORE_MOD).to(torch.float32)
     if not torch.equal(req.scores, want_scores):
         return "scores do not match the pattern"
+    if req.scales is not None:
+        want = (t[:, None] + torch.arange(req.scales.shape[1])[None, :]).to(torch.float32)
+        if not torch.equal(req.scales, want):
+            return "scales do not match the pattern"
     x = req.activations
     marks = [client_id % PATTERN_MOD, req.seq % PATTERN_MOD]
     for col, val in enumerate(marks[: min(x.shape[1], 2)]):
-        if not bool((x[:, col] == val).all()):
+        if not bool((x[:, col].to(torch.int64) == val).all()):
             return f"activation column {col} does not carry {val}"
-    if x.shape[1] > 2 and not torch.equal(x[:, 2].float(), (t % PATTERN_MOD).float()):
+    if x.shape[1] > 2 and not torch.equal(x[:, 2].to(torch.int64), t % PATTERN_MOD):
         return "activation column 2 does not carry the token index"
     return None
 

@@ -1,0 +1,56 @@
+"""Shared fixtures: GPU/long-run markers, and spawned processes that are always cleaned up."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import moecomm
+import pytest
+import torch
+
+# Fuzz and round-trip counts: CI defaults, raised for long runs with MOECOMM_LONG=1.
+LONG = os.environ.get("MOECOMM_LONG") == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    has_gpu = torch.cuda.is_available()
+    for item in items:
+        if "gpu" in item.keywords and not has_gpu:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+        if "slow" in item.keywords and not LONG:
+            item.add_marker(pytest.mark.skip(reason="long trial: set MOECOMM_LONG=1"))
+
+
+@pytest.fixture
+def transport():
+    return moecomm.ShmTransport()
+
+
+@pytest.fixture
+def reaper():
+    """Collects spawned servers/processes; at teardown stops or kills them and removes any
+    segment they left behind, whether the test passed or not."""
+    servers, procs = [], []
+
+    class Reaper:
+        def server(self, s):
+            servers.append(s)
+            return s
+
+        def process(self, p):
+            procs.append(p)
+            return p
+
+    yield Reaper()
+    pids = []
+    for s in servers:
+        pids.append(s.process.pid)
+        s.stop(timeout=5.0)
+    for p in procs:
+        pids.append(p.pid)
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGKILL)
+        p.join(5.0)
+    for pid in pids:
+        moecomm.reap_stale_segments(pid)
