@@ -83,6 +83,8 @@ void register_transport(py::module_& m) {
           py::arg("local"), py::arg("offset"), py::arg("op"), py::arg("value"),
           py::arg("mask") = ~uint64_t{0}, py::arg("timeout_ns"), py::arg("peer") = nullptr)
       .def("load", &Transport::load, py::arg("local"), py::arg("offset"))
+      .def("compare_exchange", &Transport::compare_exchange, py::arg("local"), py::arg("offset"),
+           py::arg("expected"), py::arg("desired"))
       .def("fence", &Transport::fence)
       .def("peer_alive", &Transport::peer_alive, py::arg("peer"));
 

@@ -55,14 +55,16 @@ void check_seq(uint64_t seq) {
 }
 
 // Response header + signal + doorbell, after the payload has been put. The request slot is
-// released first: once the client sees the response it may reuse the slot at once.
+// released first: once the client sees the response it may reuse the slot at once. The release
+// is a compare-exchange so that a client which gave up on this request and already wrote a newer
+// one into the slot does not have it wiped; the late answer is then dropped by its sequence.
 void finish_response(Transport& t, Region& local, const SlotRing& request_ring, Region& client,
                      const SlotRing& response_ring, uint32_t slot, uint64_t seq,
                      const SlotHeader& h) {
   const uint64_t off = response_ring.slot_offset(slot);
   t.put(client, off + kHeaderOffset, &h, sizeof(h));
-  t.signal(local, request_ring.slot_offset(slot) + kSignalOffset,
-           make_signal(SlotState::kIdle, seq), SignalOp::kSet);
+  t.compare_exchange(local, request_ring.slot_offset(slot) + kSignalOffset,
+                     make_signal(SlotState::kRequestReady, seq), make_signal(SlotState::kIdle, seq));
   t.signal(client, off + kSignalOffset, make_signal(SlotState::kResponseReady, seq),
            SignalOp::kSet);
   t.signal(client, kDoorbellOffset, 1, SignalOp::kAdd);

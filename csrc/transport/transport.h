@@ -79,6 +79,10 @@ class Transport {
                           int64_t timeout_ns, const Region* peer) = 0;
   // Reads the word at `offset` of our own region with acquire semantics.
   virtual uint64_t load(Region& local, uint64_t offset) = 0;
+  // Atomically replaces the word at `offset` of our own region with `desired` if it still holds
+  // `expected` (acq_rel). Returns whether it did.
+  virtual bool compare_exchange(Region& local, uint64_t offset, uint64_t expected,
+                                uint64_t desired) = 0;
   // Orders all earlier puts before all later ones.
   virtual void fence() = 0;
   // False once the owner of `peer` is known to be gone.

@@ -136,6 +136,9 @@ class ClientChannel:
         if self.server is None:
             raise RuntimeError(f"{self.name}: send before connect")
         enc = self.layout.encoding if encoding is None else as_encoding(encoding)
+        for name, t in (("x", x), ("expert_ids", expert_ids), ("scores", scores)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if x.dim() != 2:
             raise ValueError(f"x must be [num_tokens, hidden], got shape {list(x.shape)}")
         n, k = x.shape[0], expert_ids.shape[-1] if expert_ids.dim() == 2 else -1
@@ -151,7 +154,7 @@ class ClientChannel:
             scales_addr = scales.data_ptr()
         elif scales is not None:
             raise ValueError(f"scales given for the unquantized encoding {enc.name}")
-        seq = self.next_seq()
+        seq = self._next_seq  # spent only once the request is checked and written
         _C.send_request(
             self.transport,
             self.server,
@@ -168,6 +171,7 @@ class ClientChannel:
             expert_ids.data_ptr(),
             scores.data_ptr(),
         )
+        self._next_seq += 1
         return seq
 
     def wait(self, slot: int, seq: int, timeout: float = DEFAULT_TIMEOUT_S) -> Response:

@@ -339,6 +339,13 @@ WaitResult ShmTransport::wait(Region& local, uint64_t offset, const WaitPredicat
   }
 }
 
+bool ShmTransport::compare_exchange(Region& local, uint64_t offset, uint64_t expected,
+                                    uint64_t desired) {
+  check_word(local, offset);
+  return word_at(local, offset).compare_exchange_strong(expected, desired,
+                                                        std::memory_order_acq_rel);
+}
+
 void ShmTransport::fence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 
 bool ShmTransport::peer_alive(const Region& peer) {

@@ -45,6 +45,8 @@ class ShmTransport final : public Transport {
   WaitResult wait(Region& local, uint64_t offset, const WaitPredicate& pred, int64_t timeout_ns,
                   const Region* peer) override;
   uint64_t load(Region& local, uint64_t offset) override;
+  bool compare_exchange(Region& local, uint64_t offset, uint64_t expected,
+                        uint64_t desired) override;
   void fence() override;
   bool peer_alive(const Region& peer) override;
 
