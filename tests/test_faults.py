@@ -191,6 +191,7 @@ def test_late_answer_to_an_abandoned_request_is_dropped(transport):
     waiter.start()
     time.sleep(0.2)  # let the waiter take its first look before the late answer lands
     server.respond(req1, torch.zeros(2, 32, dtype=torch.bfloat16))  # late, stale
+    time.sleep(0.2)  # the waiter wakes on it, drops it and goes back to waiting
     # The late answer did not wipe the newer request: the server still finds seq2 ready.
     (req2,) = server.wait(5.0)
     assert req2.seq == seq2
