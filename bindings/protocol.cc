@@ -125,8 +125,10 @@ void register_protocol(py::module_& m) {
       .def_readonly("topk", &SlotConfig::topk)
       .def_readonly("encoding", &SlotConfig::encoding)
       .def_readonly("out_encoding", &SlotConfig::out_encoding)
-      .def_property_readonly("request_slot_bytes", [](const SlotConfig& c) { return request_slot_bytes(c); })
-      .def_property_readonly("response_slot_bytes", [](const SlotConfig& c) { return response_slot_bytes(c); });
+      .def_property_readonly("request_slot_bytes",
+                             [](const SlotConfig& c) { return request_slot_bytes(c); })
+      .def_property_readonly("response_slot_bytes",
+                             [](const SlotConfig& c) { return response_slot_bytes(c); });
 
   m.def("request_payload_layout", [](uint64_t t, uint64_t h, uint64_t k, Encoding e) {
     return layout_dict(request_payload_layout(t, h, k, e));
@@ -158,22 +160,21 @@ void register_protocol(py::module_& m) {
       .def_readwrite("status", &SlotHeader::status)
       .def_readwrite("reserved0", &SlotHeader::reserved0)
       .def_readwrite("reserved1", &SlotHeader::reserved1)
-      .def("to_bytes", [](const SlotHeader& h) {
-        return py::bytes(reinterpret_cast<const char*>(&h), sizeof(h));
-      })
+      .def("to_bytes",
+           [](const SlotHeader& h) {
+             return py::bytes(reinterpret_cast<const char*>(&h), sizeof(h));
+           })
       .def_static("from_bytes", &header_from_bytes);
 
   py::class_<Expectation>(m, "Expectation")
       .def(py::init([](MessageKind kind, const SlotConfig& c, uint64_t slot_bytes,
-                       uint64_t client_id, uint64_t seq) {
-             return Expectation{kind, c, slot_bytes, client_id, seq};
-           }),
+                       uint64_t client_id,
+                       uint64_t seq) { return Expectation{kind, c, slot_bytes, client_id, seq}; }),
            py::arg("kind"), py::arg("config"), py::arg("slot_bytes"), py::arg("client_id"),
            py::arg("seq"));
 
-  m.def("validate_header", [](const SlotHeader& h, const Expectation& e) {
-    return validate_header(h, e);
-  });
+  m.def("validate_header",
+        [](const SlotHeader& h, const Expectation& e) { return validate_header(h, e); });
   // Validates a slot image placed so that its last byte precedes an unmapped page: an
   // out-of-bounds read by the parser crashes instead of passing silently.
   m.def("validate_slot_guarded", [](const py::bytes& slot, Expectation e) {

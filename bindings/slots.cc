@@ -71,9 +71,14 @@ void register_slots(py::module_& m) {
       [](Transport& t, Region& server, const SlotRing& ring, uint32_t slot, uint64_t client_id,
          uint64_t seq, uint32_t layer_id, uint32_t num_tokens, uint32_t topk, Encoding encoding,
          uintptr_t activations, uintptr_t scales, uintptr_t expert_ids, uintptr_t scores) {
-        RequestData r{layer_id,          num_tokens,         topk,
-                      encoding,          ptr<void>(activations), ptr<float>(scales),
-                      ptr<int32_t>(expert_ids), ptr<float>(scores)};
+        RequestData r{layer_id,
+                      num_tokens,
+                      topk,
+                      encoding,
+                      ptr<void>(activations),
+                      ptr<float>(scales),
+                      ptr<int32_t>(expert_ids),
+                      ptr<float>(scores)};
         send_request(t, server, ring, slot, client_id, seq, r);
       },
       py::arg("transport"), py::arg("server"), py::arg("ring"), py::arg("slot"),
@@ -103,18 +108,18 @@ void register_slots(py::module_& m) {
       [](Transport& t, Region& local, const SlotRing& request_ring, Region& client,
          const SlotRing& response_ring, uint32_t slot, uint64_t client_id, uint64_t seq,
          uint32_t layer_id, uint32_t num_tokens, Encoding encoding, uintptr_t activations) {
-        send_response(t, local, request_ring, client, response_ring, slot, client_id, seq,
-                      layer_id, num_tokens, encoding, ptr<void>(activations));
+        send_response(t, local, request_ring, client, response_ring, slot, client_id, seq, layer_id,
+                      num_tokens, encoding, ptr<void>(activations));
       },
       py::arg("transport"), py::arg("local"), py::arg("request_ring"), py::arg("client"),
       py::arg("response_ring"), py::arg("slot"), py::arg("client_id"), py::arg("seq"),
       py::arg("layer_id"), py::arg("num_tokens"), py::arg("encoding"), py::arg("activations"),
       py::call_guard<py::gil_scoped_release>());
 
-  m.def("send_error", &send_error, py::arg("transport"), py::arg("local"),
-        py::arg("request_ring"), py::arg("client"), py::arg("response_ring"), py::arg("slot"),
-        py::arg("client_id"), py::arg("seq"), py::arg("layer_id"), py::arg("status"),
-        py::arg("reason"), py::call_guard<py::gil_scoped_release>());
+  m.def("send_error", &send_error, py::arg("transport"), py::arg("local"), py::arg("request_ring"),
+        py::arg("client"), py::arg("response_ring"), py::arg("slot"), py::arg("client_id"),
+        py::arg("seq"), py::arg("layer_id"), py::arg("status"), py::arg("reason"),
+        py::call_guard<py::gil_scoped_release>());
 
   m.def("mark_offline", &mark_offline, py::arg("transport"), py::arg("local"), py::arg("ring"),
         py::arg("slot"), py::arg("seq"), py::call_guard<py::gil_scoped_release>());

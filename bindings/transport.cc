@@ -75,8 +75,8 @@ void register_transport(py::module_& m) {
            py::arg("op") = SignalOp::kSet, py::call_guard<py::gil_scoped_release>())
       .def(
           "wait",
-          [](Transport& t, Region& local, uint64_t offset, WaitOp op, uint64_t value,
-             uint64_t mask, int64_t timeout_ns, std::shared_ptr<Region> peer) {
+          [](Transport& t, Region& local, uint64_t offset, WaitOp op, uint64_t value, uint64_t mask,
+             int64_t timeout_ns, std::shared_ptr<Region> peer) {
             return wait_or_throw(t, local, offset, WaitPredicate{op, mask, value}, timeout_ns,
                                  peer.get());
           },

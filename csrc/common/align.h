@@ -11,10 +11,16 @@ namespace moecomm {
 // One cache line: parts of a slot written by different sides never share a line.
 constexpr uint64_t kCacheLine = 64;
 
-MC_HOST_DEVICE constexpr uint64_t align_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+MC_HOST_DEVICE constexpr uint64_t align_up(uint64_t x, uint64_t a) {
+  return (x + a - 1) / a * a;
+}
 
-MC_HOST_DEVICE constexpr bool is_aligned(uint64_t x, uint64_t a) { return x % a == 0; }
+MC_HOST_DEVICE constexpr bool is_aligned(uint64_t x, uint64_t a) {
+  return x % a == 0;
+}
 
-MC_HOST_DEVICE constexpr uint64_t ceil_div(uint64_t x, uint64_t d) { return (x + d - 1) / d; }
+MC_HOST_DEVICE constexpr uint64_t ceil_div(uint64_t x, uint64_t d) {
+  return (x + d - 1) / d;
+}
 
 }  // namespace moecomm

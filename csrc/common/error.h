@@ -51,12 +51,12 @@ std::string concat(const Args&... args) {
 
 // Throws moecomm::Error of the given kind when `cond` is false; the remaining arguments are
 // streamed into the message.
-#define MC_CHECK_KIND(cond, kind, ...)                                                      \
-  do {                                                                                      \
-    if (!(cond)) {                                                                          \
-      ::moecomm::detail::throw_error(kind, __FILE__, __LINE__,                              \
-                                     ::moecomm::detail::concat(__VA_ARGS__));               \
-    }                                                                                       \
+#define MC_CHECK_KIND(cond, kind, ...)                                        \
+  do {                                                                        \
+    if (!(cond)) {                                                            \
+      ::moecomm::detail::throw_error(kind, __FILE__, __LINE__,                \
+                                     ::moecomm::detail::concat(__VA_ARGS__)); \
+    }                                                                         \
   } while (0)
 
 #define MC_CHECK(cond, ...) MC_CHECK_KIND(cond, ::moecomm::ErrorKind::kInvalidArgument, __VA_ARGS__)
@@ -65,25 +65,25 @@ std::string concat(const Args&... args) {
   ::moecomm::detail::throw_error(kind, __FILE__, __LINE__, ::moecomm::detail::concat(__VA_ARGS__))
 
 // For OS calls that return -1 and set errno.
-#define MC_SYSCALL_CHECK(expr, ...)                                                         \
-  do {                                                                                      \
-    if ((expr) == -1) {                                                                     \
-      const int mc_errno_ = errno;                                                          \
-      ::moecomm::detail::throw_error(                                                       \
+#define MC_SYSCALL_CHECK(expr, ...)                                                              \
+  do {                                                                                           \
+    if ((expr) == -1) {                                                                          \
+      const int mc_errno_ = errno;                                                               \
+      ::moecomm::detail::throw_error(                                                            \
           mc_errno_ == ENOENT ? ::moecomm::ErrorKind::kNotFound : ::moecomm::ErrorKind::kSystem, \
-          __FILE__, __LINE__,                                                               \
-          ::moecomm::detail::concat(__VA_ARGS__, ": ", std::strerror(mc_errno_)));          \
-    }                                                                                       \
+          __FILE__, __LINE__,                                                                    \
+          ::moecomm::detail::concat(__VA_ARGS__, ": ", std::strerror(mc_errno_)));               \
+    }                                                                                            \
   } while (0)
 
 #if defined(__CUDACC__)
 #include <cuda_runtime.h>
-#define MC_CUDA_CHECK(expr)                                                                 \
-  do {                                                                                      \
-    const cudaError_t mc_err_ = (expr);                                                     \
-    if (mc_err_ != cudaSuccess) {                                                           \
+#define MC_CUDA_CHECK(expr)                                                                   \
+  do {                                                                                        \
+    const cudaError_t mc_err_ = (expr);                                                       \
+    if (mc_err_ != cudaSuccess) {                                                             \
       MC_THROW(::moecomm::ErrorKind::kSystem, "CUDA error ", cudaGetErrorName(mc_err_), ": ", \
-               cudaGetErrorString(mc_err_), " in ", #expr);                                 \
-    }                                                                                       \
+               cudaGetErrorString(mc_err_), " in ", #expr);                                   \
+    }                                                                                         \
   } while (0)
 #endif

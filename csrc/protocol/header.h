@@ -94,8 +94,8 @@ struct alignas(8) SlotHeader {
   uint32_t topk;  // request: expert ids/scores per token; response: 0
   uint64_t payload_bytes;
   uint64_t client_id;
-  uint64_t seq;     // must equal the sequence number of the slot's signal word
-  int32_t status;   // request: 0; response: ResponseStatus or a ValidateCode
+  uint64_t seq;    // must equal the sequence number of the slot's signal word
+  int32_t status;  // request: 0; response: ResponseStatus or a ValidateCode
   uint32_t reserved0;
   uint64_t reserved1;
 };

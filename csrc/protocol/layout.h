@@ -73,8 +73,7 @@ struct SlotConfig {
 };
 
 MC_HOST_DEVICE inline uint64_t request_slot_bytes(const SlotConfig& c) {
-  return kPayloadOffset +
-         request_payload_layout(c.max_tokens, c.hidden, c.topk, c.encoding).total;
+  return kPayloadOffset + request_payload_layout(c.max_tokens, c.hidden, c.topk, c.encoding).total;
 }
 
 MC_HOST_DEVICE inline uint64_t response_slot_bytes(const SlotConfig& c) {

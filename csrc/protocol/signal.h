@@ -30,7 +30,9 @@ MC_HOST_DEVICE constexpr SlotState signal_state(uint64_t word) {
   return static_cast<SlotState>(word & kStateMask);
 }
 
-MC_HOST_DEVICE constexpr uint64_t signal_seq(uint64_t word) { return word >> kStateBits; }
+MC_HOST_DEVICE constexpr uint64_t signal_seq(uint64_t word) {
+  return word >> kStateBits;
+}
 
 MC_HOST_DEVICE constexpr bool signal_state_known(uint64_t word) {
   return (word & kStateMask) < kNumStates;

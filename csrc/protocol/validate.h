@@ -36,23 +36,40 @@ constexpr int32_t kNumValidateCodes = 17;
 
 MC_HOST_DEVICE inline const char* validate_reason(ValidateCode c) {
   switch (c) {
-    case ValidateCode::kOk: return "ok";
-    case ValidateCode::kSlotTooSmall: return "slot too small to hold a signal word and a header";
-    case ValidateCode::kBadMagic: return "bad magic: not a moecomm slot header";
-    case ValidateCode::kBadVersion: return "unsupported protocol version";
-    case ValidateCode::kBadKind: return "message kind is not the one expected in this slot";
-    case ValidateCode::kBadEncoding: return "unknown activation encoding";
-    case ValidateCode::kQuantizedResponse: return "response activations cannot be quantized";
-    case ValidateCode::kZeroTokens: return "num_tokens is zero";
-    case ValidateCode::kTooManyTokens: return "num_tokens exceeds the slot's max_tokens";
-    case ValidateCode::kHiddenMismatch: return "hidden size differs from the connection's";
-    case ValidateCode::kBadTopk: return "topk is zero or exceeds the connection's topk";
-    case ValidateCode::kPayloadSizeMismatch: return "payload_bytes disagrees with the header sizes";
-    case ValidateCode::kPayloadExceedsSlot: return "payload does not fit in the slot";
-    case ValidateCode::kClientMismatch: return "client id is not the owner of this slot";
-    case ValidateCode::kSeqMismatch: return "header sequence number differs from the signal's";
-    case ValidateCode::kBadStatus: return "status field invalid for this message kind";
-    case ValidateCode::kReservedNonzero: return "reserved header fields are not zero";
+    case ValidateCode::kOk:
+      return "ok";
+    case ValidateCode::kSlotTooSmall:
+      return "slot too small to hold a signal word and a header";
+    case ValidateCode::kBadMagic:
+      return "bad magic: not a moecomm slot header";
+    case ValidateCode::kBadVersion:
+      return "unsupported protocol version";
+    case ValidateCode::kBadKind:
+      return "message kind is not the one expected in this slot";
+    case ValidateCode::kBadEncoding:
+      return "unknown activation encoding";
+    case ValidateCode::kQuantizedResponse:
+      return "response activations cannot be quantized";
+    case ValidateCode::kZeroTokens:
+      return "num_tokens is zero";
+    case ValidateCode::kTooManyTokens:
+      return "num_tokens exceeds the slot's max_tokens";
+    case ValidateCode::kHiddenMismatch:
+      return "hidden size differs from the connection's";
+    case ValidateCode::kBadTopk:
+      return "topk is zero or exceeds the connection's topk";
+    case ValidateCode::kPayloadSizeMismatch:
+      return "payload_bytes disagrees with the header sizes";
+    case ValidateCode::kPayloadExceedsSlot:
+      return "payload does not fit in the slot";
+    case ValidateCode::kClientMismatch:
+      return "client id is not the owner of this slot";
+    case ValidateCode::kSeqMismatch:
+      return "header sequence number differs from the signal's";
+    case ValidateCode::kBadStatus:
+      return "status field invalid for this message kind";
+    case ValidateCode::kReservedNonzero:
+      return "reserved header fields are not zero";
   }
   return "unknown validation code";
 }

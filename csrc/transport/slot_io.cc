@@ -64,7 +64,8 @@ void finish_response(Transport& t, Region& local, const SlotRing& request_ring, 
   const uint64_t off = response_ring.slot_offset(slot);
   t.put(client, off + kHeaderOffset, &h, sizeof(h));
   t.compare_exchange(local, request_ring.slot_offset(slot) + kSignalOffset,
-                     make_signal(SlotState::kRequestReady, seq), make_signal(SlotState::kIdle, seq));
+                     make_signal(SlotState::kRequestReady, seq),
+                     make_signal(SlotState::kIdle, seq));
   t.signal(client, off + kSignalOffset, make_signal(SlotState::kResponseReady, seq),
            SignalOp::kSet);
   t.signal(client, kDoorbellOffset, 1, SignalOp::kAdd);
@@ -76,7 +77,9 @@ uint64_t SlotRing::slot_bytes() const {
   return request ? protocol::request_slot_bytes(config) : protocol::response_slot_bytes(config);
 }
 
-uint64_t SlotRing::region_bytes() const { return protocol::region_bytes(slot_bytes(), num_slots); }
+uint64_t SlotRing::region_bytes() const {
+  return protocol::region_bytes(slot_bytes(), num_slots);
+}
 
 uint64_t SlotRing::slot_offset(uint32_t slot) const {
   return protocol::slot_offset(slot_bytes(), slot);
@@ -94,13 +97,14 @@ void check_request(const SlotRing& ring, const RequestData& req) {
   MC_CHECK(req.num_tokens >= 1, "a request needs at least one token");
   MC_CHECK(req.num_tokens <= c.max_tokens, "request of ", req.num_tokens,
            " tokens exceeds the slot's max_tokens ", c.max_tokens);
-  MC_CHECK(req.topk >= 1 && req.topk <= c.topk, "request topk ", req.topk,
-           " must be in [1, ", c.topk, "]");
+  MC_CHECK(req.topk >= 1 && req.topk <= c.topk, "request topk ", req.topk, " must be in [1, ",
+           c.topk, "]");
   MC_CHECK(protocol::encoding_known(static_cast<uint8_t>(req.encoding)), "unknown encoding ",
            static_cast<int>(req.encoding));
   const bool quantized = protocol::encoding_quantized(req.encoding);
-  MC_CHECK(quantized == (req.scales != nullptr),
-           quantized ? "a quantized request needs scales" : "scales given for an unquantized request");
+  MC_CHECK(quantized == (req.scales != nullptr), quantized
+                                                     ? "a quantized request needs scales"
+                                                     : "scales given for an unquantized request");
   MC_CHECK(req.activations != nullptr && req.expert_ids != nullptr && req.scores != nullptr,
            "request activations, expert ids and scores are required");
   const PayloadLayout p =
@@ -122,8 +126,8 @@ void send_request(Transport& t, Region& server, const SlotRing& ring, uint32_t s
   if (p.scale_bytes > 0) t.put(server, base + p.scale_offset, req.scales, p.scale_bytes);
   t.put(server, base + p.ids_offset, req.expert_ids, p.ids_bytes);
   t.put(server, base + p.scores_offset, req.scores, p.scores_bytes);
-  const SlotHeader h = make_header(MessageKind::kRequest, c, req.layer_id, req.num_tokens,
-                                   req.topk, req.encoding, p.total, client_id, seq, 0);
+  const SlotHeader h = make_header(MessageKind::kRequest, c, req.layer_id, req.num_tokens, req.topk,
+                                   req.encoding, p.total, client_id, seq, 0);
   t.put(server, ring.slot_offset(slot) + kHeaderOffset, &h, sizeof(h));
   t.signal(server, ring.slot_offset(slot) + kSignalOffset,
            make_signal(SlotState::kRequestReady, seq), SignalOp::kSet);
@@ -151,9 +155,9 @@ std::vector<Incoming> poll_requests(Transport& t, Region& local, const SlotRing&
     in.code = protocol::read_and_validate(local.data() + off, e, &in.header);
     in.payload_offset = off + kPayloadOffset;
     if (in.code == ValidateCode::kOk) {
-      in.layout = protocol::request_payload_layout(in.header.num_tokens, in.header.hidden,
-                                                   in.header.topk,
-                                                   static_cast<Encoding>(in.header.encoding));
+      in.layout =
+          protocol::request_payload_layout(in.header.num_tokens, in.header.hidden, in.header.topk,
+                                           static_cast<Encoding>(in.header.encoding));
     }
     ready.push_back(in);
   }
@@ -179,8 +183,8 @@ void send_response(Transport& t, Region& local, const SlotRing& request_ring, Re
            num_tokens, " tokens outside [1, ", response_ring.config.max_tokens, "]");
   const PayloadLayout p =
       protocol::response_payload_layout(num_tokens, response_ring.config.hidden, encoding);
-  MC_CHECK(kPayloadOffset + p.total <= response_ring.slot_bytes(), "response payload of ",
-           p.total, " bytes does not fit the slot");
+  MC_CHECK(kPayloadOffset + p.total <= response_ring.slot_bytes(), "response payload of ", p.total,
+           " bytes does not fit the slot");
   t.put(client, response_ring.slot_offset(slot) + kPayloadOffset, activations, p.act_bytes);
   const SlotHeader h = make_header(MessageKind::kResponse, response_ring.config, layer_id,
                                    num_tokens, 0, encoding, p.total, client_id, seq, 0);
@@ -232,7 +236,8 @@ Outcome wait_response(Transport& t, Region& local, const SlotRing& ring, uint32_
       ++out.stale_dropped;
     }
     last_seen = w;
-    const int64_t remaining = deadline == INT64_MAX ? -1 : std::max<int64_t>(0, deadline - now_ns());
+    const int64_t remaining =
+        deadline == INT64_MAX ? -1 : std::max<int64_t>(0, deadline - now_ns());
     const transport::WaitResult r =
         t.wait(local, off + kSignalOffset, WaitPredicate{WaitOp::kNotEqual, ~uint64_t{0}, w},
                remaining, peer);

@@ -48,8 +48,8 @@ struct RequestData {
   uint32_t num_tokens = 0;
   uint32_t topk = 0;
   Encoding encoding = Encoding::kBF16;
-  const void* activations = nullptr;  // [num_tokens, hidden] in `encoding`
-  const float* scales = nullptr;      // [num_tokens, scales_per_token] when quantized
+  const void* activations = nullptr;    // [num_tokens, hidden] in `encoding`
+  const float* scales = nullptr;        // [num_tokens, scales_per_token] when quantized
   const int32_t* expert_ids = nullptr;  // [num_tokens, topk], -1 = not for this server
   const float* scores = nullptr;        // [num_tokens, topk]
 };

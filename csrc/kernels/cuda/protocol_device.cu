@@ -1,7 +1,7 @@
 // Compiles the protocol headers in device code (the CI compile check of item 7 of the
 // foundation) and provides the GPU twin of poll_requests' validation step.
-#include <cuda/atomic>
 #include <cuda_runtime.h>
+#include <cuda/atomic>
 
 #include "common/error.h"
 #include "kernels/cuda/protocol_device.h"
@@ -24,11 +24,10 @@ __global__ void validate_requests_kernel(const uint8_t* slots, uint64_t slot_str
   const uint8_t* slot = slots + uint64_t{i} * slot_stride;
   // Acquire the signal word before touching the header (system scope: a peer GPU or the NIC
   // wrote it).
-  auto* signal = const_cast<uint64_t*>(
-      reinterpret_cast<const uint64_t*>(slot + protocol::kSignalOffset));
-  const uint64_t word =
-      ::cuda::atomic_ref<uint64_t, ::cuda::thread_scope_system>(*signal).load(
-          ::cuda::memory_order_acquire);
+  auto* signal =
+      const_cast<uint64_t*>(reinterpret_cast<const uint64_t*>(slot + protocol::kSignalOffset));
+  const uint64_t word = ::cuda::atomic_ref<uint64_t, ::cuda::thread_scope_system>(*signal).load(
+      ::cuda::memory_order_acquire);
   if (protocol::signal_state(word) != protocol::SlotState::kRequestReady) {
     codes[i] = kNotReady;
     return;

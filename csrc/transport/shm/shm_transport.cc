@@ -167,8 +167,8 @@ void check_range(const Region& r, uint64_t offset, uint64_t bytes, const char* w
 }
 
 void check_word(const Region& r, uint64_t offset) {
-  MC_CHECK(offset % kSignalWordAlign == 0, "signal word offset ", offset,
-           " is not aligned to ", kSignalWordAlign, " bytes");
+  MC_CHECK(offset % kSignalWordAlign == 0, "signal word offset ", offset, " is not aligned to ",
+           kSignalWordAlign, " bytes");
   check_range(r, offset, kSignalWordAlign, "signal line");
 }
 
@@ -232,8 +232,8 @@ std::shared_ptr<Region> ShmTransport::create_region(uint64_t bytes) {
 }
 
 std::shared_ptr<Region> ShmTransport::attach(const std::string& handle) {
-  MC_CHECK(handle.compare(0, kHandlePrefixLen, "shm:") == 0,
-           "not a shm handle: '", handle, "' (expected 'shm:<segment name>')");
+  MC_CHECK(handle.compare(0, kHandlePrefixLen, "shm:") == 0, "not a shm handle: '", handle,
+           "' (expected 'shm:<segment name>')");
   const std::string name = handle.substr(kHandlePrefixLen);
   MC_CHECK(!name.empty() && name.find('/') == std::string::npos &&
                name.compare(0, std::strlen(kSegmentPrefix), kSegmentPrefix) == 0,
@@ -257,7 +257,8 @@ std::shared_ptr<Region> ShmTransport::attach(const std::string& handle) {
   MC_CHECK_KIND(base != MAP_FAILED, ErrorKind::kSystem, "mmap of ", path,
                 " failed: ", std::strerror(err));
   const auto* hdr = static_cast<const SegmentHeader*>(base);
-  const uint32_t magic = std::atomic_ref<const uint32_t>(hdr->magic).load(std::memory_order_acquire);
+  const uint32_t magic =
+      std::atomic_ref<const uint32_t>(hdr->magic).load(std::memory_order_acquire);
   if (magic != kSegmentMagic || hdr->version != kSegmentVersion ||
       hdr->user_bytes != mapped - kSegmentHeaderBytes) {
     munmap(base, mapped);
@@ -342,11 +343,13 @@ WaitResult ShmTransport::wait(Region& local, uint64_t offset, const WaitPredicat
 bool ShmTransport::compare_exchange(Region& local, uint64_t offset, uint64_t expected,
                                     uint64_t desired) {
   check_word(local, offset);
-  return word_at(local, offset).compare_exchange_strong(expected, desired,
-                                                        std::memory_order_acq_rel);
+  return word_at(local, offset)
+      .compare_exchange_strong(expected, desired, std::memory_order_acq_rel);
 }
 
-void ShmTransport::fence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+void ShmTransport::fence() {
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+}
 
 bool ShmTransport::peer_alive(const Region& peer) {
   return process_alive(as_shm(peer).owner());

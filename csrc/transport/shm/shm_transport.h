@@ -33,7 +33,6 @@ struct ShmOptions {
   bool reap_on_start = true;
 };
 
-
 class ShmTransport final : public Transport {
  public:
   explicit ShmTransport(ShmOptions options = {});
