@@ -28,15 +28,20 @@ from moecomm.protocol import (
 )
 from moecomm.transport import (
     Region,
+    RegionViews,
     Transport,
     WaitStatus,
     reap_stale_segments,
-    region_bytes_view,
-    view,
 )
 
 # Generous default for a single expert round trip; callers pass tighter ones.
 DEFAULT_TIMEOUT_S = 30.0
+_WAIT_OK = WaitStatus.OK
+_VALID = ValidateCode.OK
+_DTYPE_OF_CODE = {int(e): d for e, d in ENCODING_DTYPE.items()}
+_ENC_OF_CODE = {int(e): e for e in ENCODING_DTYPE}
+_QUANTIZED_CODES = {int(e) for e in ENCODING_DTYPE if _C.encoding_quantized(e)}
+
 # Slots per connection: one per micro-batch in flight; two give double-batch overlap.
 DEFAULT_NUM_SLOTS = 2
 
@@ -94,7 +99,8 @@ class ClientChannel:
         self.request_ring = _C.SlotRing(layout.config, num_slots, True)
         self.response_ring = _C.SlotRing(layout.config, num_slots, False)
         self.region: Region = transport.create_region(self.response_ring.region_bytes)
-        self._bytes = region_bytes_view(self.region)
+        self._views = RegionViews(self.region)
+        self._bytes = self._views.bytes
         self.server: Region | None = None
         self._next_seq = 1  # 0 is the sequence of the zero-filled (IDLE) slot
 
@@ -177,7 +183,6 @@ class ClientChannel:
     def wait(self, slot: int, seq: int, timeout: float = DEFAULT_TIMEOUT_S) -> Response:
         """Waits for the answer to request `seq` in `slot`. Late answers to older requests are
         dropped. Raises TimeoutError, PeerLostError, ProtocolError or RemoteError."""
-        where = f"{self.name} slot {slot} seq {seq}: "
         out = _C.wait_response(
             self.transport,
             self.region,
@@ -188,6 +193,21 @@ class ClientChannel:
             _ns(timeout),
             self.server,
         )
+        # Happy path first: pybind enum comparisons cost ~0.5 µs each.
+        if out.status != _WAIT_OK or out.offline or out.code != _VALID:
+            self._raise_for(out, slot, seq, timeout)
+        h = out.header
+        if h.status != 0:
+            where = f"{self.name} slot {slot} seq {seq}: "
+            reason = _reason(self._bytes, out.payload_offset, h.payload_bytes)
+            raise RemoteError(h.status, reason, where)
+        y = self._views.get(
+            out.payload_offset, (h.num_tokens, h.hidden), _DTYPE_OF_CODE[h.encoding]
+        )
+        return Response(slot, seq, h.layer_id, h.num_tokens, y, out.stale_dropped)
+
+    def _raise_for(self, out, slot: int, seq: int, timeout: float) -> None:
+        where = f"{self.name} slot {slot} seq {seq}: "
         if out.status == WaitStatus.TIMEOUT:
             raise TimeoutError(f"{where}no response within {timeout:.3f} s")
         if out.status == WaitStatus.PEER_LOST:
@@ -195,20 +215,7 @@ class ClientChannel:
             raise PeerLostError(f"{where}the server process died ({self.server.describe()})")
         if out.offline:
             raise PeerLostError(f"{where}the server marked the slot OFFLINE")
-        if out.code != ValidateCode.OK:
-            raise ProtocolError(f"{where}invalid response header: {validate_reason(out.code)}")
-        h = out.header
-        if h.status != 0:
-            raise RemoteError(
-                h.status, _reason(self._bytes, out.payload_offset, h.payload_bytes), where
-            )
-        y = view(
-            self._bytes,
-            out.payload_offset,
-            (h.num_tokens, h.hidden),
-            ENCODING_DTYPE[Encoding(h.encoding)],
-        )
-        return Response(slot, seq, h.layer_id, h.num_tokens, y, out.stale_dropped)
+        raise ProtocolError(f"{where}invalid response header: {validate_reason(out.code)}")
 
     def close(self) -> None:
         self.region.close()
@@ -255,7 +262,8 @@ class ServerChannel:
         self.request_ring = _C.SlotRing(layout.config, num_slots, True)
         self.response_ring = _C.SlotRing(layout.config, num_slots, False)
         self.region: Region = transport.create_region(self.request_ring.region_bytes)
-        self._bytes = region_bytes_view(self.region)
+        self._views = RegionViews(self.region)
+        self._bytes = self._views.bytes
         self.client: Region | None = None
         self._doorbell = 0
 
@@ -278,20 +286,20 @@ class ServerChannel:
         out = []
         for inc in _C.poll_requests(self.transport, self.region, self.request_ring, self.client_id):
             req = Request(inc.slot, inc.seq, self.client_id, inc.code)
-            if inc.code == ValidateCode.OK:
+            if inc.code == _VALID:
                 h = inc.header
-                enc = Encoding(h.encoding)
+                code = h.encoding
                 base = inc.payload_offset
                 n, hid, k = h.num_tokens, h.hidden, h.topk
-                req.layer_id, req.num_tokens, req.topk, req.encoding = h.layer_id, n, k, enc
-                req.activations = view(
-                    self._bytes, base + inc.act_offset, (n, hid), ENCODING_DTYPE[enc]
-                )
-                s = scales_per_token(enc, hid)
-                if s:
-                    req.scales = view(self._bytes, base + inc.scale_offset, (n, s), torch.float32)
-                req.expert_ids = view(self._bytes, base + inc.ids_offset, (n, k), torch.int32)
-                req.scores = view(self._bytes, base + inc.scores_offset, (n, k), torch.float32)
+                req.layer_id, req.num_tokens, req.topk = h.layer_id, n, k
+                req.encoding = _ENC_OF_CODE[code]
+                views = self._views
+                req.activations = views.get(base + inc.act_offset, (n, hid), _DTYPE_OF_CODE[code])
+                if code in _QUANTIZED_CODES:
+                    s = scales_per_token(req.encoding, hid)
+                    req.scales = views.get(base + inc.scale_offset, (n, s), torch.float32)
+                req.expert_ids = views.get(base + inc.ids_offset, (n, k), torch.int32)
+                req.scores = views.get(base + inc.scores_offset, (n, k), torch.float32)
             out.append(req)
         return out
 

@@ -14,6 +14,20 @@ WaitOp = _C.WaitOp
 WaitStatus = _C.WaitStatus
 
 
+_ITEMSIZE = {
+    d: torch.empty((), dtype=d).element_size()
+    for d in (
+        torch.uint8,
+        torch.int8,
+        torch.int32,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float8_e4m3fn,
+    )
+}
+
+
 def region_bytes_view(region: Region) -> torch.Tensor:
     """The whole region as a uint8 tensor sharing its memory. The tensor keeps the region (and
     so its mapping) alive."""
@@ -24,7 +38,7 @@ def view(
     region_bytes: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype
 ) -> torch.Tensor:
     """A typed tensor of `shape` at byte `offset` of a region's uint8 view (zero copy)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = _ITEMSIZE.get(dtype) or torch.empty((), dtype=dtype).element_size()
     n = 1
     for s in shape:
         n *= s
@@ -47,3 +61,24 @@ def reap_stale_segments(pid: int = 0) -> int:
 def list_segments(pid: int = 0) -> list[str]:
     """Names of moecomm shm segments in /dev/shm (all, or those of `pid`)."""
     return list(_C.shm_list_segments(pid))
+
+
+class RegionViews:
+    """Typed zero-copy views of one region, cached by (offset, shape, dtype): a serving loop asks
+    for the same few shapes over and over, and building a view costs several µs of Python."""
+
+    # Far above slots x distinct batch shapes in practice; the bound only stops unbounded growth.
+    MAX_ENTRIES = 4096
+
+    def __init__(self, region: Region):
+        self.bytes = region_bytes_view(region)
+        self._cache: dict = {}
+
+    def get(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        key = (offset, shape, dtype)
+        v = self._cache.get(key)
+        if v is None:
+            if len(self._cache) >= self.MAX_ENTRIES:
+                self._cache.clear()
+            v = self._cache[key] = view(self.bytes, offset, shape, dtype)
+        return v
