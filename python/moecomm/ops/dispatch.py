@@ -199,7 +199,8 @@ def _check_replica(replica: object, topk_ids: torch.Tensor, expert_map: ExpertMa
     e = expert_map.num_experts
     if tuple(replica.shape) not in ((e,), tuple(topk_ids.shape)):
         raise ValueError(
-            f"replica must have shape [E={e}] or {tuple(topk_ids.shape)}, got {tuple(replica.shape)}"
+            f"replica must have shape [E={e}] or {tuple(topk_ids.shape)}, got "
+            f"{tuple(replica.shape)}"
         )
     if replica.device != topk_ids.device:
         raise ValueError(f"replica must be on {topk_ids.device}, got {replica.device}")
