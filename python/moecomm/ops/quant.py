@@ -122,7 +122,8 @@ def _blocked(xf: torch.Tensor) -> torch.Tensor:
     pad = -h % SCALE_BLOCK
     if pad:
         xf = torch.nn.functional.pad(xf, (0, pad))
-    return xf.view(t, -1, SCALE_BLOCK)
+    # reshape, not view: x may be any strided tensor (then this is the one copy of the path).
+    return xf.reshape(t, (h + pad) // SCALE_BLOCK, SCALE_BLOCK)
 
 
 def _scales_from_amax(amax: torch.Tensor, qmax: float) -> torch.Tensor:
@@ -155,7 +156,7 @@ def quantize(x: torch.Tensor, encoding: Encoding) -> tuple[torch.Tensor, torch.T
     if enc == Encoding.FP8_E4M3_B128:
         xb = _blocked(xf)
         scales = _scales_from_amax(xb.abs().amax(dim=2), _QMAX[enc])
-        y = torch.div(xb, scales.unsqueeze(2)).view(t, -1)[:, :h]
+        y = torch.div(xb, scales.unsqueeze(2)).view(t, xb.shape[1] * SCALE_BLOCK)[:, :h]
         return _round_to_grid(y, enc).contiguous(), scales
     amax = torch.linalg.vector_norm(xf, ord=float("inf"), dim=1) if t else xf.new_zeros(0)
     scales = _scales_from_amax(amax, _QMAX[enc])
@@ -179,7 +180,8 @@ def dequantize(
     t, h = q.shape
     qf = q.float()
     if enc == Encoding.FP8_E4M3_B128:
-        out = (_blocked(qf) * scales.unsqueeze(2)).view(t, -1)[:, :h]
+        qb = _blocked(qf)
+        out = (qb * scales.unsqueeze(2)).view(t, qb.shape[1] * SCALE_BLOCK)[:, :h]
     else:
         out = qf * scales
     return out.to(dtype).contiguous()
