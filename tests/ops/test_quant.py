@@ -40,6 +40,8 @@ def make_x(t: int, h: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
         x[2, h // 2] = 1e4
     if t > 3:
         x[3, : min(h, 10)] = 1e-6
+        x[3, 10:20] = -1e-7  # rounds to -0: the sign of zero is part of the bits compared
+        x[3, 20:21] = -0.0
     return x.to(dtype)
 
 

@@ -28,6 +28,8 @@ def make_x(t: int, h: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
         x[1] = 0  # all-zero token: scale 1
     if t > 2:
         x[2, : min(h, 7)] = 1e-3  # values that land on e4m3 subnormals after scaling
+        x[2, 7:14] = -1e-6  # negative values that round to -0: the sign of zero must survive
+        x[2, 14:15] = -0.0
     return x.to(dtype)
 
 

@@ -75,5 +75,8 @@ def quantize_groups(
             ulp_exp = tl.maximum(exp - FP8_MANT, FP8_MIN_ULP_EXP)
             ulp = (ulp_exp << F32_MANT).to(tl.float32, bitcast=True)
             inv = ((ulp_exp * -1 + RECIP_BIAS) << F32_MANT).to(tl.float32, bitcast=True)
-            r = ((y * inv + ROUND_MAGIC) - ROUND_MAGIC) * ulp
+            # Round the magnitude (round-half-even is symmetric), then put the sign bit back:
+            # the magic add would turn a value that rounds to -0 into +0.
+            r = ((tl.abs(y) * inv + ROUND_MAGIC) - ROUND_MAGIC) * ulp
+            r = tl.where(bits < 0, -r, r)
             tl.store(q_row + off + cols, r.to(q_ptr.dtype.element_ty), mask=mask)
