@@ -6,5 +6,4 @@ PYBIND11_MODULE(_C, m) {
   moecomm::bindings::register_protocol(m);
   moecomm::bindings::register_transport(m);
   moecomm::bindings::register_slots(m);
-  moecomm::bindings::register_kernels_quant(m);
 }

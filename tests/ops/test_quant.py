@@ -14,15 +14,11 @@ from moecomm.ops.quant import (
     encoding_dtype,
     quantize,
     quantize_reference,
-    quantize_torch,
     scales_per_token,
 )
 
 SHAPES = [(0, 64), (1, 1), (1, 128), (3, 200), (9, 256), (4, 1000)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# The fused C++ kernel (what quantize runs on CPU tensors) and the vectorized torch path (what it
-# runs elsewhere): both must give the reference's bits.
-IMPLS = [pytest.param(quantize, id="cpp"), pytest.param(quantize_torch, id="torch")]
 # Slack of the documented bounds (module docstring of moecomm.ops.quant).
 INT8_BOUND = 0.5 + 2.0**-15
 FP8_REL_BOUND = 2.0**-4 * (1 + 2.0**-16)
@@ -55,13 +51,12 @@ def per_element_scale(scales: torch.Tensor, enc: Encoding, h: int) -> torch.Tens
     return scales.expand(-1, h)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("enc", QUANTIZED_ENCODINGS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_fast_paths_match_reference_bit_for_bit(shape, dtype, enc, impl):
+def test_fast_path_matches_reference_bit_for_bit(shape, dtype, enc):
     x = make_x(*shape, dtype)
-    q, s = impl(x, enc)
+    q, s = quantize(x, enc)
     q_ref, s_ref = quantize_reference(x, enc)
     assert q.dtype == encoding_dtype(enc) and q.shape == x.shape and q.is_contiguous()
     assert s.dtype == torch.float32 and s.is_contiguous()
@@ -150,18 +145,17 @@ def test_int8_rounding_is_half_to_even():
     assert torch.equal(q[0, :-1], expected)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("enc", QUANTIZED_ENCODINGS)
-def test_non_contiguous_input_same_result_and_inputs_untouched(enc, impl):
+def test_non_contiguous_input_same_result_and_inputs_untouched(enc):
     base = make_x(300, 8, torch.float32, seed=4)
     x = base.t()  # [8, 300], channel stride 8
     assert not x.is_contiguous()
     before = base.clone()
-    q, s = impl(x, enc)
-    q_c, s_c = quantize_reference(x.contiguous(), enc)
+    q, s = quantize(x, enc)
+    q_c, s_c = quantize(x.contiguous(), enc)
     assert torch.equal(bits(q), bits(q_c)) and torch.equal(s, s_c)
-    strided = make_x(6, 400, torch.float16, seed=5)[::2, :259]  # row stride 800
-    q2, s2 = impl(strided, enc)
+    strided = make_x(6, 400, torch.float16, seed=5)[::2, :259]
+    q2, s2 = quantize(strided, enc)
     q2r, s2r = quantize_reference(strided.contiguous(), enc)
     assert torch.equal(bits(q2), bits(q2r)) and torch.equal(s2, s2r)
     dequantize(q, s, enc)
@@ -208,17 +202,3 @@ def test_dequantize_rejects_bad_arguments():
         dequantize(q, s.double(), Encoding.FP8_E4M3_B128)
     with pytest.raises(TypeError, match=r"dtype must be one of"):
         dequantize(q, s, Encoding.FP8_E4M3_B128, torch.int32)
-
-
-def test_cpu_kernel_checks_its_arguments():
-    from moecomm import _C
-
-    x, q, s = torch.zeros(2, 8), torch.zeros(2, 8, dtype=torch.int8), torch.zeros(2, 1)
-    args = (x.data_ptr(), Encoding.F32, 8, 2, 8, Encoding.INT8, q.data_ptr(), s.data_ptr())
-    _C.quantize_cpu(*args)
-    with pytest.raises(ValueError, match="quantize output must be INT8, FP8_E4M3 or FP8_E4M3_B128"):
-        _C.quantize_cpu(*args[:5], Encoding.F32, *args[6:])
-    with pytest.raises(ValueError, match="quantize input must be BF16, FP16 or F32"):
-        _C.quantize_cpu(args[0], Encoding.INT8, *args[2:])
-    with pytest.raises(ValueError, match=r"x_row_stride must be >= hidden \(8\), got 4"):
-        _C.quantize_cpu(args[0], Encoding.F32, 4, *args[3:])

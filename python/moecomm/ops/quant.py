@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import torch
 
-from moecomm import _C
 from moecomm._C import SCALE_BLOCK, Encoding
 
 __all__ = [
@@ -43,7 +42,6 @@ __all__ = [
     "encoding_for_dtype",
     "quantize",
     "quantize_reference",
-    "quantize_torch",
     "scales_per_token",
 ]
 
@@ -115,8 +113,7 @@ def check_activations(x: object, name: str = "x") -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# Fast paths: the fused C++ kernel on the CPU; elsewhere vectorized torch over all tokens, a few
-# passes, no Python loop over tokens.
+# Fast path: vectorized over all tokens, a few fused passes, no Python loop over tokens.
 
 
 def _blocked(xf: torch.Tensor) -> torch.Tensor:
@@ -148,34 +145,8 @@ def quantize(x: torch.Tensor, encoding: Encoding) -> tuple[torch.Tensor, torch.T
 
     Returns ``(q, scales)``: ``q`` [T, H] int8 or float8_e4m3fn, contiguous; ``scales``
     [T, S] f32, contiguous, ``S = scales_per_token(encoding, H)``. ``x`` is not modified.
-    See the module docstring for the exact formula and error bounds. CPU tensors take the fused
-    C++ kernel (``moecomm._C.quantize_cpu``), other devices :func:`quantize_torch`; both give
-    the bits of :func:`quantize_reference`.
+    See the module docstring for the exact formula and error bounds.
     """
-    check_activations(x)
-    enc = _check_encoding(encoding, QUANTIZED_ENCODINGS)
-    if x.device.type != "cpu":
-        return quantize_torch(x, enc)
-    t, h = x.shape
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    q = torch.empty(t, h, dtype=_WIRE_DTYPE[enc])
-    scales = torch.empty(t, scales_per_token(enc, h), dtype=torch.float32)
-    _C.quantize_cpu(
-        x.data_ptr(),
-        encoding_for_dtype(x.dtype),
-        x.stride(0) if t > 1 else h,  # a single row's stride is arbitrary; the kernel ignores it
-        t,
-        h,
-        enc,
-        q.data_ptr(),
-        scales.data_ptr(),
-    )
-    return q, scales
-
-
-def quantize_torch(x: torch.Tensor, encoding: Encoding) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`quantize` as a few vectorized torch passes: the path for non-CPU tensors."""
     check_activations(x)
     enc = _check_encoding(encoding, QUANTIZED_ENCODINGS)
     t, h = x.shape
