@@ -204,6 +204,8 @@ def test_pack_rejects_bad_arguments():
         pack_dispatch(x, ids, ids, emap)
     with pytest.raises(TypeError, match=r"x must have dtype .* got torch.int64"):
         pack_dispatch(ids, ids, w, emap)
+    with pytest.raises(ValueError, match=r"topk_ids must be on cpu like x, got meta"):
+        pack_dispatch(x, ids.to("meta"), w, emap)
     with pytest.raises(TypeError, match=r"expert_map must be an ExpertMap, got dict"):
         pack_dispatch(x, ids, w, {})
     with pytest.raises(TypeError, match=r"encoding must be a moecomm._C.Encoding, got int"):

@@ -3,6 +3,8 @@ interpreter on the CPU (fp16/fp32 only: the interpreter computes bf16 wrong); th
 the compiled kernel, bf16 included, when a device is present and the interpreter is off."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -68,6 +70,11 @@ def test_triton_rejects_bad_arguments():
         triton_quantize(x, Encoding.FP16)
     with pytest.raises(ValueError, match=r"shape \[T, H\] with H >= 1, got \(2, 8, 1\)"):
         triton_quantize(x[..., None], Encoding.INT8)
+
+
+def test_importing_moecomm_ops_does_not_import_triton():
+    code = "import sys, moecomm.ops; assert 'triton' not in sys.modules, 'triton imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 @pytest.mark.gpu
