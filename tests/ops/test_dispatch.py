@@ -155,8 +155,10 @@ def test_non_contiguous_inputs_and_inputs_untouched():
     ids_nc, w_nc = ids.t().contiguous().t(), w.t().contiguous().t()
     assert not (x_nc.is_contiguous() or ids_nc.is_contiguous() or w_nc.is_contiguous())
     saved = [t.clone() for t in (x, ids, w)]
-    got = pack_dispatch(x_nc, ids_nc, w_nc, emap, Encoding.FP8_E4M3_B128)
-    assert_same(got, pack_dispatch_reference(x, ids, w, emap, Encoding.FP8_E4M3_B128))
+    for enc in (Encoding.FP8_E4M3, Encoding.FP8_E4M3_B128, Encoding.F32):
+        got = pack_dispatch(x_nc, ids_nc, w_nc, emap, enc)
+        assert_same(got, pack_dispatch_reference(x, ids, w, emap, enc))
+        assert_invariants(got, x, ids, w, emap, enc)
     for a, b in zip((x, ids, w), saved, strict=True):
         assert torch.equal(a, b)
     bf = x.bfloat16()

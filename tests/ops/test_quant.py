@@ -154,6 +154,7 @@ def test_non_contiguous_input_same_result_and_inputs_untouched(enc):
     q, s = quantize(x, enc)
     q_c, s_c = quantize(x.contiguous(), enc)
     assert torch.equal(bits(q), bits(q_c)) and torch.equal(s, s_c)
+    assert q.is_contiguous() and s.is_contiguous()
     strided = make_x(6, 400, torch.float16, seed=5)[::2, :259]
     q2, s2 = quantize(strided, enc)
     q2r, s2r = quantize_reference(strided.contiguous(), enc)

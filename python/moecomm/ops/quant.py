@@ -162,7 +162,8 @@ def quantize(x: torch.Tensor, encoding: Encoding) -> tuple[torch.Tensor, torch.T
     amax = xf.abs().amax(dim=1) if t else xf.new_zeros(0)
     scales = _scales_from_amax(amax, _QMAX[enc])
     q = _round_to_grid(torch.div(xf, scales.unsqueeze(1)), enc)
-    return q, scales.unsqueeze(1).contiguous()
+    # Elementwise ops keep the layout of a strided input; the wire wants row-major rows.
+    return q.contiguous(), scales.unsqueeze(1).contiguous()
 
 
 def dequantize(
