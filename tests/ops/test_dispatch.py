@@ -3,6 +3,8 @@ the data itself (row t of x carries t, so every packed row says where it came fr
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from moecomm._C import Encoding
 from moecomm.ops.dispatch import ExpertMap, pack_dispatch, pack_dispatch_reference
 from moecomm.ops.quant import encoding_dtype, quantize_reference
@@ -218,3 +220,49 @@ def test_pack_rejects_bad_arguments():
         pack_dispatch(x, ids, w, emap, replica=torch.full((8,), 1))
     with pytest.raises(TypeError, match=r"replica must be an int32/int64 tensor, got torch.float"):
         pack_dispatch(x, ids, w, emap, replica=torch.zeros(8))
+
+
+@st.composite
+def routed_batches(draw):
+    """A random expert map (1-4 servers, 1-6 experts, up to 3 replicas each) and a routed batch,
+    with unrouted (-1) choices and an explicit replica choice half of the time."""
+    num_servers = draw(st.integers(1, 4))
+    num_experts = draw(st.integers(1, 6))
+    slots = [(s, j) for s in range(num_servers) for j in range(6)]
+    picks = draw(st.permutations(slots))
+    replicas, used = [], 0
+    for e in range(num_experts):
+        spare = len(picks) - used - (num_experts - e - 1)  # leave one slot per later expert
+        n = draw(st.integers(1, min(3, spare)))
+        replicas.append(picks[used : used + n])
+        used += n
+    emap = ExpertMap(replicas, num_servers)
+    t, k = draw(st.integers(0, 9)), draw(st.integers(1, 3))
+    ids = torch.tensor(
+        draw(
+            st.lists(
+                st.lists(st.integers(-1, num_experts - 1), min_size=k, max_size=k),
+                min_size=t,
+                max_size=t,
+            )
+        ),
+        dtype=torch.int64,
+    ).reshape(t, k)
+    replica = None
+    if draw(st.booleans()):
+        replica = torch.tensor([draw(st.integers(0, len(r) - 1)) for r in replicas])
+    seed = draw(st.integers(0, 2**16))
+    return emap, ids, replica, seed
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None)  # reproducible
+@given(routed_batches(), st.sampled_from([Encoding.BF16, Encoding.INT8, Encoding.FP8_E4M3_B128]))
+def test_pack_property(case, enc):
+    emap, ids, replica, seed = case
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(ids.shape[0], H, generator=g)
+    x[:, 0] = torch.arange(ids.shape[0], dtype=torch.float32)
+    w = torch.rand(ids.shape, generator=g)
+    got = pack_dispatch(x, ids, w, emap, enc, replica)
+    assert_same(got, pack_dispatch_reference(x, ids, w, emap, enc, replica))
+    assert_invariants(got, x, ids, w, emap, enc)
