@@ -1,0 +1,180 @@
+// Per-token quantize kernels. One block per token; the reductions stay inside the block, so no
+// atomics and no second launch. Arithmetic mirrors the torch reference step for step (IEEE
+// division, round-half-even conversions), which is what makes the results bit-identical.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include "common/align.h"
+#include "common/error.h"
+#include "kernels/cuda/quant.h"
+
+namespace moecomm::kernels::cuda {
+namespace {
+
+using protocol::Encoding;
+
+constexpr int kWarpSize = 32;
+// 8 warps per token: enough loads in flight to cover a 7K-channel row, few enough that the
+// block-wide max is one shuffle round plus 8 shared-memory slots.
+constexpr int kThreadsPerBlock = 256;
+constexpr int kWarpsPerBlock = kThreadsPerBlock / kWarpSize;
+// Block-scaled fp8: one warp per 128-channel block, so each lane owns 4 channels of it.
+constexpr int kLanesPerScaleBlock = static_cast<int>(protocol::kScaleBlock) / kWarpSize;
+static_assert(protocol::kScaleBlock % kWarpSize == 0, "a scale block spans whole warps");
+constexpr float kInt8Max = 127.0f;     // symmetric: -128 is never produced
+constexpr float kFp8E4M3Max = 448.0f;  // largest finite e4m3 (fn) value
+constexpr float kZeroScale = 1.0f;     // scale of an all-zero group, as in moecomm.ops.quant
+constexpr unsigned kFullMask = 0xffffffffu;
+
+__device__ __forceinline__ float to_f32(float v) {
+  return v;
+}
+__device__ __forceinline__ float to_f32(__half v) {
+  return __half2float(v);
+}
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    v = fmaxf(v, __shfl_xor_sync(kFullMask, v, offset));
+  }
+  return v;
+}
+
+__device__ __forceinline__ float scale_of(float amax, float qmax) {
+  return amax == 0.0f ? kZeroScale : __fdiv_rn(amax, qmax);
+}
+
+template <bool kInt8>
+__device__ __forceinline__ uint8_t encode(float v, float scale) {
+  const float qmax = kInt8 ? kInt8Max : kFp8E4M3Max;
+  const float y = fminf(fmaxf(__fdiv_rn(v, scale), -qmax), qmax);
+  if constexpr (kInt8) {
+    return static_cast<uint8_t>(static_cast<int8_t>(__float2int_rn(y)));
+  } else {
+    return static_cast<uint8_t>(__nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3));
+  }
+}
+
+// One scale per token: block-wide max, then one pass to encode.
+template <typename T, bool kInt8>
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    quantize_token_kernel(const T* __restrict__ x, uint64_t x_stride, uint32_t hidden,
+                          uint8_t* __restrict__ q, float* __restrict__ scales) {
+  __shared__ float warp_amax[kWarpsPerBlock];
+  __shared__ float token_scale;
+  const uint64_t token = blockIdx.x;
+  const T* row = x + token * x_stride;
+  uint8_t* q_row = q + token * hidden;
+
+  float amax = 0.0f;
+  for (uint32_t c = threadIdx.x; c < hidden; c += kThreadsPerBlock) {
+    amax = fmaxf(amax, fabsf(to_f32(row[c])));
+  }
+  amax = warp_max(amax);
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  if (lane == 0) warp_amax[warp] = amax;
+  __syncthreads();
+  if (warp == 0) {
+    amax = warp_max(lane < kWarpsPerBlock ? warp_amax[lane] : 0.0f);
+    if (lane == 0) {
+      token_scale = scale_of(amax, kInt8 ? kInt8Max : kFp8E4M3Max);
+      scales[token] = token_scale;
+    }
+  }
+  __syncthreads();
+  const float scale = token_scale;
+  for (uint32_t c = threadIdx.x; c < hidden; c += kThreadsPerBlock) {
+    q_row[c] = encode<kInt8>(to_f32(row[c]), scale);
+  }
+}
+
+// One scale per 128-channel block: each warp walks the blocks of the token, kWarpsPerBlock apart.
+template <typename T>
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    quantize_block128_kernel(const T* __restrict__ x, uint64_t x_stride, uint32_t hidden,
+                             uint32_t num_blocks, uint8_t* __restrict__ q,
+                             float* __restrict__ scales) {
+  const uint64_t token = blockIdx.x;
+  const T* row = x + token * x_stride;
+  uint8_t* q_row = q + token * hidden;
+  const uint32_t warp = threadIdx.x / kWarpSize;
+  const uint32_t lane = threadIdx.x % kWarpSize;
+  for (uint32_t b = warp; b < num_blocks; b += kWarpsPerBlock) {
+    const uint32_t base = b * protocol::kScaleBlock + lane;
+    float v[kLanesPerScaleBlock];
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kLanesPerScaleBlock; ++i) {
+      const uint32_t c = base + i * kWarpSize;
+      v[i] = c < hidden ? to_f32(row[c]) : 0.0f;
+      amax = fmaxf(amax, fabsf(v[i]));
+    }
+    const float scale = scale_of(warp_max(amax), kFp8E4M3Max);
+    if (lane == 0) scales[token * num_blocks + b] = scale;
+#pragma unroll
+    for (int i = 0; i < kLanesPerScaleBlock; ++i) {
+      const uint32_t c = base + i * kWarpSize;
+      if (c < hidden) q_row[c] = encode<false>(v[i], scale);
+    }
+  }
+}
+
+template <typename T>
+void launch_typed(const QuantizeArgs& a, cudaStream_t stream) {
+  const T* x = static_cast<const T*>(a.x);
+  auto* q = static_cast<uint8_t*>(a.q);
+  const dim3 grid(a.tokens);
+  switch (a.out) {
+    case Encoding::kInt8:
+      quantize_token_kernel<T, true>
+          <<<grid, kThreadsPerBlock, 0, stream>>>(x, a.x_row_stride, a.hidden, q, a.scales);
+      break;
+    case Encoding::kFP8E4M3:
+      quantize_token_kernel<T, false>
+          <<<grid, kThreadsPerBlock, 0, stream>>>(x, a.x_row_stride, a.hidden, q, a.scales);
+      break;
+    default: {
+      const auto num_blocks = static_cast<uint32_t>(ceil_div(a.hidden, protocol::kScaleBlock));
+      quantize_block128_kernel<T><<<grid, kThreadsPerBlock, 0, stream>>>(
+          x, a.x_row_stride, a.hidden, num_blocks, q, a.scales);
+      break;
+    }
+  }
+}
+
+}  // namespace
+
+void launch_quantize(const QuantizeArgs& a, void* stream) {
+  MC_CHECK(a.in == Encoding::kBF16 || a.in == Encoding::kFP16 || a.in == Encoding::kF32,
+           "quantize input must be BF16, FP16 or F32, got encoding ", static_cast<int>(a.in));
+  MC_CHECK(protocol::encoding_quantized(a.out),
+           "quantize output must be INT8, FP8_E4M3 or FP8_E4M3_B128, got encoding ",
+           static_cast<int>(a.out));
+  MC_CHECK(a.hidden >= 1, "hidden must be >= 1, got ", a.hidden);
+  MC_CHECK(a.x_row_stride >= a.hidden, "x_row_stride must be >= hidden (", a.hidden, "), got ",
+           a.x_row_stride);
+  if (a.tokens == 0) return;
+  MC_CHECK(a.x != nullptr && a.q != nullptr && a.scales != nullptr,
+           "x, q and scales must be non-null device pointers");
+  auto s = static_cast<cudaStream_t>(stream);
+  switch (a.in) {
+    case Encoding::kBF16:
+      launch_typed<__nv_bfloat16>(a, s);
+      break;
+    case Encoding::kFP16:
+      launch_typed<__half>(a, s);
+      break;
+    default:
+      launch_typed<float>(a, s);
+      break;
+  }
+  MC_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace moecomm::kernels::cuda
