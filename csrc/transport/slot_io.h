@@ -58,9 +58,11 @@ struct RequestData {
 void check_request(const SlotRing& ring, const RequestData& req);
 
 // Client: writes `req` into `slot` of the server's request region and signals REQUEST_READY|seq.
-// The doorbell line at offset 0 of `server` is bumped afterwards.
+// Then bumps the doorbell: the line at offset 0 of `doorbell` when given (a server that serves
+// many clients sleeps on one shared doorbell), else the one at offset 0 of `server`.
 void send_request(Transport& t, Region& server, const SlotRing& ring, uint32_t slot,
-                  uint64_t client_id, uint64_t seq, const RequestData& req);
+                  uint64_t client_id, uint64_t seq, const RequestData& req,
+                  Region* doorbell = nullptr);
 
 struct Incoming {
   uint32_t slot = 0;

@@ -102,19 +102,23 @@ class ClientChannel:
         self._views = RegionViews(self.region)
         self._bytes = self._views.bytes
         self.server: Region | None = None
+        self.doorbell: Region | None = None
         self._next_seq = 1  # 0 is the sequence of the zero-filled (IDLE) slot
 
     @property
     def handle(self) -> str:
         return self.region.handle
 
-    def connect(self, server_handle: str) -> None:
+    def connect(self, server_handle: str, doorbell_handle: str | None = None) -> None:
+        """Attaches to the server's request region, and to its shared doorbell when it has one
+        (a server of many clients sleeps on a single doorbell)."""
         server = self.transport.attach(server_handle)
         if server.size < self.request_ring.region_bytes:
             raise ProtocolError(
                 f"{self.name}: its region holds {server.size} bytes, the "
                 f"agreed slot layout needs {self.request_ring.region_bytes}"
             )
+        self.doorbell = self.transport.attach(doorbell_handle) if doorbell_handle else None
         self.server = server
 
     def peek_seq(self) -> int:
@@ -176,6 +180,7 @@ class ClientChannel:
             scales_addr,
             expert_ids.data_ptr(),
             scores.data_ptr(),
+            self.doorbell,
         )
         self._next_seq += 1
         return seq
