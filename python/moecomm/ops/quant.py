@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import torch
 
+from moecomm import _C
 from moecomm._C import SCALE_BLOCK, Encoding
+from moecomm.protocol import ENCODING_DTYPE
 
 __all__ = [
     "FP8_E4M3_MAX",
@@ -55,14 +57,8 @@ INT8_MAX = 127.0
 ZERO_SCALE = 1.0
 
 _ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_WIRE_DTYPE = {
-    Encoding.BF16: torch.bfloat16,
-    Encoding.FP16: torch.float16,
-    Encoding.F32: torch.float32,
-    Encoding.INT8: torch.int8,
-    Encoding.FP8_E4M3: torch.float8_e4m3fn,
-    Encoding.FP8_E4M3_B128: torch.float8_e4m3fn,
-}
+# The wire dtype of each encoding is defined once, next to the protocol.
+_WIRE_DTYPE = ENCODING_DTYPE
 QUANTIZED_ENCODINGS = (Encoding.INT8, Encoding.FP8_E4M3, Encoding.FP8_E4M3_B128)
 _QMAX = {
     Encoding.INT8: INT8_MAX,
@@ -94,11 +90,8 @@ def encoding_for_dtype(dtype: torch.dtype) -> Encoding:
 
 
 def scales_per_token(encoding: Encoding, hidden: int) -> int:
-    """f32 scales carried per token (0 for unquantized encodings); mirrors the C++ header."""
-    enc = _check_encoding(encoding)
-    if enc == Encoding.FP8_E4M3_B128:
-        return -(-hidden // SCALE_BLOCK)
-    return 1 if enc in QUANTIZED_ENCODINGS else 0
+    """f32 scales carried per token (0 for unquantized encodings), from the C++ header."""
+    return _C.encoding_scales_per_token(_check_encoding(encoding), hidden)
 
 
 def check_activations(x: object, name: str = "x") -> torch.Tensor:
