@@ -1,0 +1,189 @@
+"""The control plane over HTTP (EaaS Fig. 7): connect / disconnect handshakes, health, hosted
+experts and Prometheus metrics. JSON only; sizes from the network are validated before anything
+is allocated; nothing is unpickled. Binds 127.0.0.1 unless told otherwise."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import threading
+import time
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, HTTPException
+from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel, Field
+
+from moecomm.errors import MoecommError
+from moecomm.protocol import SlotLayout, as_encoding
+from moecomm.runtime.server import MAX_SLOTS_PER_CLIENT, ExpertServer
+
+DEFAULT_HOST = "127.0.0.1"
+# Bounds on connect fields: generous for real models, small enough that a bad request cannot
+# make the server allocate absurd regions (the byte total is checked again by the server).
+MAX_TOKENS_LIMIT = 1 << 16
+MAX_HIDDEN = 1 << 16
+MAX_TOPK = 64
+MAX_HANDLE_LEN = 256
+HTTP_TIMEOUT_S = 10.0
+
+
+class LayoutModel(BaseModel):
+    max_tokens: int = Field(ge=1, le=MAX_TOKENS_LIMIT)
+    hidden: int = Field(ge=1, le=MAX_HIDDEN)
+    topk: int = Field(ge=1, le=MAX_TOPK)
+    encoding: str = Field(max_length=32)
+    out_encoding: str = Field(max_length=32)
+
+
+class ConnectModel(BaseModel):
+    client_id: int = Field(ge=0, lt=1 << 63)
+    client_handle: str = Field(min_length=1, max_length=MAX_HANDLE_LEN)
+    layout: LayoutModel
+    num_slots: int = Field(ge=1, le=MAX_SLOTS_PER_CLIENT)
+    token: str = Field(default="", max_length=256)
+
+
+class DisconnectModel(BaseModel):
+    client_id: int = Field(ge=0, lt=1 << 63)
+    token: str = Field(default="", max_length=256)
+
+
+def make_app(server: ExpertServer, token: str = "") -> FastAPI:
+    """The HTTP face of `server`. `token`, when set, must accompany connects and disconnects."""
+    app = FastAPI(title=f"moecomm expert server {server.server_id}")
+
+    def authorize(given: str) -> None:
+        if token and not hmac.compare_digest(given.encode(), token.encode()):
+            raise HTTPException(status_code=401, detail="bad or missing token")
+
+    @app.post("/connect")
+    def connect(body: ConnectModel):
+        authorize(body.token)
+        try:
+            layout = SlotLayout(
+                body.layout.max_tokens,
+                body.layout.hidden,
+                body.layout.topk,
+                as_encoding(body.layout.encoding),
+                as_encoding(body.layout.out_encoding),
+            )
+            return server.connect(body.client_id, body.client_handle, layout, body.num_slots)
+        except FileNotFoundError as exc:
+            raise HTTPException(status_code=404, detail=str(exc)) from exc
+        except (ValueError, MoecommError) as exc:
+            raise HTTPException(status_code=400, detail=str(exc)) from exc
+
+    @app.post("/disconnect")
+    def disconnect(body: DisconnectModel):
+        authorize(body.token)
+        return {"disconnected": server.disconnect(body.client_id)}
+
+    @app.get("/health")
+    def health():
+        result = server.health_check()
+        if not result["ok"]:
+            raise HTTPException(status_code=503, detail=result)
+        return {**result, "server_id": server.server_id, "clients": server.num_clients}
+
+    @app.get("/experts")
+    def experts():
+        load = [
+            {"layer": layer, "expert": expert, "tokens": n}
+            for (layer, expert), n in sorted(server.stats.expert_load.items())
+        ]
+        return {
+            "server_id": server.server_id,
+            "hidden": server.hidden,
+            "layers": server.hosted(),
+            "load": load,
+        }
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    def metrics():
+        s = server.stats
+        sid = server.server_id
+        lines = [
+            "# TYPE moecomm_server_requests_total counter",
+            f'moecomm_server_requests_total{{server="{sid}"}} {s.requests}',
+            "# TYPE moecomm_server_rejected_total counter",
+            f'moecomm_server_rejected_total{{server="{sid}"}} {s.rejected}',
+            "# TYPE moecomm_server_tokens_total counter",
+            f'moecomm_server_tokens_total{{server="{sid}"}} {s.tokens}',
+            "# TYPE moecomm_server_batches_total counter",
+            f'moecomm_server_batches_total{{server="{sid}"}} {s.batches}',
+            "# TYPE moecomm_server_busy_seconds_total counter",
+            f'moecomm_server_busy_seconds_total{{server="{sid}"}} {s.busy_s:.6f}',
+            "# TYPE moecomm_server_clients gauge",
+            f'moecomm_server_clients{{server="{sid}"}} {server.num_clients}',
+            "# TYPE moecomm_server_expert_tokens_total counter",
+        ]
+        for (layer, expert), n in sorted(s.expert_load.items()):
+            lines.append(
+                f'moecomm_server_expert_tokens_total{{server="{sid}",layer="{layer}",'
+                f'expert="{expert}"}} {n}'
+            )
+        return "\n".join(lines) + "\n"
+
+    return app
+
+
+class HttpServer:
+    """uvicorn in a background thread: the expert loop and the control plane share a process."""
+
+    def __init__(self, app: FastAPI, host: str = DEFAULT_HOST, port: int = 0):
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+
+    def start(self, timeout: float = 30.0) -> str:
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("the HTTP control plane did not start")
+            time.sleep(0.01)
+        sock = self._server.servers[0].sockets[0]
+        host, port = sock.getsockname()[:2]
+        return f"http://{host}:{port}"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout)
+
+
+def http_connect(
+    url: str,
+    client_id: int,
+    client_handle: str,
+    layout: SlotLayout,
+    num_slots: int,
+    token: str = "",
+    timeout: float = HTTP_TIMEOUT_S,
+) -> dict:
+    """Client side of the connect handshake. Raises ConnectionError naming the server."""
+    body = {
+        "client_id": client_id,
+        "client_handle": client_handle,
+        "layout": layout.to_dict(),
+        "num_slots": num_slots,
+        "token": token,
+    }
+    try:
+        r = httpx.post(f"{url}/connect", json=body, timeout=timeout)
+    except httpx.HTTPError as exc:
+        raise ConnectionError(f"connect to {url} failed: {exc}") from exc
+    if r.status_code != 200:
+        raise ConnectionError(f"connect to {url} refused ({r.status_code}): {r.text}")
+    return r.json()
+
+
+def http_disconnect(
+    url: str, client_id: int, token: str = "", timeout: float = HTTP_TIMEOUT_S
+) -> None:
+    # A server that cannot be reached is gone, and its slots went with it.
+    with contextlib.suppress(httpx.HTTPError):
+        httpx.post(
+            f"{url}/disconnect", json={"client_id": client_id, "token": token}, timeout=timeout
+        )

@@ -1,0 +1,99 @@
+"""Expert weights as a server hosts them, and the monolithic reference MoE layer.
+
+Weights use the Hugging-Face Mixtral / Qwen-MoE names and layouts: w1 = gate [I, H],
+w3 = up [I, H], w2 = down [H, I]. An expert computes ``w2 @ (silu(w1 @ x) * (w3 @ x))``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from moecomm.ops.grouped_gemm import expert_forward, stack_gate_up
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One expert's MLP: gate w1 [I, H], up w3 [I, H], down w2 [H, I]."""
+
+    w1: torch.Tensor
+    w3: torch.Tensor
+    w2: torch.Tensor
+
+    def __post_init__(self):
+        for name in ("w1", "w3", "w2"):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype not in _FLOAT_DTYPES:
+                got = t.shape if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name} must be a 2-D float tensor, got {got}")
+        i, h = self.w1.shape
+        if self.w3.shape != (i, h) or self.w2.shape != (h, i):
+            raise ValueError(
+                f"expert shapes disagree: w1 {list(self.w1.shape)}, w3 {list(self.w3.shape)} "
+                f"(expected [{i}, {h}]), w2 {list(self.w2.shape)} (expected [{h}, {i}])"
+            )
+        if not (self.w1.dtype == self.w3.dtype == self.w2.dtype):
+            raise ValueError("w1, w3 and w2 must share one dtype")
+
+    @property
+    def hidden(self) -> int:
+        return self.w1.shape[1]
+
+    @property
+    def intermediate(self) -> int:
+        return self.w1.shape[0]
+
+
+class LayerExperts:
+    """The experts of one layer that a server hosts. Local index i is logical expert
+    ``logical_ids[i]``; ids are sorted so every server numbers its experts the same way."""
+
+    def __init__(self, layer_id: int, experts: Mapping[int, ExpertWeights]):
+        if not experts:
+            raise ValueError(f"layer {layer_id}: a hosted layer needs at least one expert")
+        self.layer_id = int(layer_id)
+        self.logical_ids = sorted(int(e) for e in experts)
+        if self.logical_ids[0] < 0:
+            raise ValueError(f"layer {layer_id}: logical expert ids must be >= 0")
+        ws = [experts[e] for e in self.logical_ids]
+        shapes = {(w.hidden, w.intermediate, w.w1.dtype) for w in ws}
+        if len(shapes) != 1:
+            raise ValueError(f"layer {layer_id}: experts differ in shape or dtype: {shapes}")
+        self.hidden, self.intermediate, self.dtype = shapes.pop()
+        self.w13 = stack_gate_up(torch.stack([w.w1 for w in ws]), torch.stack([w.w3 for w in ws]))
+        self.w2 = torch.stack([w.w2 for w in ws]).contiguous()
+
+    @property
+    def num_local(self) -> int:
+        return len(self.logical_ids)
+
+    def forward(self, xs, ids, scores) -> list[torch.Tensor]:
+        """Server step for this layer: y_b = Σ_k score · expert_{ids[b]}(x_b), in float32."""
+        xs = [x if x.dtype == self.dtype else x.to(self.dtype) for x in xs]
+        return expert_forward(xs, ids, scores, self.w13, self.w2)
+
+
+def random_experts(
+    num_layers: int,
+    num_experts: int,
+    hidden: int,
+    intermediate: int,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> dict[int, dict[int, ExpertWeights]]:
+    """Deterministic random weights {layer: {expert: ExpertWeights}} for tests and benchmarks."""
+    g = torch.Generator().manual_seed(seed)
+    scale_in, scale_mid = hidden**-0.5, intermediate**-0.5
+    out: dict[int, dict[int, ExpertWeights]] = {}
+    for layer in range(num_layers):
+        out[layer] = {}
+        for e in range(num_experts):
+            w1 = (torch.randn(intermediate, hidden, generator=g) * scale_in).to(dtype)
+            w3 = (torch.randn(intermediate, hidden, generator=g) * scale_in).to(dtype)
+            w2 = (torch.randn(hidden, intermediate, generator=g) * scale_mid).to(dtype)
+            out[layer][e] = ExpertWeights(w1, w3, w2)
+    return out

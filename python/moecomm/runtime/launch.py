@@ -1,0 +1,95 @@
+"""Expert servers as processes: each one builds its experts from a seed (weights never cross a
+pipe), starts its loop and its HTTP control plane on 127.0.0.1, and reports its URL."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+from dataclasses import dataclass
+
+import torch
+
+from moecomm.runtime.control import HttpServer, make_app
+from moecomm.runtime.experts import random_experts
+from moecomm.runtime.server import ExpertServer
+
+STOP = "stop"
+START_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Deterministic random expert weights shared by every process of a test or benchmark."""
+
+    num_layers: int
+    num_experts: int
+    hidden: int
+    intermediate: int
+    seed: int = 0
+    dtype: str = "float32"
+
+    def experts(self):
+        return random_experts(
+            self.num_layers,
+            self.num_experts,
+            self.hidden,
+            self.intermediate,
+            self.seed,
+            getattr(torch, self.dtype),
+        )
+
+
+def _serve(
+    conn, spec: ModelSpec, hosted: dict, server_id: str, token: str, batching_window_s: float
+) -> None:
+    torch.set_num_threads(1)
+    all_experts = spec.experts()
+    experts = {layer: {e: all_experts[layer][e] for e in ids} for layer, ids in hosted.items()}
+    server = ExpertServer(experts, server_id, batching_window_s=batching_window_s)
+    http = HttpServer(make_app(server, token))
+    server.start()
+    conn.send(http.start())
+    with contextlib.suppress(EOFError):  # EOF: the parent died
+        conn.recv()
+    http.stop()
+    server.close()
+
+
+@dataclass
+class ServerProcess:
+    process: mp.Process
+    conn: object
+    url: str
+    server_id: str
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.process.is_alive():
+            with contextlib.suppress(BrokenPipeError, OSError):
+                self.conn.send(STOP)
+            self.process.join(timeout)
+        if self.process.is_alive():
+            os.kill(self.process.pid, signal.SIGKILL)
+            self.process.join(timeout)
+
+
+def spawn_expert_server(
+    spec: ModelSpec,
+    hosted: dict[int, list[int]],
+    server_id: str,
+    token: str = "",
+    batching_window_s: float = 0.0,
+) -> ServerProcess:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(
+        target=_serve, args=(child, spec, hosted, server_id, token, batching_window_s), daemon=True
+    )
+    p.start()
+    child.close()
+    if not parent.poll(START_TIMEOUT_S):
+        p.kill()
+        p.join()
+        raise RuntimeError(f"expert server {server_id} did not start in {START_TIMEOUT_S} s")
+    return ServerProcess(p, parent, parent.recv(), server_id)
