@@ -194,7 +194,7 @@ def grouped_mlp_contiguous_reference(x, offsets, w13, w2, scores=None) -> torch.
 
 def grouped_mlp_masked_reference(x, counts, w13, w2, scores=None) -> torch.Tensor:
     """Reference of the masked layout: rows at or past ``counts[e]`` come out zero."""
-    num_experts, _ = _check_masked_args(x, counts, w13, w2, scores)
+    _check_masked_args(x, counts, w13, w2, scores)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e, c in enumerate(counts.tolist()):
         if c:
