@@ -27,10 +27,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import format_table, percentile, time_calls, write_json  # noqa: E402
-
-from moecomm.ops import ShrunkGroups, expert_forward, grouped_mlp_contiguous  # noqa: E402
-from moecomm.ops.reorg import combine_rows, gather_tokens, reorganize  # noqa: E402
+from common import format_table, percentile, time_calls, write_json
+from moecomm.ops import ShrunkGroups, expert_forward, grouped_mlp_contiguous
+from moecomm.ops.reorg import combine_rows, gather_tokens, reorganize
 
 # Targets from the issue, as time ratios.
 _TARGET_VS_HF = 1 / 1.5

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from moecomm.ops.reorg import (
     combine_rows,
     combine_rows_reference,
@@ -74,7 +73,7 @@ CASES = [
 
 @pytest.mark.parametrize(("sizes", "experts", "topk", "routing"), CASES)
 def test_reorganize_matches_reference(sizes, experts, topk, routing):
-    xs, ids, scores = make_batches(sizes, experts, topk, routing=routing)
+    _, ids, scores = make_batches(sizes, experts, topk, routing=routing)
     before = [t.clone() for t in ids + scores]
     layout = reorganize(ids, scores, experts)
     assert_layouts_equal(layout, reorganize_reference(ids, scores, experts))
@@ -156,7 +155,7 @@ def _bad(ids=None, scores=None, num_experts=4):
             _bad(ids=[torch.zeros(3, 2, dtype=torch.int32), torch.zeros(2, 3, dtype=torch.int32)]),
             ValueError,
             "topk 2",
-        ),  # fmt: skip
+        ),
         (
             _bad(scores=[torch.zeros(3, 2), torch.zeros(2, 3)]),
             ValueError,
