@@ -62,7 +62,7 @@ def test_group_shrink_matches_reference(counts, block_m):
 
 
 def test_group_shrink_rejects_bad_arguments():
-    with pytest.raises(TypeError, match="int32 or torch.int64"):
+    with pytest.raises(TypeError, match=r"int32 or torch\.int64"):
         group_shrink(torch.zeros(3))
     with pytest.raises(ValueError, match="1 dimensions"):
         group_shrink(torch.zeros(2, 3, dtype=torch.int32))
@@ -218,5 +218,5 @@ def test_masked_rejects_bad_arguments():
         grouped_mlp_masked(x, torch.tensor([1, 5], dtype=torch.int32), w13, w2)
     with pytest.raises(ValueError, match=r"scores: expected shape \[2, 4\]"):
         grouped_mlp_masked(x, c, w13, w2, torch.rand(2, 3))
-    with pytest.raises(TypeError, match="expected a torch.Tensor"):
+    with pytest.raises(TypeError, match=r"expected a torch\.Tensor"):
         grouped_mlp_masked(x.tolist(), c, w13, w2)
