@@ -189,18 +189,18 @@ def test_combine_and_expert_forward(sizes, experts, topk, routing):
 def test_triton_entry_points_reject_bad_arguments():
     xs, ids, scores = routed([4], 3, 2)
     bo = torch.tensor([0, 4], device=DEVICE)
-    with pytest.raises(TypeError, match="ids: expected dtype torch.int32"):
+    with pytest.raises(TypeError, match=r"ids: expected dtype torch\.int32"):
         triton_reorganize(xs[0], ids[0].long(), scores[0], bo, 3)
     with pytest.raises(ValueError, match=r"shape \[4, K\] like x"):
         triton_reorganize(xs[0], ids[0][:3], scores[0][:3], bo, 3)
-    with pytest.raises(TypeError, match="batch_offsets: expected dtype torch.int64"):
+    with pytest.raises(TypeError, match=r"batch_offsets: expected dtype torch\.int64"):
         triton_reorganize(xs[0], ids[0], scores[0], bo.int(), 3)
-    with pytest.raises(TypeError, match="counts: expected dtype torch.int32"):
+    with pytest.raises(TypeError, match=r"counts: expected dtype torch\.int32"):
         triton_group_shrink(torch.zeros(3, dtype=torch.int64, device=DEVICE))
     w13, w2 = weights(3, torch.float32)
     with pytest.raises(ValueError, match=r"offsets: expected shape \[4\]"):
         triton_grouped_mlp_contiguous(xs[0], torch.zeros(3, dtype=torch.int64), w13, w2)
-    with pytest.raises(TypeError, match="w13: expected dtype torch.float16"):
+    with pytest.raises(TypeError, match=r"w13: expected dtype torch\.float16"):
         triton_grouped_mlp_masked(xs[0].half()[None].expand(3, 4, HIDDEN), bo.int(), w13, w2)
 
 
