@@ -10,6 +10,9 @@ y_b = Σ_k score · expert_k(x_b) over the experts it hosts. Contenders:
 - dense:     the bound: one dense MLP over the same number of rows with one expert's weights
              (same FLOPs, no routing, weights read once).
 
+Bytes: "wt GB/s" is the active experts' weights (3·H·I elements each) per median time of ours,
+the traffic a decode step cannot avoid; GFLOP/s counts 2·rows·3·H·I.
+
 Every run also checks correctness: hf_loop and walk_all must match ours (max |diff| column).
 Ratios are time ratios "contender / reference" (bench/common.py): ours/hf <= 0.67 meets the
 ≥ 1.5x-faster target, ours/dense <= 1.43 meets the ≥ 0.7x-of-bound target.
@@ -147,6 +150,8 @@ def run_case(case: Case, iters: int, warmup: int, seed: int) -> dict:
     for name, fn in contenders.items():
         med[name] = percentile(time_calls(fn, iters, warmup), 50) / 1e3
     flops = 2 * n_rows * case.hidden * 3 * case.inter
+    # Decode is bound by streaming the active experts' weights: report that rate too.
+    weight_bytes = active * 3 * case.hidden * case.inter * w13.element_size()
     return {
         "case": case.name,
         "tokens": sum(case.batch_sizes),
@@ -161,6 +166,7 @@ def run_case(case: Case, iters: int, warmup: int, seed: int) -> dict:
         "ours_over_walk": med["ours"] / med["walk_all"],
         "ours_over_dense": med["ours"] / med["dense"],
         "ours_gflops": flops / med["ours"] / 1e3,
+        "ours_weight_gbps": weight_bytes / med["ours"] / 1e3,
         "meets_hf_target": med["ours"] / med["hf_loop"] <= _TARGET_VS_HF,
         "meets_dense_target": med["ours"] / med["dense"] <= _TARGET_VS_DENSE,
         "maxdiff_hf": diff_hf,
@@ -180,6 +186,7 @@ COLUMNS = [
     ("ours_over_walk", "ours/walk", ".2f"),
     ("ours_over_dense", "ours/dense", ".2f"),
     ("ours_gflops", "GFLOP/s", ".1f"),
+    ("ours_weight_gbps", "wt GB/s", ".1f"),
     ("maxdiff_hf", "max|diff|", ".1e"),
 ]
 
