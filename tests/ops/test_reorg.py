@@ -135,6 +135,12 @@ def test_combine_matches_reference(sizes, experts, topk, routing):
     assert [g.shape[0] for g in got] == list(sizes)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+    # Half-precision rows are summed in float32 and rounded once: at most one bf16 ulp apart
+    # from the reference, whose float32 sum runs in k order instead of layout order.
+    got16 = combine_rows(rows.bfloat16(), layout)
+    for g, w in zip(got16, combine_rows_reference(rows.bfloat16(), layout), strict=True):
+        assert g.dtype == torch.bfloat16
+        torch.testing.assert_close(g, w, rtol=2**-8, atol=1e-6)
     # A token with no copy here comes back exactly zero.
     here = (layout.slot_of >= 0).any(dim=1)
     assert not torch.cat(got)[~here].any()

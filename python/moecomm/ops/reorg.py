@@ -244,7 +244,9 @@ def combine_rows(rows: torch.Tensor, layout: ExpertLayout) -> list[torch.Tensor]
         )
     if rows.dim() != 2 or rows.shape[0] != layout.num_rows:
         raise ValueError(f"rows: expected shape [{layout.num_rows}, H], got {list(rows.shape)}")
-    out = torch.zeros(layout.num_tokens, rows.shape[1], dtype=rows.dtype, device=rows.device)
+    # Half-precision rows are summed in float32, like the reference and the Triton kernel.
+    acc_dtype = torch.float32 if rows.dtype in (torch.float16, torch.bfloat16) else rows.dtype
+    out = torch.zeros(layout.num_tokens, rows.shape[1], dtype=acc_dtype, device=rows.device)
     # index_add_ on the CPU adds rows in layout order, so the result is deterministic.
-    out.index_add_(0, layout.src_token, rows)
-    return list(out.split(layout.batch_sizes))
+    out.index_add_(0, layout.src_token, rows.to(acc_dtype))
+    return list(out.to(rows.dtype).split(layout.batch_sizes))
