@@ -46,6 +46,9 @@ __all__ = [
     "stack_gate_up",
 ]
 
+# Experts with at most this many rows run in the native small-M kernel (moecomm._C), which
+# streams each weight row once; above it torch's packed GEMM amortizes its packing and wins.
+NATIVE_MAX_ROWS = 16
 # Rows per GEMM tile on the GPU: decode puts ~1-16 rows on an expert, and 16 is the smallest M
 # that tensor-core dots (and tl.dot) accept.
 DEFAULT_BLOCK_M = 16
@@ -222,10 +225,58 @@ def _mlp_into(
         out.mul_(scores[:, None].to(out.dtype))
 
 
-def _visit_list(groups: ShrunkGroups | None, counts: torch.Tensor) -> list[int]:
+def _visit_list(groups: ShrunkGroups | None, counts: torch.Tensor, num_experts: int) -> list[int]:
     if groups is None:
         groups = group_shrink(counts)
-    return groups.active_experts.tolist()
+    visit = groups.active_experts.tolist()
+    for e in visit:
+        if not 0 <= e < num_experts:
+            raise ValueError(f"groups: expected experts in [0, {num_experts}), got {e}")
+    return visit
+
+
+def _native_module():
+    """moecomm._C when its AVX2 expert-MLP kernel can run here, else None."""
+    try:
+        from moecomm import _C
+    except ImportError:  # a source checkout without the built extension: torch path only
+        return None
+    if not hasattr(_C, "expert_mlp_f32") or not _C.expert_mlp_has_avx2():
+        return None
+    return _C
+
+
+def _native_ok(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, scores) -> bool:
+    """The native kernel takes float32 CPU rows with unit column stride and dense weights."""
+    return (
+        x2d.device.type == "cpu"
+        and x2d.dtype == torch.float32
+        and x2d.stride(1) == 1
+        and w13.is_contiguous()
+        and w2.is_contiguous()
+        and (scores is None or scores.is_contiguous())
+    )
+
+
+def _split_native(visit: list[int], rows: list[int], native_ok: bool) -> tuple[list, list]:
+    if not native_ok or _native_module() is None:
+        return [], visit
+    small = [e for e in visit if rows[e] <= NATIVE_MAX_ROWS]
+    large = [e for e in visit if rows[e] > NATIVE_MAX_ROWS]
+    return small, large
+
+
+def _run_native(x2d, row_begin, row_count, experts, w13, w2, scores, out2d) -> None:
+    """Runs the listed experts in moecomm._C; every tensor stays referenced across the call."""
+    ex = torch.tensor(experts, dtype=torch.int32)
+    begin = row_begin.to(torch.int64).contiguous()
+    count = row_count.to(torch.int64).contiguous()
+    _native_module().expert_mlp_f32(
+        x2d.data_ptr(), x2d.stride(0), begin.data_ptr(), count.data_ptr(), ex.data_ptr(),
+        len(experts), w13.data_ptr(), w2.data_ptr(), 0 if scores is None else scores.data_ptr(),
+        out2d.data_ptr(), out2d.stride(0), out2d.shape[1], w2.shape[2],
+        torch.get_num_threads(),
+    )  # fmt: skip
 
 
 def grouped_mlp_contiguous(
@@ -254,9 +305,13 @@ def grouped_mlp_contiguous(
     num_experts, inter = _check_contiguous_args(x, offsets, w13, w2, scores)
     out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
     offs = offsets.tolist()
-    for e in _visit_list(groups, offsets[1:] - offsets[:-1]):
-        if not 0 <= e < num_experts:
-            raise ValueError(f"groups: expected experts in [0, {num_experts}), got {e}")
+    counts = offsets[1:] - offsets[:-1]
+    visit = _visit_list(groups, counts, num_experts)
+    rows = [offs[e + 1] - offs[e] for e in range(num_experts)]
+    small, large = _split_native(visit, rows, _native_ok(x, w13, w2, scores))
+    if small:
+        _run_native(x, offsets[:-1], counts, small, w13, w2, scores, out)
+    for e in large:
         s, t = offs[e], offs[e + 1]
         sc = None if scores is None else scores[s:t]
         _mlp_into(out[s:t], x[s:t], w13[e], w2[e], inter, sc)
@@ -281,9 +336,15 @@ def grouped_mlp_masked(
     num_experts, inter = _check_masked_args(x, counts, w13, w2, scores)
     out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
     cnt = counts.tolist()
-    for e in _visit_list(groups, counts):
-        if not 0 <= e < num_experts:
-            raise ValueError(f"groups: expected experts in [0, {num_experts}), got {e}")
+    visit = _visit_list(groups, counts, num_experts)
+    m_max = x.shape[1]
+    # The native kernel addresses expert e's rows as e * M_max + m of one [E * M_max, H] view.
+    flat_ok = x.stride(0) == m_max * x.stride(1) and _native_ok(x.flatten(0, 1), w13, w2, scores)
+    small, large = _split_native(visit, cnt, flat_ok)
+    if small:
+        begin = torch.arange(num_experts, dtype=torch.int64) * m_max
+        _run_native(x.flatten(0, 1), begin, counts, small, w13, w2, scores, out.flatten(0, 1))
+    for e in large:
         c = cnt[e]
         sc = None if scores is None else scores[e, :c]
         _mlp_into(out[e, :c], x[e, :c], w13[e], w2[e], inter, sc)
