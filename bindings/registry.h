@@ -9,5 +9,6 @@ void register_errors(pybind11::module_& m);
 void register_protocol(pybind11::module_& m);
 void register_transport(pybind11::module_& m);
 void register_slots(pybind11::module_& m);
+void register_kernels_moe(pybind11::module_& m);
 
 }  // namespace moecomm::bindings

@@ -2,6 +2,15 @@
 
 from moecomm.ops.combine import combine, combine_reference
 from moecomm.ops.dispatch import ExpertMap, ServerBatch, pack_dispatch, pack_dispatch_reference
+from moecomm.ops.grouped_gemm import (
+    DEFAULT_BLOCK_M,
+    ShrunkGroups,
+    expert_forward,
+    group_shrink,
+    grouped_mlp_contiguous,
+    grouped_mlp_masked,
+    stack_gate_up,
+)
 from moecomm.ops.quant import (
     dequantize,
     dequantize_reference,
@@ -11,21 +20,33 @@ from moecomm.ops.quant import (
     quantize_reference,
     scales_per_token,
 )
+from moecomm.ops.reorg import ExpertLayout, combine_rows, gather_tokens, reorganize
 from moecomm.ops.triton_quant import triton_quantize
 
 __all__ = [
+    "DEFAULT_BLOCK_M",
+    "ExpertLayout",
     "ExpertMap",
     "ServerBatch",
+    "ShrunkGroups",
     "combine",
     "combine_reference",
+    "combine_rows",
     "dequantize",
     "dequantize_reference",
     "encoding_dtype",
     "encoding_for_dtype",
+    "expert_forward",
+    "gather_tokens",
+    "group_shrink",
+    "grouped_mlp_contiguous",
+    "grouped_mlp_masked",
     "pack_dispatch",
     "pack_dispatch_reference",
     "quantize",
     "quantize_reference",
+    "reorganize",
     "scales_per_token",
+    "stack_gate_up",
     "triton_quantize",
 ]

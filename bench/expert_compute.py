@@ -1,0 +1,221 @@
+"""Expert-server compute for one decode step: ours (CPU path) against three baselines.
+
+Per case, one expert server receives B client batches (x_b, ids_b, scores_b) and produces
+y_b = Σ_k score · expert_k(x_b) over the experts it hosts. Contenders:
+
+- ours:      moecomm.ops.expert_forward (reorganize → group-shrink → grouped MLP → combine);
+- hf_loop:   the Hugging-Face Mixtral/Qwen-MoE block loop: one-hot mask, for each expert hit
+             torch.where + index + gate/up/down matmuls + index_add_;
+- walk_all:  our path visiting every hosted expert, empty ones included (no group-shrink);
+- dense:     the bound: one dense MLP over the same number of rows with one expert's weights
+             (same FLOPs, no routing, weights read once).
+
+Bytes: "wt GB/s" is the active experts' weights (3·H·I elements each) per median time of ours,
+the traffic a decode step cannot avoid; GFLOP/s counts 2·rows·3·H·I.
+
+Every run also checks correctness: hf_loop and walk_all must match ours (max |diff| column).
+Ratios are time ratios "contender / reference" (bench/common.py): ours/hf <= 0.67 meets the
+≥ 1.5x-faster target, ours/dense <= 1.43 meets the ≥ 0.7x-of-bound target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import format_table, percentile, time_calls, write_json
+from moecomm.ops import ShrunkGroups, expert_forward, grouped_mlp_contiguous
+from moecomm.ops.reorg import combine_rows, gather_tokens, reorganize
+
+# Targets from the issue, as time ratios.
+_TARGET_VS_HF = 1 / 1.5
+_TARGET_VS_DENSE = 1 / 0.7
+# Weight scale keeping activations O(1) through two layers.
+_WEIGHT_SCALE = 0.02
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    batch_sizes: tuple[int, ...]
+    hidden: int
+    inter: int
+    global_experts: int
+    hosted: int
+    topk: int
+    # Restrict routing to this many of the hosted experts (the "few active" case); 0 = random.
+    active_only: int = 0
+
+
+CASES = [
+    # Qwen3-30B-A3B expert shape, DeepSeek-V3 routing (top-8 of 256), 32 experts per server.
+    Case("decode 256 tok, 32/256 hosted", (96, 64, 64, 32), 2048, 768, 256, 32, 8),
+    # DeepSeek-V3 expert shape at fewer tokens, 8 experts per server.
+    Case("dsv3 shape 64 tok, 8/256 hosted", (24, 16, 16, 8), 7168, 2048, 256, 8, 8),
+    # One server hosting 256 experts of which 8 receive every token: shrinking matters.
+    Case("256 hosted, 8 active", (16, 8, 8, 0), 1024, 256, 256, 256, 8, active_only=8),
+]
+
+
+def make_inputs(case: Case, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    xs, ids, scores = [], [], []
+    for n in case.batch_sizes:
+        xs.append(torch.randn(n, case.hidden, generator=g))
+        logits = torch.rand(n, case.global_experts, generator=g)
+        if case.active_only:
+            # Only the first `active_only` experts can win: every token picks from those.
+            logits[:, case.active_only :] = -1.0
+        top = torch.topk(logits, case.topk, dim=1).indices
+        local = torch.where(top < case.hosted, top, torch.full_like(top, -1))
+        ids.append(local.to(torch.int32))
+        scores.append(torch.softmax(torch.rand(n, case.topk, generator=g), dim=1))
+    w13 = torch.randn(case.hosted, 2 * case.inter, case.hidden, generator=g) * _WEIGHT_SCALE
+    w2 = torch.randn(case.hosted, case.hidden, case.inter, generator=g) * _WEIGHT_SCALE
+    return xs, ids, scores, w13, w2
+
+
+def hf_loop(xs, ids, scores, w13, w2):
+    """The HF sparse-MoE block loop, given this server's local ids (-1 → an extra class)."""
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    x = torch.cat(xs)
+    sel = torch.cat(ids).long()
+    sel = torch.where(sel < 0, num_experts, sel)
+    weights = torch.cat(scores)
+    out = torch.zeros_like(x)
+    mask = F.one_hot(sel, num_classes=num_experts + 1).permute(2, 1, 0)
+    hit = torch.greater(mask[:num_experts].sum(dim=(-1, -2)), 0).nonzero()
+    for e in hit.squeeze(1).tolist():
+        idx, top_x = torch.where(mask[e])
+        cur = x[top_x]
+        h = F.silu(F.linear(cur, w13[e, :inter])) * F.linear(cur, w13[e, inter:])
+        y = F.linear(h, w2[e]) * weights[top_x, idx, None]
+        out.index_add_(0, top_x, y)
+    return list(out.split([t.shape[0] for t in xs]))
+
+
+def walk_all(xs, ids, scores, w13, w2):
+    """Our path without group-shrink: every hosted expert is visited, empty ones included."""
+    num_experts = w13.shape[0]
+    layout = reorganize(ids, scores, num_experts)
+    every = ShrunkGroups(
+        torch.arange(num_experts, dtype=torch.int32),
+        torch.zeros(num_experts, dtype=torch.int32),
+        torch.zeros(num_experts + 1, dtype=torch.int32),
+        1,
+    )
+    rows = grouped_mlp_contiguous(
+        gather_tokens(xs, layout), layout.offsets, w13, w2, layout.scores, groups=every
+    )
+    return combine_rows(rows, layout)
+
+
+def dense_bound(x_rows, w13_e, w2_e, inter):
+    h = torch.mm(x_rows, w13_e.t())
+    gate = h[:, :inter]
+    F.silu(gate, inplace=True)
+    gate.mul_(h[:, inter:])
+    return torch.mm(gate, w2_e.t())
+
+
+def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(
+        ((u - v).abs().max().item() if u.numel() else 0.0) for u, v in zip(a, b, strict=True)
+    )
+
+
+def run_case(case: Case, iters: int, warmup: int, seed: int) -> dict:
+    xs, ids, scores, w13, w2 = make_inputs(case, seed)
+    layout = reorganize(ids, scores, case.hosted)
+    n_rows = layout.num_rows
+    active = int((layout.counts > 0).sum())
+    x_dense = torch.randn(n_rows, case.hidden, generator=torch.Generator().manual_seed(seed + 1))
+    contenders = {
+        "ours": lambda: expert_forward(xs, ids, scores, w13, w2),
+        "hf_loop": lambda: hf_loop(xs, ids, scores, w13, w2),
+        "walk_all": lambda: walk_all(xs, ids, scores, w13, w2),
+        "dense": lambda: dense_bound(x_dense, w13[0], w2[0], case.inter),
+    }
+    ours_out = contenders["ours"]()
+    diff_hf = max_diff(ours_out, contenders["hf_loop"]())
+    diff_walk = max_diff(ours_out, contenders["walk_all"]())
+    med = {}
+    for name, fn in contenders.items():
+        med[name] = percentile(time_calls(fn, iters, warmup), 50) / 1e3
+    flops = 2 * n_rows * case.hidden * 3 * case.inter
+    # Decode is bound by streaming the active experts' weights: report that rate too.
+    weight_bytes = active * 3 * case.hidden * case.inter * w13.element_size()
+    return {
+        "case": case.name,
+        "tokens": sum(case.batch_sizes),
+        "rows": n_rows,
+        "active": active,
+        "hosted": case.hosted,
+        "ours_us": med["ours"],
+        "hf_us": med["hf_loop"],
+        "walk_us": med["walk_all"],
+        "dense_us": med["dense"],
+        "ours_over_hf": med["ours"] / med["hf_loop"],
+        "ours_over_walk": med["ours"] / med["walk_all"],
+        "ours_over_dense": med["ours"] / med["dense"],
+        "ours_gflops": flops / med["ours"] / 1e3,
+        "ours_weight_gbps": weight_bytes / med["ours"] / 1e3,
+        "meets_hf_target": med["ours"] / med["hf_loop"] <= _TARGET_VS_HF,
+        "meets_dense_target": med["ours"] / med["dense"] <= _TARGET_VS_DENSE,
+        "maxdiff_hf": diff_hf,
+        "maxdiff_walk": diff_walk,
+    }
+
+
+COLUMNS = [
+    ("case", "case", "s"),
+    ("rows", "rows", "d"),
+    ("active", "active", "d"),
+    ("ours_us", "ours us", ".0f"),
+    ("hf_us", "hf_loop us", ".0f"),
+    ("walk_us", "walk_all us", ".0f"),
+    ("dense_us", "dense us", ".0f"),
+    ("ours_over_hf", "ours/hf", ".2f"),
+    ("ours_over_walk", "ours/walk", ".2f"),
+    ("ours_over_dense", "ours/dense", ".2f"),
+    ("ours_gflops", "GFLOP/s", ".1f"),
+    ("ours_weight_gbps", "wt GB/s", ".1f"),
+    ("maxdiff_hf", "max|diff|", ".1e"),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--iters", type=int, default=15, help="timed calls per contender")
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls per contender")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    p.add_argument("--json", default=None, help="write results to this path")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    rows = [run_case(c, args.iters, args.warmup, args.seed) for c in CASES]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, medians")
+    print(format_table(rows, COLUMNS))
+    print(
+        f"targets: ours/hf <= {_TARGET_VS_HF:.2f} (>= 1.5x faster than the HF loop), "
+        f"ours/dense <= {_TARGET_VS_DENSE:.2f} (>= 0.7x of the dense bound)"
+    )
+    for r in rows:
+        misses = [k for k in ("meets_hf_target", "meets_dense_target") if not r[k]]
+        print(f"  {r['case']}: " + ("meets both" if not misses else "MISSES " + ", ".join(misses)))
+    print(f"total {time.perf_counter() - t0:.1f} s")
+    write_json(args.json, {"benchmark": "expert_compute", "args": vars(args), "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,319 @@
+"""Triton kernels of the expert path. Imported only by moecomm.ops.triton_moe, lazily, so that
+``import moecomm`` works where Triton is not installed.
+
+No kernel waits on another program: every cross-program quantity (per-tile histograms, their
+column prefix sums, the group-shrink scan) is produced by an earlier launch on the same stream.
+That is also what lets the Triton interpreter, which runs programs one after another, run them.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Sentinel for "past every tile" in the tile-map search: larger than any tile count we launch.
+_TILE_END_SENTINEL = 2**30
+
+
+@triton.jit
+def hist_kernel(
+    ids_ptr, hist_ptr, num_copies, num_experts, BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr
+):
+    """hist[tile, e] = copies of expert e among the BLOCK_A flat copies of this tile."""
+    pid = tl.program_id(0)
+    offs = pid * BLOCK_A + tl.arange(0, BLOCK_A)
+    ids = tl.load(ids_ptr + offs, mask=offs < num_copies, other=-1)
+    for e0 in range(0, num_experts, BLOCK_E):
+        e = e0 + tl.arange(0, BLOCK_E)
+        cnt = tl.sum((ids[:, None] == e[None, :]).to(tl.int32), axis=0)
+        tl.store(hist_ptr + pid * num_experts + e, cnt, mask=e < num_experts)
+
+
+@triton.jit
+def column_scan_kernel(
+    hist_ptr, prefix_ptr, counts_ptr, num_tiles, num_experts, BLOCK_E: tl.constexpr
+):
+    """prefix[tile, e] = Σ_{t < tile} hist[t, e]; counts[e] = Σ_t hist[t, e]."""
+    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    em = e < num_experts
+    run = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for t in range(0, num_tiles):
+        h = tl.load(hist_ptr + t * num_experts + e, mask=em, other=0)
+        tl.store(prefix_ptr + t * num_experts + e, run, mask=em)
+        run += h
+    tl.store(counts_ptr + e, run, mask=em)
+
+
+@triton.jit
+def shrink_kernel(
+    counts_ptr,
+    offsets_ptr,
+    active_ptr,
+    tile_counts_ptr,
+    tile_offsets_ptr,
+    totals_ptr,
+    num_experts,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """Group-shrink: one program scans the counts in chunks of BLOCK_E, carrying the totals.
+
+    Writes offsets[E+1] (row prefix sum), the compact active-expert list with its tile counts
+    and tile prefix sum, and totals = [num_active, num_tiles]."""
+    tl.store(offsets_ptr, tl.zeros([], dtype=tl.int64))
+    tl.store(tile_offsets_ptr, tl.zeros([], dtype=tl.int32))
+    rows = tl.zeros([], dtype=tl.int64)
+    n_active = tl.zeros([], dtype=tl.int32)
+    n_tiles = tl.zeros([], dtype=tl.int32)
+    for e0 in range(0, num_experts, BLOCK_E):
+        e = e0 + tl.arange(0, BLOCK_E)
+        em = e < num_experts
+        c = tl.load(counts_ptr + e, mask=em, other=0).to(tl.int32)
+        tl.store(offsets_ptr + 1 + e, rows + tl.cumsum(c, axis=0).to(tl.int64), mask=em)
+        act = (c > 0).to(tl.int32)
+        pos = n_active + tl.cumsum(act, axis=0) - act
+        tiles = (c + BLOCK_M - 1) // BLOCK_M
+        am = em & (c > 0)
+        tl.store(active_ptr + pos, e, mask=am)
+        tl.store(tile_counts_ptr + pos, tiles, mask=am)
+        tl.store(tile_offsets_ptr + 1 + pos, n_tiles + tl.cumsum(tiles, axis=0), mask=am)
+        rows += tl.sum(c, axis=0).to(tl.int64)
+        n_active += tl.sum(act, axis=0)
+        n_tiles += tl.sum(tiles, axis=0)
+    tl.store(totals_ptr, n_active)
+    tl.store(totals_ptr + 1, n_tiles)
+
+
+@triton.jit
+def tile_map_kernel(
+    tile_offsets_ptr,
+    active_ptr,
+    totals_ptr,
+    tile_expert_ptr,
+    tile_mblock_ptr,
+    max_tiles,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """For each tile id t < num_tiles: its expert and its block of rows inside that expert.
+    Tiles past num_tiles (the launch is sized by an upper bound) get expert -1."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    n_active = tl.load(totals_ptr)
+    n_tiles = tl.load(totals_ptr + 1)
+    a = tl.zeros([BLOCK_T], dtype=tl.int32)
+    for a0 in range(0, n_active, BLOCK_E):
+        j = a0 + tl.arange(0, BLOCK_E)
+        ends = tl.load(tile_offsets_ptr + 1 + j, mask=j < n_active, other=_TILE_END_SENTINEL)
+        a += tl.sum((ends[None, :] <= t[:, None]).to(tl.int32), axis=1)
+    valid = t < n_tiles
+    e = tl.load(active_ptr + a, mask=valid, other=-1)
+    first = tl.load(tile_offsets_ptr + a, mask=valid, other=0)
+    tl.store(tile_expert_ptr + t, e, mask=t < max_tiles)
+    tl.store(tile_mblock_ptr + t, tl.where(valid, t - first, 0), mask=t < max_tiles)
+
+
+@triton.jit
+def scatter_kernel(
+    ids_ptr,
+    scores_ptr,
+    x_ptr,
+    stride_xt,
+    stride_xh,
+    batch_offsets_ptr,
+    num_batches,
+    offsets_ptr,
+    prefix_ptr,
+    num_copies,
+    num_experts,
+    topk,
+    hidden,
+    out_x_ptr,
+    stride_ot,
+    src_token_ptr,
+    src_batch_ptr,
+    src_row_ptr,
+    src_k_ptr,
+    out_scores_ptr,
+    slot_of_ptr,
+    BLOCK_A: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Static grid over the flat copies of all batches (EaaS Algorithm 1): each program places
+    BLOCK_A copies at offsets[e] + (copies of e in earlier tiles) + (earlier in this tile), so
+    the order inside an expert is the flat order, and copies its rows of x there."""
+    pid = tl.program_id(0)
+    i = pid * BLOCK_A + tl.arange(0, BLOCK_A)
+    inb = i < num_copies
+    e = tl.load(ids_ptr + i, mask=inb, other=-1)
+    valid = e >= 0
+    j = tl.arange(0, BLOCK_A)
+    earlier = (e[:, None] == e[None, :]) & (j[None, :] < j[:, None])
+    rank = tl.sum(earlier.to(tl.int32), axis=1)
+    e_safe = tl.where(valid, e, 0)
+    base = tl.load(offsets_ptr + e_safe, mask=valid, other=0)
+    base += tl.load(prefix_ptr + pid * num_experts + e_safe, mask=valid, other=0)
+    pos = base + rank
+    token = i // topk
+    k = i - token * topk
+    # Batch of each copy: how many later batches start at or before its token.
+    batch = tl.zeros([BLOCK_A], dtype=tl.int32)
+    for b in range(1, num_batches):
+        batch += (tl.load(batch_offsets_ptr + b) <= token).to(tl.int32)
+    row = token - tl.load(batch_offsets_ptr + batch, mask=inb, other=0)
+    tl.store(src_token_ptr + pos, token.to(tl.int64), mask=valid)
+    tl.store(src_batch_ptr + pos, batch, mask=valid)
+    tl.store(src_row_ptr + pos, row.to(tl.int32), mask=valid)
+    tl.store(src_k_ptr + pos, k, mask=valid)
+    tl.store(out_scores_ptr + pos, tl.load(scores_ptr + i, mask=valid, other=0.0), mask=valid)
+    tl.store(slot_of_ptr + i, tl.where(valid, pos, -1), mask=inb)
+    src = x_ptr + token.to(tl.int64)[:, None] * stride_xt
+    dst = out_x_ptr + pos.to(tl.int64)[:, None] * stride_ot
+    for h0 in range(0, hidden, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        m = valid[:, None] & (h < hidden)[None, :]
+        v = tl.load(src + h[None, :] * stride_xh, mask=m)
+        tl.store(dst + h[None, :], v, mask=m)
+
+
+@triton.jit
+def _tile_rows(
+    tile_expert_ptr, tile_mblock_ptr, row_start_ptr, row_count_ptr, t, BLOCK_M: tl.constexpr
+):
+    e = tl.load(tile_expert_ptr + t)
+    mb = tl.load(tile_mblock_ptr + t)
+    m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = m < tl.load(row_count_ptr + e)
+    rows = (tl.load(row_start_ptr + e) + m).to(tl.int64)
+    return e.to(tl.int64), rows, rmask
+
+
+@triton.jit
+def gate_up_kernel(
+    x_ptr,
+    w13_ptr,
+    h_ptr,
+    tile_expert_ptr,
+    tile_mblock_ptr,
+    totals_ptr,
+    row_start_ptr,
+    row_count_ptr,
+    hidden,
+    inter,
+    stride_xe,
+    stride_xm,
+    stride_xk,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_he,
+    stride_hm,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """h[rows, n] = silu(x @ w1[e].T) * (x @ w3[e].T) for one tile of one active expert.
+
+    Row r of expert e sits at e * stride_?e + r * stride_?m: the contiguous layout passes
+    stride_?e = 0 and row_start = offsets, the masked layout its expert stride and row_start 0."""
+    t = tl.program_id(0)
+    if t >= tl.load(totals_ptr + 1):
+        return
+    e, rows, rmask = _tile_rows(
+        tile_expert_ptr, tile_mblock_ptr, row_start_ptr, row_count_ptr, t, BLOCK_M
+    )
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < inter
+    x_rows = x_ptr + e * stride_xe + rows[:, None] * stride_xm
+    w = w13_ptr + e * stride_we
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < hidden
+        a = tl.load(
+            x_rows + k[None, :] * stride_xk, mask=rmask[:, None] & kmask[None, :], other=0.0
+        )
+        wm = kmask[:, None] & nmask[None, :]
+        wg = tl.load(w + n[None, :] * stride_wn + k[:, None] * stride_wk, mask=wm, other=0.0)
+        wu = tl.load(
+            w + (n + inter)[None, :] * stride_wn + k[:, None] * stride_wk, mask=wm, other=0.0
+        )
+        acc_g = tl.dot(a, wg, acc_g)
+        acc_u = tl.dot(a, wu, acc_u)
+    out = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    dst = h_ptr + e * stride_he + rows[:, None] * stride_hm + n[None, :]
+    tl.store(dst, out.to(h_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def down_kernel(
+    h_ptr,
+    w2_ptr,
+    y_ptr,
+    scores_ptr,
+    tile_expert_ptr,
+    tile_mblock_ptr,
+    totals_ptr,
+    row_start_ptr,
+    row_count_ptr,
+    hidden,
+    inter,
+    stride_he,
+    stride_hm,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_ye,
+    stride_ym,
+    stride_se,
+    stride_sm,
+    HAS_SCORES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """y[rows, n] = score * (h @ w2[e].T) for one tile of one active expert."""
+    t = tl.program_id(0)
+    if t >= tl.load(totals_ptr + 1):
+        return
+    e, rows, rmask = _tile_rows(
+        tile_expert_ptr, tile_mblock_ptr, row_start_ptr, row_count_ptr, t, BLOCK_M
+    )
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < hidden
+    h_rows = h_ptr + e * stride_he + rows[:, None] * stride_hm
+    w = w2_ptr + e * stride_we
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < inter
+        a = tl.load(h_rows + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(
+            w + n[None, :] * stride_wn + k[:, None] * stride_wk,
+            mask=kmask[:, None] & nmask[None, :],
+            other=0.0,
+        )
+        acc = tl.dot(a, b, acc)
+    if HAS_SCORES:
+        s = tl.load(scores_ptr + e * stride_se + rows * stride_sm, mask=rmask, other=0.0)
+        acc = acc * s[:, None]
+    dst = y_ptr + e * stride_ye + rows[:, None] * stride_ym + n[None, :]
+    tl.store(dst, acc.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def combine_kernel(
+    rows_ptr, slot_of_ptr, y_ptr, topk, hidden, stride_rm, stride_ym, BLOCK_H: tl.constexpr
+):
+    """y[t, :] = Σ_k rows[slot_of[t, k], :], summed in k order in float32."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hm = h < hidden
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for k in range(0, topk):
+        s = tl.load(slot_of_ptr + t * topk + k)
+        # Broadcast the scalar test to the vector so the mask is one boolean block.
+        here = (h.to(tl.int64) * 0 + s) >= 0
+        v = tl.load(rows_ptr + s * stride_rm + h, mask=hm & here, other=0.0)
+        acc += v.to(tl.float32)
+    tl.store(y_ptr + t * stride_ym + h, acc.to(y_ptr.dtype.element_ty), mask=hm)

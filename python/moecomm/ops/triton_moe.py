@@ -1,0 +1,323 @@
+"""Triton path of the expert server: reorganization, group-shrink and the grouped MLP.
+
+Same layouts and results as :mod:`moecomm.ops.reorg` and :mod:`moecomm.ops.grouped_gemm`
+(those are the references the tests compare against). Triton is imported lazily, inside the
+functions. On a machine without a GPU the kernels run under ``TRITON_INTERPRET=1`` on CPU
+tensors, in float32/float16 only: the interpreter computes bfloat16 dots wrongly.
+
+Differences from the CPU path, by design:
+
+- the batches arrive already concatenated (``x [T, H]``, ``ids [T, K]``, ``scores [T, K]`` and
+  ``batch_offsets [B + 1]``): on the GPU the server dequantizes every request slot into one
+  buffer, and the kernels' static grid walks that flat list of copies, so an empty batch costs
+  no program;
+- launch sizes come from upper bounds known on the host (``T * K`` copies, ``N // BLOCK_M + E``
+  tiles); the grouped MLP reads the real tile count from the device and surplus programs exit.
+  Only :func:`triton_reorganize` synchronizes once, to size its ``[N]`` outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moecomm.ops._checks import check_num_experts, check_tensor, check_weights
+from moecomm.ops.grouped_gemm import DEFAULT_BLOCK_M, ShrunkGroups
+from moecomm.ops.reorg import ExpertLayout
+
+__all__ = [
+    "TileMap",
+    "triton_combine",
+    "triton_expert_forward",
+    "triton_group_shrink",
+    "triton_grouped_mlp_contiguous",
+    "triton_grouped_mlp_masked",
+    "triton_reorganize",
+]
+
+# Copies per reorganization program: the in-tile rank is a BLOCK_A x BLOCK_A compare, so this
+# stays small; 64 keeps that matrix at 4096 lanes.
+_BLOCK_A = 64
+# Experts per chunk of the histogram / scan loops: one warp-wide vector of counts per step.
+_BLOCK_E = 64
+# Hidden elements moved per step of the row copy and the combine.
+_BLOCK_H = 128
+# Tiles resolved per program of the tile map.
+_BLOCK_T = 64
+# GEMM tile: N and K of 32 are the smallest tl.dot shapes that keep the interpreter fast; a GPU
+# build would autotune these.
+_BLOCK_N = 32
+_BLOCK_K = 32
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _kernels():
+    from moecomm.ops import _triton_moe_kernels
+
+    return _triton_moe_kernels
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class TileMap:
+    """Group-shrink output in device memory, sized by host-known upper bounds.
+
+    Attributes:
+        groups: active experts, tile counts and tile offsets (first ``num_active`` entries valid).
+        offsets: ``[E + 1]`` int64 row prefix sum of the counts.
+        tile_expert: ``[max_tiles]`` int32, expert of each tile, -1 past ``num_tiles``.
+        tile_mblock: ``[max_tiles]`` int32, block of BLOCK_M rows inside that expert.
+        totals: ``[2]`` int32, ``[num_active, num_tiles]``.
+    """
+
+    groups: ShrunkGroups
+    offsets: torch.Tensor
+    tile_expert: torch.Tensor
+    tile_mblock: torch.Tensor
+    totals: torch.Tensor
+
+
+def triton_group_shrink(
+    counts: torch.Tensor, block_m: int = DEFAULT_BLOCK_M, max_tiles: int | None = None
+) -> TileMap:
+    """Prefix scan of per-expert counts into the active-expert list and a tile map.
+
+    Args:
+        counts: ``[E]`` int32 rows per expert (device tensor; never read on the host).
+        block_m: rows per tile.
+        max_tiles: upper bound on the tiles; default ``E * ceil(max_rows / block_m)`` is not
+            known without a sync, so callers pass ``N // block_m + E`` (contiguous) or
+            ``E * ceil(M_max / block_m)`` (masked). Default: one sync to compute it exactly.
+    """
+    check_tensor("counts", counts, dtypes=[torch.int32], dim=1)
+    if not isinstance(block_m, int) or block_m <= 0:
+        raise ValueError(f"block_m: expected a positive int, got {block_m!r}")
+    k = _kernels()
+    dev, num_experts = counts.device, counts.shape[0]
+    counts = counts.contiguous()
+    if max_tiles is None:
+        max_tiles = int(((counts + block_m - 1) // block_m).sum()) if num_experts else 0
+    offsets = torch.empty(num_experts + 1, dtype=torch.int64, device=dev)
+    active = torch.full((num_experts,), -1, dtype=torch.int32, device=dev)
+    tile_counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
+    tile_offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=dev)
+    totals = torch.zeros(2, dtype=torch.int32, device=dev)
+    k.shrink_kernel[(1,)](
+        counts, offsets, active, tile_counts, tile_offsets, totals, num_experts,
+        BLOCK_M=block_m, BLOCK_E=_BLOCK_E,
+    )  # fmt: skip
+    tile_expert = torch.empty(max_tiles, dtype=torch.int32, device=dev)
+    tile_mblock = torch.empty(max_tiles, dtype=torch.int32, device=dev)
+    if max_tiles:
+        k.tile_map_kernel[(_cdiv(max_tiles, _BLOCK_T),)](
+            tile_offsets, active, totals, tile_expert, tile_mblock, max_tiles,
+            BLOCK_T=_BLOCK_T, BLOCK_E=_BLOCK_E,
+        )  # fmt: skip
+    groups = ShrunkGroups(active, tile_counts, tile_offsets, block_m)
+    return TileMap(groups, offsets, tile_expert, tile_mblock, totals)
+
+
+def _check_flat(x, ids, scores, batch_offsets, num_experts) -> None:
+    check_num_experts(num_experts)
+    check_tensor("x", x, dtypes=_FLOAT_DTYPES, dim=2)
+    check_tensor("ids", ids, dtypes=[torch.int32], dim=2, device=x.device)
+    check_tensor("scores", scores, dtypes=[torch.float32], dim=2, device=x.device)
+    check_tensor("batch_offsets", batch_offsets, dtypes=[torch.int64], dim=1, device=x.device)
+    if ids.shape[0] != x.shape[0] or scores.shape != ids.shape:
+        raise ValueError(
+            f"expected ids and scores of shape [{x.shape[0]}, K] like x, "
+            f"got ids {list(ids.shape)}, scores {list(scores.shape)}"
+        )
+    if batch_offsets.shape[0] < 2:
+        raise ValueError(
+            f"batch_offsets: expected [B + 1] with B >= 1, got {list(batch_offsets.shape)}"
+        )
+
+
+def triton_reorganize(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    scores: torch.Tensor,
+    batch_offsets: torch.Tensor,
+    num_experts: int,
+) -> tuple[ExpertLayout, torch.Tensor]:
+    """Reorganization (Triton): the layout of :func:`moecomm.ops.reorg.reorganize` and the rows
+    of x gathered into it.
+
+    Args:
+        x: ``[T, H]`` activations of all batches, concatenated (any strides).
+        ids: ``[T, K]`` int32 local expert ids or -1; scores: ``[T, K]`` float32.
+        batch_offsets: ``[B + 1]`` int64, first token of each batch, ``batch_offsets[B] == T``.
+        num_experts: E.
+
+    Returns:
+        ``(layout, x_rows [N, H])``, bit-identical to the torch path.
+    """
+    _check_flat(x, ids, scores, batch_offsets, num_experts)
+    k = _kernels()
+    dev = x.device
+    num_tokens, topk = ids.shape
+    hidden = x.shape[1]
+    num_copies = num_tokens * topk
+    ids_flat = ids.contiguous().view(-1)
+    num_atiles = max(1, _cdiv(num_copies, _BLOCK_A))
+    hist = torch.empty(num_atiles, num_experts, dtype=torch.int32, device=dev)
+    prefix = torch.empty_like(hist)
+    counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    k.hist_kernel[(num_atiles,)](ids_flat, hist, num_copies, num_experts,
+                                 BLOCK_A=_BLOCK_A, BLOCK_E=_BLOCK_E)  # fmt: skip
+    k.column_scan_kernel[(_cdiv(num_experts, _BLOCK_E),)](
+        hist, prefix, counts, num_atiles, num_experts, BLOCK_E=_BLOCK_E
+    )
+    tiles = triton_group_shrink(counts, DEFAULT_BLOCK_M, max_tiles=0)
+    # The one host sync of the path: the [N] outputs are sized by the number of copies.
+    num_rows = int(tiles.offsets[-1])
+    x_rows = torch.empty(num_rows, hidden, dtype=x.dtype, device=dev)
+    src_token = torch.empty(num_rows, dtype=torch.int64, device=dev)
+    src_batch = torch.empty(num_rows, dtype=torch.int32, device=dev)
+    src_row = torch.empty(num_rows, dtype=torch.int32, device=dev)
+    src_k = torch.empty(num_rows, dtype=torch.int32, device=dev)
+    out_scores = torch.empty(num_rows, dtype=torch.float32, device=dev)
+    slot_of = torch.empty(num_tokens, topk, dtype=torch.int64, device=dev)
+    if num_copies:
+        k.scatter_kernel[(num_atiles,)](
+            ids_flat, scores.contiguous().view(-1), x, x.stride(0), x.stride(1), batch_offsets,
+            batch_offsets.shape[0] - 1, tiles.offsets, prefix, num_copies, num_experts, topk,
+            hidden, x_rows, hidden, src_token, src_batch, src_row, src_k, out_scores, slot_of,
+            BLOCK_A=_BLOCK_A, BLOCK_H=_BLOCK_H,
+        )  # fmt: skip
+    layout = ExpertLayout(
+        num_experts=num_experts, topk=topk, counts=counts, offsets=tiles.offsets,
+        src_batch=src_batch, src_row=src_row, src_k=src_k, src_token=src_token,
+        scores=out_scores, batch_offsets=batch_offsets, slot_of=slot_of,
+    )  # fmt: skip
+    return layout, x_rows
+
+
+def _launch_mlp(x3, counts, row_start, w13, w2, scores3, out3, inter, max_tiles, block_m):
+    """x3/out3/scores3 are viewed as [E or 1, rows, ...] with expert stride 0 for contiguous."""
+    k = _kernels()
+    tiles = triton_group_shrink(counts, block_m, max_tiles=max_tiles)
+    if max_tiles == 0:
+        return
+    hidden = x3.shape[2]
+    h = torch.empty(x3.shape[0], x3.shape[1], inter, dtype=x3.dtype, device=x3.device)
+    se_x = x3.stride(0) if x3.shape[0] > 1 else 0
+    se_h = h.stride(0) if h.shape[0] > 1 else 0
+    k.gate_up_kernel[(max_tiles, _cdiv(inter, _BLOCK_N))](
+        x3, w13, h, tiles.tile_expert, tiles.tile_mblock, tiles.totals, row_start, counts,
+        hidden, inter, se_x, x3.stride(1), x3.stride(2), w13.stride(0), w13.stride(1),
+        w13.stride(2), se_h, h.stride(1),
+        BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
+    )  # fmt: skip
+    se_y = out3.stride(0) if out3.shape[0] > 1 else 0
+    has_scores = scores3 is not None
+    s = scores3 if has_scores else out3
+    se_s = scores3.stride(0) if has_scores and scores3.shape[0] > 1 else 0
+    sm_s = scores3.stride(1) if has_scores else 0
+    k.down_kernel[(max_tiles, _cdiv(hidden, _BLOCK_N))](
+        h, w2, out3, s, tiles.tile_expert, tiles.tile_mblock, tiles.totals, row_start, counts,
+        hidden, inter, se_h, h.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), se_y,
+        out3.stride(1), se_s, sm_s,
+        HAS_SCORES=has_scores, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
+    )  # fmt: skip
+
+
+def triton_grouped_mlp_contiguous(
+    x: torch.Tensor,
+    offsets: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    scores: torch.Tensor | None = None,
+    *,
+    block_m: int = DEFAULT_BLOCK_M,
+) -> torch.Tensor:
+    """Triton twin of :func:`moecomm.ops.grouped_gemm.grouped_mlp_contiguous`.
+
+    ``x [N, H]`` rows sorted by expert, ``offsets [E + 1]`` int64 (device), ``w13 [E, 2I, H]``,
+    ``w2 [E, H, I]``, optional ``scores [N]`` float32. Returns ``[N, H]`` in x's dtype. The
+    offsets are trusted (not read on the host): they come from the reorganization.
+    """
+    check_tensor("x", x, dtypes=_FLOAT_DTYPES, dim=2)
+    num_experts, inter = check_weights(w13, w2, x.shape[1], x.dtype, x.device)
+    check_tensor("offsets", offsets, dtypes=[torch.int64], dim=1, device=x.device)
+    if offsets.shape[0] != num_experts + 1:
+        raise ValueError(f"offsets: expected shape [{num_experts + 1}], got {list(offsets.shape)}")
+    if scores is not None:
+        check_tensor("scores", scores, dtypes=[torch.float32], dim=1, device=x.device)
+        if scores.shape[0] != x.shape[0]:
+            raise ValueError(f"scores: expected shape [{x.shape[0]}], got {list(scores.shape)}")
+    counts = (offsets[1:] - offsets[:-1]).to(torch.int32)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    # Each active expert adds at most one partial tile to the N // block_m full ones.
+    max_tiles = x.shape[0] // block_m + min(num_experts, x.shape[0])
+    _launch_mlp(x[None], counts, offsets, w13, w2, None if scores is None else scores[None],
+                out[None], inter, max_tiles, block_m)  # fmt: skip
+    return out
+
+
+def triton_grouped_mlp_masked(
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    scores: torch.Tensor | None = None,
+    *,
+    block_m: int = DEFAULT_BLOCK_M,
+) -> torch.Tensor:
+    """Triton twin of :func:`moecomm.ops.grouped_gemm.grouped_mlp_masked`: ``x [E, M_max, H]``,
+    ``counts [E]`` int32 (device, trusted to be <= M_max), optional ``scores [E, M_max]``."""
+    check_tensor("x", x, dtypes=_FLOAT_DTYPES, dim=3)
+    num_experts, inter = check_weights(w13, w2, x.shape[2], x.dtype, x.device)
+    if x.shape[0] != num_experts:
+        raise ValueError(f"x: expected {num_experts} experts in dim 0, got shape {list(x.shape)}")
+    check_tensor("counts", counts, dtypes=[torch.int32], dim=1, device=x.device)
+    if counts.shape[0] != num_experts:
+        raise ValueError(f"counts: expected shape [{num_experts}], got {list(counts.shape)}")
+    if scores is not None:
+        check_tensor("scores", scores, dtypes=[torch.float32], dim=2, device=x.device)
+        if scores.shape != x.shape[:2]:
+            raise ValueError(
+                f"scores: expected shape {list(x.shape[:2])}, got {list(scores.shape)}"
+            )
+    out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+    row_start = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
+    max_tiles = num_experts * _cdiv(x.shape[1], block_m)
+    _launch_mlp(x, counts.contiguous(), row_start, w13, w2, scores, out, inter, max_tiles,
+                block_m)  # fmt: skip
+    return out
+
+
+def triton_combine(rows: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+    """``y[t] = Σ_k rows[slot_of[t, k]]`` for all T tokens, summed in k order in float32."""
+    check_tensor("rows", rows, dtypes=_FLOAT_DTYPES, dim=2)
+    num_tokens, topk = layout.slot_of.shape
+    hidden = rows.shape[1]
+    rows = rows.contiguous()
+    y = torch.empty(num_tokens, hidden, dtype=rows.dtype, device=rows.device)
+    if num_tokens and hidden:
+        _kernels().combine_kernel[(num_tokens, _cdiv(hidden, _BLOCK_H))](
+            rows, layout.slot_of.contiguous(), y, topk, hidden, rows.stride(0), y.stride(0),
+            BLOCK_H=_BLOCK_H,
+        )  # fmt: skip
+    return y
+
+
+def triton_expert_forward(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    scores: torch.Tensor,
+    batch_offsets: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+) -> list[torch.Tensor]:
+    """The whole server step on the Triton path over concatenated batches; returns one
+    ``[n_b, H]`` view per batch, like :func:`moecomm.ops.grouped_gemm.expert_forward`."""
+    check_tensor("w13", w13, dtypes=_FLOAT_DTYPES, dim=3)
+    layout, x_rows = triton_reorganize(x, ids, scores, batch_offsets, int(w13.shape[0]))
+    rows = triton_grouped_mlp_contiguous(x_rows, layout.offsets, w13, w2, layout.scores)
+    return list(triton_combine(rows, layout).split(layout.batch_sizes))
