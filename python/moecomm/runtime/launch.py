@@ -92,4 +92,11 @@ def spawn_expert_server(
         p.kill()
         p.join()
         raise RuntimeError(f"expert server {server_id} did not start in {START_TIMEOUT_S} s")
-    return ServerProcess(p, parent, parent.recv(), server_id)
+    try:
+        url = parent.recv()
+    except EOFError:
+        p.join(START_TIMEOUT_S)
+        raise RuntimeError(
+            f"expert server {server_id} exited during start-up (exit code {p.exitcode})"
+        ) from None
+    return ServerProcess(p, parent, url, server_id)
