@@ -33,6 +33,7 @@ class DispatchHandle:
     # (server index, sequence number, token_index) for every server contacted, in server order
     sent: list
     out_dtype: torch.dtype
+    replica: torch.Tensor | None = None  # the replica ordinal chosen for each logical expert
     done: bool = False
 
 
@@ -155,13 +156,9 @@ class AttentionClient:
             raise ValueError(f"{x.shape[0]} tokens exceed max_tokens {self.layout.max_tokens}")
         slot = self._take_slot()
         try:
+            replica = self._replicas(emap, topk_ids)
             batches = pack_dispatch(
-                x,
-                topk_ids,
-                topk_weights,
-                emap,
-                encoding=self.encoding,
-                replica=self._replicas(emap, topk_ids),
+                x, topk_ids, topk_weights, emap, encoding=self.encoding, replica=replica
             )
             sent = []
             for b in batches:
@@ -184,7 +181,7 @@ class AttentionClient:
         except Exception:
             self._busy[slot] = False
             raise
-        return DispatchHandle(slot, layer_id, x.shape[0], sent, self.out_dtype)
+        return DispatchHandle(slot, layer_id, x.shape[0], sent, self.out_dtype, replica)
 
     def combine(self, handle: DispatchHandle, timeout: float | None = None) -> torch.Tensor:
         """Waits for every server of `handle` and sums their partial results (server order)."""

@@ -42,12 +42,20 @@ class ModelSpec:
 
 
 def _serve(
-    conn, spec: ModelSpec, hosted: dict, server_id: str, token: str, batching_window_s: float
+    conn,
+    spec: ModelSpec,
+    hosted: dict,
+    server_id: str,
+    token: str,
+    batching_window_s: float,
+    link_delay_s: float,
 ) -> None:
     torch.set_num_threads(1)
     all_experts = spec.experts()
     experts = {layer: {e: all_experts[layer][e] for e in ids} for layer, ids in hosted.items()}
-    server = ExpertServer(experts, server_id, batching_window_s=batching_window_s)
+    server = ExpertServer(
+        experts, server_id, batching_window_s=batching_window_s, link_delay_s=link_delay_s
+    )
     http = HttpServer(make_app(server, token))
     server.start()
     conn.send(http.start())
@@ -80,12 +88,12 @@ def spawn_expert_server(
     server_id: str,
     token: str = "",
     batching_window_s: float = 0.0,
+    link_delay_s: float = 0.0,
 ) -> ServerProcess:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    p = ctx.Process(
-        target=_serve, args=(child, spec, hosted, server_id, token, batching_window_s), daemon=True
-    )
+    args = (child, spec, hosted, server_id, token, batching_window_s, link_delay_s)
+    p = ctx.Process(target=_serve, args=args, daemon=True)
     p.start()
     child.close()
     if not parent.poll(START_TIMEOUT_S):

@@ -53,6 +53,7 @@ class ExpertServer:
         server_id: str = "expert-server",
         transport: Transport | None = None,
         batching_window_s: float = 0.0,
+        link_delay_s: float = 0.0,
     ):
         if not experts:
             raise ValueError("an expert server needs at least one hosted layer")
@@ -66,6 +67,10 @@ class ExpertServer:
         self.hidden = hidden.pop()
         self.transport = transport or ShmTransport()
         self.batching_window_s = batching_window_s
+        if link_delay_s < 0:
+            raise ValueError(f"link_delay_s must be >= 0, got {link_delay_s}")
+        # Benchmarks only: emulates a network link of this one-way delay (see _DelayedLink).
+        self._link = _DelayedLink(link_delay_s) if link_delay_s > 0 else None
         self.doorbell = self.transport.create_region(_C.DOORBELL_BYTES)
         self.stats = ServerStats()
         self._channels: dict[int, ServerChannel] = {}
@@ -138,16 +143,24 @@ class ExpertServer:
         Returns how many requests were answered (errors included)."""
         seen = self.transport.load(self.doorbell, 0)
         ready = self._poll()
+        if self._link is not None:
+            ready = self._link.arrive(ready)
+            timeout = min(timeout, self._link.next_event_in())
         if not ready:
             status, _ = _C.wait_doorbell(self.transport, self.doorbell, seen, int(timeout * 1e9))
-            if status == WaitStatus.TIMEOUT:
+            if status == WaitStatus.TIMEOUT and self._link is None:
                 self._drop_dead_clients()
                 return 0
             ready = self._poll()
-        if ready and self.batching_window_s > 0:
+            if self._link is not None:
+                ready = self._link.arrive(ready)
+        if ready and self.batching_window_s > 0 and self._link is None:
             time.sleep(self.batching_window_s)
             ready = self._poll()
-        return self._serve(ready)
+        served = self._serve(ready)
+        if self._link is not None:
+            self._link.flush()
+        return served
 
     def _poll(self) -> list[tuple[ServerChannel, Request]]:
         with self._lock:
@@ -228,7 +241,11 @@ class ExpertServer:
         self.stats.batches += 1
         counts = torch.zeros(layer.num_local, dtype=torch.int64)
         for (ch, req), y in zip(items, ys, strict=True):
-            ch.respond(req, y.to(ENCODING_DTYPE[ch.layout.out_encoding]))
+            y = y.to(ENCODING_DTYPE[ch.layout.out_encoding])
+            if self._link is not None:
+                self._link.send_later(ch, req, y)
+            else:
+                ch.respond(req, y)
             self.stats.requests += 1
             self.stats.tokens += req.num_tokens
             valid = req.expert_ids[req.expert_ids >= 0].to(torch.int64)
@@ -279,3 +296,48 @@ class ExpertServer:
         ms = (time.perf_counter() - start) * 1e3
         ok = bool(torch.isfinite(y).all())
         return {"ok": ok, "layer": layer_id, "expert": layer.logical_ids[0], "forward_ms": ms}
+
+
+class _DelayedLink:
+    """Emulates a network link with a fixed one-way delay, for the overlap benchmark: a request
+    becomes visible `delay` after it was first seen, and a response is written `delay` after it
+    was computed. Requests and responses in flight overlap their delays, as on a real link."""
+
+    def __init__(self, delay_s: float):
+        self.delay = delay_s
+        self._inbound: dict[tuple, tuple[float, ServerChannel, Request]] = {}
+        self._outbound: list[tuple[float, ServerChannel, Request, torch.Tensor]] = []
+        self._answered: set[tuple] = set()
+
+    def arrive(self, ready):
+        now = time.monotonic()
+        for ch, req in ready:
+            key = (ch.client_id, req.slot, req.seq)
+            if key not in self._inbound and key not in self._answered:
+                self._inbound[key] = (now + self.delay, ch, req)
+        due = [k for k, (t, _, _) in self._inbound.items() if t <= now]
+        out = []
+        for k in due:
+            _, ch, req = self._inbound.pop(k)
+            self._answered.add(k)
+            out.append((ch, req))
+        return out
+
+    def send_later(self, ch, req, y) -> None:
+        self._outbound.append((time.monotonic() + self.delay, ch, req, y.clone()))
+
+    def flush(self) -> None:
+        now = time.monotonic()
+        keep = []
+        for item in self._outbound:
+            t, ch, req, y = item
+            if t <= now:
+                ch.respond(req, y)
+                self._answered.discard((ch.client_id, req.slot, req.seq))
+            else:
+                keep.append(item)
+        self._outbound = keep
+
+    def next_event_in(self) -> float:
+        times = [t for t, _, _ in self._inbound.values()] + [t for t, *_ in self._outbound]
+        return max(0.0, min(times) - time.monotonic()) if times else float("inf")
