@@ -14,6 +14,7 @@ from moecomm.protocol import SlotState, make_signal
 from moecomm.slots import ClientChannel, ServerChannel
 from moecomm.testing import make_pattern, spawn_identity_server
 from moecomm.transport import region_bytes_view
+from proc_helpers import stop_process
 
 LAYOUT = moecomm.SlotLayout(max_tokens=4, hidden=32, topk=2)
 CLIENT = 21
@@ -41,7 +42,7 @@ def test_killed_server_gives_a_clear_error_fast_and_leaks_nothing(transport, rea
     seq, x = send_pattern(client)
     assert torch.equal(client.wait(0, seq, 20).activations, x)
     # Freeze the server so the next request is never answered, then kill it mid-wait.
-    os.kill(server.process.pid, signal.SIGSTOP)
+    stop_process(server.process.pid)
     seq, _ = send_pattern(client)
     threading.Timer(0.3, os.kill, (server.process.pid, signal.SIGKILL)).start()
     start = time.monotonic()

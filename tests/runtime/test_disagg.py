@@ -12,6 +12,7 @@ from moecomm.ops.dispatch import pack_dispatch
 from moecomm.runtime import AttentionClient
 from moecomm.runtime.experts import LayerExperts
 from moecomm.runtime.launch import ModelSpec, spawn_expert_server
+from proc_helpers import stop_process
 
 SPEC = ModelSpec(num_layers=2, num_experts=8, hidden=64, intermediate=32, seed=3)
 TOKEN = "s3cret"
@@ -211,7 +212,7 @@ def test_stopped_server_gives_a_deadline_error_naming_it():
         c = client(servers, 31, timeout=0.5)
         x, ids, w = routed_batch(4, 5)
         c.combine(c.dispatch(x, ids, w, 0))  # healthy first
-        os.kill(servers[0].process.pid, signal.SIGSTOP)
+        stop_process(servers[0].process.pid)
         h = c.dispatch(x, ids, w, 0)
         with pytest.raises(moecomm.TimeoutError, match=f"server {servers[0].url} layer 0"):
             c.combine(h)
