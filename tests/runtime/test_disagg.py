@@ -3,6 +3,7 @@
 
 import os
 import signal
+import time
 
 import httpx
 import moecomm
@@ -205,7 +206,7 @@ def test_replicas_two_clients_three_servers():
 
 
 @pytest.mark.timeout(300)
-def test_stopped_server_gives_a_deadline_error_naming_it():
+def test_stopped_server_without_replica_fails_fast_naming_server_and_experts():
     servers = [spawn_expert_server(SPEC, {0: list(range(8))}, "only", TOKEN)]
     c = None
     try:
@@ -214,8 +215,13 @@ def test_stopped_server_gives_a_deadline_error_naming_it():
         c.combine(c.dispatch(x, ids, w, 0))  # healthy first
         stop_process(servers[0].process.pid)
         h = c.dispatch(x, ids, w, 0)
-        with pytest.raises(moecomm.TimeoutError, match=f"server {servers[0].url} layer 0"):
+        start = time.monotonic()
+        with pytest.raises(moecomm.MoecommError, match="no live replica of expert") as info:
             c.combine(h)
+        assert time.monotonic() - start < 5  # one deadline, then no retry on a dead peer
+        assert servers[0].url in str(info.value) and "no response within" in str(info.value)
+        with pytest.raises(moecomm.MoecommError, match="no live replica"):
+            c.dispatch(x, ids, w, 0)  # evicted: refused at once, naming the experts
         with pytest.raises(ValueError, match="layer 5"):
             c.dispatch(x, ids, w, 5)
     finally:

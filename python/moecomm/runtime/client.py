@@ -9,20 +9,39 @@ double-batch overlap: the attention of batch B runs while batch A is with the ex
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from moecomm.errors import MoecommError
+from moecomm.errors import MoecommError, PeerLostError, RemoteError, TimeoutError
 from moecomm.ops.combine import combine as combine_partials
 from moecomm.ops.dispatch import ExpertMap, pack_dispatch
-from moecomm.protocol import SlotLayout, as_encoding
+from moecomm.protocol import ResponseStatus, SlotLayout, as_encoding
 from moecomm.runtime.control import http_connect, http_disconnect
 from moecomm.slots import DEFAULT_TIMEOUT_S, ClientChannel
 from moecomm.transport import ShmTransport, Transport
 
 REPLICA_POLICIES = ("round_robin", "least_outstanding")
+# Fast retry (EaaS): at most this many attempts for a failed share, each on servers not tried
+# before; a dead peer gets no exponential backoff, it is evicted.
+MAX_ATTEMPTS = 3
+# How long a server that failed a request stays out of the expert map.
+DEFAULT_EVICT_S = 30.0
+# Local expert indices at and above this are placeholders for experts with no live replica.
+_NO_LOCAL = 1 << 30
+
+
+@dataclass
+class Sent:
+    """One request of a dispatch: which server, its sequence number, the batch rows it carries
+    and which (row, k) pairs of those rows it was asked to compute."""
+
+    server: int
+    seq: int
+    token_index: torch.Tensor
+    pairs: torch.Tensor  # [n, K] bool
 
 
 @dataclass
@@ -30,10 +49,14 @@ class DispatchHandle:
     slot: int
     layer_id: int
     num_tokens: int
-    # (server index, sequence number, token_index) for every server contacted, in server order
-    sent: list
+    sent: list[Sent]  # in server order
     out_dtype: torch.dtype
-    replica: torch.Tensor | None = None  # the replica ordinal chosen for each logical expert
+    replica: torch.Tensor | None  # the replica ordinal chosen for each logical expert
+    # The inputs, kept (not copied) so a failed server's share can be re-sent to replicas:
+    # callers must not modify them before combine().
+    x: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
     done: bool = False
 
 
@@ -54,6 +77,7 @@ class AttentionClient:
         timeout: float = DEFAULT_TIMEOUT_S,
         replica_policy: str = "round_robin",
         transport: Transport | None = None,
+        evict_s: float = DEFAULT_EVICT_S,
     ):
         if not servers:
             raise ValueError("an attention client needs at least one expert server")
@@ -74,18 +98,22 @@ class AttentionClient:
         self.token = token
         self.timeout = timeout
         self.replica_policy = replica_policy
+        self.evict_s = evict_s
         self.transport = transport or ShmTransport()
-        self.channels: list[ClientChannel] = []
+        self.channels: list[ClientChannel | None] = []
+        self.hosted: list[dict[int, list[int]]] = []
         self.maps: dict[int, ExpertMap] = {}
+        self.missing: dict[int, list[int]] = {}  # layer -> experts with no live replica
+        self.evicted: dict[int, float] = {}  # server -> monotonic time it may come back
+        self.failovers = 0
         self._busy = [False] * num_slots
         self._next_slot = 0
         self._rr = 0
         self.outstanding = [0] * len(self.urls)  # tokens in flight per server
 
-    # ------------------------------------------------------------------ connect
+    # ------------------------------------------------------------------ connect, expert maps
     def connect(self) -> None:
         """Connect handshake with every server; builds the expert map of every layer."""
-        hosted = []
         for url in self.urls:
             ch = ClientChannel(
                 self.transport, self.layout, self.client_id, self.num_slots, name=f"server {url}"
@@ -106,28 +134,46 @@ class AttentionClient:
                 self.close()
                 raise
             self.channels.append(ch)
-            hosted.append({int(k): v for k, v in info["hosted"].items()})
-        self.maps = self._build_maps(hosted)
+            self.hosted.append({int(k): v for k, v in info["hosted"].items()})
+        self._rebuild_maps()
+        if self.missing:
+            raise MoecommError(f"experts without any server: {self.missing}")
 
-    def _build_maps(self, hosted: list[dict[int, list[int]]]) -> dict[int, ExpertMap]:
-        layers = sorted({layer for h in hosted for layer in h})
-        maps = {}
+    def _live(self, server: int) -> bool:
+        until = self.evicted.get(server)
+        if until is not None and time.monotonic() < until:
+            return False
+        return self.channels[server] is not None
+
+    def _rebuild_maps(self) -> None:
+        layers = sorted({layer for h in self.hosted for layer in h})
+        maps, missing = {}, {}
         for layer in layers:
             replicas: dict[int, list[tuple[int, int]]] = {}
-            for server, h in enumerate(hosted):
-                for local, expert in enumerate(h.get(layer, [])):
+            num_experts = 0
+            for server, h in enumerate(self.hosted):
+                ids = h.get(layer, [])
+                num_experts = max([num_experts, *(e + 1 for e in ids)])
+                if not self._live(server):
+                    continue
+                for local, expert in enumerate(ids):
                     replicas.setdefault(expert, []).append((server, local))
-            num_experts = max(replicas) + 1
-            missing = [e for e in range(num_experts) if e not in replicas]
-            if missing:
-                raise MoecommError(f"layer {layer}: no server hosts experts {missing}")
-            maps[layer] = ExpertMap(
-                [replicas[e] for e in range(num_experts)], num_servers=len(self.urls)
-            )
-        return maps
+            lost = [e for e in range(num_experts) if e not in replicas]
+            if lost:
+                missing[layer] = lost
+            # Experts with no live replica keep a placeholder entry (a local index no server
+            # has) that is never routed to: dispatch refuses such experts by name first.
+            table = [replicas.get(e, [(0, _NO_LOCAL + e)]) for e in range(num_experts)]
+            maps[layer] = ExpertMap(table, num_servers=len(self.urls))
+        self.maps, self.missing = maps, missing
+
+    def evict(self, server: int, reason: str = "") -> None:
+        """Takes `server` out of every expert map for `evict_s` seconds."""
+        self.evicted[server] = time.monotonic() + self.evict_s
+        self._rebuild_maps()
 
     # ------------------------------------------------------------------ data path
-    def _replicas(self, emap: ExpertMap, topk_ids: torch.Tensor) -> torch.Tensor | None:
+    def _replicas(self, emap: ExpertMap) -> torch.Tensor:
         if self.replica_policy == "round_robin":
             self._rr += 1
             return (self._rr + torch.arange(emap.num_experts)) % emap.num_replicas
@@ -140,77 +186,149 @@ class AttentionClient:
             choice[e] = int(torch.argmin(load[servers]))
         return choice
 
-    def dispatch(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer_id: int
-    ) -> DispatchHandle:
-        """Packs and sends one request per server; returns without waiting."""
+    def _check_routable(self, layer_id: int, topk_ids: torch.Tensor) -> ExpertMap:
         emap = self.maps.get(layer_id)
         if emap is None:
             raise ValueError(
                 f"layer {layer_id}: no connected server hosts it "
                 f"(known layers: {sorted(self.maps)})"
             )
+        lost = self.missing.get(layer_id)
+        if lost:
+            used = set(topk_ids[topk_ids >= 0].unique().tolist()) & set(lost)
+            if used:
+                raise MoecommError(f"layer {layer_id}: no live replica of expert(s) {sorted(used)}")
+        return emap
+
+    def _send(self, slot: int, layer_id: int, x, topk_ids, topk_weights, emap) -> tuple:
+        replica = self._replicas(emap)
+        batches = pack_dispatch(
+            x, topk_ids, topk_weights, emap, encoding=self.encoding, replica=replica
+        )
+        sent = []
+        for b in batches:
+            ch = self.channels[b.server]
+            try:
+                seq = ch.send(
+                    slot,
+                    b.activations,
+                    b.expert_ids,
+                    b.scores,
+                    layer_id=layer_id,
+                    scales=b.scales,
+                )
+            except MoecommError as exc:
+                raise type(exc)(f"server {self.urls[b.server]} layer {layer_id}: {exc}") from exc
+            self.outstanding[b.server] += b.num_tokens
+            sent.append(Sent(b.server, seq, b.token_index, b.expert_ids >= 0))
+        return sent, replica
+
+    def dispatch(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer_id: int
+    ) -> DispatchHandle:
+        """Packs and sends one request per server; returns without waiting."""
         if x.dim() != 2 or x.shape[1] != self.layout.hidden:
             raise ValueError(f"x must be [num_tokens, {self.layout.hidden}], got {list(x.shape)}")
         if x.shape[0] > self.layout.max_tokens:
             raise ValueError(f"{x.shape[0]} tokens exceed max_tokens {self.layout.max_tokens}")
+        emap = self._check_routable(layer_id, topk_ids)
         slot = self._take_slot()
         try:
-            replica = self._replicas(emap, topk_ids)
-            batches = pack_dispatch(
-                x, topk_ids, topk_weights, emap, encoding=self.encoding, replica=replica
-            )
-            sent = []
-            for b in batches:
-                ch = self.channels[b.server]
-                try:
-                    seq = ch.send(
-                        slot,
-                        b.activations,
-                        b.expert_ids,
-                        b.scores,
-                        layer_id=layer_id,
-                        scales=b.scales,
-                    )
-                except MoecommError as exc:
-                    raise type(exc)(
-                        f"server {self.urls[b.server]} layer {layer_id}: {exc}"
-                    ) from exc
-                self.outstanding[b.server] += b.num_tokens
-                sent.append((b.server, seq, b.token_index, b.num_tokens))
+            sent, replica = self._send(slot, layer_id, x, topk_ids, topk_weights, emap)
         except Exception:
             self._busy[slot] = False
             raise
-        return DispatchHandle(slot, layer_id, x.shape[0], sent, self.out_dtype, replica)
+        return DispatchHandle(
+            slot, layer_id, x.shape[0], sent, self.out_dtype, replica, x, topk_ids, topk_weights
+        )
+
+    def _wait(self, handle: DispatchHandle, sent: Sent, timeout: float) -> torch.Tensor:
+        try:
+            return self.channels[sent.server].wait(handle.slot, sent.seq, timeout).activations
+        finally:
+            self.outstanding[sent.server] -= int(sent.token_index.numel())
 
     def combine(self, handle: DispatchHandle, timeout: float | None = None) -> torch.Tensor:
-        """Waits for every server of `handle` and sums their partial results (server order)."""
+        """Waits for every server of `handle` and sums their partial results in server order.
+
+        A server that misses the deadline or dies is evicted and its share is re-sent at once
+        to replicas (at most MAX_ATTEMPTS attempts, each on servers not tried before); its
+        partial takes the failed server's place in the sum. Fails with an error naming the
+        expert when no replica is left."""
         if handle.done:
             raise ValueError("this handle was already combined")
         timeout = self.timeout if timeout is None else timeout
-        partials, index = [], []
         try:
-            for server, seq, token_index, _ in handle.sent:
+            partials, failed = [], []
+            for pos, sent in enumerate(handle.sent):
                 try:
-                    resp = self.channels[server].wait(handle.slot, seq, timeout)
-                except MoecommError as exc:
-                    raise type(exc)(
-                        f"server {self.urls[server]} layer {handle.layer_id}: {exc}"
-                    ) from exc
-                partials.append(resp.activations)
-                index.append(token_index)
+                    partials.append(self._wait(handle, sent, timeout))
+                except (TimeoutError, PeerLostError, RemoteError) as exc:
+                    if isinstance(exc, RemoteError) and exc.status != int(ResponseStatus.DRAINING):
+                        raise type(exc)(
+                            exc.status,
+                            exc.reason,
+                            f"server {self.urls[sent.server]} layer {handle.layer_id}: ",
+                        ) from exc
+                    partials.append(None)
+                    failed.append((pos, sent, exc))
+            if failed:
+                # Retries reuse the slot: keep the answers already received.
+                partials = [p.clone() if p is not None else None for p in partials]
+                for _, sent, exc in failed:
+                    self.evict(sent.server, str(exc))
+                for pos, sent, exc in failed:
+                    partials[pos] = self._retry(handle, sent, exc, timeout)
             return combine_partials(
                 partials,
-                index,
+                [s.token_index for s in handle.sent],
                 handle.num_tokens,
                 hidden=self.layout.hidden,
                 dtype=handle.out_dtype,
             )
         finally:
-            for server, _, _, n in handle.sent:
-                self.outstanding[server] -= n
             handle.done = True
             self._busy[handle.slot] = False
+
+    def _retry(
+        self, handle: DispatchHandle, failed: Sent, exc: Exception, timeout: float
+    ) -> torch.Tensor:
+        """Re-sends the (row, k) pairs of a failed request to live replicas; returns their
+        summed partial for the rows of the failed request."""
+        rows = failed.token_index
+        x = handle.x[rows]
+        ids = handle.topk_ids[rows].masked_fill(~failed.pairs, -1)
+        weights = handle.topk_weights[rows]
+        tried = {failed.server}
+        errors = [f"{self.urls[failed.server]}: {exc}"]
+        for _ in range(MAX_ATTEMPTS):
+            self.failovers += 1
+            try:
+                emap = self._check_routable(handle.layer_id, ids)
+            except MoecommError as e:
+                raise MoecommError(f"{e}; after failures of " + "; ".join(errors)) from exc
+            sent, _ = self._send(handle.slot, handle.layer_id, x, ids, weights, emap)
+            parts, bad = [], None
+            for s in sent:
+                try:
+                    parts.append(self._wait(handle, s, timeout))
+                except (TimeoutError, PeerLostError, RemoteError) as e:
+                    bad = bad or (s, e)
+                    self.evict(s.server, str(e))
+                    tried.add(s.server)
+                    errors.append(f"{self.urls[s.server]}: {e}")
+            if bad is None:
+                return combine_partials(
+                    parts,
+                    [s.token_index for s in sent],
+                    rows.numel(),
+                    hidden=self.layout.hidden,
+                    dtype=torch.float32,
+                )
+        raise MoecommError(
+            f"layer {handle.layer_id}: {MAX_ATTEMPTS} attempts on distinct replicas failed: "
+            + "; ".join(errors)
+        )
 
     def _take_slot(self) -> int:
         for i in range(self.num_slots):
@@ -226,6 +344,7 @@ class AttentionClient:
 
     def close(self) -> None:
         for url, ch in zip(self.urls, self.channels, strict=False):
-            http_disconnect(url, self.client_id, self.token)
-            ch.close()
+            if ch is not None:
+                http_disconnect(url, self.client_id, self.token)
+                ch.close()
         self.channels = []

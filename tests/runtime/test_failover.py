@@ -1,0 +1,86 @@
+"""Failover with real processes: kill -9 of an expert server under load loses no request and
+gives the outputs of the fault-free run. The trial count is MOECOMM_FAILOVER_TRIALS (CI: 3;
+20 for a long run)."""
+
+import os
+import signal
+
+import pytest
+import torch
+from moecomm.runtime import AttentionClient
+from moecomm.runtime.launch import ModelSpec, spawn_expert_server
+
+SPEC = ModelSpec(num_layers=2, num_experts=6, hidden=48, intermediate=24, seed=11)
+TRIALS = int(
+    os.environ.get(
+        "MOECOMM_FAILOVER_TRIALS", "20" if os.environ.get("MOECOMM_LONG") == "1" else "3"
+    )
+)
+STEPS = 6
+TOPK = 2
+# Every expert on two of three servers.
+HOSTED = [
+    {
+        layer: [e for e in range(SPEC.num_experts) if s in (e % 3, (e + 1) % 3)]
+        for layer in range(SPEC.num_layers)
+    }
+    for s in range(3)
+]
+
+
+def batches():
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for step in range(STEPS):
+        n = 3 + step
+        x = torch.randn(n, SPEC.hidden, generator=g)
+        ids = torch.stack(
+            [torch.randperm(SPEC.num_experts, generator=g)[:TOPK] for _ in range(n)]
+        ).to(torch.int32)
+        out.append((x, ids, torch.rand(n, TOPK, generator=g), step % SPEC.num_layers))
+    return out
+
+
+def run(servers, cid, kill_at=None, victim=None):
+    c = AttentionClient(
+        [s.url for s in servers],
+        cid,
+        SPEC.hidden,
+        TOPK,
+        16,
+        encoding="f32",
+        out_dtype=torch.float32,
+        timeout=2.0,
+    )
+    c.connect()
+    ys = []
+    try:
+        for step, (x, ids, w, layer) in enumerate(batches()):
+            h = c.dispatch(x, ids, w, layer)
+            if step == kill_at:
+                os.kill(victim.process.pid, signal.SIGKILL)
+                victim.process.join(10)
+            ys.append(c.combine(h))
+        return ys, c.failovers
+    finally:
+        c.close()
+
+
+@pytest.mark.timeout(600)
+def test_kill_9_of_a_server_under_load_loses_nothing():
+    for trial in range(TRIALS):
+        servers = [spawn_expert_server(SPEC, h, f"t{trial}s{i}") for i, h in enumerate(HOSTED)]
+        try:
+            clean, failovers = run(servers, 100 + trial)
+            assert failovers == 0
+            victim = servers[trial % 3]
+            faulty, failovers = run(servers, 200 + trial, kill_at=trial % STEPS, victim=victim)
+            assert failovers >= 1, "the kill was not noticed"
+            assert len(faulty) == STEPS  # zero requests lost
+            for step, (a, b) in enumerate(zip(clean, faulty, strict=True)):
+                torch.testing.assert_close(
+                    b, a, rtol=1e-6, atol=1e-7, msg=f"trial {trial} step {step}"
+                )
+        finally:
+            for s in servers:
+                s.stop()
