@@ -269,3 +269,16 @@ def test_native_path_is_thread_count_invariant(monkeypatch):
         torch.set_num_threads(threads)
     # Each expert is computed by one thread in a fixed order: the split changes nothing.
     assert torch.equal(one, three)
+
+
+def test_grouped_mlp_rejects_weights_on_another_device():
+    w13, w2 = weights(2)
+    x = torch.randn(3, HIDDEN)
+    off = counts_to_offsets([1, 2])
+    with pytest.raises(ValueError, match="w13: expected device cpu, got meta"):
+        grouped_mlp_contiguous(x, off, w13.to("meta"), w2)
+    with pytest.raises(ValueError, match="offsets: expected device cpu, got meta"):
+        grouped_mlp_contiguous(x, off.to("meta"), w13, w2)
+    with pytest.raises(ValueError, match="w2: expected device cpu, got meta"):
+        grouped_mlp_masked(x.view(1, 3, HIDDEN).expand(2, 3, HIDDEN), torch.tensor([1, 2],
+                           dtype=torch.int32), w13, w2.to("meta"))  # fmt: skip

@@ -222,3 +222,15 @@ def test_cuda_reorg_and_scan(tmp_path):
     run = subprocess.run([str(exe)], capture_output=True, text=True, check=False)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.strip() == "OK"
+
+
+def test_reorganize_and_gather_reject_mixed_devices():
+    # The meta device stands in for "another device" on a machine without a GPU.
+    xs, ids, scores = make_batches([3, 2], 4, 2)
+    with pytest.raises(ValueError, match="scores\\[1\\]: expected device cpu, got meta"):
+        reorganize(ids, [scores[0], scores[1].to("meta")], 4)
+    with pytest.raises(ValueError, match="ids\\[1\\]: expected device cpu, got meta"):
+        reorganize([ids[0], ids[1].to("meta")], scores, 4)
+    layout = reorganize(ids, scores, 4)
+    with pytest.raises(ValueError, match="x\\[0\\]: expected device cpu, got meta"):
+        gather_tokens([xs[0].to("meta"), xs[1]], layout)
