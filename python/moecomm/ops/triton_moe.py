@@ -87,11 +87,12 @@ def triton_group_shrink(
     """Prefix scan of per-expert counts into the active-expert list and a tile map.
 
     Args:
-        counts: ``[E]`` int32 rows per expert (device tensor; never read on the host).
+        counts: ``[E]`` int32 rows per expert (device tensor).
         block_m: rows per tile.
-        max_tiles: upper bound on the tiles; default ``E * ceil(max_rows / block_m)`` is not
-            known without a sync, so callers pass ``N // block_m + E`` (contiguous) or
-            ``E * ceil(M_max / block_m)`` (masked). Default: one sync to compute it exactly.
+        max_tiles: tile-map length, an upper bound on the tiles known on the host: the GEMMs
+            pass ``N // block_m + min(E, N)`` (contiguous) or ``E * ceil(M_max / block_m)``
+            (masked), and 0 skips the tile map. None computes the exact count, which reads
+            the counts on the host (one sync).
     """
     check_tensor("counts", counts, dtypes=[torch.int32], dim=1)
     if not isinstance(block_m, int) or block_m <= 0:
