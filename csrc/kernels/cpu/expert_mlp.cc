@@ -74,8 +74,11 @@ __attribute__((target("avx2,fma"))) void gemm_nt_avx2(const float* x, int64_t ld
   // (sequential streams the prefetcher follows), and stay in L1/L2 while every block of
   // activation rows passes over them. (Blocking the depth too was measured slower: it breaks
   // the weight rows into strided pieces.)
-  for (int64_t n = 0; n < cols; n += kTileCols) {
-    const int c = static_cast<int>(std::min<int64_t>(kTileCols, cols - n));
+  // A single activation row reads one weight row at a time: one sequential stream measured
+  // ~1.3x faster than three interleaved ones when there is no reuse to gain.
+  const int64_t tile_cols = rows == 1 ? 1 : kTileCols;
+  for (int64_t n = 0; n < cols; n += tile_cols) {
+    const int c = static_cast<int>(std::min<int64_t>(tile_cols, cols - n));
     const float* wn = w + n * ldw;
     for (int64_t m = 0; m < rows; m += kTileRows) {
       const float* xm = x + m * ldx;
