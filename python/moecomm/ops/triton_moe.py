@@ -12,8 +12,9 @@ Differences from the CPU path, by design:
   buffer, and the kernels' static grid walks that flat list of copies, so an empty batch costs
   no program;
 - float32 dots are exact (``input_precision="ieee"``), not TF32;
-- launch sizes come from upper bounds known on the host (``T * K`` copies, ``N // BLOCK_M + E``
-  tiles); the grouped MLP reads the real tile count from the device and surplus programs exit.
+- launch sizes come from upper bounds known on the host (``T * K`` copies,
+  ``N // BLOCK_M + min(E, N)`` tiles); the grouped MLP reads the real tile count from the
+  device and surplus programs exit.
   Only :func:`triton_reorganize` synchronizes once, to size its ``[N]`` outputs.
 """
 
