@@ -296,3 +296,13 @@ def test_ops_import_without_triton():
         "assert group_shrink(torch.tensor([0, 3], dtype=torch.int32)).num_active == 1\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_native_kernel_rejects_bad_sizes_with_value_error():
+    native = gg._native_module()
+    if native is None:
+        pytest.skip("the native kernel needs moecomm._C built and an AVX2+FMA CPU")
+    with pytest.raises(ValueError, match=r"expected hidden, inter > 0, got 0, 4"):
+        native.expert_mlp_f32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 1)
+    with pytest.raises(ValueError, match=r"expected threads >= 1, got 0"):
+        native.expert_mlp_f32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 8, 4, 0)

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <exception>
 #include <thread>
 #include <vector>
 
@@ -178,14 +179,23 @@ void expert_mlp_f32(const ExpertMlpArgs& a, int threads) {
     plan[t].push_back(e);
     load[t] += a.row_count[e];
   }
-  auto work = [&a](const std::vector<int32_t>& list) {
-    std::vector<float> scratch;
-    for (int32_t e : list) run_expert(a, e, scratch);
+  // A failure on a helper thread (scratch allocation) must reach the caller, not terminate.
+  std::vector<std::exception_ptr> errors(t_count);
+  auto work = [&a, &plan, &errors](int t) {
+    try {
+      std::vector<float> scratch;
+      for (int32_t e : plan[t]) run_expert(a, e, scratch);
+    } catch (...) {
+      errors[t] = std::current_exception();
+    }
   };
   std::vector<std::thread> helpers;
-  for (int t = 1; t < t_count; ++t) helpers.emplace_back(work, std::cref(plan[t]));
-  work(plan[0]);
+  for (int t = 1; t < t_count; ++t) helpers.emplace_back(work, t);
+  work(0);
   for (auto& th : helpers) th.join();
+  for (const auto& err : errors) {
+    if (err) std::rethrow_exception(err);
+  }
 }
 
 }  // namespace moecomm::kernels::cpu
