@@ -6,6 +6,9 @@ tolerances chosen per dtype.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import moecomm.ops.grouped_gemm as gg
 import pytest
 import torch
@@ -269,3 +272,37 @@ def test_native_path_is_thread_count_invariant(monkeypatch):
         torch.set_num_threads(threads)
     # Each expert is computed by one thread in a fixed order: the split changes nothing.
     assert torch.equal(one, three)
+
+
+def test_grouped_mlp_rejects_weights_on_another_device():
+    w13, w2 = weights(2)
+    x = torch.randn(3, HIDDEN)
+    off = counts_to_offsets([1, 2])
+    with pytest.raises(ValueError, match="w13: expected device cpu, got meta"):
+        grouped_mlp_contiguous(x, off, w13.to("meta"), w2)
+    with pytest.raises(ValueError, match="offsets: expected device cpu, got meta"):
+        grouped_mlp_contiguous(x, off.to("meta"), w13, w2)
+    with pytest.raises(ValueError, match="w2: expected device cpu, got meta"):
+        grouped_mlp_masked(x.view(1, 3, HIDDEN).expand(2, 3, HIDDEN), torch.tensor([1, 2],
+                           dtype=torch.int32), w13, w2.to("meta"))  # fmt: skip
+
+
+def test_ops_import_without_triton():
+    # Triton is imported lazily: the CPU path must work where it is not installed.
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch, moecomm.ops, moecomm.ops.triton_moe\n"
+        "from moecomm.ops import group_shrink\n"
+        "assert group_shrink(torch.tensor([0, 3], dtype=torch.int32)).num_active == 1\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_native_kernel_rejects_bad_sizes_with_value_error():
+    native = gg._native_module()
+    if native is None:
+        pytest.skip("the native kernel needs moecomm._C built and an AVX2+FMA CPU")
+    with pytest.raises(ValueError, match=r"expected hidden, inter > 0, got 0, 4"):
+        native.expert_mlp_f32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 1)
+    with pytest.raises(ValueError, match=r"expected threads >= 1, got 0"):
+        native.expert_mlp_f32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 8, 4, 0)

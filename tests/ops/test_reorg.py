@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from moecomm.ops.reorg import (
     combine_rows,
     combine_rows_reference,
@@ -222,3 +224,33 @@ def test_cuda_reorg_and_scan(tmp_path):
     run = subprocess.run([str(exe)], capture_output=True, text=True, check=False)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.strip() == "OK"
+
+
+def test_reorganize_and_gather_reject_mixed_devices():
+    # The meta device stands in for "another device" on a machine without a GPU.
+    xs, ids, scores = make_batches([3, 2], 4, 2)
+    with pytest.raises(ValueError, match="scores\\[1\\]: expected device cpu, got meta"):
+        reorganize(ids, [scores[0], scores[1].to("meta")], 4)
+    with pytest.raises(ValueError, match="ids\\[1\\]: expected device cpu, got meta"):
+        reorganize([ids[0], ids[1].to("meta")], scores, 4)
+    layout = reorganize(ids, scores, 4)
+    with pytest.raises(ValueError, match="x\\[0\\]: expected device cpu, got meta"):
+        gather_tokens([xs[0].to("meta"), xs[1]], layout)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    sizes=st.lists(st.integers(0, 12), min_size=1, max_size=5),
+    experts=st.integers(1, 9),
+    topk=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+)
+def test_reorganize_property(sizes, experts, topk, seed):
+    # Any batch list: same layout as the reference, and combine(gather) sums each token's copies.
+    xs, ids, scores = make_batches(sizes, experts, topk, seed=seed)
+    layout = reorganize(ids, scores, experts)
+    assert_layouts_equal(layout, reorganize_reference(ids, scores, experts))
+    rows = gather_tokens(xs, layout)
+    per_token = torch.cat(combine_rows(rows, layout))
+    copies_here = (layout.slot_of >= 0).sum(dim=1, keepdim=True).float()
+    torch.testing.assert_close(per_token, torch.cat(xs) * copies_here, rtol=1e-6, atol=1e-5)

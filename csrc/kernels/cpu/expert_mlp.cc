@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <exception>
 #include <thread>
 #include <vector>
 
@@ -74,8 +75,11 @@ __attribute__((target("avx2,fma"))) void gemm_nt_avx2(const float* x, int64_t ld
   // (sequential streams the prefetcher follows), and stay in L1/L2 while every block of
   // activation rows passes over them. (Blocking the depth too was measured slower: it breaks
   // the weight rows into strided pieces.)
-  for (int64_t n = 0; n < cols; n += kTileCols) {
-    const int c = static_cast<int>(std::min<int64_t>(kTileCols, cols - n));
+  // A single activation row reads one weight row at a time: one sequential stream measured
+  // ~1.3x faster than three interleaved ones when there is no reuse to gain.
+  const int64_t tile_cols = rows == 1 ? 1 : kTileCols;
+  for (int64_t n = 0; n < cols; n += tile_cols) {
+    const int c = static_cast<int>(std::min<int64_t>(tile_cols, cols - n));
     const float* wn = w + n * ldw;
     for (int64_t m = 0; m < rows; m += kTileRows) {
       const float* xm = x + m * ldx;
@@ -175,14 +179,23 @@ void expert_mlp_f32(const ExpertMlpArgs& a, int threads) {
     plan[t].push_back(e);
     load[t] += a.row_count[e];
   }
-  auto work = [&a](const std::vector<int32_t>& list) {
-    std::vector<float> scratch;
-    for (int32_t e : list) run_expert(a, e, scratch);
+  // A failure on a helper thread (scratch allocation) must reach the caller, not terminate.
+  std::vector<std::exception_ptr> errors(t_count);
+  auto work = [&a, &plan, &errors](int t) {
+    try {
+      std::vector<float> scratch;
+      for (int32_t e : plan[t]) run_expert(a, e, scratch);
+    } catch (...) {
+      errors[t] = std::current_exception();
+    }
   };
   std::vector<std::thread> helpers;
-  for (int t = 1; t < t_count; ++t) helpers.emplace_back(work, std::cref(plan[t]));
-  work(plan[0]);
+  for (int t = 1; t < t_count; ++t) helpers.emplace_back(work, t);
+  work(0);
   for (auto& th : helpers) th.join();
+  for (const auto& err : errors) {
+    if (err) std::rethrow_exception(err);
+  }
 }
 
 }  // namespace moecomm::kernels::cpu

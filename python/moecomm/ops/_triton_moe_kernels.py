@@ -210,6 +210,7 @@ def gate_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """h[rows, n] = silu(x @ w1[e].T) * (x @ w3[e].T) for one tile of one active expert.
 
@@ -238,8 +239,8 @@ def gate_up_kernel(
         wu = tl.load(
             w + (n + inter)[None, :] * stride_wn + k[:, None] * stride_wk, mask=wm, other=0.0
         )
-        acc_g = tl.dot(a, wg, acc_g)
-        acc_u = tl.dot(a, wu, acc_u)
+        acc_g = tl.dot(a, wg, acc_g, input_precision=DOT_PRECISION)
+        acc_u = tl.dot(a, wu, acc_u, input_precision=DOT_PRECISION)
     out = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     dst = h_ptr + e * stride_he + rows[:, None] * stride_hm + n[None, :]
     tl.store(dst, out.to(h_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
@@ -271,6 +272,7 @@ def down_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """y[rows, n] = score * (h @ w2[e].T) for one tile of one active expert."""
     t = tl.program_id(0)
@@ -293,7 +295,7 @@ def down_kernel(
             mask=kmask[:, None] & nmask[None, :],
             other=0.0,
         )
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     if HAS_SCORES:
         s = tl.load(scores_ptr + e * stride_se + rows * stride_sm, mask=rmask, other=0.0)
         acc = acc * s[:, None]

@@ -19,6 +19,11 @@ Layouts:
 Group-shrink turns per-expert counts into the compact list of *active* experts (count > 0) and
 their tiles of ``block_m`` rows, so the GEMM visits active experts only: a server hosting 256
 experts of which 8 received tokens does 8 groups of work, not 256.
+
+CPU path: float32 experts with at most ``NATIVE_MAX_ROWS`` rows (decode) run in one call of the
+native AVX2 kernel (``moecomm._C.expert_mlp_f32``: weights streamed once, no packing, experts
+split over ``torch.get_num_threads()`` threads, GIL released); larger groups, other dtypes and
+machines without the extension or AVX2 use torch GEMMs per active expert.
 """
 
 from __future__ import annotations
@@ -296,8 +301,8 @@ def grouped_mlp_contiguous(
         w13: ``[E, 2I, H]`` gate|up, same dtype and device as x.
         w2: ``[E, H, I]`` down.
         scores: optional ``[N]`` float32 router scores; omitted means 1.
-        groups: the experts to visit (default: :func:`group_shrink` of the counts). Passing every
-            expert is how the benchmark measures the walk-all-groups variant.
+        groups: the experts to visit (default: :func:`group_shrink` of the counts); rows of
+            experts not visited come out zero.
 
     Returns:
         ``[N, H]`` in x's dtype.

@@ -11,8 +11,10 @@ Differences from the CPU path, by design:
   ``batch_offsets [B + 1]``): on the GPU the server dequantizes every request slot into one
   buffer, and the kernels' static grid walks that flat list of copies, so an empty batch costs
   no program;
-- launch sizes come from upper bounds known on the host (``T * K`` copies, ``N // BLOCK_M + E``
-  tiles); the grouped MLP reads the real tile count from the device and surplus programs exit.
+- float32 dots are exact (``input_precision="ieee"``), not TF32;
+- launch sizes come from upper bounds known on the host (``T * K`` copies,
+  ``N // BLOCK_M + min(E, N)`` tiles); the grouped MLP reads the real tile count from the
+  device and surplus programs exit.
   Only :func:`triton_reorganize` synchronizes once, to size its ``[N]`` outputs.
 """
 
@@ -58,6 +60,12 @@ def _kernels():
     return _triton_moe_kernels
 
 
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 inputs get exact float32 dots (a GPU would otherwise round them to TF32, which
+    # the float32 references cannot match); half inputs use the tensor-core default.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -87,11 +95,12 @@ def triton_group_shrink(
     """Prefix scan of per-expert counts into the active-expert list and a tile map.
 
     Args:
-        counts: ``[E]`` int32 rows per expert (device tensor; never read on the host).
+        counts: ``[E]`` int32 rows per expert (device tensor).
         block_m: rows per tile.
-        max_tiles: upper bound on the tiles; default ``E * ceil(max_rows / block_m)`` is not
-            known without a sync, so callers pass ``N // block_m + E`` (contiguous) or
-            ``E * ceil(M_max / block_m)`` (masked). Default: one sync to compute it exactly.
+        max_tiles: tile-map length, an upper bound on the tiles known on the host: the GEMMs
+            pass ``N // block_m + min(E, N)`` (contiguous) or ``E * ceil(M_max / block_m)``
+            (masked), and 0 skips the tile map. None computes the exact count, which reads
+            the counts on the host (one sync).
     """
     check_tensor("counts", counts, dtypes=[torch.int32], dim=1)
     if not isinstance(block_m, int) or block_m <= 0:
@@ -205,6 +214,7 @@ def _launch_mlp(x3, counts, row_start, w13, w2, scores3, out3, inter, max_tiles,
     if max_tiles == 0:
         return
     hidden = x3.shape[2]
+    precision = _dot_precision(x3.dtype)
     h = torch.empty(x3.shape[0], x3.shape[1], inter, dtype=x3.dtype, device=x3.device)
     se_x = x3.stride(0) if x3.shape[0] > 1 else 0
     se_h = h.stride(0) if h.shape[0] > 1 else 0
@@ -212,7 +222,7 @@ def _launch_mlp(x3, counts, row_start, w13, w2, scores3, out3, inter, max_tiles,
         x3, w13, h, tiles.tile_expert, tiles.tile_mblock, tiles.totals, row_start, counts,
         hidden, inter, se_x, x3.stride(1), x3.stride(2), w13.stride(0), w13.stride(1),
         w13.stride(2), se_h, h.stride(1),
-        BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
+        BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, DOT_PRECISION=precision,
     )  # fmt: skip
     se_y = out3.stride(0) if out3.shape[0] > 1 else 0
     has_scores = scores3 is not None
@@ -224,6 +234,7 @@ def _launch_mlp(x3, counts, row_start, w13, w2, scores3, out3, inter, max_tiles,
         hidden, inter, se_h, h.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), se_y,
         out3.stride(1), se_s, sm_s,
         HAS_SCORES=has_scores, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
+        DOT_PRECISION=precision,
     )  # fmt: skip
 
 
