@@ -28,30 +28,33 @@ from moecomm.runtime.experts import LayerExperts
 from moecomm.runtime.launch import ModelSpec, spawn_expert_server
 
 SPEC = ModelSpec(num_layers=4, num_experts=16, hidden=1024, intermediate=512, seed=0)
+# (b) measures what overlap hides — the link — so its experts are small enough that the
+# emulated delay, not expert compute on this 2-core machine, dominates a round trip.
+OVERLAP_SPEC = ModelSpec(num_layers=4, num_experts=16, hidden=256, intermediate=128, seed=0)
 TOPK = 4
 MAX_TOKENS = 256
 TIMEOUT_S = 60.0
 
 
-def routed(n: int, seed: int):
+def routed(n: int, seed: int, spec: ModelSpec = SPEC):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, SPEC.hidden, generator=g)
-    ids = torch.stack([torch.randperm(SPEC.num_experts, generator=g)[:TOPK] for _ in range(n)])
+    x = torch.randn(n, spec.hidden, generator=g)
+    ids = torch.stack([torch.randperm(spec.num_experts, generator=g)[:TOPK] for _ in range(n)])
     return x, ids.to(torch.int32), torch.rand(n, TOPK, generator=g)
 
 
-def halves():
-    lo = list(range(SPEC.num_experts // 2))
-    hi = list(range(SPEC.num_experts // 2, SPEC.num_experts))
-    layers = range(SPEC.num_layers)
+def halves(spec: ModelSpec = SPEC):
+    lo = list(range(spec.num_experts // 2))
+    hi = list(range(spec.num_experts // 2, spec.num_experts))
+    layers = range(spec.num_layers)
     return {l_: lo for l_ in layers}, {l_: hi for l_ in layers}
 
 
-def make_client(servers, cid: int) -> AttentionClient:
+def make_client(servers, cid: int, spec: ModelSpec = SPEC) -> AttentionClient:
     c = AttentionClient(
         [s.url for s in servers],
         cid,
-        SPEC.hidden,
+        spec.hidden,
         TOPK,
         MAX_TOKENS,
         encoding="f32",
@@ -108,9 +111,9 @@ def layer_sweep(batches, iters: int) -> list[dict]:
 class Attention:
     """Stands in for attention: a fixed amount of dense compute per micro-batch."""
 
-    def __init__(self, target_s: float):
-        self.w = torch.randn(SPEC.hidden, SPEC.hidden) * SPEC.hidden**-0.5
-        probe = torch.randn(32, SPEC.hidden)
+    def __init__(self, target_s: float, hidden: int):
+        self.w = torch.randn(hidden, hidden) * hidden**-0.5
+        probe = torch.randn(32, hidden)
         t0 = time.perf_counter()
         for _ in range(10):
             probe @ self.w
@@ -125,7 +128,7 @@ class Attention:
 
 def run_step(c, attn, a, b, overlap: bool):
     (xa, ida, wa), (xb, idb, wb) = a, b
-    for layer in range(SPEC.num_layers):
+    for layer in range(OVERLAP_SPEC.num_layers):
         if overlap:
             ha = c.dispatch(attn(xa), ida, wa, layer)
             hb = c.dispatch(attn(xb), idb, wb, layer)  # B's attention overlapped A's experts
@@ -137,15 +140,16 @@ def run_step(c, attn, a, b, overlap: bool):
 
 
 def overlap_experiment(delay_s: float, iters: int, tokens: int) -> dict:
-    h0, h1 = halves()
+    spec = OVERLAP_SPEC
+    h0, h1 = halves(spec)
     servers = [
-        spawn_expert_server(SPEC, h0, "s0", link_delay_s=delay_s),
-        spawn_expert_server(SPEC, h1, "s1", link_delay_s=delay_s),
+        spawn_expert_server(spec, h0, "s0", link_delay_s=delay_s),
+        spawn_expert_server(spec, h1, "s1", link_delay_s=delay_s),
     ]
     try:
-        c = make_client(servers, 2)
-        attn = Attention(delay_s)
-        a, b = routed(tokens, 1), routed(tokens, 2)
+        c = make_client(servers, 2, spec)
+        attn = Attention(delay_s, spec.hidden)
+        a, b = routed(tokens, 1, spec), routed(tokens, 2, spec)
         seq = Stats("sequential", time_calls(lambda: run_step(c, attn, a, b, False), iters, 2))
         ovl = Stats("overlapped", time_calls(lambda: run_step(c, attn, a, b, True), iters, 2))
         ya, yb = run_step(c, attn, a, b, False)
@@ -201,7 +205,8 @@ def main(argv=None) -> int:
     ]
     print(
         f"\n(b) double-batch overlap, {a.delay_ms:.1f} ms emulated link delay each way, "
-        f"{SPEC.num_layers} layers x 2 micro-batches"
+        f"{OVERLAP_SPEC.num_layers} layers x 2 micro-batches, H={OVERLAP_SPEC.hidden} "
+        f"I={OVERLAP_SPEC.intermediate}, attention emulated at ~{a.delay_ms:.1f} ms"
     )
     print(
         format_table(

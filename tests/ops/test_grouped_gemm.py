@@ -227,7 +227,7 @@ def test_masked_rejects_bad_arguments():
         grouped_mlp_masked(x.tolist(), c, w13, w2)
 
 
-NATIVE_COUNTS = [1, 2, 7, 16, 17, 0, 40]  # both sides of NATIVE_MAX_ROWS, and an empty expert
+NATIVE_COUNTS = [1, 2, 7, 16, 17, 0, 40]  # both sides of a 16-row split, and an empty expert
 
 
 @pytest.mark.parametrize("max_rows", [0, 16, 1000])  # torch only, split, native only
@@ -306,3 +306,19 @@ def test_native_kernel_rejects_bad_sizes_with_value_error():
         native.expert_mlp_f32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 1)
     with pytest.raises(ValueError, match=r"expected threads >= 1, got 0"):
         native.expert_mlp_f32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 8, 4, 0)
+
+
+def test_expert_forward_is_batch_invariant_in_float32():
+    if gg._native_module() is None:
+        pytest.skip("the native kernel needs moecomm._C built and an AVX2+FMA CPU")
+    # A token's result must not depend on which other tokens share the step.
+    w13, w2 = weights(3, seed=12)
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(80, HIDDEN, generator=g)
+    ids = torch.randint(0, 3, (80, 2), generator=g, dtype=torch.int32)
+    sc = torch.rand(80, 2, generator=g)
+    (full,) = expert_forward([x], [ids], [sc], w13, w2)
+    for n in (1, 5, 17, 40):
+        rows = torch.randperm(80, generator=g)[:n]
+        (part,) = expert_forward([x[rows]], [ids[rows]], [sc[rows]], w13, w2)
+        assert torch.equal(part, full[rows]), f"{n} rows"

@@ -20,10 +20,13 @@ Group-shrink turns per-expert counts into the compact list of *active* experts (
 their tiles of ``block_m`` rows, so the GEMM visits active experts only: a server hosting 256
 experts of which 8 received tokens does 8 groups of work, not 256.
 
-CPU path: float32 experts with at most ``NATIVE_MAX_ROWS`` rows (decode) run in one call of the
-native AVX2 kernel (``moecomm._C.expert_mlp_f32``: weights streamed once, no packing, experts
-split over ``torch.get_num_threads()`` threads, GIL released); larger groups, other dtypes and
-machines without the extension or AVX2 use torch GEMMs per active expert.
+CPU path: float32 experts run in one call of the native AVX2 kernel
+(``moecomm._C.expert_mlp_f32``: weights streamed once, no packing, experts split over
+``torch.get_num_threads()`` threads, GIL released). Each row's result there depends on that row
+only, so the float32 path is *batch invariant*: a token gets the same bits whatever other tokens
+share its server step — what lets the disaggregated layer match the monolith bit for bit and a
+failover reproduce the fault-free run. Other dtypes and machines without the extension or AVX2
+use torch GEMMs per active expert, whose results depend on the number of rows.
 """
 
 from __future__ import annotations
@@ -51,9 +54,10 @@ __all__ = [
     "stack_gate_up",
 ]
 
-# Experts with at most this many rows run in the native small-M kernel (moecomm._C), which
-# streams each weight row once; above it torch's packed GEMM amortizes its packing and wins.
-NATIVE_MAX_ROWS = 16
+# Experts with at most this many rows run in the native kernel. No limit by default: the native
+# kernel is batch invariant and measured on par with torch's packed GEMM up to 256 rows, while
+# switching paths at a row count would make a token's result depend on its batch-mates.
+NATIVE_MAX_ROWS = 1 << 31
 # Rows per GEMM tile on the GPU: decode puts ~1-16 rows on an expert, and 16 is the smallest M
 # that tensor-core dots (and tl.dot) accept.
 DEFAULT_BLOCK_M = 16
