@@ -5,6 +5,7 @@ gives the outputs of the fault-free run. The trial count is MOECOMM_FAILOVER_TRI
 import os
 import signal
 
+import httpx
 import pytest
 import torch
 from moecomm.runtime import AttentionClient
@@ -84,3 +85,57 @@ def test_kill_9_of_a_server_under_load_loses_nothing():
         finally:
             for s in servers:
                 s.stop()
+
+
+@pytest.mark.timeout(300)
+def test_graceful_drain_and_elastic_join_without_restart():
+    servers = [spawn_expert_server(SPEC, h, f"d{i}") for i, h in enumerate(HOSTED[:2])]
+    try:
+        # Servers 0 and 1 hold every expert except those only on the third server's share:
+        # start with all three, drain one, then let a fresh server join in its place.
+        servers.append(spawn_expert_server(SPEC, HOSTED[2], "d2"))
+        clean, _ = run(servers, 300)
+        c = AttentionClient(
+            [s.url for s in servers],
+            301,
+            SPEC.hidden,
+            TOPK,
+            16,
+            encoding="f32",
+            out_dtype=torch.float32,
+            timeout=5.0,
+        )
+        c.connect()
+        try:
+            got = []
+            for step, (x, ids, w, layer) in enumerate(batches()):
+                if step == 2:
+                    r = httpx.post(f"{servers[1].url}/drain", json={"token": ""}, timeout=10)
+                    assert r.status_code == 200
+                    assert httpx.get(f"{servers[1].url}/health", timeout=10).json()["draining"]
+                if step == 4:
+                    joined = spawn_expert_server(SPEC, HOSTED[1], "d1-new")
+                    servers.append(joined)
+                    c.remove_server(servers[1].url)
+                    assert c.add_server(joined.url) == 3
+                got.append(c.combine(c.dispatch(x, ids, w, layer)))
+            for step, (a, b) in enumerate(zip(clean, got, strict=True)):
+                assert torch.equal(a, b), f"step {step}"
+            loads = httpx.get(f"{servers[3].url}/experts", timeout=10).json()["load"]
+            assert loads, "the joined server received work"
+            refused = httpx.post(
+                f"{servers[1].url}/connect",
+                timeout=10,
+                json={
+                    "client_id": 999,
+                    "client_handle": c.channels[0].handle,
+                    "num_slots": 1,
+                    "layout": c.layout.to_dict(),
+                },
+            )
+            assert refused.status_code == 400 and "draining" in refused.text
+        finally:
+            c.close()
+    finally:
+        for s in servers:
+            s.stop()

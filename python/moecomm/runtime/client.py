@@ -114,30 +114,64 @@ class AttentionClient:
     # ------------------------------------------------------------------ connect, expert maps
     def connect(self) -> None:
         """Connect handshake with every server; builds the expert map of every layer."""
-        for url in self.urls:
-            ch = ClientChannel(
-                self.transport, self.layout, self.client_id, self.num_slots, name=f"server {url}"
-            )
-            try:
-                info = http_connect(
-                    url,
-                    self.client_id,
-                    ch.handle,
-                    self.layout,
-                    self.num_slots,
-                    self.token,
-                    self.timeout,
-                )
-                ch.connect(info["server_handle"], info["doorbell_handle"])
-            except Exception:
-                ch.close()
-                self.close()
-                raise
-            self.channels.append(ch)
-            self.hosted.append({int(k): v for k, v in info["hosted"].items()})
+        try:
+            for url in self.urls:
+                self._attach(url)
+        except Exception:
+            self.close()
+            raise
         self._rebuild_maps()
         if self.missing:
             raise MoecommError(f"experts without any server: {self.missing}")
+
+    def _attach(self, url: str) -> None:
+        ch = ClientChannel(
+            self.transport, self.layout, self.client_id, self.num_slots, name=f"server {url}"
+        )
+        try:
+            info = http_connect(
+                url,
+                self.client_id,
+                ch.handle,
+                self.layout,
+                self.num_slots,
+                self.token,
+                self.timeout,
+            )
+            ch.connect(info["server_handle"], info["doorbell_handle"])
+        except Exception:
+            ch.close()
+            raise
+        self.channels.append(ch)
+        self.hosted.append({int(k): v for k, v in info["hosted"].items()})
+
+    def add_server(self, url: str) -> int:
+        """Elastic join: connects to a new server and routes to it from the next dispatch on.
+        Returns its index. A known URL is re-admitted (eviction lifted) instead."""
+        if url in self.urls:
+            i = self.urls.index(url)
+            self.evicted.pop(i, None)
+            self._rebuild_maps()
+            return i
+        self.urls.append(url)
+        self.outstanding.append(0)
+        try:
+            self._attach(url)
+        except Exception:
+            self.urls.pop()
+            self.outstanding.pop()
+            raise
+        self._rebuild_maps()
+        return len(self.urls) - 1
+
+    def remove_server(self, url: str) -> None:
+        """A server left (monitor event or drain): stop routing to it for good."""
+        i = self.urls.index(url)
+        ch = self.channels[i]
+        self.channels[i] = None
+        self._rebuild_maps()
+        if ch is not None:
+            ch.close()
 
     def _live(self, server: int) -> bool:
         until = self.evicted.get(server)
@@ -244,7 +278,10 @@ class AttentionClient:
 
     def _wait(self, handle: DispatchHandle, sent: Sent, timeout: float) -> torch.Tensor:
         try:
-            return self.channels[sent.server].wait(handle.slot, sent.seq, timeout).activations
+            ch = self.channels[sent.server]
+            if ch is None:
+                raise PeerLostError(f"server {self.urls[sent.server]} was removed")
+            return ch.wait(handle.slot, sent.seq, timeout).activations
         finally:
             self.outstanding[sent.server] -= int(sent.token_index.numel())
 

@@ -45,6 +45,10 @@ class ConnectModel(BaseModel):
     token: str = Field(default="", max_length=256)
 
 
+class TokenModel(BaseModel):
+    token: str = Field(default="", max_length=256)
+
+
 class DisconnectModel(BaseModel):
     client_id: int = Field(ge=0, lt=1 << 63)
     token: str = Field(default="", max_length=256)
@@ -80,12 +84,23 @@ def make_app(server: ExpertServer, token: str = "") -> FastAPI:
         authorize(body.token)
         return {"disconnected": server.disconnect(body.client_id)}
 
+    @app.post("/drain")
+    def drain(body: TokenModel):
+        authorize(body.token)
+        server.drain()
+        return {"draining": True, "server_id": server.server_id}
+
     @app.get("/health")
     def health():
         result = server.health_check()
         if not result["ok"]:
             raise HTTPException(status_code=503, detail=result)
-        return {**result, "server_id": server.server_id, "clients": server.num_clients}
+        return {
+            **result,
+            "server_id": server.server_id,
+            "clients": server.num_clients,
+            "draining": server.draining,
+        }
 
     @app.get("/experts")
     def experts():

@@ -285,6 +285,11 @@ class ExpertServer:
             ch.close()
         self.doorbell.close()
 
+    def drain(self) -> None:
+        """Graceful drain: accept no new client, answer every request from now on with
+        DRAINING (clients re-send it to a replica at once); the batch being computed finishes."""
+        self.draining = True
+
     def health_check(self) -> dict:
         """A real forward pass through one hosted expert (not a port check)."""
         layer_id = min(self.layers)
