@@ -78,16 +78,19 @@ class Response:
     stale_dropped: int = 0
 
 
-class ClientChannel:
-    """The client's end: response slots in our memory, requests written into the server's."""
+class _Channel:
+    """What both ends share: the two slot rings of the connection and our own region (response
+    slots for a client, request slots for a server)."""
+
+    owns_requests = False
 
     def __init__(
         self,
         transport: Transport,
         layout: SlotLayout,
         client_id: int,
-        num_slots: int = DEFAULT_NUM_SLOTS,
-        name: str = "server",
+        num_slots: int,
+        name: str,
     ):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
@@ -98,26 +101,48 @@ class ClientChannel:
         self.name = name
         self.request_ring = _C.SlotRing(layout.config, num_slots, True)
         self.response_ring = _C.SlotRing(layout.config, num_slots, False)
-        self.region: Region = transport.create_region(self.response_ring.region_bytes)
+        own = self.request_ring if self.owns_requests else self.response_ring
+        self.region: Region = transport.create_region(own.region_bytes)
         self._views = RegionViews(self.region)
         self._bytes = self._views.bytes
-        self.server: Region | None = None
-        self.doorbell: Region | None = None
-        self._next_seq = 1  # 0 is the sequence of the zero-filled (IDLE) slot
 
     @property
     def handle(self) -> str:
         return self.region.handle
 
+    def _attach_peer(self, handle: str, ring) -> Region:
+        peer = self.transport.attach(handle)
+        if peer.size < ring.region_bytes:
+            raise ProtocolError(
+                f"{self.name}: its region holds {peer.size} bytes, the "
+                f"agreed slot layout needs {ring.region_bytes}"
+            )
+        return peer
+
+    def close(self) -> None:
+        self.region.close()
+
+
+class ClientChannel(_Channel):
+    """The client's end: response slots in our memory, requests written into the server's."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        layout: SlotLayout,
+        client_id: int,
+        num_slots: int = DEFAULT_NUM_SLOTS,
+        name: str = "server",
+    ):
+        super().__init__(transport, layout, client_id, num_slots, name)
+        self.server: Region | None = None
+        self.doorbell: Region | None = None
+        self._next_seq = 1  # 0 is the sequence of the zero-filled (IDLE) slot
+
     def connect(self, server_handle: str, doorbell_handle: str | None = None) -> None:
         """Attaches to the server's request region, and to its shared doorbell when it has one
         (a server of many clients sleeps on a single doorbell)."""
-        server = self.transport.attach(server_handle)
-        if server.size < self.request_ring.region_bytes:
-            raise ProtocolError(
-                f"{self.name}: its region holds {server.size} bytes, the "
-                f"agreed slot layout needs {self.request_ring.region_bytes}"
-            )
+        server = self._attach_peer(server_handle, self.request_ring)
         self.doorbell = self.transport.attach(doorbell_handle) if doorbell_handle else None
         self.server = server
 
@@ -222,9 +247,6 @@ class ClientChannel:
             raise PeerLostError(f"{where}the server marked the slot OFFLINE")
         raise ProtocolError(f"{where}invalid response header: {validate_reason(out.code)}")
 
-    def close(self) -> None:
-        self.region.close()
-
 
 @dataclass
 class Request:
@@ -246,8 +268,10 @@ class Request:
         return self.code == ValidateCode.OK
 
 
-class ServerChannel:
+class ServerChannel(_Channel):
     """The server's end: request slots in our memory, responses written into the client's."""
+
+    owns_requests = True
 
     def __init__(
         self,
@@ -257,33 +281,12 @@ class ServerChannel:
         num_slots: int = DEFAULT_NUM_SLOTS,
         name: str = "client",
     ):
-        if num_slots < 1:
-            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-        self.transport = transport
-        self.layout = layout
-        self.client_id = int(client_id)
-        self.num_slots = num_slots
-        self.name = name
-        self.request_ring = _C.SlotRing(layout.config, num_slots, True)
-        self.response_ring = _C.SlotRing(layout.config, num_slots, False)
-        self.region: Region = transport.create_region(self.request_ring.region_bytes)
-        self._views = RegionViews(self.region)
-        self._bytes = self._views.bytes
+        super().__init__(transport, layout, client_id, num_slots, name)
         self.client: Region | None = None
         self._doorbell = 0
 
-    @property
-    def handle(self) -> str:
-        return self.region.handle
-
     def connect(self, client_handle: str) -> None:
-        client = self.transport.attach(client_handle)
-        if client.size < self.response_ring.region_bytes:
-            raise ProtocolError(
-                f"{self.name}: its region holds {client.size} bytes, the "
-                f"agreed slot layout needs {self.response_ring.region_bytes}"
-            )
-        self.client = client
+        self.client = self._attach_peer(client_handle, self.response_ring)
 
     def poll(self) -> list[Request]:
         """Every request slot in REQUEST_READY, validated, with zero-copy views of valid ones."""
@@ -370,6 +373,3 @@ class ServerChannel:
         """Marks every slot OFFLINE (the client is gone)."""
         for s in range(self.num_slots):
             _C.mark_offline(self.transport, self.region, self.request_ring, s, 0)
-
-    def close(self) -> None:
-        self.region.close()
