@@ -1,0 +1,134 @@
+"""Full re-placement: the EPLB-compatible entry point and the unequal-server extension."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from .checks import as_weight, check_capacity, check_config, check_slots
+from .packing import balanced_pack
+from .replicas import expand_replicas, replica_counts
+
+# Divisor offsets tried, with counts capped at the GPUs available, beside the published counts
+# (see replicas.replica_counts). Offset 1 (more replicas for mid-sized experts) lowered imbalance
+# by only ~0.3% on the bench loads for twice the packing time, so it is not tried by default.
+COUNT_OFFSETS = (0.0,)
+
+
+def place_rows(
+    weights: torch.Tensor, slots: list[int], capacity: torch.Tensor | None = None
+) -> torch.Tensor:
+    """weights [B, E] -> phy2log [B, sum(slots)] (local expert ids), pack p owning the next
+    slots[p] physical slots. Tries several replica-count rules and keeps, per row, the one whose
+    packing has the lowest heaviest pack.
+    """
+    rows, num_experts = weights.shape
+    num_slots = sum(slots)
+    tried = [replica_counts(weights, num_slots)]  # the published counts first: ties keep them
+    for offset in COUNT_OFFSETS:
+        if offset == 0.0 and int(tried[0].max()) <= len(slots):
+            continue  # the cap does not bind: same counts as the published ones
+        tried.append(replica_counts(weights, num_slots, max_count=len(slots), offset=offset))
+    counts = torch.cat(tried)  # [C * B, E]
+    num_cand = len(tried)
+    expert, _ = expand_replicas(counts)
+    item_w = weights.repeat(num_cand, 1).gather(1, expert) / counts.gather(1, expert)
+    packing = balanced_pack(item_w, slots, labels=expert, capacity=capacity)
+    cap = capacity if capacity is not None else torch.ones(len(slots), dtype=torch.float64)
+    score = (packing.loads / cap).max(dim=1).values.view(num_cand, rows)
+    best = score.argmin(dim=0)  # first (published counts) on ties
+    pick = best * rows + torch.arange(rows)
+    table = packing.table[pick]  # [B, P, S] item ids, -1 padding
+    valid = table >= 0
+    phy2log = expert[pick].gather(1, table.clamp(min=0).reshape(rows, -1))
+    return phy2log[valid.reshape(rows, -1)].view(rows, num_slots)
+
+
+def finalize(
+    phy2log: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """phy2log [L, N] -> (phy2log, log2phy [L, E, N - E + 1] padded with -1, logcnt [L, E])."""
+    layers, num_slots = phy2log.shape
+    logcnt = torch.zeros(layers, num_experts, dtype=torch.int64)
+    logcnt.scatter_add_(1, phy2log, torch.ones_like(phy2log))
+    # Replica rank = how many earlier slots hold the same expert (stable sort keeps slot order).
+    order = phy2log.sort(dim=1, stable=True)
+    starts = (logcnt.cumsum(dim=1) - logcnt).gather(1, order.values)
+    rank_sorted = torch.arange(num_slots).expand(layers, num_slots) - starts
+    rank = torch.empty_like(phy2log).scatter_(1, order.indices, rank_sorted)
+    # Published width: one expert can hold at most every redundant slot plus its own.
+    width = num_slots - num_experts + 1
+    log2phy = torch.full((layers, num_experts, width), -1, dtype=torch.int64)
+    log2phy.view(layers, -1).scatter_(
+        1, phy2log * width + rank, torch.arange(num_slots).expand(layers, num_slots)
+    )
+    return phy2log, log2phy, logcnt
+
+
+def _hierarchical(
+    w: torch.Tensor, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
+) -> torch.Tensor:
+    layers, num_experts = w.shape
+    group_size = num_experts // num_groups
+    gpus_per_node = num_gpus // num_nodes
+    per_gpu = num_replicas // num_gpus
+    # 1. Groups onto nodes (all replicas of a group stay on its node).
+    group_w = w.view(layers, num_groups, group_size).sum(dim=2)
+    groups = balanced_pack(group_w, [num_groups // num_nodes] * num_nodes).table
+    # node_experts[l, n, i]: logical id of the i-th expert held by node n.
+    node_experts = (groups[..., None] * group_size + torch.arange(group_size)).reshape(
+        layers, num_nodes, -1
+    )
+    node_w = w.gather(1, node_experts.reshape(layers, -1)).view(layers * num_nodes, -1)
+    # 2+3. Replicas within each node, packed onto the node's GPUs, all nodes in one batch.
+    local = place_rows(node_w, [per_gpu] * gpus_per_node)
+    return node_experts.view(layers * num_nodes, -1).gather(1, local).view(layers, num_replicas)
+
+
+def rebalance_experts(
+    weight: torch.Tensor | np.ndarray,
+    num_replicas: int,
+    num_groups: int,
+    num_nodes: int,
+    num_gpus: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """EPLB-compatible placement of `num_replicas` physical expert slots.
+
+    weight: [layers, num_logical_experts] loads (torch or numpy, never modified).
+    Returns int64 tensors:
+      phy2log [layers, num_replicas]: logical expert of each slot; slot s lives on GPU
+        s // (num_replicas // num_gpus).
+      log2phy [layers, num_logical_experts, num_replicas - num_logical_experts + 1]: the slots of
+        each expert, padded with -1.
+      logcnt [layers, num_logical_experts]: replica count of each expert (>= 1).
+    Hierarchical policy when num_groups % num_nodes == 0 (groups packed onto nodes, every replica
+    of a group on its node), global policy otherwise.
+    """
+    w = as_weight(weight)
+    hierarchical = check_config(w.size(1), num_replicas, num_groups, num_nodes, num_gpus)
+    if hierarchical:
+        phy2log = _hierarchical(w, num_replicas, num_groups, num_nodes, num_gpus)
+    else:
+        phy2log = _hierarchical(w, num_replicas, 1, 1, num_gpus)
+    return finalize(phy2log, w.size(1))
+
+
+def place_experts(
+    weight: torch.Tensor | np.ndarray,
+    slots_per_gpu: Sequence[int],
+    *,
+    gpu_capacity: Sequence[float] | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Global placement over servers of unequal size (EaaS extension).
+
+    slots_per_gpu[g]: expert slots server g holds; its slots are the next slots_per_gpu[g] physical
+    slots (server 0 first). gpu_capacity[g] (default 1 each): relative speed; balance is judged on
+    load / capacity. Returns (phy2log, log2phy, logcnt) as rebalance_experts, with
+    num_replicas = sum(slots_per_gpu).
+    """
+    w = as_weight(weight)
+    slots = check_slots(slots_per_gpu, w.size(1))
+    capacity = check_capacity(gpu_capacity, len(slots))
+    return finalize(place_rows(w, slots, capacity), w.size(1))
