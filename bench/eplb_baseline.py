@@ -20,7 +20,7 @@ import torch
 
 
 def balanced_packing(weight: torch.Tensor, num_packs: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [rows, items] -> (pack index, rank within the pack) per item, greedy heaviest-first."""
+    """weight [rows, items] -> (pack index, rank in pack) per item, greedy heaviest-first."""
     rows, num_items = weight.shape
     per_pack = num_items // num_packs
     if per_pack == 1:

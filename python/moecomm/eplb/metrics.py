@@ -45,7 +45,7 @@ def gpu_loads(
     weight: torch.Tensor | np.ndarray,
     num_gpus: int | Sequence[int],
 ) -> torch.Tensor:
-    """[layers, gpus] load per GPU; a slot carries its expert's load / the expert's replica count."""
+    """[layers, gpus] load per GPU; a slot carries its expert's load / its replica count."""
     w = as_weight(weight)
     p = _as_phy2log(phy2log, w)
     layers, num_slots = p.shape

@@ -79,7 +79,7 @@ class Packing:
 def _rounds(
     weights: torch.Tensor, labels: torch.Tensor | None, slots: list[int], capacity: torch.Tensor
 ) -> Packing:
-    rows, num_items = weights.shape
+    rows = weights.size(0)
     num_packs = len(slots)
     max_slots = max(slots)
     order = weights.sort(dim=1, descending=True, stable=True).indices

@@ -24,7 +24,7 @@ def place_rows(
     slots[p] physical slots. Tries several replica-count rules and keeps, per row, the one whose
     packing has the lowest heaviest pack.
     """
-    rows, num_experts = weights.shape
+    rows = weights.size(0)
     num_slots = sum(slots)
     tried = [replica_counts(weights, num_slots)]  # the published counts first: ties keep them
     for offset in COUNT_OFFSETS:
