@@ -38,11 +38,11 @@ def check_placement(
     num_experts: int,
     num_replicas: int,
     *,
-    group_nodes: tuple[int, int, int] | None = None,
+    group_nodes: tuple[int, int] | None = None,
 ) -> None:
     """Assert every documented invariant of (phy2log, log2phy, logcnt).
 
-    group_nodes = (num_groups, num_nodes, num_gpus): also check every replica of a group lies
+    group_nodes = (num_groups, num_nodes): also check every replica of a group lies
     on one node (hierarchical policy).
     """
     layers = phy2log.size(0)
@@ -68,7 +68,7 @@ def check_placement(
     seen.scatter_add_(1, slots.view(layers, -1), filled.view(layers, -1).to(torch.int64))
     assert bool((seen == 1).all()), "log2phy must list every slot exactly once"
     if group_nodes is not None:
-        num_groups, num_nodes, num_gpus = group_nodes
+        num_groups, num_nodes = group_nodes
         per_node = num_replicas // num_nodes
         node = (torch.arange(num_replicas) // per_node).expand(layers, -1)
         group = phy2log // (num_experts // num_groups)
