@@ -20,7 +20,7 @@ import torch
 
 from .assignment import max_weight_matching
 from .checks import as_weight, check_config
-from .packing import Packing, _dedup, _refine
+from .packing import Packing, _dedup, refine
 from .policy import finalize, rebalance_experts
 from .replicas import replica_counts
 
@@ -205,7 +205,7 @@ def _repair(
     )
     capacity = torch.ones(gpus_per_node, dtype=torch.float64)
     _dedup(packing, capacity)
-    _refine(packing, capacity, swaps)
+    refine(packing, capacity, swaps)
     result_local = packing.slot_l.reshape(rows, node_slots)
     return experts.gather(1, result_local).view(layers, num_slots)
 

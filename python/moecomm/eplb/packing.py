@@ -220,13 +220,30 @@ def _pair_exchange(packing: Packing, capacity: torch.Tensor, max_steps: int) -> 
         active = active[go.any(dim=1)]
 
 
-def _refine(packing: Packing, capacity: torch.Tensor, max_steps: int) -> None:
+def refine(
+    packing: Packing,
+    capacity: torch.Tensor,
+    max_steps: int = MAX_REFINE_STEPS,
+    row_group: torch.Tensor | None = None,
+) -> None:
     """Swap one item of the heaviest pack with one item of any other pack, the swap that lowers
-    the larger of the two loads most; repeat while a row improves."""
+    the larger of the two loads most; repeat while it helps.
+
+    row_group [B] (optional): rows of one group are judged together by their heaviest pack (the
+    nodes of one layer: only the layer's slowest GPU sets its latency). Only rows at their
+    group's peak are refined, and a group stops once its peak row cannot improve.
+    """
     rows, num_packs, max_slots = packing.table.shape
     per_src = num_packs * max_slots
-    active = torch.arange(rows)
+    group = torch.arange(rows) if row_group is None else row_group
+    num_groups = int(group.max()) + 1 if rows else 0
+    done = torch.zeros(num_groups, dtype=torch.bool)
     for _ in range(max_steps):
+        peak = (packing.loads / capacity).max(dim=1).values
+        group_peak = torch.full((num_groups,), -_INF, dtype=peak.dtype)
+        group_peak = group_peak.scatter_reduce(0, group, peak, reduce="amax")
+        at_peak = peak >= group_peak[group] * (1.0 - _MIN_RELATIVE_GAIN)
+        active = (at_peak & ~done[group]).nonzero().squeeze(1)
         if active.numel() == 0:
             return
         sub = packing.rows(active)
@@ -237,6 +254,7 @@ def _refine(packing: Packing, capacity: torch.Tensor, max_steps: int) -> None:
         allowed &= (delta > 0) & (cost < target[:, None, None, None])
         best = cost.masked_fill(~allowed, _INF).view(n, -1).min(dim=1)
         go = ~torch.isinf(best.values)
+        done[group[active[~go]]] = True  # its peak row is stuck: the group's peak cannot drop
         sel = go.nonzero().squeeze(1)
         flat = best.indices[sel]
         rest = flat % per_src
@@ -245,7 +263,6 @@ def _refine(packing: Packing, capacity: torch.Tensor, max_steps: int) -> None:
             (top.indices[sel], flat // per_src),
             (rest // max_slots, rest % max_slots),
         )
-        active = active[sel]
 
 
 def balanced_pack(
@@ -256,11 +273,13 @@ def balanced_pack(
     capacity: torch.Tensor | None = None,
     pair_steps: int = MAX_PAIR_STEPS,
     refine_steps: int = MAX_REFINE_STEPS,
+    row_group: torch.Tensor | None = None,
 ) -> Packing:
     """Pack items weights [B, n] into len(slots) packs, pack p taking exactly slots[p] items.
 
     labels [B, n] (optional): items with the same label avoid sharing a pack when a swap allows.
     capacity [P] (optional): loads are compared as load / capacity.
+    row_group [B] (optional): see refine().
     """
     if sum(slots) != weights.size(1):
         raise ValueError(
@@ -273,5 +292,5 @@ def balanced_pack(
     if labels is not None:
         _dedup(packing, capacity)
     _pair_exchange(packing, capacity, pair_steps)
-    _refine(packing, capacity, refine_steps)
+    refine(packing, capacity, refine_steps, row_group)
     return packing

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from .checks import as_weight, check_capacity, check_config, check_slots
-from .packing import balanced_pack
+from .packing import MAX_REFINE_STEPS, balanced_pack, refine
 from .replicas import expand_replicas, replica_counts
 
 # Divisor offsets tried, with counts capped at the GPUs available, beside the published counts
@@ -16,33 +16,51 @@ from .replicas import expand_replicas, replica_counts
 # by only ~0.3% on the bench loads for twice the packing time, so it is not tried by default.
 COUNT_OFFSETS = (0.0,)
 
+_INF = float("inf")
+
 
 def place_rows(
-    weights: torch.Tensor, slots: list[int], capacity: torch.Tensor | None = None
+    weights: torch.Tensor,
+    slots: list[int],
+    capacity: torch.Tensor | None = None,
+    row_group: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """weights [B, E] -> phy2log [B, sum(slots)] (local expert ids), pack p owning the next
-    slots[p] physical slots. Tries several replica-count rules and keeps, per row, the one whose
-    packing has the lowest heaviest pack.
+    slots[p] physical slots.
+
+    Replica counts: the published ones, and for rows where they differ the ones capped at the
+    packs available (and any COUNT_OFFSETS); each is packed (rounds, de-duplication, pair
+    exchange) and every row keeps the lighter heaviest pack before the swap refinement, which
+    runs once, on the kept packing only. row_group: see packing.refine.
     """
     rows = weights.size(0)
     num_slots = sum(slots)
-    tried = [replica_counts(weights, num_slots)]  # the published counts first: ties keep them
-    for offset in COUNT_OFFSETS:
-        if offset == 0.0 and int(tried[0].max()) <= len(slots):
-            continue  # the cap does not bind: same counts as the published ones
-        tried.append(replica_counts(weights, num_slots, max_count=len(slots), offset=offset))
-    counts = torch.cat(tried)  # [C * B, E]
-    num_cand = len(tried)
-    expert, _ = expand_replicas(counts)
-    item_w = weights.repeat(num_cand, 1).gather(1, expert) / counts.gather(1, expert)
-    packing = balanced_pack(item_w, slots, labels=expert, capacity=capacity)
     cap = capacity if capacity is not None else torch.ones(len(slots), dtype=torch.float64)
-    score = (packing.loads / cap).max(dim=1).values.view(num_cand, rows)
-    best = score.argmin(dim=0)  # first (published counts) on ties
-    pick = best * rows + torch.arange(rows)
-    table = packing.table[pick]  # [B, P, S] item ids, -1 padding
+    counts = replica_counts(weights, num_slots)  # the published counts first: ties keep them
+    origin = torch.arange(rows)
+    for offset in COUNT_OFFSETS:
+        alt = replica_counts(weights, num_slots, max_count=len(slots), offset=offset)
+        differ = (alt != counts[:rows]).any(dim=1).nonzero().squeeze(1)
+        counts = torch.cat([counts, alt[differ]])
+        origin = torch.cat([origin, differ])
+    expert, _ = expand_replicas(counts)
+    item_w = weights[origin].gather(1, expert) / counts.gather(1, expert)
+    packing = balanced_pack(item_w, slots, labels=expert, capacity=capacity, refine_steps=0)
+    if counts.size(0) > rows:
+        # Per original row, the candidate with the lightest heaviest pack (first on ties).
+        score = (packing.loads / cap).max(dim=1).values
+        best = torch.full((rows,), _INF, dtype=score.dtype)
+        best = best.scatter_reduce(0, origin, score, reduce="amin")
+        is_best = score <= best[origin]
+        cand = torch.arange(counts.size(0))
+        pick = torch.full((rows,), counts.size(0), dtype=torch.int64)
+        pick = pick.scatter_reduce(0, origin[is_best], cand[is_best], reduce="amin")
+        packing = packing.rows(pick)
+        expert = expert[pick]
+    refine(packing, cap, MAX_REFINE_STEPS, row_group)
+    table = packing.table
     valid = table >= 0
-    phy2log = expert[pick].gather(1, table.clamp(min=0).reshape(rows, -1))
+    phy2log = expert.gather(1, table.clamp(min=0).reshape(rows, -1))
     return phy2log[valid.reshape(rows, -1)].view(rows, num_slots)
 
 
@@ -83,7 +101,8 @@ def _hierarchical(
     )
     node_w = w.gather(1, node_experts.reshape(layers, -1)).view(layers * num_nodes, -1)
     # 2+3. Replicas within each node, packed onto the node's GPUs, all nodes in one batch.
-    local = place_rows(node_w, [per_gpu] * gpus_per_node)
+    layer_of_row = torch.arange(layers).repeat_interleave(num_nodes)
+    local = place_rows(node_w, [per_gpu] * gpus_per_node, row_group=layer_of_row)
     return node_experts.view(layers * num_nodes, -1).gather(1, local).view(layers, num_replicas)
 
 
