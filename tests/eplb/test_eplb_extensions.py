@@ -112,7 +112,7 @@ def test_matching_is_optimal_on_small_cases():
 def test_packing_keeps_every_item_once_and_refinement_helps():
     w = lognormal(32, 72, seed=32)
     slots = [9] * 8
-    rounds_only = balanced_pack(w, slots, pair_steps=0, refine_steps=0)
+    rounds_only = balanced_pack(w, slots, refine_steps=0)
     refined = balanced_pack(w, slots)
     for packing in (rounds_only, refined):
         items = packing.table.reshape(32, -1).sort(dim=1).values

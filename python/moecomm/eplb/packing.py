@@ -10,8 +10,8 @@ improvement steps, never over items or rows.
    an item of another pack that holds neither label, choosing the swap that raises the pair's
    load least. Skipped where no such swap exists (a duplicate that cannot be avoided).
 3. Refinement: swap one item of the most loaded pack with one item of any other pack, the swap
-   that lowers the larger of the two loads most, never creating a duplicate; repeat while some
-   row improves.
+   that lowers the larger of the two loads most, never creating a duplicate; repeat while the
+   row (or the group of rows it belongs to, e.g. the nodes of one layer) improves.
 
 Loads are normalized by pack capacity (load / capacity), so servers of unequal speed work too.
 """
@@ -23,11 +23,9 @@ import torch
 # Swaps must lower the heaviest pack by more than this fraction: float noise is not a gain and
 # would let the loop run to its cap on ties.
 _MIN_RELATIVE_GAIN = 1e-9
-# Parallel pair-exchange steps. Measured on 58 x 256 lognormal/Zipf loads (bench/eplb.py): the
-# gain after 8 steps is below 0.1% of imbalance while each step costs as much as the first.
-MAX_PAIR_STEPS = 8
-# Heaviest-pack swap steps after the pair exchange; 16 recovers most of what 64 would (same
-# measurement) at a quarter of the worst-case time.
+# Swap steps per group (refine). On the bench's 58 x 256 lognormal and Zipf loads, 16 and 64
+# steps end within 0.01% imbalance of each other; a parallel pair exchange tried before it
+# gained nothing measurable and was removed.
 MAX_REFINE_STEPS = 16
 # De-duplication swaps per row; each fixes one duplicate, and rows rarely hold more than a few.
 MAX_DEDUP_STEPS = 64
@@ -178,48 +176,6 @@ def _dedup(packing: Packing, capacity: torch.Tensor) -> None:
         active = active[sel]
 
 
-def _pair_exchange(packing: Packing, capacity: torch.Tensor, max_steps: int) -> None:
-    """Pair the k-th heaviest pack with the k-th lightest and let every pair make its best swap
-    at once: many packs improve per step, so few steps reach what one-swap-a-step needs dozens
-    of steps for. A swap must lower the pair's heavier load and create no duplicate.
-    """
-    rows, num_packs, max_slots = packing.table.shape
-    half = num_packs // 2
-    if half == 0 or max_slots <= 2:
-        # Two slots per pack: the rounds already pair heaviest with lightest, which is optimal;
-        # only de-duplication could have disturbed it, and _refine repairs that.
-        return
-    active = torch.arange(rows)
-    for _ in range(max_steps):
-        if active.numel() == 0:
-            return
-        sub = packing.rows(active)
-        n = active.numel()
-        ridx = torch.arange(n)[:, None]
-        order = (sub.loads / capacity).argsort(dim=1, descending=True, stable=True)
-        heavy, light = order[:, :half], order[:, num_packs - half :].flip(1)  # [n, H]
-        hw, lw = sub.slot_w[ridx, heavy], sub.slot_w[ridx, light]  # [n, H, S]
-        delta = hw[:, :, :, None] - lw[:, :, None, :]  # [n, H, Sh, Sl]: load moving heavy->light
-        h_load, l_load = sub.loads.gather(1, heavy), sub.loads.gather(1, light)
-        h_cap, l_cap = capacity[heavy], capacity[light]
-        new_h = (h_load[:, :, None, None] - delta) / h_cap[:, :, None, None]
-        new_l = (l_load[:, :, None, None] + delta) / l_cap[:, :, None, None]
-        cost = torch.maximum(new_h, new_l)
-        bound = (h_load / h_cap) * (1.0 - _MIN_RELATIVE_GAIN)
-        ok = (delta > 0) & (cost < bound[:, :, None, None])
-        valid = sub.table >= 0
-        ok &= valid[ridx, heavy][:, :, :, None] & valid[ridx, light][:, :, None, :]
-        if sub.slot_l is not None:
-            same = sub.slot_l[ridx, heavy][:, :, :, None] == sub.slot_l[ridx, light][:, :, None, :]
-            ok &= ~(same.any(dim=3, keepdim=True) | same.any(dim=2, keepdim=True))
-        best = cost.masked_fill(~ok, _INF).view(n, half, -1).min(dim=2)
-        go = ~torch.isinf(best.values)  # [n, H]
-        r, k = go.nonzero(as_tuple=True)
-        flat = best.indices[r, k]
-        packing.swap(active[r], (heavy[r, k], flat // max_slots), (light[r, k], flat % max_slots))
-        active = active[go.any(dim=1)]
-
-
 def refine(
     packing: Packing,
     capacity: torch.Tensor,
@@ -271,7 +227,6 @@ def balanced_pack(
     *,
     labels: torch.Tensor | None = None,
     capacity: torch.Tensor | None = None,
-    pair_steps: int = MAX_PAIR_STEPS,
     refine_steps: int = MAX_REFINE_STEPS,
     row_group: torch.Tensor | None = None,
 ) -> Packing:
@@ -291,6 +246,5 @@ def balanced_pack(
     packing = _rounds(weights, labels, slots, capacity)
     if labels is not None:
         _dedup(packing, capacity)
-    _pair_exchange(packing, capacity, pair_steps)
     refine(packing, capacity, refine_steps, row_group)
     return packing

@@ -29,8 +29,8 @@ def place_rows(
     slots[p] physical slots.
 
     Replica counts: the published ones, and for rows where they differ the ones capped at the
-    packs available (and any COUNT_OFFSETS); each is packed (rounds, de-duplication, pair
-    exchange) and every row keeps the lighter heaviest pack before the swap refinement, which
+    packs available (and any COUNT_OFFSETS); each is packed (rounds, de-duplication) and every
+    row keeps the lighter heaviest pack before the swap refinement, which
     runs once, on the kept packing only. row_group: see packing.refine.
     """
     rows = weights.size(0)
