@@ -20,7 +20,7 @@ import torch
 
 from .assignment import max_weight_matching
 from .checks import as_weight, check_config
-from .packing import Packing, _dedup, refine
+from .packing import Packing, dedup, refine
 from .policy import finalize, rebalance_experts
 from .replicas import replica_counts
 
@@ -197,16 +197,15 @@ def _repair(
         new_local[r, dest[r, t]] = who[r, t]
 
     # De-duplicate and improve with the packing machinery: item = slot, label = local expert.
-    item_w = (row_w / new_cnt).gather(1, new_local)
-    table = torch.arange(node_slots).expand(rows, -1).reshape(rows, gpus_per_node, per_gpu)
-    slot_w = item_w.view(rows, gpus_per_node, per_gpu).clone()
-    packing = Packing(
-        table.clone(), slot_w, new_local.view(rows, gpus_per_node, per_gpu).clone(), slot_w.sum(2)
-    )
-    capacity = torch.ones(gpus_per_node, dtype=torch.float64)
-    _dedup(packing, capacity)
+    item_w = (row_w / new_cnt).gather(1, new_local).numpy()
+    shape = (rows, gpus_per_node, per_gpu)
+    slot_w = item_w.reshape(shape).copy()
+    table = np.broadcast_to(np.arange(node_slots), (rows, node_slots)).reshape(shape).copy()
+    packing = Packing(table, slot_w, new_local.numpy().reshape(shape).copy(), slot_w.sum(axis=2))
+    capacity = np.ones(gpus_per_node)
+    dedup(packing, capacity)
     refine(packing, capacity, swaps)
-    result_local = packing.slot_l.reshape(rows, node_slots)
+    result_local = torch.from_numpy(packing.slot_l.reshape(rows, node_slots))
     return experts.gather(1, result_local).view(layers, num_slots)
 
 

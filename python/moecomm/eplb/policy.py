@@ -16,8 +16,6 @@ from .replicas import expand_replicas, replica_counts
 # by only ~0.3% on the bench loads for twice the packing time, so it is not tried by default.
 COUNT_OFFSETS = (0.0,)
 
-_INF = float("inf")
-
 
 def place_rows(
     weights: torch.Tensor,
@@ -48,20 +46,18 @@ def place_rows(
     packing = balanced_pack(item_w, slots, labels=expert, capacity=capacity, refine_steps=0)
     if counts.size(0) > rows:
         # Per original row, the candidate with the lightest heaviest pack (first on ties).
-        score = (packing.loads / cap).max(dim=1).values
-        best = torch.full((rows,), _INF, dtype=score.dtype)
-        best = best.scatter_reduce(0, origin, score, reduce="amin")
-        is_best = score <= best[origin]
-        cand = torch.arange(counts.size(0))
-        pick = torch.full((rows,), counts.size(0), dtype=torch.int64)
-        pick = pick.scatter_reduce(0, origin[is_best], cand[is_best], reduce="amin")
+        score = (packing.loads / cap.numpy()).max(axis=1)
+        origin_np = origin.numpy()
+        best = np.full(rows, np.inf)
+        np.minimum.at(best, origin_np, score)
+        cand = np.flatnonzero(score <= best[origin_np])
+        pick = np.full(rows, counts.size(0), dtype=np.int64)
+        np.minimum.at(pick, origin_np[cand], cand)
         packing = packing.rows(pick)
-        expert = expert[pick]
-    refine(packing, cap, MAX_REFINE_STEPS, row_group)
-    table = packing.table
-    valid = table >= 0
-    phy2log = expert.gather(1, table.clamp(min=0).reshape(rows, -1))
-    return phy2log[valid.reshape(rows, -1)].view(rows, num_slots)
+    refine(packing, cap.numpy(), MAX_REFINE_STEPS, None if row_group is None else row_group.numpy())
+    # Labels are the local expert ids; -1 marks the padding of servers with fewer slots.
+    labels = packing.slot_l.reshape(rows, -1)
+    return torch.from_numpy(labels[labels >= 0].reshape(rows, num_slots))
 
 
 def finalize(
@@ -94,7 +90,7 @@ def _hierarchical(
     per_gpu = num_replicas // num_gpus
     # 1. Groups onto nodes (all replicas of a group stay on its node).
     group_w = w.view(layers, num_groups, group_size).sum(dim=2)
-    groups = balanced_pack(group_w, [num_groups // num_nodes] * num_nodes).table
+    groups = torch.from_numpy(balanced_pack(group_w, [num_groups // num_nodes] * num_nodes).table)
     # node_experts[l, n, i]: logical id of the i-th expert held by node n.
     node_experts = (groups[..., None] * group_size + torch.arange(group_size)).reshape(
         layers, num_nodes, -1
