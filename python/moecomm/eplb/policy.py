@@ -37,6 +37,8 @@ def place_rows(
     counts = replica_counts(weights, num_slots)  # the published counts first: ties keep them
     origin = torch.arange(rows)
     for offset in COUNT_OFFSETS:
+        if offset == 0.0 and int(counts.max()) <= len(slots):
+            continue  # the cap does not bind anywhere: same counts as the published ones
         alt = replica_counts(weights, num_slots, max_count=len(slots), offset=offset)
         differ = (alt != counts[:rows]).any(dim=1).nonzero().squeeze(1)
         counts = torch.cat([counts, alt[differ]])
@@ -67,11 +69,13 @@ def finalize(
     layers, num_slots = phy2log.shape
     logcnt = torch.zeros(layers, num_experts, dtype=torch.int64)
     logcnt.scatter_add_(1, phy2log, torch.ones_like(phy2log))
-    # Replica rank = how many earlier slots hold the same expert (stable sort keeps slot order).
-    order = phy2log.sort(dim=1, stable=True)
-    starts = (logcnt.cumsum(dim=1) - logcnt).gather(1, order.values)
+    # Replica rank = how many earlier slots hold the same expert (stable sort keeps slot order;
+    # numpy sorts 16-bit keys by radix, much faster than a comparison sort).
+    key = phy2log.numpy().astype(np.int16 if num_experts <= np.iinfo(np.int16).max else np.int64)
+    order = torch.from_numpy(np.argsort(key, axis=1, kind="stable"))
+    starts = (logcnt.cumsum(dim=1) - logcnt).gather(1, phy2log.gather(1, order))
     rank_sorted = torch.arange(num_slots).expand(layers, num_slots) - starts
-    rank = torch.empty_like(phy2log).scatter_(1, order.indices, rank_sorted)
+    rank = torch.empty_like(phy2log).scatter_(1, order, rank_sorted)
     # Published width: one expert can hold at most every redundant slot plus its own.
     width = num_slots - num_experts + 1
     log2phy = torch.full((layers, num_experts, width), -1, dtype=torch.int64)
@@ -88,9 +92,13 @@ def _hierarchical(
     group_size = num_experts // num_groups
     gpus_per_node = num_gpus // num_nodes
     per_gpu = num_replicas // num_gpus
-    # 1. Groups onto nodes (all replicas of a group stay on its node).
-    group_w = w.view(layers, num_groups, group_size).sum(dim=2)
-    groups = torch.from_numpy(balanced_pack(group_w, [num_groups // num_nodes] * num_nodes).table)
+    # 1. Groups onto nodes (all replicas of a group stay on its node); one node holds them all.
+    if num_nodes == 1:
+        groups = torch.arange(num_groups).expand(layers, 1, num_groups)
+    else:
+        group_w = w.view(layers, num_groups, group_size).sum(dim=2)
+        packed = balanced_pack(group_w, [num_groups // num_nodes] * num_nodes)
+        groups = torch.from_numpy(packed.table)
     # node_experts[l, n, i]: logical id of the i-th expert held by node n.
     node_experts = (groups[..., None] * group_size + torch.arange(group_size)).reshape(
         layers, num_nodes, -1
