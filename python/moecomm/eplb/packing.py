@@ -54,6 +54,8 @@ class Packing:
         self.slot_w = slot_w
         self.slot_l = slot_l
         self.loads = loads
+        # Every slot holds an item (equal slot counts): the padding checks can be skipped.
+        self.full = bool((table >= 0).all())
 
     def rows(self, idx: np.ndarray) -> Packing:
         """A copy of the given rows (the active set of an improvement loop)."""
@@ -112,33 +114,45 @@ def _rounds(
 
 
 def _swap_costs(
-    sub: Packing, capacity: np.ndarray, src_pack: np.ndarray
+    sub: Packing,
+    capacity: np.ndarray | None,
+    src_pack: np.ndarray,
+    src_slot: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every (item a of src_pack, item b of another pack) swap of each row of `sub`.
 
+    src_slot (optional): only that item of the source pack may move (Sa = 1).
+    capacity None means all packs equal (skips the divisions).
     Returns (cost, delta, allowed), each [B, Sa, P, Sb]: cost is the larger normalized load of the
     two packs after the swap, delta = w_a - w_b; allowed excludes empty slots, the source pack
     itself and swaps that would put two items of one label in a pack.
     """
     rows, num_packs, _ = sub.table.shape
     row_idx = np.arange(rows)
-    src_w = sub.slot_w[row_idx, src_pack]  # [B, Sa]
+    src_w = sub.slot_w[row_idx, src_pack]  # [B, S]
+    src_valid = sub.table[row_idx, src_pack] >= 0
+    if src_slot is not None:
+        src_w = src_w[row_idx, src_slot][:, None]  # [B, 1]
+        src_valid = src_valid[row_idx, src_slot][:, None]
     delta = src_w[:, :, None, None] - sub.slot_w[:, None, :, :]
     src_load = sub.loads[row_idx, src_pack][:, None, None, None]
-    src_cap = capacity[src_pack][:, None, None, None]
-    new_src = (src_load - delta) / src_cap
-    new_dst = (sub.loads[:, None, :, None] + delta) / capacity[None, None, :, None]
-    cost = np.maximum(new_src, new_dst)
-    valid = sub.table >= 0
-    allowed = valid[row_idx, src_pack][:, :, None, None] & valid[:, None, :, :]
+    if capacity is None:
+        cost = np.maximum(src_load - delta, sub.loads[:, None, :, None] + delta)
+    else:
+        new_src = (src_load - delta) / capacity[src_pack][:, None, None, None]
+        new_dst = (sub.loads[:, None, :, None] + delta) / capacity[None, None, :, None]
+        cost = np.maximum(new_src, new_dst)
     not_src = np.arange(num_packs)[None, :] != src_pack[:, None]  # [B, P]
-    allowed &= not_src[:, None, :, None]
+    allowed = np.broadcast_to(not_src[:, None, :, None], cost.shape)
+    if not sub.full:
+        allowed = allowed & src_valid[:, :, None, None] & (sub.table >= 0)[:, None, :, :]
     if sub.slot_l is not None:
-        src_l = sub.slot_l[row_idx, src_pack]  # [B, Sa]
-        same = sub.slot_l[:, None, :, :] == src_l[:, :, None, None]  # [B, Sa, P, Sb]
-        a_label_in_dst = same.any(axis=3, keepdims=True)  # a's label already in pack p
-        b_label_in_src = same.any(axis=1, keepdims=True)  # b's label already in the source pack
-        allowed &= ~(a_label_in_dst | b_label_in_src)
+        src_l = sub.slot_l[row_idx, src_pack]  # [B, S]
+        a_l = src_l if src_slot is None else src_l[row_idx, src_slot][:, None]
+        # a's label already in pack p; b's label already in the source pack.
+        a_in_dst = (sub.slot_l[:, None, :, :] == a_l[:, :, None, None]).any(axis=3, keepdims=True)
+        b_in_src = (sub.slot_l[:, :, :, None] == src_l[:, None, None, :]).any(axis=3)
+        allowed = allowed & ~a_in_dst & ~b_in_src[:, None, :, :]
     return cost, delta, allowed
 
 
@@ -155,6 +169,7 @@ def dedup(packing: Packing, capacity: np.ndarray) -> None:
     """Swap duplicates (a label twice in one pack) away where a swap can; see the module doc."""
     assert packing.slot_l is not None
     rows, _, max_slots = packing.table.shape
+    cap = capacity if bool((capacity != 1.0).any()) else None  # None: equal packs
     dup = _duplicate_slots(packing.slot_l, packing.table).reshape(rows, -1)
     active = np.flatnonzero(dup.any(axis=1))
     for _ in range(MAX_DEDUP_STEPS):
@@ -166,10 +181,10 @@ def dedup(packing: Packing, capacity: np.ndarray) -> None:
         has = dup.any(axis=1)
         first = dup.argmax(axis=1)  # first duplicate slot of each row
         src_pack, src_slot = first // max_slots, first % max_slots
-        cost, _, allowed = _swap_costs(sub, capacity, src_pack)
+        cost, _, allowed = _swap_costs(sub, cap, src_pack, src_slot)
         sub_idx = np.arange(n)
-        # Only the duplicate item itself may leave its pack.
-        cost = np.where(allowed[sub_idx, src_slot], cost[sub_idx, src_slot], _INF)
+        # Only the duplicate item itself may leave its pack (Sa = 1).
+        cost = np.where(allowed, cost, _INF)
         flat_cost = cost.reshape(n, -1)
         dst = flat_cost.argmin(axis=1)
         found = np.isfinite(flat_cost[sub_idx, dst])
@@ -200,6 +215,7 @@ def refine(
     if rows == 0:
         return
     per_src = num_packs * max_slots
+    cap = capacity if bool((capacity != 1.0).any()) else None  # None: equal packs
     group = np.arange(rows) if row_group is None else row_group
     num_groups = int(group.max()) + 1
     done = np.zeros(num_groups, dtype=bool)
@@ -215,9 +231,9 @@ def refine(
         n = active.size
         norm = sub.loads / capacity
         top = norm.argmax(axis=1)
-        cost, delta, allowed = _swap_costs(sub, capacity, top)
+        cost, delta, allowed = _swap_costs(sub, cap, top)
         target = norm[np.arange(n), top] * (1.0 - _MIN_RELATIVE_GAIN)
-        allowed &= (delta > 0) & (cost < target[:, None, None, None])
+        allowed = allowed & (delta > 0) & (cost < target[:, None, None, None])
         flat_cost = np.where(allowed, cost, _INF).reshape(n, -1)
         flat = flat_cost.argmin(axis=1)
         go = np.isfinite(flat_cost[np.arange(n), flat])
