@@ -204,7 +204,8 @@ def _repair(
     packing = Packing(table, slot_w, new_local.numpy().reshape(shape).copy(), slot_w.sum(axis=2))
     capacity = np.ones(gpus_per_node)
     dedup(packing, capacity)
-    refine(packing, capacity, swaps)
+    # Only the bottleneck node of each layer needs swaps (the others do not set its latency).
+    refine(packing, capacity, swaps, np.arange(layers).repeat(num_nodes))
     result_local = torch.from_numpy(packing.slot_l.reshape(rows, node_slots))
     return experts.gather(1, result_local).view(layers, num_slots)
 
