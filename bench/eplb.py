@@ -3,8 +3,8 @@
     python bench/eplb.py [--json PATH] [--threads N] [--sweep]
 
 Every case uses fixed seeds. Columns:
-- base_ms / ours_ms: median wall time of one call (bench/common.py time_calls); time_ratio is
-  ours / base (< 1: we are faster), speedup its inverse.
+- base_ms / ours_ms: median wall time of one call (bench/common.py time_calls), the two timed
+  alternately; time_ratio is ours / base (< 1: we are faster), speedup its inverse.
 - imb_*: imbalance = mean over layers of max GPU load / mean GPU load (1.0 is perfect).
 - dup_*: replicas sharing a GPU with another replica of their expert, summed over layers.
 - moved_*: (incremental cases) fraction of replicas a GPU must load, going from the placement
@@ -39,8 +39,9 @@ HIER = (REPLICAS, GROUPS, 4, 32)
 GLOBAL = (REPLICAS, GROUPS, 18, 144)
 # Load drift for the incremental case: each expert's load times (1 + 5% standard normal).
 DRIFT = 0.05
-# Timed calls per implementation: the baseline takes up to ~0.3 s a call on 2 busy cores.
-BASE_ITERS, OURS_ITERS, WARMUP = 5, 15, 2
+# Timing: ROUNDS rounds, each one baseline call then OURS_PER_ROUND calls of ours, so both see
+# the same background load on the shared 2-core machine (the baseline takes up to ~0.3 s a call).
+ROUNDS, OURS_PER_ROUND, WARMUP = 7, 3, 2
 
 
 def lognormal(seed: int, sigma: float) -> torch.Tensor:
@@ -77,12 +78,25 @@ def median_ms(samples_ns) -> float:
     return percentile(samples_ns, 50) / 1e6
 
 
+def interleaved(base_fn, ours_fn) -> tuple[list[int], list[int]]:
+    """Samples of both, alternated round by round (time_calls does each timing)."""
+    time_calls(base_fn, 0, WARMUP)
+    time_calls(ours_fn, 0, WARMUP)
+    base_ns: list[int] = []
+    ours_ns: list[int] = []
+    for _ in range(ROUNDS):
+        base_ns += time_calls(base_fn, 1, warmup=0)
+        ours_ns += time_calls(ours_fn, OURS_PER_ROUND, warmup=0)
+    return base_ns, ours_ns
+
+
 def full_case(name: str, w: torch.Tensor, cfg) -> dict:
     num_gpus = cfg[3]
     base = eplb_baseline.rebalance_experts(w, *cfg)
     ours = rebalance_experts(w, *cfg)
-    base_ns = time_calls(lambda: eplb_baseline.rebalance_experts(w, *cfg), BASE_ITERS, WARMUP)
-    ours_ns = time_calls(lambda: rebalance_experts(w, *cfg), OURS_ITERS, WARMUP)
+    base_ns, ours_ns = interleaved(
+        lambda: eplb_baseline.rebalance_experts(w, *cfg), lambda: rebalance_experts(w, *cfg)
+    )
     row = {
         "case": name,
         "gpus": num_gpus,
@@ -108,8 +122,10 @@ def incremental_case(name: str, w0: torch.Tensor, cfg, seed: int) -> dict:
     prev = rebalance_experts(w0, *cfg)[0]
     full = rebalance_experts(w1, *cfg)[0]
     inc = rebalance_incremental(prev, w1, *cfg)
-    base_ns = time_calls(lambda: eplb_baseline.rebalance_experts(w1, *cfg), BASE_ITERS, WARMUP)
-    inc_ns = time_calls(lambda: rebalance_incremental(prev, w1, *cfg), OURS_ITERS, WARMUP)
+    base_ns, inc_ns = interleaved(
+        lambda: eplb_baseline.rebalance_experts(w1, *cfg),
+        lambda: rebalance_incremental(prev, w1, *cfg),
+    )
     total = prev.numel()
     row = {
         "case": name,
