@@ -203,9 +203,11 @@ def _repair(
     table = np.broadcast_to(np.arange(node_slots), (rows, node_slots)).reshape(shape).copy()
     packing = Packing(table, slot_w, new_local.numpy().reshape(shape).copy(), slot_w.sum(axis=2))
     capacity = np.ones(gpus_per_node)
-    dedup(packing, capacity)
     # Only the bottleneck node of each layer needs swaps (the others do not set its latency).
-    refine(packing, capacity, swaps, np.arange(layers).repeat(num_nodes))
+    group = np.arange(layers).repeat(num_nodes)
+    dedup(packing, capacity, group)
+    refine(packing, capacity, swaps, group)
+    dedup(packing, capacity, group)
     result_local = torch.from_numpy(packing.slot_l.reshape(rows, node_slots))
     return experts.gather(1, result_local).view(layers, num_slots)
 

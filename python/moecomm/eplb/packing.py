@@ -10,7 +10,9 @@ intra-op thread pool waits on busy cores.
    still have a free slot r, heaviest item to the pack with the lowest normalized load.
 2. De-duplication: an item whose label (logical expert) already sits in its pack is swapped with
    an item of another pack that holds neither label, choosing the swap that raises the pair's
-   load least. Skipped where no such swap exists (a duplicate that cannot be avoided).
+   load least. Skipped where no such swap exists or where every such swap would raise the
+   heaviest pack of the row (or of its group): balance comes first. Run again after refinement,
+   when a layer's other nodes have slack below its bottleneck.
 3. Refinement: swap one item of the most loaded pack with one item of any other pack, the swap
    that lowers the larger of the two loads most, never creating a duplicate; repeat while the
    row (or the group of rows it belongs to, e.g. the nodes of one layer) improves.
@@ -165,16 +167,30 @@ def _duplicate_slots(slot_l: np.ndarray, table: np.ndarray) -> np.ndarray:
     return (same & earlier & valid).any(axis=3)
 
 
-def dedup(packing: Packing, capacity: np.ndarray) -> None:
-    """Swap duplicates (a label twice in one pack) away where a swap can; see the module doc."""
+def _group_peak(packing: Packing, capacity: np.ndarray, group: np.ndarray | None) -> np.ndarray:
+    """[B] the heaviest normalized pack of each row's group (of the row itself without groups)."""
+    peak = (packing.loads / capacity).max(axis=1)
+    if group is None:
+        return peak
+    group_peak = np.full(int(group.max()) + 1, -_INF)
+    np.maximum.at(group_peak, group, peak)
+    return group_peak[group]
+
+
+def dedup(packing: Packing, capacity: np.ndarray, row_group: np.ndarray | None = None) -> None:
+    """Swap duplicates (a label twice in one pack) away where a swap can without raising the
+    heaviest pack of the row's group (row_group as in refine); see the module doc."""
     assert packing.slot_l is not None
     rows, _, max_slots = packing.table.shape
+    if rows == 0:
+        return
     cap = capacity if bool((capacity != 1.0).any()) else None  # None: equal packs
     dup = _duplicate_slots(packing.slot_l, packing.table).reshape(rows, -1)
     active = np.flatnonzero(dup.any(axis=1))
     for _ in range(MAX_DEDUP_STEPS):
         if active.size == 0:
             return
+        bound = _group_peak(packing, capacity, row_group)[active]
         sub = packing.rows(active)
         n = active.size
         dup = _duplicate_slots(sub.slot_l, sub.table).reshape(n, -1)
@@ -187,8 +203,9 @@ def dedup(packing: Packing, capacity: np.ndarray) -> None:
         cost = np.where(allowed, cost, _INF)
         flat_cost = cost.reshape(n, -1)
         dst = flat_cost.argmin(axis=1)
-        found = np.isfinite(flat_cost[sub_idx, dst])
-        go = has & found  # no allowed swap: the duplicate is unavoidable here
+        # Balance comes first: a duplicate that can only go by raising the group's heaviest pack
+        # stays (so does one that no swap can remove).
+        go = has & (flat_cost[sub_idx, dst] <= bound)
         sel = np.flatnonzero(go)
         packing.swap(
             active[sel],
@@ -217,13 +234,10 @@ def refine(
     per_src = num_packs * max_slots
     cap = capacity if bool((capacity != 1.0).any()) else None  # None: equal packs
     group = np.arange(rows) if row_group is None else row_group
-    num_groups = int(group.max()) + 1
-    done = np.zeros(num_groups, dtype=bool)
+    done = np.zeros(int(group.max()) + 1, dtype=bool)
     for _ in range(max_steps):
         peak = (packing.loads / capacity).max(axis=1)
-        group_peak = np.full(num_groups, -_INF)
-        np.maximum.at(group_peak, group, peak)
-        at_peak = peak >= group_peak[group] * (1.0 - _MIN_RELATIVE_GAIN)
+        at_peak = peak >= _group_peak(packing, capacity, row_group) * (1.0 - _MIN_RELATIVE_GAIN)
         active = np.flatnonzero(at_peak & ~done[group])
         if active.size == 0:
             return

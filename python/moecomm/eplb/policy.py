@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from .checks import as_weight, check_capacity, check_config, check_slots
-from .packing import MAX_REFINE_STEPS, balanced_pack, refine
+from .packing import MAX_REFINE_STEPS, balanced_pack, dedup, refine
 from .replicas import expand_replicas, replica_counts
 
 # Divisor offsets tried, with counts capped at the GPUs available, beside the published counts
@@ -56,7 +56,10 @@ def place_rows(
         pick = np.full(rows, counts.size(0), dtype=np.int64)
         np.minimum.at(pick, origin_np[cand], cand)
         packing = packing.rows(pick)
-    refine(packing, cap.numpy(), MAX_REFINE_STEPS, None if row_group is None else row_group.numpy())
+    group = None if row_group is None else row_group.numpy()
+    refine(packing, cap.numpy(), MAX_REFINE_STEPS, group)
+    # Duplicates the first pass kept for balance may go now, below the group's (layer's) peak.
+    dedup(packing, cap.numpy(), group)
     # Labels are the local expert ids; -1 marks the padding of servers with fewer slots.
     labels = packing.slot_l.reshape(rows, -1)
     return torch.from_numpy(labels[labels >= 0].reshape(rows, num_slots))
