@@ -99,9 +99,12 @@ def _rounds(
     for r in range(max_slots):
         active = slots_a > r
         count = int(active.sum())
-        key = np.where(active, loads / capacity, _INF)
-        # Lightest (normalized) packs first; stable so equal loads keep pack order (determinism).
-        packs = np.argsort(key, axis=1, kind="stable")[:, :count]
+        if r == 0:
+            packs = np.broadcast_to(np.flatnonzero(active), (rows, count))  # all packs empty
+        else:
+            key = np.where(active, loads / capacity, _INF)
+            # Lightest (normalized) packs first; stable: equal loads keep pack order.
+            packs = np.argsort(key, axis=1, kind="stable")[:, :count]
         chunk = slice(start, start + count)
         table[row_idx, packs, r] = order[:, chunk]
         slot_w[row_idx, packs, r] = sorted_w[:, chunk]
@@ -215,6 +218,14 @@ def dedup(packing: Packing, capacity: np.ndarray, row_group: np.ndarray | None =
         active = active[sel]
 
 
+def rounds_are_optimal(packing: Packing, capacity: np.ndarray) -> bool:
+    """True for a packing straight from the rounds (then dedup) with at most two items in every
+    one of equal packs: the rounds pair the k-th heaviest item with the k-th lightest, which
+    minimizes the heaviest pair, and dedup() never raises it, so refine() cannot help.
+    """
+    return packing.table.shape[2] <= 2 and packing.full and not bool((capacity != 1.0).any())
+
+
 def refine(
     packing: Packing,
     capacity: np.ndarray,
@@ -287,5 +298,6 @@ def balanced_pack(
     if lab is not None:
         dedup(packing, cap)
     group = None if row_group is None else np.asarray(row_group, dtype=np.int64)
-    refine(packing, cap, refine_steps, group)
+    if not rounds_are_optimal(packing, cap):
+        refine(packing, cap, refine_steps, group)
     return packing

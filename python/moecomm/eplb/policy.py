@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from .checks import as_weight, check_capacity, check_config, check_slots
-from .packing import MAX_REFINE_STEPS, balanced_pack, dedup, refine
+from .packing import MAX_REFINE_STEPS, balanced_pack, dedup, refine, rounds_are_optimal
 from .replicas import expand_replicas, replica_counts
 
 # Divisor offsets tried, with counts capped at the GPUs available, beside the published counts
@@ -57,7 +57,8 @@ def place_rows(
         np.minimum.at(pick, origin_np[cand], cand)
         packing = packing.rows(pick)
     group = None if row_group is None else row_group.numpy()
-    refine(packing, cap.numpy(), MAX_REFINE_STEPS, group)
+    if not rounds_are_optimal(packing, cap.numpy()):
+        refine(packing, cap.numpy(), MAX_REFINE_STEPS, group)
     # Duplicates the first pass kept for balance may go now, below the group's (layer's) peak.
     dedup(packing, cap.numpy(), group)
     # Labels are the local expert ids; -1 marks the padding of servers with fewer slots.
