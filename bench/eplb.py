@@ -41,7 +41,7 @@ GLOBAL = (REPLICAS, GROUPS, 18, 144)
 DRIFT = 0.05
 # Timing: ROUNDS rounds, each one baseline call then OURS_PER_ROUND calls of ours, so both see
 # the same background load on the shared 2-core machine (the baseline takes up to ~0.3 s a call).
-ROUNDS, OURS_PER_ROUND, WARMUP = 7, 3, 2
+ROUNDS, OURS_PER_ROUND, WARMUP = 11, 5, 2
 
 
 def lognormal(seed: int, sigma: float) -> torch.Tensor:
