@@ -226,6 +226,34 @@ def rounds_are_optimal(packing: Packing, capacity: np.ndarray) -> bool:
     return packing.table.shape[2] <= 2 and packing.full and not bool((capacity != 1.0).any())
 
 
+def _best_swaps_equal(sub: Packing, top: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """refine()'s search for equal, full packs: per row, the swap between the top pack and any
+    other that lowers the pair's larger load most.
+
+    With equal capacities the pair's larger load after moving d = w_a - w_b from the top pack
+    (gap g above pack p) drops by min(d, g - d), positive exactly when the swap helps, so one
+    array replaces the cost, delta and bounds of _swap_costs; labels are looked up in a
+    per-pack presence table instead of comparing every pair of slots.
+    Returns (flat index over [Sa, P, Sb], found).
+    """
+    n, num_packs, _ = sub.table.shape
+    r = np.arange(n)
+    top_load = sub.loads[r, top]
+    delta = sub.slot_w[r, top][:, :, None, None] - sub.slot_w[:, None, :, :]  # [n, Sa, P, Sb]
+    gap = (top_load[:, None] - sub.loads)[:, None, :, None]  # 0 for the top pack itself
+    gain = np.minimum(delta, gap - delta)
+    if sub.slot_l is not None:
+        present = np.zeros((n, num_packs, int(sub.slot_l.max()) + 1), dtype=bool)
+        present[r[:, None, None], np.arange(num_packs)[None, :, None], sub.slot_l] = True
+        a_in_dst = present[r[:, None], :, sub.slot_l[r, top]]  # [n, Sa, P]
+        b_in_src = np.take_along_axis(present[r, top], sub.slot_l.reshape(n, -1), axis=1)
+        blocked = a_in_dst[:, :, :, None] | b_in_src.reshape(n, 1, num_packs, -1)
+        gain = np.where(blocked, -_INF, gain)
+    flat_gain = gain.reshape(n, -1)
+    flat = flat_gain.argmax(axis=1)
+    return flat, flat_gain[r, flat] > top_load * _MIN_RELATIVE_GAIN
+
+
 def refine(
     packing: Packing,
     capacity: np.ndarray,
@@ -256,12 +284,15 @@ def refine(
         n = active.size
         norm = sub.loads / capacity
         top = norm.argmax(axis=1)
-        cost, delta, allowed = _swap_costs(sub, cap, top)
-        target = norm[np.arange(n), top] * (1.0 - _MIN_RELATIVE_GAIN)
-        allowed = allowed & (delta > 0) & (cost < target[:, None, None, None])
-        flat_cost = np.where(allowed, cost, _INF).reshape(n, -1)
-        flat = flat_cost.argmin(axis=1)
-        go = np.isfinite(flat_cost[np.arange(n), flat])
+        if cap is None and sub.full:
+            flat, go = _best_swaps_equal(sub, top)
+        else:
+            cost, delta, allowed = _swap_costs(sub, cap, top)
+            target = norm[np.arange(n), top] * (1.0 - _MIN_RELATIVE_GAIN)
+            allowed = allowed & (delta > 0) & (cost < target[:, None, None, None])
+            flat_cost = np.where(allowed, cost, _INF).reshape(n, -1)
+            flat = flat_cost.argmin(axis=1)
+            go = np.isfinite(flat_cost[np.arange(n), flat])
         done[group[active[~go]]] = True  # its peak row is stuck: the group's peak cannot drop
         sel = np.flatnonzero(go)
         rest = flat[sel] % per_src
