@@ -118,6 +118,29 @@ def _rounds(
     return Packing(table, slot_w, slot_l, loads)
 
 
+def _presence(sub: Packing) -> np.ndarray:
+    """[B, P, L + 1] bool: pack p holds an item labelled l. Padding (-1) lands in the extra last
+    column, which is also where a lookup of label -1 reads: those slots are masked anyway."""
+    assert sub.slot_l is not None
+    rows, num_packs, _ = sub.slot_l.shape
+    num_labels = int(sub.slot_l.max()) + 1
+    present = np.zeros((rows, num_packs, num_labels + 1), dtype=bool)
+    labels = np.where(sub.slot_l >= 0, sub.slot_l, num_labels)
+    present[np.arange(rows)[:, None, None], np.arange(num_packs)[None, :, None], labels] = True
+    return present
+
+
+def _blocked(sub: Packing, src_pack: np.ndarray, a_labels: np.ndarray) -> np.ndarray:
+    """[B, Sa, P, Sb] bool: the swap would put two items of one label in a pack (a's label is
+    already in pack p, or b's label already in the source pack)."""
+    rows, num_packs, _ = sub.table.shape
+    r = np.arange(rows)
+    present = _presence(sub)
+    a_in_dst = present[r[:, None], :, a_labels]  # [B, Sa, P]
+    b_in_src = np.take_along_axis(present[r, src_pack], sub.slot_l.reshape(rows, -1), axis=1)
+    return a_in_dst[:, :, :, None] | b_in_src.reshape(rows, 1, num_packs, -1)
+
+
 def _swap_costs(
     sub: Packing,
     capacity: np.ndarray | None,
@@ -154,10 +177,7 @@ def _swap_costs(
     if sub.slot_l is not None:
         src_l = sub.slot_l[row_idx, src_pack]  # [B, S]
         a_l = src_l if src_slot is None else src_l[row_idx, src_slot][:, None]
-        # a's label already in pack p; b's label already in the source pack.
-        a_in_dst = (sub.slot_l[:, None, :, :] == a_l[:, :, None, None]).any(axis=3, keepdims=True)
-        b_in_src = (sub.slot_l[:, :, :, None] == src_l[:, None, None, :]).any(axis=3)
-        allowed = allowed & ~a_in_dst & ~b_in_src[:, None, :, :]
+        allowed = allowed & ~_blocked(sub, src_pack, a_l)
     return cost, delta, allowed
 
 
@@ -236,19 +256,14 @@ def _best_swaps_equal(sub: Packing, top: np.ndarray) -> tuple[np.ndarray, np.nda
     per-pack presence table instead of comparing every pair of slots.
     Returns (flat index over [Sa, P, Sb], found).
     """
-    n, num_packs, _ = sub.table.shape
+    n = sub.table.shape[0]
     r = np.arange(n)
     top_load = sub.loads[r, top]
     delta = sub.slot_w[r, top][:, :, None, None] - sub.slot_w[:, None, :, :]  # [n, Sa, P, Sb]
     gap = (top_load[:, None] - sub.loads)[:, None, :, None]  # 0 for the top pack itself
     gain = np.minimum(delta, gap - delta)
     if sub.slot_l is not None:
-        present = np.zeros((n, num_packs, int(sub.slot_l.max()) + 1), dtype=bool)
-        present[r[:, None, None], np.arange(num_packs)[None, :, None], sub.slot_l] = True
-        a_in_dst = present[r[:, None], :, sub.slot_l[r, top]]  # [n, Sa, P]
-        b_in_src = np.take_along_axis(present[r, top], sub.slot_l.reshape(n, -1), axis=1)
-        blocked = a_in_dst[:, :, :, None] | b_in_src.reshape(n, 1, num_packs, -1)
-        gain = np.where(blocked, -_INF, gain)
+        gain = np.where(_blocked(sub, top, sub.slot_l[r, top]), -_INF, gain)
     flat_gain = gain.reshape(n, -1)
     flat = flat_gain.argmax(axis=1)
     return flat, flat_gain[r, flat] > top_load * _MIN_RELATIVE_GAIN
