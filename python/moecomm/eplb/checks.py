@@ -22,10 +22,12 @@ def as_weight(weight: torch.Tensor | np.ndarray, name: str = "weight") -> torch.
         raise ValueError(
             f"{name} must have at least one layer and one expert, got {tuple(w.shape)}"
         )
-    if not bool(torch.isfinite(w).all()):
+    # numpy for the checks: small torch reductions can wait on the intra-op thread pool.
+    values = w.numpy()
+    if not np.isfinite(values).all():
         raise ValueError(f"{name} must be finite, got NaN or inf")
-    if bool((w < 0).any()):
-        raise ValueError(f"{name} must be non-negative loads, got a minimum of {w.min().item()}")
+    if values.min() < 0:
+        raise ValueError(f"{name} must be non-negative loads, got a minimum of {values.min()}")
     return w
 
 
@@ -85,6 +87,6 @@ def check_capacity(capacity: Sequence[float] | torch.Tensor | None, num_gpus: in
         raise ValueError(
             f"gpu_capacity must have one entry per GPU ({num_gpus}), got {cap.numel()}"
         )
-    if not bool(torch.isfinite(cap).all()) or bool((cap <= 0).any()):
+    if not np.isfinite(cap.numpy()).all() or cap.numpy().min() <= 0:
         raise ValueError(f"gpu_capacity must be finite and > 0, got {cap.tolist()}")
     return cap

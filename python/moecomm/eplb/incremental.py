@@ -159,7 +159,7 @@ def _repair(
     local = torch.searchsorted(experts, slots)  # slot -> local expert id
     row_w = w.repeat_interleave(num_nodes, dim=0).gather(1, experts)
     old_cnt = torch.zeros_like(experts).scatter_add_(1, local, torch.ones_like(local))
-    new_cnt = replica_counts(row_w, node_slots, max_count=gpus_per_node)
+    new_cnt = torch.from_numpy(replica_counts(row_w.numpy(), node_slots, max_count=gpus_per_node))
     surplus = (old_cnt - new_cnt).clamp(min=0)
     deficit = (new_cnt - old_cnt).clamp(min=0)
 
@@ -179,7 +179,7 @@ def _repair(
     gpu_load.index_add_(1, slot_gpu, -(keep_w.gather(1, local) * freed))
 
     # Missing replicas, heaviest per-replica load first, into freed slots, lightest GPU first.
-    num_moves = int(deficit.sum(dim=1).max()) if bool(freed.any()) else 0
+    num_moves = int(deficit.numpy().sum(axis=1).max())
     new_local = local.clone()
     if num_moves:
         per_rep = row_w / new_cnt
@@ -213,11 +213,14 @@ def _repair(
 
 
 def _layer_peak(phy2log: torch.Tensor, w: torch.Tensor, num_gpus: int) -> torch.Tensor:
-    layers = phy2log.size(0)
-    counts = torch.zeros(layers, w.size(1), dtype=torch.float64)
-    counts.scatter_add_(1, phy2log, torch.ones(phy2log.shape, dtype=torch.float64))
-    slot_w = w.gather(1, phy2log) / counts.gather(1, phy2log)
-    return slot_w.view(layers, num_gpus, -1).sum(dim=2).max(dim=1).values
+    """[L] heaviest GPU load per layer. numpy: small torch reductions can wait milliseconds on
+    the intra-op thread pool when the cores are busy."""
+    p, wn = phy2log.numpy(), w.numpy()
+    layers = p.shape[0]
+    counts = np.bincount((np.arange(layers)[:, None] * wn.shape[1] + p).ravel(), minlength=wn.size)
+    per_replica = wn / np.maximum(counts.reshape(wn.shape), 1)
+    slot_w = np.take_along_axis(per_replica, p, axis=1)
+    return torch.from_numpy(slot_w.reshape(layers, num_gpus, -1).sum(axis=2).max(axis=1))
 
 
 def rebalance_incremental(
@@ -250,7 +253,7 @@ def rebalance_incremental(
             f"previous_phy2log must be [layers={layers}, num_replicas={num_replicas}], "
             f"got {tuple(prev.shape)}"
         )
-    if bool((prev < 0).any()) or bool((prev >= num_experts).any()):
+    if prev.numel() and not 0 <= int(prev.numpy().min()) <= int(prev.numpy().max()) < num_experts:
         raise ValueError(f"previous_phy2log ids must lie in [0, {num_experts})")
     for name, value in (("min_gain", min_gain), ("tolerance", tolerance)):
         if not 0.0 <= value < 1.0:
@@ -287,4 +290,4 @@ def rebalance_incremental(
     need_full = ~use_any & valid
     chosen = torch.where(need_full[:, None], relabelled(need_full.nonzero().squeeze(1)), chosen)
     keep = peak_new > peak_prev * (1.0 - min_gain)
-    return finalize(torch.where(keep[:, None], prev, chosen), num_experts)
+    return finalize(torch.where(keep[:, None], prev, chosen).numpy(), num_experts)

@@ -71,9 +71,11 @@ def imbalance_per_layer(
     """
     loads = gpu_loads(phy2log, weight, num_gpus)
     cap = check_capacity(gpu_capacity, loads.size(1))
-    mean = loads.sum(dim=1) / cap.sum()
-    peak = (loads / cap).max(dim=1).values
-    return torch.where(mean > 0, peak / mean.clamp(min=torch.finfo(torch.float64).tiny), 1.0)
+    ln, cn = loads.numpy(), cap.numpy()
+    mean = ln.sum(axis=1) / cn.sum()
+    peak = (ln / cn).max(axis=1)
+    ratio = np.divide(peak, mean, out=np.ones_like(peak), where=mean > 0)
+    return torch.from_numpy(ratio)
 
 
 def imbalance(

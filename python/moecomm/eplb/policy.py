@@ -19,11 +19,11 @@ COUNT_OFFSETS = (0.0,)
 
 
 def place_rows(
-    weights: torch.Tensor,
+    weights: np.ndarray,
     slots: list[int],
-    capacity: torch.Tensor | None = None,
-    row_group: torch.Tensor | None = None,
-) -> torch.Tensor:
+    capacity: np.ndarray | None = None,
+    row_group: np.ndarray | None = None,
+) -> np.ndarray:
     """weights [B, E] -> phy2log [B, sum(slots)] (local expert ids), pack p owning the next
     slots[p] physical slots.
 
@@ -32,87 +32,95 @@ def place_rows(
     and every row keeps the candidate with the lighter heaviest pack; the swap refinement and a
     last de-duplication then run once, on the kept packing. row_group: see packing.refine.
     """
-    rows = weights.size(0)
+    rows = weights.shape[0]
     num_slots = sum(slots)
-    cap = capacity if capacity is not None else torch.ones(len(slots), dtype=torch.float64)
+    cap = np.ones(len(slots)) if capacity is None else capacity
     counts = replica_counts(weights, num_slots)  # the published counts first: ties keep them
-    origin = torch.arange(rows)
+    origin = np.arange(rows)
     for offset in COUNT_OFFSETS:
         if offset == 0.0 and int(counts.max()) <= len(slots):
             continue  # the cap does not bind anywhere: same counts as the published ones
         alt = replica_counts(weights, num_slots, max_count=len(slots), offset=offset)
-        differ = (alt != counts[:rows]).any(dim=1).nonzero().squeeze(1)
-        counts = torch.cat([counts, alt[differ]])
-        origin = torch.cat([origin, differ])
-    expert, _ = expand_replicas(counts)
-    item_w = weights[origin].gather(1, expert) / counts.gather(1, expert)
-    packing = balanced_pack(item_w, slots, labels=expert, capacity=capacity, refine_steps=0)
-    if counts.size(0) > rows:
+        differ = np.flatnonzero((alt != counts[:rows]).any(axis=1))
+        counts = np.concatenate([counts, alt[differ]])
+        origin = np.concatenate([origin, differ])
+    expert = expand_replicas(counts)
+    item_w = np.take_along_axis(weights[origin], expert, axis=1) / np.take_along_axis(
+        counts, expert, axis=1
+    )
+    packing = balanced_pack(item_w, slots, labels=expert, capacity=cap, refine_steps=0)
+    if counts.shape[0] > rows:
         # Per original row, the candidate with the lightest heaviest pack (first on ties).
-        score = (packing.loads / cap.numpy()).max(axis=1)
-        origin_np = origin.numpy()
+        score = (packing.loads / cap).max(axis=1)
         best = np.full(rows, np.inf)
-        np.minimum.at(best, origin_np, score)
-        cand = np.flatnonzero(score <= best[origin_np])
-        pick = np.full(rows, counts.size(0), dtype=np.int64)
-        np.minimum.at(pick, origin_np[cand], cand)
+        np.minimum.at(best, origin, score)
+        cand = np.flatnonzero(score <= best[origin])
+        pick = np.full(rows, counts.shape[0], dtype=np.int64)
+        np.minimum.at(pick, origin[cand], cand)
         packing = packing.rows(pick)
-    group = None if row_group is None else row_group.numpy()
-    if not rounds_are_optimal(packing, cap.numpy()):
-        refine(packing, cap.numpy(), MAX_REFINE_STEPS, group)
+    if not rounds_are_optimal(packing, cap):
+        refine(packing, cap, MAX_REFINE_STEPS, row_group)
     # Duplicates the first pass kept for balance may go now, below the group's (layer's) peak.
-    dedup(packing, cap.numpy(), group)
+    dedup(packing, cap, row_group)
     # Labels are the local expert ids; -1 marks the padding of servers with fewer slots.
     labels = packing.slot_l.reshape(rows, -1)
-    return torch.from_numpy(labels[labels >= 0].reshape(rows, num_slots))
+    return labels[labels >= 0].reshape(rows, num_slots)
 
 
 def finalize(
-    phy2log: torch.Tensor, num_experts: int
+    phy2log: np.ndarray, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """phy2log [L, N] -> (phy2log, log2phy [L, E, N - E + 1] padded with -1, logcnt [L, E])."""
+    """phy2log [L, N] -> (phy2log, log2phy [L, E, N - E + 1] padded with -1, logcnt [L, E]),
+    as int64 torch tensors."""
+    phy2log = np.ascontiguousarray(phy2log, dtype=np.int64)
     layers, num_slots = phy2log.shape
-    logcnt = torch.zeros(layers, num_experts, dtype=torch.int64)
-    logcnt.scatter_add_(1, phy2log, torch.ones_like(phy2log))
+    row_base = (np.arange(layers) * num_experts)[:, None]
+    logcnt = np.bincount((row_base + phy2log).ravel(), minlength=layers * num_experts)
+    logcnt = logcnt.reshape(layers, num_experts)
     # Replica rank = how many earlier slots hold the same expert (stable sort keeps slot order;
     # numpy sorts 16-bit keys by radix, much faster than a comparison sort).
-    key = phy2log.numpy().astype(np.int16 if num_experts <= np.iinfo(np.int16).max else np.int64)
-    order = torch.from_numpy(np.argsort(key, axis=1, kind="stable"))
-    starts = (logcnt.cumsum(dim=1) - logcnt).gather(1, phy2log.gather(1, order))
-    rank_sorted = torch.arange(num_slots).expand(layers, num_slots) - starts
-    rank = torch.empty_like(phy2log).scatter_(1, order, rank_sorted)
+    key = phy2log.astype(np.int16 if num_experts <= np.iinfo(np.int16).max else np.int64)
+    order = np.argsort(key, axis=1, kind="stable")
+    starts = np.take_along_axis(
+        np.cumsum(logcnt, axis=1) - logcnt, np.take_along_axis(phy2log, order, axis=1), axis=1
+    )
+    rank = np.empty_like(phy2log)
+    np.put_along_axis(rank, order, np.arange(num_slots)[None, :] - starts, axis=1)
     # Published width: one expert can hold at most every redundant slot plus its own.
     width = num_slots - num_experts + 1
-    log2phy = torch.full((layers, num_experts, width), -1, dtype=torch.int64)
-    log2phy.view(layers, -1).scatter_(
-        1, phy2log * width + rank, torch.arange(num_slots).expand(layers, num_slots)
+    log2phy = np.full((layers, num_experts * width), -1, dtype=np.int64)
+    np.put_along_axis(
+        log2phy, phy2log * width + rank, np.broadcast_to(np.arange(num_slots), phy2log.shape), 1
     )
-    return phy2log, log2phy, logcnt
+    return (
+        torch.from_numpy(phy2log),
+        torch.from_numpy(log2phy.reshape(layers, num_experts, width)),
+        torch.from_numpy(logcnt.astype(np.int64)),
+    )
 
 
 def _hierarchical(
-    w: torch.Tensor, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
-) -> torch.Tensor:
+    w: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
+) -> np.ndarray:
     layers, num_experts = w.shape
     group_size = num_experts // num_groups
     gpus_per_node = num_gpus // num_nodes
     per_gpu = num_replicas // num_gpus
     # 1. Groups onto nodes (all replicas of a group stay on its node); one node holds them all.
     if num_nodes == 1:
-        groups = torch.arange(num_groups).expand(layers, 1, num_groups)
+        groups = np.broadcast_to(np.arange(num_groups), (layers, 1, num_groups))
     else:
-        group_w = w.view(layers, num_groups, group_size).sum(dim=2)
-        packed = balanced_pack(group_w, [num_groups // num_nodes] * num_nodes)
-        groups = torch.from_numpy(packed.table)
+        group_w = w.reshape(layers, num_groups, group_size).sum(axis=2)
+        groups = balanced_pack(group_w, [num_groups // num_nodes] * num_nodes).table
     # node_experts[l, n, i]: logical id of the i-th expert held by node n.
-    node_experts = (groups[..., None] * group_size + torch.arange(group_size)).reshape(
-        layers, num_nodes, -1
+    node_experts = (groups[..., None] * group_size + np.arange(group_size)).reshape(
+        layers * num_nodes, -1
     )
-    node_w = w.gather(1, node_experts.reshape(layers, -1)).view(layers * num_nodes, -1)
+    node_w = np.take_along_axis(w.repeat(num_nodes, axis=0), node_experts, axis=1)
     # 2+3. Replicas within each node, packed onto the node's GPUs, all nodes in one batch.
-    layer_of_row = torch.arange(layers).repeat_interleave(num_nodes)
+    layer_of_row = np.arange(layers).repeat(num_nodes)
     local = place_rows(node_w, [per_gpu] * gpus_per_node, row_group=layer_of_row)
-    return node_experts.view(layers * num_nodes, -1).gather(1, local).view(layers, num_replicas)
+    return np.take_along_axis(node_experts, local, axis=1).reshape(layers, num_replicas)
 
 
 def rebalance_experts(
@@ -136,10 +144,11 @@ def rebalance_experts(
     """
     w = as_weight(weight)
     hierarchical = check_config(w.size(1), num_replicas, num_groups, num_nodes, num_gpus)
+    w_np = w.numpy()
     if hierarchical:
-        phy2log = _hierarchical(w, num_replicas, num_groups, num_nodes, num_gpus)
+        phy2log = _hierarchical(w_np, num_replicas, num_groups, num_nodes, num_gpus)
     else:
-        phy2log = _hierarchical(w, num_replicas, 1, 1, num_gpus)
+        phy2log = _hierarchical(w_np, num_replicas, 1, 1, num_gpus)
     return finalize(phy2log, w.size(1))
 
 
@@ -159,4 +168,4 @@ def place_experts(
     w = as_weight(weight)
     slots = check_slots(slots_per_gpu, w.size(1))
     capacity = check_capacity(gpu_capacity, len(slots))
-    return finalize(place_rows(w, slots, capacity), w.size(1))
+    return finalize(place_rows(w.numpy(), slots, capacity.numpy()), w.size(1))

@@ -13,31 +13,31 @@ the slots could not all be filled under it.
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 
-def _first_largest_mask(values: torch.Tensor, k: int) -> torch.Tensor:
+def _first_largest_mask(values: np.ndarray, k: int) -> np.ndarray:
     """[B, n] bool: the k largest values of each row; ties at the cut go to lower column ids.
 
-    A top-k plus tie masks instead of a sort: on CPU a stable sort of a few hundred thousand
-    values costs milliseconds, the top-k a fraction of that.
+    A partition plus tie masks instead of a sort: on CPU a stable sort of a few hundred thousand
+    values costs milliseconds, a partition a fraction of that.
     """
-    cut = values.topk(k, dim=1).values[:, -1:]
+    n = values.shape[1]
+    cut = np.partition(values, n - k, axis=1)[:, n - k : n - k + 1]
     above = values > cut
     tied = values == cut
-    need = k - above.sum(dim=1, keepdim=True)
-    return above | (tied & (tied.cumsum(dim=1) <= need))
+    need = k - above.sum(axis=1, keepdims=True)
+    return above | (tied & (np.cumsum(tied, axis=1) <= need))
 
 
-def _first_largest(values: torch.Tensor, k: int) -> torch.Tensor:
+def _first_largest(values: np.ndarray, k: int) -> np.ndarray:
     """[B, k] column ids of the k largest values per row, in ascending id order."""
-    mask = _first_largest_mask(values, k)
-    return mask.nonzero()[:, 1].view(values.size(0), k)
+    return np.nonzero(_first_largest_mask(values, k))[1].reshape(values.shape[0], k)
 
 
 def replica_counts(
-    weights: torch.Tensor, num_slots: int, *, max_count: int | None = None, offset: float = 0.0
-) -> torch.Tensor:
+    weights: np.ndarray, num_slots: int, *, max_count: int | None = None, offset: float = 0.0
+) -> np.ndarray:
     """weights [B, E] (>= 0) -> counts [B, E] int64, every row summing to num_slots.
 
     max_count: per-expert cap (raised to ceil(num_slots / E) when it could not fill the slots).
@@ -48,35 +48,31 @@ def replica_counts(
     redundant = num_slots - num_experts
     if redundant < 0:
         raise ValueError(f"need at least one slot per expert: {num_slots} slots, {num_experts}")
-    counts = torch.ones(rows, num_experts, dtype=torch.int64)
+    counts = np.ones((rows, num_experts), dtype=np.int64)
     if redundant == 0:
         return counts
     floor_cap = -(-num_slots // num_experts)
     cap = redundant + 1 if max_count is None else max(max_count, floor_cap)
     extra = min(redundant, cap - 1)  # most extra replicas one expert can take
-    w = weights.to(torch.float64)
+    w = np.asarray(weights, dtype=np.float64)
     # Only the `redundant` heaviest experts can win an extra replica: each of them outranks any
     # lighter expert's first extra. Ties at the cut keep the lower expert ids.
     top = _first_largest(w, min(redundant, num_experts))  # [B, T], ascending expert id
-    divisors = torch.arange(1, extra + 1, dtype=torch.float64) + offset
-    priority = w.gather(1, top)[:, :, None] / divisors[None, None, :]  # [B, T, K]
+    divisors = np.arange(1, extra + 1, dtype=np.float64) + offset
+    priority = np.take_along_axis(w, top, axis=1)[:, :, None] / divisors[None, None, :]
     # Zero loads: rank by replicas already given (fewer first), then expert id, below every
     # positive load, so idle experts share the spare slots instead of expert 0 taking them all.
-    spread = -torch.arange(1, extra + 1, dtype=torch.float64)[None, None, :]
-    priority = torch.where(priority > 0, priority, spread)
+    spread = -np.arange(1, extra + 1, dtype=np.float64)[None, None, :]
+    priority = np.where(priority > 0, priority, spread)  # [B, T, K]
     # Expert-major flattening: among equal priorities the lower expert id wins, exactly as the
     # one-slot-at-a-time greedy picks them.
-    won = _first_largest_mask(priority.reshape(rows, -1), redundant).view(priority.shape)
-    counts.scatter_add_(1, top, won.sum(dim=2))
+    won = _first_largest_mask(priority.reshape(rows, -1), redundant).reshape(priority.shape)
+    np.put_along_axis(counts, top, 1 + won.sum(axis=2), axis=1)
     return counts
 
 
-def expand_replicas(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """counts [B, E] (equal row sums N) -> (expert [B, N], replica rank [B, N]), expert-major."""
-    rows = counts.size(0)
-    num_slots = int(counts[0].sum())
-    ends = counts.cumsum(dim=1)
-    slot = torch.arange(num_slots, dtype=torch.int64).expand(rows, num_slots).contiguous()
-    expert = torch.searchsorted(ends, slot, right=True)
-    rank = slot - (ends - counts).gather(1, expert)
-    return expert, rank
+def expand_replicas(counts: np.ndarray) -> np.ndarray:
+    """counts [B, E] (equal row sums N) -> expert [B, N], expert-major within each row."""
+    rows, num_experts = counts.shape
+    experts = np.tile(np.arange(num_experts), rows)
+    return np.repeat(experts, counts.ravel()).reshape(rows, -1)
