@@ -116,111 +116,111 @@ def _relabel(
 
 
 def _valid_layers(
-    prev: torch.Tensor, num_experts: int, num_groups: int, num_nodes: int, num_gpus: int
-) -> torch.Tensor:
+    prev: np.ndarray, num_experts: int, num_groups: int, num_nodes: int, num_gpus: int
+) -> np.ndarray:
     """[L] bool: every expert present and, for the hierarchical policy, every group on one node."""
     layers, num_slots = prev.shape
-    counts = torch.zeros(layers, num_experts, dtype=torch.int64)
-    counts.scatter_add_(1, prev, torch.ones_like(prev))
-    ok = (counts > 0).all(dim=1)
+    row = np.arange(layers)[:, None]
+    counts = np.bincount((row * num_experts + prev).ravel(), minlength=layers * num_experts)
+    ok = (counts.reshape(layers, num_experts) > 0).all(axis=1)
     if num_nodes == 1:
         return ok
-    slot_node = (torch.arange(num_slots) // (num_slots // num_gpus)) // (num_gpus // num_nodes)
-    node = slot_node.expand(layers, num_slots)
-    group = prev // (num_experts // num_groups)
-    lo = torch.full((layers, num_groups), num_nodes, dtype=torch.int64)
-    hi = torch.full((layers, num_groups), -1, dtype=torch.int64)
-    lo = lo.scatter_reduce(1, group, node, reduce="amin")
-    hi = hi.scatter_reduce(1, group, node, reduce="amax")
-    ok &= (lo == hi).all(dim=1)
-    per_node = torch.zeros(layers, num_nodes, dtype=torch.int64)
-    per_node.scatter_add_(1, lo.clamp(0, num_nodes - 1), torch.ones_like(lo))
-    return ok & (per_node == num_groups // num_nodes).all(dim=1)
+    slot_node = (np.arange(num_slots) // (num_slots // num_gpus)) // (num_gpus // num_nodes)
+    node = np.broadcast_to(slot_node, prev.shape).ravel()
+    key = (row * num_groups + prev // (num_experts // num_groups)).ravel()
+    lo = np.full(layers * num_groups, num_nodes)
+    hi = np.full(layers * num_groups, -1)
+    np.minimum.at(lo, key, node)
+    np.maximum.at(hi, key, node)
+    ok &= (lo == hi).reshape(layers, num_groups).all(axis=1)
+    home = row * num_nodes + np.clip(lo, 0, num_nodes - 1).reshape(layers, num_groups)
+    per_node = np.bincount(home.ravel(), minlength=layers * num_nodes)
+    return ok & (per_node.reshape(layers, num_nodes) == num_groups // num_nodes).all(axis=1)
 
 
-def _repair(
-    w: torch.Tensor, prev: torch.Tensor, num_nodes: int, num_gpus: int, swaps: int
-) -> torch.Tensor:
+def _repair(w: np.ndarray, prev: np.ndarray, num_nodes: int, num_gpus: int, swaps: int):
     """Keep prev, fix replica counts for the loads w, de-duplicate, a few improving swaps.
 
     Works per (layer, node): the node's experts stay on it, so groups stay where they are.
+    Returns the new phy2log [L, N].
     """
     layers, num_slots = prev.shape
-    num_experts = w.size(1)
+    num_experts = w.shape[1]
     per_gpu = num_slots // num_gpus
     gpus_per_node = num_gpus // num_nodes
     node_slots = num_slots // num_nodes
     rows = layers * num_nodes
+    row = np.arange(rows)[:, None]
     slots = prev.reshape(rows, node_slots)
     # The node's experts, in id order (every row holds num_experts / num_nodes of them).
-    present = torch.zeros(rows, num_experts, dtype=torch.bool)
-    present.scatter_(1, slots, True)
-    experts = present.nonzero()[:, 1].view(rows, -1)  # [rows, E_node] logical ids
-    local = torch.searchsorted(experts, slots)  # slot -> local expert id
-    row_w = w.repeat_interleave(num_nodes, dim=0).gather(1, experts)
-    old_cnt = torch.zeros_like(experts).scatter_add_(1, local, torch.ones_like(local))
-    new_cnt = torch.from_numpy(replica_counts(row_w.numpy(), node_slots, max_count=gpus_per_node))
-    surplus = (old_cnt - new_cnt).clamp(min=0)
-    deficit = (new_cnt - old_cnt).clamp(min=0)
+    present = np.zeros((rows, num_experts), dtype=bool)
+    present[row, slots] = True
+    experts = np.nonzero(present)[1].reshape(rows, -1)  # [rows, E_node] logical ids
+    node_experts = experts.shape[1]
+    # slot -> local expert id: a search in the row-offset flattening (sorted within rows).
+    local = np.searchsorted((row * num_experts + experts).ravel(), (row * num_experts + slots))
+    local = local - row * node_experts
+    row_w = np.take_along_axis(w.repeat(num_nodes, axis=0), experts, axis=1)
+    old_cnt = np.bincount((row * node_experts + local).ravel(), minlength=rows * node_experts)
+    old_cnt = old_cnt.reshape(rows, node_experts)
+    new_cnt = replica_counts(row_w, node_slots, max_count=gpus_per_node)
+    surplus = np.maximum(old_cnt - new_cnt, 0)
+    deficit = np.maximum(new_cnt - old_cnt, 0)
 
-    # Loads with the new counts; replicas leave the most loaded GPU that holds their expert.
-    slot_gpu = torch.arange(node_slots) // per_gpu
-    keep_w = row_w / old_cnt.clamp(min=1)
-    gpu_load = torch.zeros(rows, gpus_per_node, dtype=torch.float64)
-    gpu_load.index_add_(1, slot_gpu, keep_w.gather(1, local))
-    gpu_rank = gpu_load.argsort(dim=1, descending=True, stable=True).argsort(dim=1)
-    key = local * gpus_per_node + gpu_rank.gather(1, slot_gpu.expand(rows, -1))
-    order = key.argsort(dim=1, stable=True)
-    sorted_local = local.gather(1, order)
-    starts = (old_cnt.cumsum(dim=1) - old_cnt).gather(1, sorted_local)
-    pos = torch.arange(node_slots)[None, :] - starts  # 0 = on the most loaded GPU
-    freed_sorted = pos < surplus.gather(1, sorted_local)
-    freed = torch.zeros_like(freed_sorted).scatter_(1, order, freed_sorted)
-    gpu_load.index_add_(1, slot_gpu, -(keep_w.gather(1, local) * freed))
+    # Loads with the old counts; a surplus replica leaves the most loaded GPU holding its expert.
+    slot_gpu = np.arange(node_slots) // per_gpu
+    slot_load = np.take_along_axis(row_w / np.maximum(old_cnt, 1), local, axis=1)
+    gpu_load = slot_load.reshape(rows, gpus_per_node, per_gpu).sum(axis=2)
+    gpu_rank = np.argsort(np.argsort(-gpu_load, axis=1, kind="stable"), axis=1, kind="stable")
+    order = np.argsort(local * gpus_per_node + gpu_rank[:, slot_gpu], axis=1, kind="stable")
+    sorted_local = np.take_along_axis(local, order, axis=1)
+    starts = np.take_along_axis(np.cumsum(old_cnt, axis=1) - old_cnt, sorted_local, axis=1)
+    pos = np.arange(node_slots)[None, :] - starts  # 0 = on the most loaded GPU
+    freed = np.empty((rows, node_slots), dtype=bool)
+    np.put_along_axis(freed, order, pos < np.take_along_axis(surplus, sorted_local, 1), axis=1)
+    gpu_load -= (slot_load * freed).reshape(rows, gpus_per_node, per_gpu).sum(axis=2)
 
     # Missing replicas, heaviest per-replica load first, into freed slots, lightest GPU first.
-    num_moves = int(deficit.numpy().sum(axis=1).max())
-    new_local = local.clone()
+    num_moves = int(deficit.sum(axis=1).max())
+    new_local = local.copy()
     if num_moves:
         per_rep = row_w / new_cnt
-        ends = deficit.cumsum(dim=1)
-        k = torch.arange(num_moves).expand(rows, -1).contiguous()
-        who = torch.searchsorted(ends, k, right=True).clamp(max=experts.size(1) - 1)
-        real = k < ends[:, -1:]
-        who_w = per_rep.gather(1, who).masked_fill(~real, -1.0)
-        by_w = who_w.argsort(dim=1, descending=True, stable=True)
-        who = who.gather(1, by_w)
-        real = real.gather(1, by_w)
-        freed_load = gpu_load.gather(1, slot_gpu.expand(rows, -1)).masked_fill(~freed, np.inf)
-        dest = freed_load.argsort(dim=1, stable=True)[:, :num_moves]
-        r, t = real.nonzero(as_tuple=True)
+        ends = np.cumsum(deficit, axis=1)
+        k = np.arange(num_moves)
+        who = np.minimum((ends[:, None, :] <= k[None, :, None]).sum(axis=2), node_experts - 1)
+        real = k[None, :] < ends[:, -1:]
+        who_w = np.where(real, np.take_along_axis(per_rep, who, axis=1), -1.0)
+        by_w = np.argsort(-who_w, axis=1, kind="stable")
+        who = np.take_along_axis(who, by_w, axis=1)
+        real = np.take_along_axis(real, by_w, axis=1)
+        freed_load = np.where(freed, gpu_load[:, slot_gpu], np.inf)
+        dest = np.argsort(freed_load, axis=1, kind="stable")[:, :num_moves]
+        r, t = np.nonzero(real)
         new_local[r, dest[r, t]] = who[r, t]
 
     # De-duplicate and improve with the packing machinery: item = slot, label = local expert.
-    item_w = (row_w / new_cnt).gather(1, new_local).numpy()
     shape = (rows, gpus_per_node, per_gpu)
-    slot_w = item_w.reshape(shape).copy()
+    slot_w = np.take_along_axis(row_w / new_cnt, new_local, axis=1).reshape(shape)
     table = np.broadcast_to(np.arange(node_slots), (rows, node_slots)).reshape(shape).copy()
-    packing = Packing(table, slot_w, new_local.numpy().reshape(shape).copy(), slot_w.sum(axis=2))
+    packing = Packing(table, slot_w, new_local.reshape(shape), slot_w.sum(axis=2))
     capacity = np.ones(gpus_per_node)
     # Only the bottleneck node of each layer needs swaps (the others do not set its latency).
     group = np.arange(layers).repeat(num_nodes)
     dedup(packing, capacity, group)
     refine(packing, capacity, swaps, group)
     dedup(packing, capacity, group)
-    result_local = torch.from_numpy(packing.slot_l.reshape(rows, node_slots))
-    return experts.gather(1, result_local).view(layers, num_slots)
+    result_local = packing.slot_l.reshape(rows, node_slots)
+    return np.take_along_axis(experts, result_local, axis=1).reshape(layers, num_slots)
 
 
-def _layer_peak(phy2log: torch.Tensor, w: torch.Tensor, num_gpus: int) -> torch.Tensor:
-    """[L] heaviest GPU load per layer. numpy: small torch reductions can wait milliseconds on
-    the intra-op thread pool when the cores are busy."""
-    p, wn = phy2log.numpy(), w.numpy()
-    layers = p.shape[0]
-    counts = np.bincount((np.arange(layers)[:, None] * wn.shape[1] + p).ravel(), minlength=wn.size)
-    per_replica = wn / np.maximum(counts.reshape(wn.shape), 1)
-    slot_w = np.take_along_axis(per_replica, p, axis=1)
-    return torch.from_numpy(slot_w.reshape(layers, num_gpus, -1).sum(axis=2).max(axis=1))
+def _layer_peak(phy2log: np.ndarray, w: np.ndarray, num_gpus: int) -> np.ndarray:
+    """[L] heaviest GPU load per layer."""
+    layers = phy2log.shape[0]
+    row = np.arange(layers)[:, None]
+    counts = np.bincount((row * w.shape[1] + phy2log).ravel(), minlength=w.size)
+    per_replica = w / np.maximum(counts.reshape(w.shape), 1)
+    slot_w = np.take_along_axis(per_replica, phy2log, axis=1)
+    return slot_w.reshape(layers, num_gpus, -1).sum(axis=2).max(axis=1)
 
 
 def rebalance_incremental(
@@ -261,33 +261,35 @@ def rebalance_incremental(
     nodes = num_nodes if hierarchical else 1
     groups = num_groups if hierarchical else 1
 
-    full, _, _ = rebalance_experts(w, num_replicas, num_groups, num_nodes, num_gpus)
+    full = rebalance_experts(w, num_replicas, num_groups, num_nodes, num_gpus)[0].numpy()
+    prev_np, w_np = prev.numpy(), w.numpy()
 
-    def relabelled(rows: torch.Tensor) -> torch.Tensor:
+    def relabelled(rows: np.ndarray) -> np.ndarray:
         # Relabelling leaves loads unchanged, so it is solved only for the layers that use it.
-        out = full.clone()
-        if rows.numel():
-            out[rows] = _relabel(full[rows], prev[rows], nodes, num_gpus, num_experts)
+        out = full.copy()
+        if rows.size:
+            sub = _relabel(torch.from_numpy(full[rows]), prev[rows], nodes, num_gpus, num_experts)
+            out[rows] = sub.numpy()
         return out
 
     # Layers whose previous placement breaks the policy (an expert missing, a group split across
     # nodes) cannot be repaired: they start from the relabelled full placement instead.
-    valid = _valid_layers(prev, num_experts, groups, nodes, num_gpus)
-    start = torch.where(valid[:, None], prev, relabelled((~valid).nonzero().squeeze(1)))
-    peak_prev = _layer_peak(prev, w, num_gpus).where(valid, torch.inf)
-    peak_full = _layer_peak(full, w, num_gpus)
+    valid = _valid_layers(prev_np, num_experts, groups, nodes, num_gpus)
+    start = np.where(valid[:, None], prev_np, relabelled(np.flatnonzero(~valid)))
+    peak_prev = np.where(valid, _layer_peak(prev_np, w_np, num_gpus), np.inf)
+    peak_full = _layer_peak(full, w_np, num_gpus)
     chosen, peak_new = start, peak_full
-    use_any = torch.zeros(layers, dtype=torch.bool)
+    use_any = np.zeros(layers, dtype=bool)
     # Larger swap budgets first, so the smallest acceptable budget overwrites the others.
     for budget in sorted(swaps, reverse=True):
-        repaired = _repair(w, start, nodes, num_gpus, budget)
-        peak_rep = _layer_peak(repaired, w, num_gpus)
+        repaired = _repair(w_np, start, nodes, num_gpus, budget)
+        peak_rep = _layer_peak(repaired, w_np, num_gpus)
         use_rep = peak_rep <= peak_full * (1.0 + tolerance)
-        chosen = torch.where(use_rep[:, None], repaired, chosen)
-        peak_new = torch.where(use_rep, peak_rep, peak_new)
+        chosen = np.where(use_rep[:, None], repaired, chosen)
+        peak_new = np.where(use_rep, peak_rep, peak_new)
         use_any |= use_rep
     # Layers no repair could match take the full placement, relabelled to overlap prev.
     need_full = ~use_any & valid
-    chosen = torch.where(need_full[:, None], relabelled(need_full.nonzero().squeeze(1)), chosen)
+    chosen = np.where(need_full[:, None], relabelled(np.flatnonzero(need_full)), chosen)
     keep = peak_new > peak_prev * (1.0 - min_gain)
-    return finalize(torch.where(keep[:, None], prev, chosen).numpy(), num_experts)
+    return finalize(np.where(keep[:, None], prev_np, chosen), num_experts)
