@@ -99,28 +99,74 @@ def finalize(
     )
 
 
+def _place_split(
+    w: np.ndarray, groups: np.ndarray, group_size: int, slots: list[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Place replicas for a group-to-node split groups [L, nodes, groups per node].
+
+    Returns (phy2log [L, N], heaviest GPU load per layer [L])."""
+    layers, num_nodes, _ = groups.shape
+    # node_experts[l * nodes + n, i]: logical id of the i-th expert held by node n.
+    node_experts = (groups[..., None] * group_size + np.arange(group_size)).reshape(
+        layers * num_nodes, -1
+    )
+    node_w = np.take_along_axis(w.repeat(num_nodes, axis=0), node_experts, axis=1)
+    # Replicas within each node, packed onto the node's GPUs, all nodes in one batch.
+    layer_of_row = np.arange(layers).repeat(num_nodes)
+    local = place_rows(node_w, slots, row_group=layer_of_row)
+    # Heaviest GPU of each layer, from the node rows' own loads.
+    flat = (np.arange(local.shape[0])[:, None] * node_w.shape[1] + local).ravel()
+    counts = np.bincount(flat, minlength=node_w.size).reshape(node_w.shape)
+    slot_w = np.take_along_axis(node_w / np.maximum(counts, 1), local, axis=1)
+    gpu = slot_w.reshape(layers, -1, slots[0]).sum(axis=2)
+    phy2log = np.take_along_axis(node_experts, local, axis=1).reshape(layers, -1)
+    return phy2log, gpu.max(axis=1)
+
+
 def _hierarchical(
     w: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
 ) -> np.ndarray:
     layers, num_experts = w.shape
     group_size = num_experts // num_groups
     gpus_per_node = num_gpus // num_nodes
-    per_gpu = num_replicas // num_gpus
-    # 1. Groups onto nodes (all replicas of a group stay on its node); one node holds them all.
-    if num_nodes == 1:
-        groups = np.broadcast_to(np.arange(num_groups), (layers, 1, num_groups))
-    else:
-        group_w = w.reshape(layers, num_groups, group_size).sum(axis=2)
-        groups = balanced_pack(group_w, [num_groups // num_nodes] * num_nodes).table
-    # node_experts[l, n, i]: logical id of the i-th expert held by node n.
-    node_experts = (groups[..., None] * group_size + np.arange(group_size)).reshape(
-        layers * num_nodes, -1
-    )
-    node_w = np.take_along_axis(w.repeat(num_nodes, axis=0), node_experts, axis=1)
-    # 2+3. Replicas within each node, packed onto the node's GPUs, all nodes in one batch.
-    layer_of_row = np.arange(layers).repeat(num_nodes)
-    local = place_rows(node_w, [per_gpu] * gpus_per_node, row_group=layer_of_row)
-    return np.take_along_axis(node_experts, local, axis=1).reshape(layers, num_replicas)
+    slots = [num_replicas // num_gpus] * gpus_per_node
+    per_node = num_groups // num_nodes
+    # 1. Groups onto nodes (all replicas of a group stay on its node). A node's groups are held
+    # heaviest first, the order in which the greedy breaks ties between equal replica claims.
+    group_w = w.reshape(layers, num_groups, group_size).sum(axis=2)
+    packed = balanced_pack(group_w, [per_node] * num_nodes)
+    phy2log, peak = _place_split(w, packed.table, group_size, slots)
+    if per_node > 2 and num_nodes > 1:
+        # A lower node peak does not always give a lower GPU peak: where the greedy's own split
+        # differs from ours, place both and keep the better per layer. (With two groups per node
+        # both splits pair heaviest with lightest and are equal.)
+        greedy = _greedy_split(group_w, num_nodes)
+        differ = np.flatnonzero((greedy != packed.table).any(axis=(1, 2)))
+        if differ.size:
+            alt, alt_peak = _place_split(w[differ], greedy[differ], group_size, slots)
+            better = alt_peak < peak[differ]
+            phy2log[differ[better]] = alt[better]
+    return phy2log
+
+
+def _greedy_split(group_w: np.ndarray, num_nodes: int) -> np.ndarray:
+    """The published greedy's groups-to-nodes packing, [L, nodes, groups per node]: groups
+    heaviest first, each to the least loaded node with room. Sequential over the groups (a
+    handful), vectorized over layers; only used as a second candidate (see _hierarchical)."""
+    layers, num_groups = group_w.shape
+    per_node = num_groups // num_nodes
+    order = np.argsort(-group_w, axis=1, kind="stable")
+    loads = np.zeros((layers, num_nodes))
+    filled = np.zeros((layers, num_nodes), dtype=np.int64)
+    table = np.empty((layers, num_nodes, per_node), dtype=np.int64)
+    r = np.arange(layers)
+    for j in range(num_groups):
+        g = order[:, j]
+        node = np.where(filled < per_node, loads, np.inf).argmin(axis=1)
+        table[r, node, filled[r, node]] = g
+        loads[r, node] += group_w[r, g]
+        filled[r, node] += 1
+    return table
 
 
 def rebalance_experts(
