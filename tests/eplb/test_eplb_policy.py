@@ -204,3 +204,22 @@ def test_integer_loads_accepted():
     w = (lognormal(2, 32, seed=11) * 100).to(torch.int64)
     phy2log, log2phy, logcnt = rebalance_experts(w, 48, 4, 2, 8)
     check_placement(phy2log, log2phy, logcnt, 32, 48, group_nodes=(4, 2))
+
+
+@pytest.mark.parametrize(
+    ("weight", "cfg"),
+    [
+        # Integer loads with ties: the greedy breaks equal replica claims in the order a node
+        # holds its groups (heaviest first); taking ids in plain order gave worse counts.
+        ([[0.0, 4.0, 2.0, 2.0, 2.0, 4.0]], (12, 3, 1, 4)),
+        # Four groups per node: our split had the lower node peak but the higher GPU peak, so
+        # the greedy's own split must be tried too.
+        ([[51.97, 4.174, 0.133, 6.062, 36.663, 0.432, 7.24, 14.467]], (12, 8, 2, 6)),
+    ],
+)
+def test_never_less_balanced_regressions(weight, cfg):
+    w = torch.tensor(weight, dtype=torch.float64)
+    ours, log2phy, logcnt = rebalance_experts(w, *cfg)
+    check_placement(ours, log2phy, logcnt, w.size(1), cfg[0], group_nodes=cfg[1:3])
+    base, _, _ = baseline().rebalance_experts(w, *cfg)
+    assert imbalance(ours, w, cfg[3]) <= imbalance(base, w, cfg[3]) + 1e-12
