@@ -1,0 +1,125 @@
+"""Generation with the KV cache: greedy or sampled (temperature, top-p, seeded), batched.
+
+Every request carries its own :class:`SamplingParams` and, when sampling, its own seeded
+generator, so a request draws the same tokens whether it runs alone or in a batch. One step
+feeds every unfinished sequence's last token; finished sequences leave the batch.
+:func:`sample_next` is the per-sequence sampling rule a continuous-batching front end reuses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from moecomm_serving.model import MoETransformer
+
+FINISH_STOP = "stop"  # produced a stop token (end of sequence)
+FINISH_LENGTH = "length"  # reached max_new_tokens
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens.
+
+    ``temperature == 0`` is greedy (argmax). Otherwise logits are divided by the temperature,
+    the smallest set of tokens whose probability reaches ``top_p`` is kept, and a token is drawn
+    with a generator seeded by ``seed`` (a fresh random seed when None).
+    """
+
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def make_generator(self) -> torch.Generator | None:
+        if self.greedy:
+            return None
+        g = torch.Generator()
+        if self.seed is None:
+            g.seed()
+        else:
+            g.manual_seed(self.seed)
+        return g
+
+
+def sample_next(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> int:
+    """Next token from one sequence's float ``[vocab]`` logits."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float().cpu() / params.temperature, dim=-1)
+    if params.top_p < 1:
+        sorted_p, order = torch.sort(probs, descending=True)
+        # keep a token while the mass before it is still short of top_p (the first always stays)
+        keep = (torch.cumsum(sorted_p, dim=-1) - sorted_p) < params.top_p
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@dataclass
+class Generation:
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+def generate(
+    model: MoETransformer,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),  # frozen: safe to share
+    eos_token_id: int | None = None,
+) -> list[Generation]:
+    """Generates for several prompts of different lengths at once.
+
+    Prefill runs all prompts in one packed forward; then each step decodes one token for every
+    unfinished sequence. A sequence stops at ``max_new_tokens``, at one of its
+    ``stop_token_ids``, or at `eos_token_id` (the config's by default) unless ``ignore_eos``.
+    """
+    if not prompts:
+        return []
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    per = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+    if len(per) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(per)} sampling params")
+    eos = model.config.eos_token_id if eos_token_id is None else eos_token_id
+    out = [Generation(list(p)) for p in prompts]
+    caches = [model.new_sequence() for _ in prompts]
+    gens = [sp.make_generator() for sp in per]
+    active = list(range(len(prompts)))
+    feed: list[list[int]] = [list(p) for p in prompts]
+    while active:
+        logits = model.forward([feed[j] for j in active], [caches[j] for j in active])
+        still = []
+        for row, j in enumerate(active):
+            tok = sample_next(logits[row], per[j], gens[j])
+            out[j].tokens.append(tok)
+            stops = set(per[j].stop_token_ids)
+            if eos is not None and not per[j].ignore_eos:
+                stops.add(eos)
+            if tok in stops:
+                out[j].finish_reason = FINISH_STOP
+            elif len(out[j].tokens) >= per[j].max_new_tokens:
+                out[j].finish_reason = FINISH_LENGTH
+            else:
+                feed[j] = [tok]
+                still.append(j)
+        active = still
+    return out
