@@ -123,3 +123,31 @@ def generate(
                 still.append(j)
         active = still
     return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m moecomm_serving.generate --model DIR --prompt TEXT [--prompt TEXT ...]``"""
+    import argparse
+
+    from moecomm_serving.model import load_model
+    from moecomm_serving.tokenizer import load_tokenizer
+
+    p = argparse.ArgumentParser(description="Generate with a HF-layout MoE checkpoint, in-process")
+    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    args = p.parse_args(argv)
+    model = load_model(args.model)
+    tok = load_tokenizer(args.model, model.config)
+    params = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.seed)
+    for text, g in zip(
+        args.prompt, generate(model, [tok.encode(t) for t in args.prompt], params), strict=True
+    ):
+        print(f"{text!r} -> {tok.decode(g.tokens)!r} ({len(g.tokens)} tokens, {g.finish_reason})")
+
+
+if __name__ == "__main__":
+    main()

@@ -123,3 +123,22 @@ def test_tokenizer_json_needs_the_package(tmp_path):
     else:
         with pytest.raises(Exception):  # noqa: B017 - "{}" is not a valid tokenizer.json
             load_tokenizer(tmp_path)
+
+
+def test_command_line(mixtral_dir, capsys):
+    from moecomm_serving.generate import main
+
+    main(
+        [
+            "--model",
+            str(mixtral_dir),
+            "--prompt",
+            "hi",
+            "--prompt",
+            "there",
+            "--max-new-tokens",
+            "3",
+        ]
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("'hi' -> ") and "3 tokens, length" in lines[0]
