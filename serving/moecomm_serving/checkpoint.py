@@ -41,6 +41,8 @@ from moecomm_serving.config import MIXTRAL, MoEConfig
 # Older checkpoints store RoPE's inverse frequencies as buffers; they are recomputed, not loaded.
 IGNORED_NAME = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 INDEX_FILE = "model.safetensors.index.json"
+# safetensors dtype codes of the weights this model computes with (all are cast on load).
+FLOAT_DTYPES = ("F32", "F16", "BF16")
 
 
 class CheckpointError(ValueError):
@@ -173,11 +175,17 @@ class Checkpoint:
         for f, names in sorted(by_file.items()):
             with safe_open(f, framework="pt") as sf:
                 for n in names:
-                    shape = tuple(sf.get_slice(n).get_shape())
+                    info = sf.get_slice(n)
+                    shape = tuple(info.get_shape())
                     if shape != expected[n]:
                         raise CheckpointError(
                             f"{os.path.basename(f)}: tensor {n} has shape {list(shape)}, "
                             f"expected {list(expected[n])} from config.json"
+                        )
+                    if info.get_dtype() not in FLOAT_DTYPES:
+                        raise CheckpointError(
+                            f"{os.path.basename(f)}: tensor {n} has dtype {info.get_dtype()}, "
+                            f"expected one of {', '.join(FLOAT_DTYPES)}"
                         )
 
     def read(

@@ -232,8 +232,18 @@ class MoETransformer:
                 f"hidden states must be [{batch.num_tokens}, {self.config.hidden_size}], "
                 f"got {list(h.shape)}"
             )
-        for block in self.blocks:
-            h = block.forward(h, batch, self.rope, self.experts)
+        try:
+            for block in self.blocks:
+                h = block.forward(h, batch, self.rope, self.experts)
+        except BaseException:
+            # A failed step (an expert server lost mid-layer, say) must not leave some layers
+            # holding the step's keys and others not: roll every cache back, so the caller can
+            # simply retry the same step.
+            for cache, past in zip(batch.caches, batch.past, strict=True):
+                for i in self.layers:
+                    kv = cache.layer(i)
+                    kv.truncate(min(kv.length, past))
+            raise
         return h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -175,3 +175,29 @@ def test_bad_config_values():
     d["use_sliding_window"] = True
     with pytest.raises(UnsupportedConfigError, match="use_sliding_window"):
         MoEConfig.from_dict(d)
+
+
+def test_integer_tensor_is_rejected(mixtral_dir, tmp_path):
+    name = "model.norm.weight"
+
+    def edit(t):
+        t[name] = torch.ones(256, dtype=torch.int32)
+
+    bad = copy_ckpt(mixtral_dir, tmp_path / "c", edit)
+    with pytest.raises(CheckpointError, match=f"{name} has dtype I32"):
+        Checkpoint(bad)
+
+
+def test_bfloat16_checkpoint_loads_and_casts(tmp_path):
+    from moecomm_serving.tiny import write_tiny
+
+    write_tiny(str(tmp_path), "mixtral", seed=0, dtype=torch.bfloat16)
+    ckpt = Checkpoint(tmp_path)
+    assert ckpt.config.torch_dtype == "bfloat16"
+    t = ckpt.read(["model.norm.weight"])["model.norm.weight"]
+    assert t.dtype == torch.bfloat16
+    assert ckpt.read(["model.norm.weight"], torch.float32)["model.norm.weight"].dtype == (
+        torch.float32
+    )
+    m = load_model(tmp_path, dtype=torch.float32)
+    assert m.dtype == torch.float32 and m.experts.layers[0].dtype == torch.float32

@@ -203,3 +203,33 @@ def test_local_experts_checks(mixtral_dir):
         local.dispatch(x, torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, 2), 1)
     with pytest.raises(ValueError, match="outside"):
         local.dispatch(x, torch.full((2, 2), 16, dtype=torch.int32), torch.ones(2, 2), 0)
+
+
+class _FailOnce:
+    """Local experts that, once armed, raise once at one layer, like a server lost mid-step."""
+
+    def __init__(self, inner, layer):
+        self.inner, self.layer, self.armed = inner, layer, False
+
+    def dispatch(self, x, ids, w, layer_id):
+        if layer_id == self.layer and self.armed:
+            self.armed = False
+            raise ConnectionError("expert server lost")
+        return self.inner.dispatch(x, ids, w, layer_id)
+
+    def combine(self, handle):
+        return self.inner.combine(handle)
+
+
+def test_failed_step_rolls_back_and_retries(mixtral, mixtral_dir):
+    flaky = load_model(mixtral_dir, experts=_FailOnce(mixtral.experts, layer=2))
+    ids = prompt(6, seed=12)
+    cache = flaky.new_sequence()
+    flaky.forward([ids[:4]], [cache])
+    flaky.experts.armed = True
+    with pytest.raises(ConnectionError):
+        flaky.forward([ids[4:]], [cache])
+    assert cache.length == 4  # layers 0-1 had appended; rolled back with the rest
+    out = flaky.forward([ids[4:]], [cache], all_logits=True)
+    ref = mixtral.forward([ids], [mixtral.new_sequence()], all_logits=True)[4:]
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
