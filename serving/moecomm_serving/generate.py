@@ -9,7 +9,7 @@ feeds every unfinished sequence's last token; finished sequences leave the batch
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -58,6 +58,9 @@ class SamplingParams:
         return g
 
 
+DEFAULT_PARAMS = SamplingParams()
+
+
 def sample_next(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
 ) -> int:
@@ -73,17 +76,65 @@ def sample_next(
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-@dataclass
 class Generation:
-    prompt: list[int]
-    tokens: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+    """One request in flight: its cache, its sampler and the tokens it produced so far.
+
+    A continuous-batching scheduler creates one per request whenever it arrives and passes any
+    set of unfinished ones to :func:`step`: a new request's first step feeds its whole prompt
+    (prefill) in the same forward as the others' single decode tokens.
+    """
+
+    def __init__(
+        self,
+        model: MoETransformer,
+        prompt: Sequence[int],
+        params: SamplingParams = DEFAULT_PARAMS,
+        eos_token_id: int | None = None,
+    ):
+        if len(prompt) == 0:
+            raise ValueError("every prompt needs at least one token")
+        self.prompt = [int(t) for t in prompt]
+        self.params = params
+        self.cache = model.new_sequence()
+        self.generator = params.make_generator()
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        eos = model.config.eos_token_id if eos_token_id is None else eos_token_id
+        self.stop_ids = set(params.stop_token_ids)
+        if eos is not None and not params.ignore_eos:
+            self.stop_ids.add(int(eos))
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def feed(self) -> list[int]:
+        """Tokens the next forward appends: the prompt first, then the last sampled token."""
+        if self.finished:
+            raise RuntimeError("this generation has finished")
+        return self.prompt if not self.tokens else self.tokens[-1:]
+
+    def accept(self, logits: torch.Tensor) -> int:
+        """Samples the next token from this sequence's logits and updates the finish state."""
+        tok = sample_next(logits, self.params, self.generator)
+        self.tokens.append(tok)
+        if tok in self.stop_ids:
+            self.finish_reason = FINISH_STOP
+        elif len(self.tokens) >= self.params.max_new_tokens:
+            self.finish_reason = FINISH_LENGTH
+        return tok
+
+
+def step(model: MoETransformer, active: Sequence[Generation]) -> list[int]:
+    """One forward for every generation in `active` (none finished); returns their new tokens."""
+    logits = model.forward([g.feed() for g in active], [g.cache for g in active])
+    return [g.accept(logits[row]) for row, g in enumerate(active)]
 
 
 def generate(
     model: MoETransformer,
     prompts: Sequence[Sequence[int]],
-    params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),  # frozen: safe to share
+    params: SamplingParams | Sequence[SamplingParams] = DEFAULT_PARAMS,
     eos_token_id: int | None = None,
 ) -> list[Generation]:
     """Generates for several prompts of different lengths at once.
@@ -92,36 +143,14 @@ def generate(
     unfinished sequence. A sequence stops at ``max_new_tokens``, at one of its
     ``stop_token_ids``, or at `eos_token_id` (the config's by default) unless ``ignore_eos``.
     """
-    if not prompts:
-        return []
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
     per = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
     if len(per) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(per)} sampling params")
-    eos = model.config.eos_token_id if eos_token_id is None else eos_token_id
-    out = [Generation(list(p)) for p in prompts]
-    caches = [model.new_sequence() for _ in prompts]
-    gens = [sp.make_generator() for sp in per]
-    active = list(range(len(prompts)))
-    feed: list[list[int]] = [list(p) for p in prompts]
+    out = [Generation(model, p, sp, eos_token_id) for p, sp in zip(prompts, per, strict=True)]
+    active = list(out)
     while active:
-        logits = model.forward([feed[j] for j in active], [caches[j] for j in active])
-        still = []
-        for row, j in enumerate(active):
-            tok = sample_next(logits[row], per[j], gens[j])
-            out[j].tokens.append(tok)
-            stops = set(per[j].stop_token_ids)
-            if eos is not None and not per[j].ignore_eos:
-                stops.add(eos)
-            if tok in stops:
-                out[j].finish_reason = FINISH_STOP
-            elif len(out[j].tokens) >= per[j].max_new_tokens:
-                out[j].finish_reason = FINISH_LENGTH
-            else:
-                feed[j] = [tok]
-                still.append(j)
-        active = still
+        step(model, active)
+        active = [g for g in active if not g.finished]
     return out
 
 

@@ -7,9 +7,11 @@ import torch
 from moecomm_serving.generate import (
     FINISH_LENGTH,
     FINISH_STOP,
+    Generation,
     SamplingParams,
     generate,
     sample_next,
+    step,
 )
 from moecomm_serving.tokenizer import ByteTokenizer, load_tokenizer
 
@@ -142,3 +144,24 @@ def test_command_line(mixtral_dir, capsys):
     )
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 and lines[0].startswith("'hi' -> ") and "3 tokens, length" in lines[0]
+
+
+def test_continuous_batching_joins_and_leaves(mixtral):
+    """Requests joining mid-way (prefill mixed with decode) and leaving early keep their tokens."""
+    params = [SamplingParams(n, ignore_eos=True) for n in (9, 3, 6)]
+    alone = [generate(mixtral, [p], sp)[0].tokens for p, sp in zip(prompts(), params, strict=False)]
+    gens = [Generation(mixtral, p, sp) for p, sp in zip(prompts(), params, strict=False)]
+    active = [gens[0]]
+    for t in range(12):
+        if t == 2:
+            active.append(gens[1])  # joins while gens[0] decodes
+        if t == 4:
+            active.append(gens[2])
+        if not active:
+            break
+        step(mixtral, active)
+        active = [g for g in active if not g.finished]
+    assert [g.tokens for g in gens] == alone
+    assert all(g.finished for g in gens)
+    with pytest.raises(RuntimeError, match="finished"):
+        gens[1].feed()
