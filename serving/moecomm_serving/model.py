@@ -180,8 +180,12 @@ class MoETransformer:
                 f"tensors for layers {self.layers.start}..{self.layers.stop - 1}: "
                 f"missing {missing[:3]}, unexpected {extra[:3]}"
             )
-        first = tensors[next(iter(expected))]
-        self.dtype, self.device = first.dtype, first.device
+        kinds = {(t.dtype, t.device) for t in tensors.values()}
+        if len(kinds) != 1:
+            raise ValueError(
+                f"tensors mix dtypes/devices {sorted(map(str, kinds))}: load with one dtype="
+            )
+        self.dtype, self.device = kinds.pop()
         self.experts = experts
         self.rope = Rotary(config.head_dim, config.rope_theta, self.device)
         self.blocks = []

@@ -9,7 +9,7 @@ from model_reference import moe as reference_moe
 from moecomm_serving.backends import LocalExperts, run_experts
 from moecomm_serving.checkpoint import Checkpoint, expert_names
 from moecomm_serving.kvcache import INITIAL_CAPACITY
-from moecomm_serving.model import Rotary, load_model
+from moecomm_serving.model import MoETransformer, Rotary, load_model, stage_tensor_names
 
 # Float32 throughout; differences come from summation order only (packed vs. per-sequence
 # matmuls, fused vs. looped experts), orders of magnitude below this.
@@ -189,6 +189,11 @@ def test_load_model_checks(mixtral_dir, qwen_dir):
         load_model(mixtral_dir, layers=range(2, 5))
     with pytest.raises(ValueError, match="pass an experts backend"):
         load_model(mixtral_dir, experts=None)
+    ckpt = Checkpoint(mixtral_dir)
+    tensors = ckpt.read(stage_tensor_names(ckpt.config, range(3, 4)))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.bfloat16)
+    with pytest.raises(ValueError, match="mix dtypes"):
+        MoETransformer(ckpt.config, tensors, LocalExperts({}), range(3, 4))
     dense = load_model(qwen_dir, experts=None, layers=range(1, 2))  # no MoE layer: no experts
     assert dense.experts is None
 
