@@ -42,7 +42,9 @@ TINY_MIXTRAL = {
     "torch_dtype": "float32",
 }
 # The same size in the Qwen2-MoE layout, using what Mixtral lacks: q/k/v biases, a shared
-# expert, no top-k renormalization, a dense layer (mlp_only_layers) and tied embeddings.
+# expert, no top-k renormalization and a dense layer (mlp_only_layers). Embeddings stay untied:
+# a tied random model mostly repeats its last token, which makes generation tests weak
+# (tied embeddings are tested with an override).
 TINY_QWEN2_MOE = {
     "architectures": ["Qwen2MoeForCausalLM"],
     "model_type": QWEN2_MOE,
@@ -64,7 +66,7 @@ TINY_QWEN2_MOE = {
     "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0,
     "use_sliding_window": False,
-    "tie_word_embeddings": True,
+    "tie_word_embeddings": False,
     "torch_dtype": "float32",
 }
 LAYOUTS = {MIXTRAL: TINY_MIXTRAL, QWEN2_MOE: TINY_QWEN2_MOE}
@@ -78,7 +80,8 @@ NORM_STD = 0.1  # RMSNorm weights 1 ± this: not all ones, so a wrong norm shows
 BIAS_STD = 0.1
 
 
-def tiny_config(layout: str = MIXTRAL) -> dict:
+def tiny_config(layout: str = MIXTRAL, overrides: dict | None = None) -> dict:
+    """The config dict of a tiny model; `overrides` replaces keys (tests of other variants)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
     tok = ByteTokenizer()
@@ -87,6 +90,7 @@ def tiny_config(layout: str = MIXTRAL) -> dict:
         "bos_token_id": tok.bos_id,
         "eos_token_id": tok.eos_id,
         "pad_token_id": tok.pad_id,
+        **(overrides or {}),
     }
 
 
@@ -102,7 +106,11 @@ def random_tensors(
         elif name.endswith(".bias"):
             t = BIAS_STD * torch.randn(shape, generator=g)
         elif name == "model.embed_tokens.weight":
-            t = torch.randn(shape, generator=g)  # unit-size rows, like a normed hidden state
+            # Unit-size rows, like a normed hidden state. Tied, the rows are also the LM head:
+            # smaller ones keep a token's own row from dominating its logits (the model would
+            # just repeat its input), and keep logits at the untied head's scale.
+            std = shape[1] ** -0.5 if config.tie_word_embeddings else 1.0
+            t = std * torch.randn(shape, generator=g)
         elif re.search(r"\.gate\.weight$", name):
             t = ROUTER_STD * torch.randn(shape, generator=g) * shape[1] ** -0.5
         else:  # projections [out, in]: 1/sqrt(in) keeps each output at unit size
@@ -112,10 +120,14 @@ def random_tensors(
 
 
 def write_tiny(
-    out: str, layout: str = MIXTRAL, seed: int = DEFAULT_SEED, dtype: torch.dtype = torch.float32
+    out: str,
+    layout: str = MIXTRAL,
+    seed: int = DEFAULT_SEED,
+    dtype: torch.dtype = torch.float32,
+    overrides: dict | None = None,
 ) -> MoEConfig:
     """Writes ``config.json`` and the sharded safetensors of a tiny random model to `out`."""
-    cfg_dict = tiny_config(layout)
+    cfg_dict = tiny_config(layout, overrides)
     cfg_dict["torch_dtype"] = str(dtype).removeprefix("torch.")
     config = MoEConfig.from_dict(cfg_dict)
     save_checkpoint(out, cfg_dict, random_tensors(config, seed, dtype), SHARD_BYTES)

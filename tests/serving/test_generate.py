@@ -32,7 +32,7 @@ def test_batched_greedy_equals_one_by_one(model):
         assert len(b.tokens) == 12 and b.finish_reason == FINISH_LENGTH
     # the random model does not just repeat one token: the comparison has content
     assert len({tuple(g.tokens) for g in batched}) == len(TEXTS)
-    assert len({t for g in batched for t in g.tokens}) > 3
+    assert len({t for g in batched for t in g.tokens}) > 12
 
 
 def test_greedy_equals_argmax_of_full_forward(mixtral):

@@ -10,6 +10,7 @@ from moecomm_serving.backends import LocalExperts, run_experts
 from moecomm_serving.checkpoint import Checkpoint, expert_names
 from moecomm_serving.kvcache import INITIAL_CAPACITY
 from moecomm_serving.model import MoETransformer, Rotary, load_model, stage_tensor_names
+from moecomm_serving.tiny import write_tiny
 
 # Float32 throughout; differences come from summation order only (packed vs. per-sequence
 # matmuls, fused vs. looped experts), orders of magnitude below this.
@@ -36,6 +37,19 @@ def test_matches_independent_reference(model, all_tensors):
     ref = reference_forward(model.config, all_tensors[model.config.model_type], ids)
     assert logits.shape == (11, model.config.vocab_size)
     torch.testing.assert_close(logits, ref, atol=ATOL, rtol=0)
+
+
+def test_tied_embeddings(tmp_path):
+    cfg = write_tiny(str(tmp_path), "mixtral", seed=4, overrides={"tie_word_embeddings": True})
+    tensors = Checkpoint(tmp_path).read(Checkpoint(tmp_path).files)
+    assert "lm_head.weight" not in tensors
+    model = load_model(tmp_path)
+    assert model.lm_head is model.embed_tokens
+    last = load_model(tmp_path, layers=range(3, 4))  # the last stage needs the embedding too
+    assert torch.equal(last.lm_head, tensors["model.embed_tokens.weight"])
+    ids = prompt(7, seed=13)
+    logits = model.forward([ids], [model.new_sequence()], all_logits=True)
+    torch.testing.assert_close(logits, reference_forward(cfg, tensors, ids), atol=ATOL, rtol=0)
 
 
 def test_cached_steps_equal_full_sequence(model):
