@@ -252,3 +252,15 @@ def test_failed_step_rolls_back_and_retries(mixtral, mixtral_dir):
     out = flaky.forward([ids[4:]], [cache], all_logits=True)
     ref = mixtral.forward([ids], [mixtral.new_sequence()], all_logits=True)[4:]
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+
+
+@pytest.mark.gpu
+def test_cuda_model_matches_cpu(mixtral, mixtral_dir):
+    """The same forward on a CUDA device (float32; TF32 off so the tolerance holds)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gpu = load_model(mixtral_dir, device="cuda")
+    prompts = [prompt(6, seed=14), prompt(2, seed=15)]
+    want = mixtral.forward(prompts, [mixtral.new_sequence() for _ in prompts], all_logits=True)
+    got = gpu.forward(prompts, [gpu.new_sequence() for _ in prompts], all_logits=True)
+    assert got.device.type == "cuda"
+    torch.testing.assert_close(got.cpu(), want, atol=ATOL, rtol=0)
