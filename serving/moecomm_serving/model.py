@@ -199,6 +199,12 @@ class MoETransformer:
         if any(self.config.is_sparse(i) for i in self.layers) and experts is None:
             raise ValueError("the model's layers include MoE layers: pass an experts backend")
 
+    def block(self, layer: int) -> DecoderLayer:
+        """The decoder layer with global id `layer` (a stage's blocks start at its first)."""
+        if layer not in self.layers:
+            raise KeyError(f"layer {layer} is not in this model's layers {self.layers}")
+        return self.blocks[layer - self.layers.start]
+
     # ------------------------------------------------------------------ caches and batches
     def new_sequence(self) -> SequenceKV:
         """An empty KV cache for one sequence over this model's layers."""

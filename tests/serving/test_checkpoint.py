@@ -129,7 +129,9 @@ def test_dense_layer_has_no_experts(qwen_dir):
 
 def test_stage_loads_its_layers_only(mixtral_dir):
     stage = load_model(mixtral_dir, layers=range(1, 3))
-    assert [b.layer for b in stage.blocks] == [1, 2]
+    assert [b.layer for b in stage.blocks] == [1, 2] and stage.block(2).layer == 2
+    with pytest.raises(KeyError, match="layer 0 is not in"):
+        stage.block(0)
     assert not stage.has_embed and not stage.has_head
     assert sorted(stage.experts.layers) == [1, 2]
     remote = load_model(mixtral_dir, experts=_NoExperts(), layers=range(3, 4))

@@ -121,7 +121,7 @@ def test_rope_scores_depend_only_on_relative_position():
 def test_moe_layer_equals_per_expert_reference(model, all_tensors):
     cfg = model.config
     layer = cfg.sparse_layers[-1]
-    block = model.blocks[layer]
+    block = model.block(layer)
     x = torch.randn(13, cfg.hidden_size, generator=torch.Generator().manual_seed(6))
     ids, weights = block.route(x)
     assert ids.dtype == torch.int32 and weights.dtype == torch.float32
@@ -136,7 +136,7 @@ def test_moe_layer_equals_per_expert_reference(model, all_tensors):
 
 def test_mixtral_routing_is_softmax_over_topk_logits(mixtral):
     """Mixtral's formulation: the top-k logits, then a softmax over just those."""
-    block = mixtral.blocks[0]
+    block = mixtral.block(0)
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(7))
     ids, weights = block.route(x)
     logits = x @ block.w[expert_names(mixtral.config).router(0).split("layers.0.")[1]].T
