@@ -24,7 +24,8 @@ $(DEPS_STAMP): pyproject.toml | $(PY)
 	$(PIP) install -q torch==2.13.0 "numpy<2.3"
 	$(PIP) install -q "scikit-build-core>=0.10" "pybind11>=2.12" ninja \
 		"pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "pyzmq>=25" \
-		"ruff>=0.6" "clang-format>=18" triton "fastapi>=0.110" "uvicorn>=0.29" "httpx>=0.27" matplotlib
+		"ruff>=0.6" "clang-format>=18" triton "fastapi>=0.110" "uvicorn>=0.29" "httpx>=0.27" \
+		"safetensors>=0.4" matplotlib
 	touch $@
 
 $(PKG_STAMP): $(DEPS_STAMP) $(BUILD_INPUTS)

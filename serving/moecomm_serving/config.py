@@ -1,0 +1,244 @@
+"""The model configuration, read from a Hugging-Face ``config.json``.
+
+Two layouts of the same architecture family are understood:
+
+- ``mixtral`` (Mixtral-8x7B and friends): keys ``num_local_experts``, ``num_experts_per_tok``,
+  ``intermediate_size`` (the expert MLP width); every layer is a MoE layer; routing weights are
+  always renormalized over the chosen top-k.
+- ``qwen2_moe`` (Qwen1.5-MoE / Qwen2-MoE): keys ``num_experts``, ``moe_intermediate_size``,
+  ``norm_topk_prob``, an optional shared expert (``shared_expert_intermediate_size``) and dense
+  layers (``mlp_only_layers``, ``decoder_sparse_step``) whose MLP width is ``intermediate_size``;
+  q/k/v projections carry biases.
+
+Keys that only matter for training (dropout, aux-loss coefficients, router jitter) are ignored.
+Keys that would change what inference computes and that this model does not implement (RoPE
+scaling, sliding-window attention, activations other than SiLU, quantized weights) raise
+:class:`UnsupportedConfigError` naming the key, rather than silently computing something else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+MIXTRAL = "mixtral"
+QWEN2_MOE = "qwen2_moe"
+SUPPORTED_MODEL_TYPES = (MIXTRAL, QWEN2_MOE)
+
+# HF defaults used when a key is absent (the values of transformers' config classes).
+DEFAULT_RMS_NORM_EPS = 1e-5  # MixtralConfig default; Qwen2MoeConfig uses 1e-6 (set below)
+DEFAULT_ROPE_THETA = 1e6  # MixtralConfig default rope_theta
+DEFAULT_MAX_POSITIONS = 4096 * 32  # MixtralConfig default max_position_embeddings
+
+
+class UnsupportedConfigError(ValueError):
+    """The checkpoint asks for an architecture feature this model does not implement."""
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Everything the model needs, in one naming for both layouts.
+
+    ``sparse_layers`` lists the layers whose MLP is a routed MoE block (all of them for Mixtral);
+    the others have a dense SwiGLU MLP of width ``dense_intermediate_size``.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool = True
+    attention_bias: bool = False
+    shared_expert_intermediate_size: int = 0
+    dense_intermediate_size: int = 0
+    sparse_layers: tuple[int, ...] = ()
+    rms_norm_eps: float = DEFAULT_RMS_NORM_EPS
+    rope_theta: float = DEFAULT_ROPE_THETA
+    max_position_embeddings: int = DEFAULT_MAX_POSITIONS
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    torch_dtype: str = "float32"
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self):
+        positive = (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "num_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+        )
+        for name in positive:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"config: {name} must be a positive integer, got {v!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"config: num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                f"of num_key_value_heads ({self.num_key_value_heads}) for grouped-query attention"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"config: head_dim must be even for RoPE, got {self.head_dim}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"config: num_experts_per_tok ({self.num_experts_per_tok}) exceeds the number "
+                f"of experts ({self.num_experts})"
+            )
+        bad = [i for i in self.sparse_layers if not 0 <= i < self.num_hidden_layers]
+        if bad:
+            raise ValueError(
+                f"config: sparse layer ids {bad} outside [0, {self.num_hidden_layers})"
+            )
+        dense = [i for i in range(self.num_hidden_layers) if i not in self.sparse_layers]
+        if dense and self.dense_intermediate_size <= 0:
+            raise ValueError(f"config: dense layers {dense} need a positive intermediate_size")
+
+    @property
+    def num_kv_groups(self) -> int:
+        """Query heads per key/value head."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer in self.sparse_layers
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MoEConfig:
+        """Reads a HF config dict (the content of ``config.json``)."""
+        model_type = d.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedConfigError(
+                f"config: model_type {model_type!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}; architectures "
+                f"{d.get('architectures')})"
+            )
+        _reject_unsupported(d)
+        get = _getter(d)
+        hidden = get("hidden_size")
+        heads = get("num_attention_heads")
+        layers = get("num_hidden_layers")
+        common = {
+            "model_type": model_type,
+            "vocab_size": get("vocab_size"),
+            "hidden_size": hidden,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": d.get("num_key_value_heads") or heads,
+            "head_dim": d.get("head_dim") or _head_dim(hidden, heads),
+            "num_experts_per_tok": get("num_experts_per_tok"),
+            "rope_theta": float(d.get("rope_theta", DEFAULT_ROPE_THETA)),
+            "max_position_embeddings": d.get("max_position_embeddings", DEFAULT_MAX_POSITIONS),
+            "tie_word_embeddings": bool(d.get("tie_word_embeddings", False)),
+            "bos_token_id": d.get("bos_token_id"),
+            "eos_token_id": _first_eos(d.get("eos_token_id")),
+            "pad_token_id": d.get("pad_token_id"),
+            "torch_dtype": d.get("torch_dtype") or d.get("dtype") or "float32",
+            "raw": dict(d),
+        }
+        if model_type == MIXTRAL:
+            return cls(
+                num_experts=get("num_local_experts"),
+                moe_intermediate_size=get("intermediate_size"),
+                norm_topk_prob=True,  # Mixtral always renormalizes over the chosen top-k
+                attention_bias=bool(d.get("attention_bias", False)),
+                sparse_layers=tuple(range(layers)),
+                rms_norm_eps=float(d.get("rms_norm_eps", DEFAULT_RMS_NORM_EPS)),
+                **common,
+            )
+        num_experts = get("num_experts")
+        step = d.get("decoder_sparse_step", 1)
+        mlp_only = set(d.get("mlp_only_layers") or [])
+        sparse = tuple(
+            i
+            for i in range(layers)
+            if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0
+        )
+        return cls(
+            num_experts=num_experts,
+            moe_intermediate_size=get("moe_intermediate_size"),
+            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+            # Qwen2-MoE's q/k/v projections always carry a bias (o_proj never does).
+            attention_bias=bool(d.get("qkv_bias", True)),
+            shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0),
+            dense_intermediate_size=int(d.get("intermediate_size") or 0),
+            sparse_layers=sparse,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            **common,
+        )
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> MoEConfig:
+        """Reads ``config.json`` (or ``path/config.json`` when given a directory)."""
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                d = json.load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no config.json at {path}") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON: {exc}") from None
+        return cls.from_dict(d)
+
+
+def _getter(d: dict[str, Any]):
+    def get(key: str) -> Any:
+        if key not in d:
+            raise ValueError(
+                f"config: required key {key!r} is missing (model_type {d['model_type']})"
+            )
+        return d[key]
+
+    return get
+
+
+def _head_dim(hidden: int, heads: int) -> int:
+    if hidden % heads:
+        raise ValueError(
+            f"config: hidden_size {hidden} is not a multiple of num_attention_heads {heads} "
+            "and no head_dim is given"
+        )
+    return hidden // heads
+
+
+def _first_eos(eos: Any) -> int | None:
+    # Some configs list several end-of-sequence ids; the first is the one written at the end.
+    if isinstance(eos, list):
+        return int(eos[0]) if eos else None
+    return eos
+
+
+def _reject_unsupported(d: dict[str, Any]) -> None:
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedConfigError(f"config: hidden_act {act!r} is not supported (only 'silu')")
+    scaling = d.get("rope_scaling")
+    if scaling and (scaling.get("rope_type") or scaling.get("type")) != "default":
+        raise UnsupportedConfigError(f"config: rope_scaling {scaling} is not supported")
+    if d.get("model_type") == QWEN2_MOE and d.get("use_sliding_window"):
+        raise UnsupportedConfigError("config: use_sliding_window=true is not supported")
+    if d.get("model_type") == MIXTRAL and d.get("sliding_window") is not None:
+        window, max_pos = d["sliding_window"], d.get("max_position_embeddings", 0)
+        if window < max_pos:
+            raise UnsupportedConfigError(
+                f"config: sliding_window={window} (< max_position_embeddings {max_pos}) is not "
+                "supported; only full causal attention is implemented"
+            )
+    if d.get("quantization_config"):
+        raise UnsupportedConfigError(
+            "config: quantized checkpoints (quantization_config) are not supported"
+        )

@@ -1,0 +1,153 @@
+"""A tiny random checkpoint in HF layout, for the demo and the tests (nothing is downloaded).
+
+``python -m moecomm_serving.tiny --out DIR [--layout mixtral|qwen2_moe] [--seed 0]``
+
+The weights are random but deterministic (one generator, tensors drawn in sorted-name order),
+scaled so activations keep unit size through the layers and the logits of different tokens are
+well apart: greedy decoding of the tiny model is then stable under float rounding, which the
+token-for-token comparisons (batched vs. one-by-one, disaggregated vs. monolithic) rely on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import torch
+
+from moecomm_serving.checkpoint import expected_tensors, save_checkpoint
+from moecomm_serving.config import MIXTRAL, QWEN2_MOE, MoEConfig
+from moecomm_serving.tokenizer import BYTE_VOCAB_SIZE, ByteTokenizer
+
+DEFAULT_SEED = 0
+# Small enough that the whole test directory stays fast on two shared cores, large enough to
+# have real GQA (8 query heads over 2 KV heads) and routing choices (top-2 of 16).
+TINY_MIXTRAL = {
+    "architectures": ["MixtralForCausalLM"],
+    "model_type": MIXTRAL,
+    "vocab_size": BYTE_VOCAB_SIZE,
+    "hidden_size": 256,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "num_local_experts": 16,
+    "num_experts_per_tok": 2,
+    "hidden_act": "silu",
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+}
+# The same size in the Qwen2-MoE layout, using what Mixtral lacks: q/k/v biases, a shared
+# expert, no top-k renormalization and a dense layer (mlp_only_layers). Embeddings stay untied:
+# a tied random model mostly repeats its last token, which makes generation tests weak
+# (tied embeddings are tested with an override).
+TINY_QWEN2_MOE = {
+    "architectures": ["Qwen2MoeForCausalLM"],
+    "model_type": QWEN2_MOE,
+    "vocab_size": BYTE_VOCAB_SIZE,
+    "hidden_size": 256,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+    "norm_topk_prob": False,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [1],
+    "hidden_act": "silu",
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "use_sliding_window": False,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+}
+LAYOUTS = {MIXTRAL: TINY_MIXTRAL, QWEN2_MOE: TINY_QWEN2_MOE}
+# Shards of at most this many bytes, so the tiny checkpoint exercises multi-file loading and
+# the index file like a real one.
+SHARD_BYTES = 16 << 20
+# Router logits this large (std) make the top-k choice decisive: a near-tie between experts
+# would let float rounding change the route of a token between batched and single runs.
+ROUTER_STD = 4.0
+NORM_STD = 0.1  # RMSNorm weights 1 ± this: not all ones, so a wrong norm shows
+BIAS_STD = 0.1
+
+
+def tiny_config(layout: str = MIXTRAL, overrides: dict | None = None) -> dict:
+    """The config dict of a tiny model; `overrides` replaces keys (tests of other variants)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
+    tok = ByteTokenizer()
+    return {
+        **LAYOUTS[layout],
+        "bos_token_id": tok.bos_id,
+        "eos_token_id": tok.eos_id,
+        "pad_token_id": tok.pad_id,
+        **(overrides or {}),
+    }
+
+
+def random_tensors(
+    config: MoEConfig, seed: int = DEFAULT_SEED, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """Deterministic random weights for every tensor the config implies."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in sorted(expected_tensors(config).items()):
+        if name.endswith("norm.weight"):
+            t = 1.0 + NORM_STD * torch.randn(shape, generator=g)
+        elif name.endswith(".bias"):
+            t = BIAS_STD * torch.randn(shape, generator=g)
+        elif name == "model.embed_tokens.weight":
+            # Unit-size rows, like a normed hidden state. Tied, the rows are also the LM head:
+            # smaller ones keep a token's own row from dominating its logits (the model would
+            # just repeat its input), and keep logits at the untied head's scale.
+            std = shape[1] ** -0.5 if config.tie_word_embeddings else 1.0
+            t = std * torch.randn(shape, generator=g)
+        elif re.search(r"\.gate\.weight$", name):
+            t = ROUTER_STD * torch.randn(shape, generator=g) * shape[1] ** -0.5
+        else:  # projections [out, in]: 1/sqrt(in) keeps each output at unit size
+            t = torch.randn(shape, generator=g) * shape[1] ** -0.5
+        out[name] = t.to(dtype)
+    return out
+
+
+def write_tiny(
+    out: str,
+    layout: str = MIXTRAL,
+    seed: int = DEFAULT_SEED,
+    dtype: torch.dtype = torch.float32,
+    overrides: dict | None = None,
+) -> MoEConfig:
+    """Writes ``config.json`` and the sharded safetensors of a tiny random model to `out`."""
+    cfg_dict = tiny_config(layout, overrides)
+    cfg_dict["torch_dtype"] = str(dtype).removeprefix("torch.")
+    config = MoEConfig.from_dict(cfg_dict)
+    save_checkpoint(out, cfg_dict, random_tensors(config, seed, dtype), SHARD_BYTES)
+    return config
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="directory to write")
+    p.add_argument("--layout", default=MIXTRAL, choices=sorted(LAYOUTS))
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    args = p.parse_args(argv)
+    config = write_tiny(args.out, args.layout, args.seed, getattr(torch, args.dtype))
+    print(
+        f"wrote a tiny {config.model_type} checkpoint to {args.out}: {config.num_hidden_layers} "
+        f"layers, {config.num_experts} experts, top-{config.num_experts_per_tok}, "
+        f"hidden {config.hidden_size}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""Tiny random checkpoints written once per test session, in both supported layouts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from moecomm_serving.model import load_model
+from moecomm_serving.tiny import write_tiny
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """One intra-op thread: the tiny model's ops are far too small to split, and on the shared
+    two-core CI machines a second spinning thread makes each decode step ~8x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def mixtral_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-mixtral")
+    write_tiny(str(path), "mixtral", seed=0)
+    return path
+
+
+@pytest.fixture(scope="session")
+def qwen_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-qwen2-moe")
+    write_tiny(str(path), "qwen2_moe", seed=1)
+    return path
+
+
+@pytest.fixture(scope="session")
+def mixtral(mixtral_dir):
+    return load_model(mixtral_dir, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def qwen(qwen_dir):
+    return load_model(qwen_dir, dtype=torch.float32)
+
+
+@pytest.fixture(params=["mixtral", "qwen"])
+def model(request):
+    """Both layouts, for tests that must hold for each."""
+    return request.getfixturevalue(request.param)

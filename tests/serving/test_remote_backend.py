@@ -1,0 +1,58 @@
+"""The experts-backend interface is the AttentionClient's: expert servers that load their
+experts from the checkpoint, reached through a client, generate what the local model does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from moecomm.runtime import AttentionClient, ExpertServer
+from moecomm.runtime.control import HttpServer, make_app
+from moecomm_serving.checkpoint import Checkpoint
+from moecomm_serving.generate import SamplingParams, generate
+from moecomm_serving.model import load_model
+from moecomm_serving.tokenizer import ByteTokenizer
+
+HOSTED = ({i: range(0, 8) for i in range(4)}, {i: range(8, 16) for i in range(4)})
+
+
+@pytest.fixture
+def servers(mixtral_dir):
+    """Two in-process expert servers: experts 0-7 and 8-15 of every layer."""
+    ckpt = Checkpoint(mixtral_dir)
+    running = []
+    try:
+        for k, hosted in enumerate(HOSTED):
+            server = ExpertServer(ckpt.read_experts(hosted), f"s{k}")
+            http = HttpServer(make_app(server))
+            server.start()
+            running.append((server, http, http.start()))
+        yield [url for _, _, url in running]
+    finally:
+        for server, http, _ in running:
+            http.stop()
+            server.close()
+
+
+def test_generation_through_expert_servers(servers, mixtral_dir, mixtral):
+    cfg = mixtral.config
+    client = AttentionClient(
+        servers,
+        client_id=1,
+        hidden=cfg.hidden_size,
+        topk=cfg.num_experts_per_tok,
+        max_tokens=64,
+        encoding="f32",
+        out_dtype=torch.float32,
+        timeout=20.0,
+    )
+    client.connect()
+    try:
+        remote = load_model(mixtral_dir, experts=client)
+        tok = ByteTokenizer()
+        prompts = [tok.encode("remote"), tok.encode("experts, two servers")]
+        params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+        got = [g.tokens for g in generate(remote, prompts, params)]
+        want = [g.tokens for g in generate(mixtral, prompts, params)]
+        assert got == want
+    finally:
+        client.close()
