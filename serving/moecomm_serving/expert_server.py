@@ -1,0 +1,111 @@
+"""`moecomm expert-server`: host experts of a HF-layout checkpoint behind the slot protocol and
+an HTTP control plane, until interrupted."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+import time
+
+import torch
+from moecomm.runtime.control import DEFAULT_HOST, HttpServer, make_app
+from moecomm.runtime.server import ExpertServer
+
+from moecomm_serving.checkpoint import Checkpoint
+
+# How often the foreground thread checks for a stop request.
+WAKE_S = 0.2
+
+
+def parse_ids(spec: str, upper: int, what: str) -> list[int]:
+    """'all', or a list like '0-3,6,8-9' of values in [0, upper)."""
+    if spec == "all":
+        return list(range(upper))
+    out: set[int] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        try:
+            lo, _, hi = part.partition("-")
+            a, b = int(lo), int(hi) if hi else int(lo)
+        except ValueError:
+            raise SystemExit(f"{what}: cannot parse {part!r} (expected e.g. 0-3,6)") from None
+        if not (0 <= a <= b < upper):
+            raise SystemExit(f"{what}: {part!r} is outside [0, {upper})")
+        out.update(range(a, b + 1))
+    return sorted(out)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True, help="HF-layout checkpoint directory")
+    p.add_argument(
+        "--layers", default="all", help="MoE layers to host, e.g. 0-3 (default: every MoE layer)"
+    )
+    p.add_argument(
+        "--experts",
+        default="all",
+        help="experts to host in each of those layers, e.g. 0-7 (replicas: give "
+        "the same experts to several servers)",
+    )
+    p.add_argument("--id", default=None, help="server id (default: expert-server-<port>)")
+    p.add_argument("--host", default=DEFAULT_HOST, help="control-plane address (loopback)")
+    p.add_argument("--port", type=int, default=0, help="control-plane port (0: any free)")
+    p.add_argument("--token", default="", help="shared token required to connect")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype the experts compute in (float32 is batch invariant)",
+    )
+    p.add_argument(
+        "--batching-window-ms",
+        type=float,
+        default=0.0,
+        help="wait this long for more requests before a step",
+    )
+
+
+def run(args: argparse.Namespace, ready: threading.Event | None = None) -> int:
+    ckpt = Checkpoint(args.checkpoint)
+    cfg = ckpt.config
+    layers = [
+        i for i in parse_ids(args.layers, cfg.num_hidden_layers, "--layers") if cfg.is_sparse(i)
+    ]
+    if not layers:
+        raise SystemExit("--layers selects no MoE layer of this checkpoint")
+    experts = parse_ids(args.experts, cfg.num_experts, "--experts")
+    hosted = {}
+    start = time.perf_counter()
+    for n, layer in enumerate(layers, 1):
+        hosted.update(ckpt.read_experts({layer: experts}, getattr(torch, args.dtype)))
+        print(
+            f"loading experts: layer {layer} ({n}/{len(layers)}), {len(experts)} experts, "
+            f"{time.perf_counter() - start:.1f} s",
+            flush=True,
+        )
+    server = ExpertServer(
+        hosted, args.id or "expert-server", batching_window_s=args.batching_window_ms / 1e3
+    )
+    http = HttpServer(make_app(server, args.token), args.host, args.port)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    server.start()
+    url = http.start()
+    if args.id is None:
+        server.server_id = f"expert-server-{url.rsplit(':', 1)[1]}"
+    print(
+        f"expert server {server.server_id} listening on {url}: layers {layers}, "
+        f"experts {experts[0]}..{experts[-1]} ({len(experts)})",
+        flush=True,
+    )
+    if ready is not None:
+        ready.set()
+    try:
+        while not stop.wait(WAKE_S):
+            pass
+    finally:
+        print(f"expert server {server.server_id}: stopping", flush=True)
+        http.stop()
+        server.close()
+    return 0
