@@ -19,6 +19,7 @@ from moecomm.membership.base import (
     DEFAULT_HTTP_TIMEOUT_S,
     DEFAULT_POLL_S,
     DEFAULT_TTL_S,
+    HEARTBEATS_PER_TTL,
     Membership,
     MembershipError,
     Registration,
@@ -54,6 +55,7 @@ def connect_membership(
 
 __all__ = [
     "DEFAULT_TTL_S",
+    "HEARTBEATS_PER_TTL",
     "EmbeddedMembership",
     "EtcdError",
     "EtcdMembership",

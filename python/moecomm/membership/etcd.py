@@ -34,9 +34,6 @@ DEFAULT_PREFIX = "/moecomm"
 GRPC_NOT_FOUND = 5
 # Pause between attempts while etcd is unreachable (see embedded.RETRY_S).
 RETRY_S = 0.2
-# A watch stream with no event for this long is re-opened through a fresh snapshot: bounds how
-# long a silently stalled etcd (stopped process, half-open TCP) goes unnoticed.
-IDLE_RESYNC_S = 10.0
 EPOCH_BYTES = 8
 # Failures a watcher retries through a fresh snapshot; anything else is a bug and surfaces.
 RETRIED = (
@@ -165,10 +162,17 @@ class EtcdMembership(Membership):
         return int(result.get("TTL", 0)) > 0
 
     def _deregister(self, record: Record, lease: Lease) -> None:
-        # Mark the record leaving first, so watchers report "deregistered", not "expired".
+        # Mark the record leaving first, so watchers report "deregistered", not "expired" —
+        # only while the key is still on our lease: a newer incarnation may have taken it.
+        key = _b64(self._key(record))
+        leaving = Record(record.member, lease.ttl, record.incarnation, leaving=True)
+        value = _b64(json.dumps(leaving.to_dict(), separators=(",", ":")))
+        txn = {
+            "compare": [{"target": "LEASE", "key": key, "lease": lease.handle}],
+            "success": [{"request_put": {"key": key, "value": value, "lease": lease.handle}}],
+        }
         try:
-            leaving = Record(record.member, lease.ttl, record.incarnation, leaving=True)
-            self._put(leaving, lease.handle)
+            self._post("/v3/kv/txn", txn)
             self._post("/v3/lease/revoke", {"ID": lease.handle})
         except EtcdError as exc:
             if exc.code != GRPC_NOT_FOUND:  # lease already gone: so is the key
@@ -211,27 +215,44 @@ class EtcdMembership(Membership):
         rest = etcd_key[len(self._members_prefix) :].split("/")
         return (rest[0], rest[1]) if len(rest) == 2 else None
 
+    def _current_epoch(self) -> tuple[str | None, int]:
+        """(epoch, revision) of the store now: one small read, to resume a watch safely."""
+        data = self._post("/v3/kv/range", {"key": _b64(self._epoch_key)})
+        kvs = data.get("kvs", [])
+        return (_unb64(kvs[0]["value"]) if kvs else None), int(data["header"]["revision"])
+
     def _watch_source(self, view, stop: threading.Event) -> None:
-        identity, revision = None, 0
+        identity, revision, need_snapshot = None, 0, True
         while not stop.is_set():
             try:
-                epoch, rev, records = self._snapshot()
-                # A new epoch, or a revision that went back, means a store without our history.
-                changed = identity is not None and (epoch != identity or rev < revision)
-                view.snapshot(records, changed)
-                identity, revision = epoch, rev
-                revision = self._stream(view, stop, revision)
+                if need_snapshot:
+                    epoch, rev, records = self._snapshot()
+                    # A new epoch, or a revision that went back: a store without our history.
+                    changed = identity is not None and (epoch != identity or rev < revision)
+                    view.snapshot(records, changed)
+                    identity, revision = epoch, rev
+                else:
+                    # An idle stream ended: resume from `revision` if the store is still ours.
+                    epoch, rev = self._current_epoch()
+                    if epoch != identity or rev < revision:
+                        need_snapshot = True
+                        continue
+                revision, complete = self._stream(view, stop, revision)
+                need_snapshot = not complete
             except Exception as exc:
                 if stop.is_set():
-                    return  # close() cut the stream
+                    return
                 if not isinstance(exc, RETRIED):
                     raise
                 view.error(exc)
+                need_snapshot = True
                 stop.wait(RETRY_S)
 
-    def _stream(self, view, stop: threading.Event, revision: int) -> int:
-        """Streams changes after `revision` until the stream ends, idles or stop is set; returns
-        the last revision seen. Raises on broken connections (the caller resyncs)."""
+    def _stream(self, view, stop: threading.Event, revision: int) -> tuple[int, bool]:
+        """Streams changes after `revision` until the stream idles for `poll_s`, ends or stop is
+        set. Returns the last revision seen, and False when history may be incomplete (etcd
+        cancelled the watch, e.g. compaction): the caller then takes a snapshot. Raises on
+        broken connections."""
         create = {
             "create_request": {
                 "key": _b64(self._members_prefix),
@@ -241,24 +262,24 @@ class EtcdMembership(Membership):
             }
         }
         url = self.endpoints[self._current] + "/v3/watch"
-        timeout = httpx.Timeout(self.timeout, read=IDLE_RESYNC_S)
+        timeout = httpx.Timeout(self.timeout, read=self.poll_s)
         with self._http.stream("POST", url, json=create, timeout=timeout) as response:
-            view.on_close(response.close)
             try:
                 for line in response.iter_lines():
                     if stop.is_set():
-                        return revision
+                        return revision, True
                     if not line.strip():
                         continue
                     result = json.loads(line).get("result")
                     if result is None or result.get("canceled"):
-                        return revision  # error or compaction: resync from a snapshot
+                        return revision, False
                     revision = max(revision, int(result["header"]["revision"]))
                     for ev in result.get("events", []):
                         self._apply(view, ev)
+                    view.recovered()
             except httpx.ReadTimeout:
-                return revision
-        return revision
+                return revision, True
+        return revision, False
 
     def _apply(self, view, ev: dict) -> None:
         kv = ev["kv"]

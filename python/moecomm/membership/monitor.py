@@ -48,6 +48,9 @@ SHUTDOWN_GRACE_S = 0.5
 START_TIMEOUT_S = 30.0
 TOKEN_ENV = "MOECOMM_MONITOR_TOKEN"
 
+# The shared token travels as "Authorization: Bearer <token>" (module level: FastAPI resolves
+# annotations in the module's namespace).
+AuthHeader = Annotated[str | None, Header()]
 RoleStr = Annotated[str, Field(pattern=m.ROLE_RE.pattern)]
 MemberIdStr = Annotated[str, Field(pattern=m.MEMBER_ID_RE.pattern)]
 IncarnationStr = Annotated[str, Field(min_length=1, max_length=m.MAX_INCARNATION)]
@@ -152,8 +155,6 @@ def make_app(token: str = "") -> FastAPI:
             raise HTTPException(status_code=404, detail=str(exc.args[0])) from None
         except Superseded as exc:
             raise HTTPException(status_code=409, detail=str(exc)) from None
-
-    AuthHeader = Annotated[str | None, Header()]
 
     @app.post("/register")
     async def register(body: RegisterModel, authorization: AuthHeader = None):

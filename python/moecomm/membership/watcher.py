@@ -10,7 +10,6 @@ empty and register again, and peers must not drop live members because the monit
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import threading
@@ -52,7 +51,6 @@ class Watcher:
         self._stop = threading.Event()
         self.last_error: Exception | None = None
         self._failing = False
-        self._closers: list[Callable[[], None]] = []
         self._thread = threading.Thread(target=self._source, name="moecomm-watch", daemon=True)
         self._dispatcher = None
         if callback is not None:
@@ -110,11 +108,6 @@ class Watcher:
             if self._timer is not None:
                 self._timer.cancel()
         self._events.put(None)
-        with self._lock:
-            closers = list(self._closers)
-        for close in closers:  # interrupts a blocking stream read so the thread ends now
-            with contextlib.suppress(Exception):
-                close()
         join_s = self._backend.poll_s + self._backend.timeout
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(join_s)
@@ -211,14 +204,6 @@ class Watcher:
         if not self._failing:
             log.warning("membership watch: backend unreachable (%s); retrying", exc)
         self._failing = True
-
-    def on_close(self, close: Callable[[], None]) -> None:
-        """`close` interrupts the source's current blocking read; called by `Watcher.close`."""
-        with self._lock:
-            self._closers[:] = [close]
-        if self._stop.is_set():
-            with contextlib.suppress(Exception):
-                close()
 
     def recovered(self) -> None:
         if self._failing:
