@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from moecomm.membership.base import WATCH_START_TIMEOUT_S, monotonic_deadline
+from moecomm.membership.base import WATCH_START_TIMEOUT_S, MembershipError, monotonic_deadline
 from moecomm.membership.member import Event, Record
 
 log = logging.getLogger("moecomm.membership")
@@ -59,8 +59,10 @@ class Watcher:
             )
             self._dispatcher.start()
         self._thread.start()
-        if not self._ready.wait(WATCH_START_TIMEOUT_S):
+        if not self._ready.wait(WATCH_START_TIMEOUT_S) or not self._synced:
             self.close()
+            if isinstance(self.last_error, MembershipError):
+                raise self.last_error
             raise ConnectionError(
                 f"watch: no snapshot from the membership backend within "
                 f"{WATCH_START_TIMEOUT_S} s (last error: {self.last_error})"
@@ -201,6 +203,11 @@ class Watcher:
     def error(self, exc: Exception) -> None:
         """The backend could not be reached (the source retries); logged once per outage."""
         self.last_error = exc
+        if not self._synced and isinstance(exc, MembershipError):
+            # Refused before the first snapshot (bad token, bad prefix): retrying cannot help.
+            self._stop.set()
+            self._ready.set()
+            return
         if not self._failing:
             log.warning("membership watch: backend unreachable (%s); retrying", exc)
         self._failing = True
