@@ -54,6 +54,9 @@ def test_token_guards_every_route_but_health(url):
         assert r.status_code == 401
         r = httpx.get(f"{url}/events?since=0", headers=headers, timeout=HTTP_TIMEOUT_S)
         assert r.status_code == 401
+    # The token is checked before the body is parsed: garbage from a stranger is still a 401.
+    r = post(url, "/register", headers={"Content-Type": "application/json"}, content=b"{,")
+    assert r.status_code == 401
     health = httpx.get(f"{url}/health", timeout=HTTP_TIMEOUT_S).json()
     assert health["ok"] is True and len(health["epoch"]) > 0
     ms = EmbeddedMembership(url, token="wrong")

@@ -24,7 +24,7 @@ import time
 from typing import Annotated
 
 import uvicorn
-from fastapi import FastAPI, Header, HTTPException, Query, Request
+from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
@@ -46,11 +46,10 @@ EXPIRY_SWEEP_S = 0.05
 # Long-polls still open at shutdown are cut after this, so a stop never waits a full poll.
 SHUTDOWN_GRACE_S = 0.5
 START_TIMEOUT_S = 30.0
+# How often the monitor process checks that its server thread still runs.
+LIVENESS_CHECK_S = 1.0
 TOKEN_ENV = "MOECOMM_MONITOR_TOKEN"
 
-# The shared token travels as "Authorization: Bearer <token>" (module level: FastAPI resolves
-# annotations in the module's namespace).
-AuthHeader = Annotated[str | None, Header()]
 RoleStr = Annotated[str, Field(pattern=m.ROLE_RE.pattern)]
 MemberIdStr = Annotated[str, Field(pattern=m.MEMBER_ID_RE.pattern)]
 IncarnationStr = Annotated[str, Field(min_length=1, max_length=m.MAX_INCARNATION)]
@@ -121,7 +120,12 @@ def make_app(token: str = "") -> FastAPI:
     app.state.registry = registry
 
     @app.middleware("http")
-    async def limit_body(request: Request, call_next):
+    async def guard(request: Request, call_next):
+        # Before anything is parsed: an unauthenticated caller learns nothing about the API.
+        if token and request.url.path != "/health":
+            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+            if not hmac.compare_digest(given.encode(), token.encode()):
+                return JSONResponse({"detail": "bad or missing monitor token"}, 401)
         if request.method == "POST":
             length = request.headers.get("content-length")
             if length is None or not length.isdigit():
@@ -141,13 +145,6 @@ def make_app(token: str = "") -> FastAPI:
         ]
         return JSONResponse({"detail": "invalid request: " + "; ".join(problems)}, 422)
 
-    def authorize(authorization: str | None) -> None:
-        if not token:
-            return
-        given = (authorization or "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), token.encode()):
-            raise HTTPException(status_code=401, detail="bad or missing monitor token")
-
     def held(call, *args):
         try:
             return call(*args)
@@ -157,8 +154,7 @@ def make_app(token: str = "") -> FastAPI:
             raise HTTPException(status_code=409, detail=str(exc)) from None
 
     @app.post("/register")
-    async def register(body: RegisterModel, authorization: AuthHeader = None):
-        authorize(authorization)
+    async def register(body: RegisterModel):
         try:
             member = Member(**body.member.model_dump())
         except ValueError as exc:
@@ -172,15 +168,13 @@ def make_app(token: str = "") -> FastAPI:
         return {"epoch": registry.epoch, "ttl": body.ttl, "event": kind}
 
     @app.post("/heartbeat")
-    async def heartbeat(body: LeaseModel, authorization: AuthHeader = None):
-        authorize(authorization)
+    async def heartbeat(body: LeaseModel):
         key = (body.role, body.member_id)
         ttl = held(registry.heartbeat, key, body.incarnation, time.monotonic())
         return {"epoch": registry.epoch, "ttl": ttl}
 
     @app.post("/deregister")
-    async def deregister(body: LeaseModel, authorization: AuthHeader = None):
-        authorize(authorization)
+    async def deregister(body: LeaseModel):
         held(registry.deregister, (body.role, body.member_id), body.incarnation)
         await notify()
         return {"epoch": registry.epoch}
@@ -188,9 +182,7 @@ def make_app(token: str = "") -> FastAPI:
     @app.get("/members")
     async def members(
         role: Annotated[str | None, Query(pattern=m.ROLE_RE.pattern)] = None,
-        authorization: AuthHeader = None,
     ):
-        authorize(authorization)
         return {
             "epoch": registry.epoch,
             "seq": registry.seq,
@@ -202,11 +194,9 @@ def make_app(token: str = "") -> FastAPI:
         since: Annotated[int, Query(ge=0)],
         epoch: Annotated[str, Query(max_length=64)] = "",
         timeout: Annotated[float, Query(ge=0, le=MAX_POLL_S)] = 0.0,
-        authorization: AuthHeader = None,
     ):
         """Events after `since`; waits up to `timeout` s for one. A watcher of another epoch
         (restarted monitor) or too far behind gets `resync: true` and a full member list."""
-        authorize(authorization)
         if epoch == registry.epoch:
             async with changed:
                 with contextlib.suppress(asyncio.TimeoutError):
@@ -254,6 +244,10 @@ class MonitorServer:
     @property
     def epoch(self) -> str:
         return self.app.state.registry.epoch
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def start(self, timeout: float = START_TIMEOUT_S) -> str:
         self._thread.start()
@@ -304,8 +298,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     # The first stdout line is the URL alone: launchers and tests read it.
     print(url, flush=True)
-    while not stop.wait(1.0):
-        if not server._thread.is_alive():
+    while not stop.wait(LIVENESS_CHECK_S):
+        if not server.alive:
+            print("moecomm monitor: the HTTP server stopped", file=sys.stderr)
             return 1
     server.stop()
     return 0
