@@ -119,7 +119,7 @@ def test_watch_deadlines(backend):
     watcher = backend.watch(role="server")
     start = time.monotonic()
     assert watcher.next(timeout=0.3) is None
-    assert 0.3 <= time.monotonic() - start < 0.3 + QUIET_S
+    assert 0.3 - 0.01 <= time.monotonic() - start < 0.3 + QUIET_S  # 10 ms: clock granularity
     with pytest.raises(TimeoutError, match="no matching membership event"):
         watcher.wait_for(lambda ev: False, timeout=0.2)
     with pytest.raises(ValueError, match="deadline"):
