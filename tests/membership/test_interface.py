@@ -187,3 +187,66 @@ def test_backend_restart_members_reregister(request, name, fresh):
         assert alive.reregistrations >= 1
     else:
         assert alive.reregistrations == 0  # etcd kept the lease across the restart
+
+
+def test_member_paused_past_its_ttl_comes_back_as_a_join(backend):
+    watcher = backend.watch()
+    reg = backend.register(backend.member("server", 9))
+    watcher.wait_for(is_event("join", reg.member.member_id), EVENT_WAIT_S)
+    # Hold the registration's lock: its heartbeat thread blocks, as in a long GC or SIGSTOP.
+    with reg._lock:
+        loss = watcher.wait_for(is_event("loss", reg.member.member_id), reg.ttl + EVENT_WAIT_S)
+    assert loss.reason == "expired"
+    # The next heartbeat finds the member forgotten and registers it again.
+    join = watcher.wait_for(is_event("join", reg.member.member_id), reg.interval + EVENT_WAIT_S)
+    assert (join.reason, join.incarnation) == ("registered", reg.incarnation)
+    with (
+        reg._lock
+    ):  # the heartbeat thread counts the re-registration after its put, under this lock
+        assert reg.reregistrations == 1
+    assert backend.mine(backend.ms.list_members()) == [reg.member]
+
+
+# Members registered at once from as many threads: every join and every loss is reported once.
+CONCURRENT_MEMBERS = 16
+
+
+def test_concurrent_registrations_are_each_reported_once(backend):
+    watcher = backend.watch(role="client")
+    members = [backend.member("client", 100 + i) for i in range(CONCURRENT_MEMBERS)]
+    regs = [None] * len(members)
+
+    def register(i):
+        regs[i] = backend.register(members[i], TTL_S)  # tracked: closed even if the test fails
+
+    threads = [threading.Thread(target=register, args=(i,)) for i in range(len(members))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(EVENT_WAIT_S)
+    assert all(r is not None for r in regs)
+
+    def collect(kind):
+        got = []
+        deadline = time.monotonic() + EVENT_WAIT_S
+        while len(got) < len(members) and time.monotonic() < deadline:
+            ev = watcher.next(timeout=max(0.0, deadline - time.monotonic()))
+            if ev is not None and ev.member.member_id.endswith(backend.uid):
+                assert ev.kind == kind, ev
+                got.append(ev.member)
+        return by_key(got)
+
+    assert collect("join") == by_key(members)
+    assert backend.mine(backend.ms.list_members("client")) == by_key(members)
+    closers = [threading.Thread(target=r.close) for r in regs]
+    for t in closers:
+        t.start()
+    for t in closers:
+        t.join(EVENT_WAIT_S)
+    assert collect("loss") == by_key(members)
+    assert watcher.next(timeout=QUIET_S) is None
+    assert backend.mine(backend.ms.list_members()) == []
+
+
+def by_key(members):
+    return sorted(members, key=lambda mem: mem.key)
