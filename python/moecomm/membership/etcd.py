@@ -35,6 +35,8 @@ GRPC_NOT_FOUND = 5
 # Pause between attempts while etcd is unreachable (see embedded.RETRY_S).
 RETRY_S = 0.2
 EPOCH_BYTES = 8
+# How much of a non-JSON or error answer goes into an exception message.
+ERROR_EXCERPT_CHARS = 200
 # Failures a watcher retries through a fresh snapshot; anything else is a bug and surfaces.
 RETRIED = (
     ConnectionError,
@@ -114,9 +116,15 @@ class EtcdMembership(Membership):
             try:
                 data = r.json()
             except ValueError:
-                raise EtcdError(-1, f"non-JSON answer ({r.status_code}): {r.text[:200]}") from None
+                raise EtcdError(
+                    -1, f"non-JSON answer ({r.status_code}): {r.text[:ERROR_EXCERPT_CHARS]}"
+                ) from None
             if r.status_code != 200 or "error" in data:
-                raise EtcdError(data.get("code", -1), data.get("message", r.text[:200]), url + ": ")
+                raise EtcdError(
+                    data.get("code", -1),
+                    data.get("message", r.text[:ERROR_EXCERPT_CHARS]),
+                    url + ": ",
+                )
             return data
         raise ConnectionError("etcd unreachable: " + "; ".join(errors))
 
