@@ -11,7 +11,7 @@ BUILD_INPUTS := $(shell find csrc bindings -type f 2>/dev/null) CMakeLists.txt p
 PY_SOURCES := python serving tests bench
 CXX_SOURCES = $(shell find csrc bindings -name '*.h' -o -name '*.cc' -o -name '*.cu' -o -name '*.cuh')
 
-.PHONY: demo test lint format pytest build venv bench clean
+.PHONY: demo test lint format pytest build venv bench clean etcd
 
 venv: $(PKG_STAMP)
 
@@ -47,7 +47,12 @@ format: $(DEPS_STAMP)
 	$(VENV)/bin/ruff format $(PY_SOURCES)
 	$(VENV)/bin/clang-format -i $(CXX_SOURCES)
 
-pytest: $(PKG_STAMP)
+# The etcd membership backend is tested against a real etcd: Debian's etcd-server, when missing.
+etcd:
+	@command -v etcd >/dev/null || { apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q etcd-server; }
+
+pytest: $(PKG_STAMP) etcd
 	$(PY) -m pytest -q
 
 test: lint pytest

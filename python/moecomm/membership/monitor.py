@@ -1,0 +1,310 @@
+"""The embedded monitor: an HTTP service that tracks heartbeats and pushes join/loss events.
+
+Run it as a process (`python -m moecomm.membership.monitor --port 7000`, later `moecomm
+monitor`) or in a thread (`MonitorServer(...).start()`). All state lives in one asyncio event
+loop, so handlers need no locks; watchers long-poll GET /events and are answered the moment an
+event happens. Nothing is persisted: a restarted monitor starts empty under a new epoch, and
+members come back by themselves (their next heartbeat is refused, so they register again).
+Binds 127.0.0.1 unless told otherwise; an optional shared token guards every route but /health.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import ipaddress
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Annotated
+
+import uvicorn
+from fastapi import FastAPI, HTTPException, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+
+from moecomm.membership import member as m
+from moecomm.membership.member import Member, Record
+from moecomm.membership.registry import Full, Registry, Superseded, UnknownMember
+
+log = logging.getLogger("moecomm.membership.monitor")
+
+DEFAULT_HOST = "127.0.0.1"
+# A register request with every field at its bound is ~1.5 MB of JSON; nothing legitimate is
+# larger, and the body is refused before it is read.
+MAX_BODY_BYTES = 2 << 20
+# Longest long-poll a watcher may ask for: bounds how long a handler holds a connection.
+MAX_POLL_S = 30.0
+# Expiry sweep period: the slack added to a TTL before a silent member is reported lost.
+EXPIRY_SWEEP_S = 0.05
+# Long-polls still open at shutdown are cut after this, so a stop never waits a full poll.
+SHUTDOWN_GRACE_S = 0.5
+START_TIMEOUT_S = 30.0
+# How often the monitor process checks that its server thread still runs.
+LIVENESS_CHECK_S = 1.0
+TOKEN_ENV = "MOECOMM_MONITOR_TOKEN"
+
+RoleStr = Annotated[str, Field(pattern=m.ROLE_RE.pattern)]
+MemberIdStr = Annotated[str, Field(pattern=m.MEMBER_ID_RE.pattern)]
+IncarnationStr = Annotated[str, Field(min_length=1, max_length=m.MAX_INCARNATION)]
+
+
+class MemberModel(BaseModel):
+    role: RoleStr
+    member_id: MemberIdStr
+    endpoints: dict[
+        Annotated[str, Field(max_length=m.MAX_ENDPOINT_NAME)],
+        Annotated[str, Field(max_length=m.MAX_ENDPOINT_URL)],
+    ] = Field(default_factory=dict, max_length=m.MAX_ENDPOINTS)
+    experts: dict[int, Annotated[list[int], Field(max_length=m.MAX_HOSTED_EXPERTS)]] = Field(
+        default_factory=dict, max_length=m.MAX_LAYERS
+    )
+    metadata: dict[
+        Annotated[str, Field(max_length=m.MAX_METADATA_KEY)],
+        Annotated[str, Field(max_length=m.MAX_METADATA_VALUE)],
+    ] = Field(default_factory=dict, max_length=m.MAX_METADATA_ITEMS)
+
+
+class RegisterModel(BaseModel):
+    member: MemberModel
+    ttl: float = Field(ge=m.MIN_TTL_S, le=m.MAX_TTL_S)
+    incarnation: IncarnationStr
+
+
+class LeaseModel(BaseModel):
+    role: RoleStr
+    member_id: MemberIdStr
+    incarnation: IncarnationStr
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def make_app(token: str = "") -> FastAPI:
+    """The monitor's HTTP API (see docs/membership.md). `token`, when set, must come as
+    `Authorization: Bearer <token>` on every route but /health."""
+    registry = Registry()
+    changed: asyncio.Condition | None = None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        nonlocal changed
+        changed = asyncio.Condition()
+        sweeper = asyncio.create_task(sweep())
+        yield
+        sweeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sweeper
+
+    async def notify() -> None:
+        async with changed:
+            changed.notify_all()
+
+    async def sweep() -> None:
+        while True:
+            await asyncio.sleep(EXPIRY_SWEEP_S)
+            if registry.expire(time.monotonic()):
+                await notify()
+
+    app = FastAPI(title="moecomm monitor", lifespan=lifespan)
+    app.state.registry = registry
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        # Before anything is parsed: an unauthenticated caller learns nothing about the API.
+        if token and request.url.path != "/health":
+            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+            if not hmac.compare_digest(given.encode(), token.encode()):
+                return JSONResponse({"detail": "bad or missing monitor token"}, 401)
+        if request.method == "POST":
+            length = request.headers.get("content-length")
+            if length is None or not length.isdigit():
+                return JSONResponse({"detail": "a Content-Length header is required"}, 411)
+            if int(length) > MAX_BODY_BYTES:
+                return JSONResponse(
+                    {"detail": f"body of {length} bytes exceeds {MAX_BODY_BYTES}"}, 413
+                )
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request: Request, exc: RequestValidationError):
+        # One line per problem, naming the field: readable in a client's exception message.
+        problems = [
+            f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg', 'invalid')}"
+            for e in exc.errors()
+        ]
+        return JSONResponse({"detail": "invalid request: " + "; ".join(problems)}, 422)
+
+    def held(call, *args):
+        try:
+            return call(*args)
+        except UnknownMember as exc:
+            raise HTTPException(status_code=404, detail=str(exc.args[0])) from None
+        except Superseded as exc:
+            raise HTTPException(status_code=409, detail=str(exc)) from None
+
+    @app.post("/register")
+    async def register(body: RegisterModel):
+        try:
+            member = Member(**body.member.model_dump())
+        except ValueError as exc:
+            raise HTTPException(status_code=422, detail=f"invalid member: {exc}") from None
+        try:
+            kind = registry.register(Record(member, body.ttl, body.incarnation), time.monotonic())
+        except Full as exc:
+            raise HTTPException(status_code=507, detail=str(exc)) from None
+        if kind:
+            await notify()
+        return {"epoch": registry.epoch, "ttl": body.ttl, "event": kind}
+
+    @app.post("/heartbeat")
+    async def heartbeat(body: LeaseModel):
+        key = (body.role, body.member_id)
+        ttl = held(registry.heartbeat, key, body.incarnation, time.monotonic())
+        return {"epoch": registry.epoch, "ttl": ttl}
+
+    @app.post("/deregister")
+    async def deregister(body: LeaseModel):
+        held(registry.deregister, (body.role, body.member_id), body.incarnation)
+        await notify()
+        return {"epoch": registry.epoch}
+
+    @app.get("/members")
+    async def members(
+        role: Annotated[str | None, Query(pattern=m.ROLE_RE.pattern)] = None,
+    ):
+        return {
+            "epoch": registry.epoch,
+            "seq": registry.seq,
+            "members": registry.records(role, time.monotonic()),
+        }
+
+    @app.get("/events")
+    async def events(
+        since: Annotated[int, Query(ge=0)],
+        epoch: Annotated[str, Query(max_length=64)] = "",
+        timeout: Annotated[float, Query(ge=0, le=MAX_POLL_S)] = 0.0,
+    ):
+        """Events after `since`; waits up to `timeout` s for one. A watcher of another epoch
+        (restarted monitor) or too far behind gets `resync: true` and a full member list."""
+        if epoch == registry.epoch:
+            async with changed:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(changed.wait_for(lambda: registry.seq != since), timeout)
+            evs = registry.events_since(since)
+        else:
+            evs = None
+        if evs is None:
+            return {
+                "epoch": registry.epoch,
+                "seq": registry.seq,
+                "resync": True,
+                "members": registry.records(None, time.monotonic()),
+            }
+        return {"epoch": registry.epoch, "seq": registry.seq, "events": evs}
+
+    @app.get("/health")
+    async def health():
+        return {"ok": True, "epoch": registry.epoch, "members": len(registry), "seq": registry.seq}
+
+    return app
+
+
+class MonitorServer:
+    """The monitor served by uvicorn from a background thread."""
+
+    def __init__(self, host: str = DEFAULT_HOST, port: int = 0, token: str = ""):
+        if not _is_loopback(host) and not token:
+            log.warning("monitor on %s without a token: anyone who can reach it can register", host)
+        self.app = make_app(token)
+        config = uvicorn.Config(
+            self.app,
+            host=host,
+            port=port,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+        )
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self._server.run, name="moecomm-monitor", daemon=True
+        )
+        self.url = ""
+
+    @property
+    def epoch(self) -> str:
+        return self.app.state.registry.epoch
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def start(self, timeout: float = START_TIMEOUT_S) -> str:
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("the membership monitor did not start (port in use?)")
+            time.sleep(0.01)
+        host, port = self._server.servers[0].sockets[0].getsockname()[:2]
+        self.url = f"http://{host}:{port}"
+        return self.url
+
+    def stop(self, timeout: float = START_TIMEOUT_S) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout)
+
+    def __enter__(self) -> MonitorServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="moecomm monitor", description="membership monitor: heartbeats, joins and losses"
+    )
+    parser.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default loopback)")
+    parser.add_argument("--port", type=int, default=0, help="port (0: any free one)")
+    parser.add_argument(
+        "--token-file", help=f"file holding the shared token (or set ${TOKEN_ENV}; not argv)"
+    )
+    args = parser.parse_args(argv)
+    token = os.environ.get(TOKEN_ENV, "")
+    if args.token_file:
+        with open(args.token_file) as f:
+            token = f.read().strip()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    server = MonitorServer(args.host, args.port, token)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        url = server.start()
+    except RuntimeError as exc:
+        print(f"moecomm monitor: {exc}", file=sys.stderr)
+        return 1
+    # The first stdout line is the URL alone: launchers and tests read it.
+    print(url, flush=True)
+    while not stop.wait(LIVENESS_CHECK_S):
+        if not server.alive:
+            print("moecomm monitor: the HTTP server stopped", file=sys.stderr)
+            return 1
+    server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""The embedded monitor's state: members with deadlines, and a bounded, numbered event log.
+
+Pure and single-threaded (the monitor calls it from its event loop only), so it is tested and
+reasoned about without HTTP. Times are `time.monotonic()` seconds passed in by the caller."""
+
+from __future__ import annotations
+
+import secrets
+from collections import deque
+from dataclasses import dataclass
+from itertools import islice
+
+from moecomm.membership.member import Record
+
+# Events kept for watchers that reconnect; one further behind gets a full snapshot instead.
+MAX_EVENT_LOG = 10_000
+# Members one monitor tracks: far above a deployment's servers + clients, and a cap on memory.
+MAX_MEMBERS = 4096
+# A monitor's epoch: random per start, so a watcher can tell a restarted (empty) monitor.
+EPOCH_BYTES = 8
+
+
+class UnknownMember(KeyError):
+    """Heartbeat or deregister for a member this monitor does not hold (expired, restarted)."""
+
+
+class Superseded(Exception):
+    """The member is held by another incarnation."""
+
+
+class Full(Exception):
+    """MAX_MEMBERS reached."""
+
+
+@dataclass
+class Entry:
+    record: Record
+    deadline: float
+
+
+class Registry:
+    def __init__(self) -> None:
+        self.epoch = secrets.token_hex(EPOCH_BYTES)
+        self.seq = 0  # number of the last event; events are numbered from 1
+        self._members: dict[tuple[str, str], Entry] = {}
+        self._log: deque[dict] = deque(maxlen=MAX_EVENT_LOG)
+
+    def _event(self, kind: str, rec: Record, reason: str) -> None:
+        self.seq += 1
+        self._log.append({"seq": self.seq, "kind": kind, "reason": reason, **rec.to_dict()})
+
+    def register(self, rec: Record, now: float) -> str:
+        """Adds or refreshes `rec`; returns the event kind it caused ("" for none)."""
+        key = rec.member.key
+        old = self._members.get(key)
+        if old is None and len(self._members) >= MAX_MEMBERS:
+            raise Full(f"the monitor holds its maximum of {MAX_MEMBERS} members")
+        self._members[key] = Entry(rec, now + rec.ttl)
+        if old is None:
+            self._event("join", rec, "registered")
+            return "join"
+        if old.record.incarnation != rec.incarnation:
+            self._event("loss", old.record, "replaced")
+            self._event("join", rec, "registered")
+            return "join"
+        if old.record.member != rec.member:
+            self._event("update", rec, "updated")
+            return "update"
+        return ""
+
+    def _held(self, key: tuple[str, str], incarnation: str) -> Entry:
+        entry = self._members.get(key)
+        if entry is None:
+            raise UnknownMember(f"{key[0]}/{key[1]} is not registered here (expired or restarted)")
+        if entry.record.incarnation != incarnation:
+            raise Superseded(f"{key[0]}/{key[1]} is held by another incarnation")
+        return entry
+
+    def heartbeat(self, key: tuple[str, str], incarnation: str, now: float) -> float:
+        entry = self._held(key, incarnation)
+        entry.deadline = now + entry.record.ttl
+        return entry.record.ttl
+
+    def deregister(self, key: tuple[str, str], incarnation: str) -> None:
+        entry = self._held(key, incarnation)
+        del self._members[key]
+        self._event("loss", entry.record, "deregistered")
+
+    def expire(self, now: float) -> int:
+        """Drops members whose deadline passed; returns how many."""
+        dead = [k for k, e in self._members.items() if e.deadline <= now]
+        for key in sorted(dead):
+            self._event("loss", self._members.pop(key).record, "expired")
+        return len(dead)
+
+    def next_deadline(self) -> float | None:
+        return min((e.deadline for e in self._members.values()), default=None)
+
+    def records(self, role: str | None, now: float) -> list[dict]:
+        out = []
+        for key in sorted(self._members):
+            e = self._members[key]
+            if role is None or key[0] == role:
+                out.append({**e.record.to_dict(), "expires_in": max(0.0, e.deadline - now)})
+        return out
+
+    def events_since(self, since: int) -> list[dict] | None:
+        """Events numbered after `since`, or None when the log no longer holds them all (or
+        `since` is from the future, i.e. another epoch): the caller needs a snapshot."""
+        if since > self.seq:
+            return None
+        if since == self.seq:
+            return []
+        oldest = self._log[0]["seq"] if self._log else self.seq + 1
+        if since + 1 < oldest:
+            return None
+        return list(islice(self._log, since + 1 - oldest, None))
+
+    def __len__(self) -> int:
+        return len(self._members)
