@@ -9,7 +9,9 @@ double-batch overlap: the attention of batch B runs while batch A is with the ex
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,6 +31,8 @@ REPLICA_POLICIES = ("round_robin", "least_outstanding")
 MAX_ATTEMPTS = 3
 # How long a server that failed a request stays out of the expert map.
 DEFAULT_EVICT_S = 30.0
+# A combine that follows a membership re-checks for loss events this often while it waits.
+WAIT_SLICE_S = 0.05
 # Local expert indices at and above this are placeholders for experts with no live replica.
 _NO_LOCAL = 1 << 30
 
@@ -106,6 +110,10 @@ class AttentionClient:
         self.missing: dict[int, list[int]] = {}  # layer -> experts with no live replica
         self.evicted: dict[int, float] = {}  # server -> monotonic time it may come back
         self.failovers = 0
+        # Membership events, appended by the watcher's thread and applied by ours.
+        self._events: deque = deque()
+        self._registration = None
+        self._watcher = None
         self._busy = [False] * num_slots
         self._next_slot = 0
         self._rr = 0
@@ -124,7 +132,7 @@ class AttentionClient:
         if self.missing:
             raise MoecommError(f"experts without any server: {self.missing}")
 
-    def _attach(self, url: str) -> None:
+    def _attach(self, url: str, index: int | None = None) -> None:
         ch = ClientChannel(
             self.transport, self.layout, self.client_id, self.num_slots, name=f"server {url}"
         )
@@ -142,8 +150,13 @@ class AttentionClient:
         except Exception:
             ch.close()
             raise
-        self.channels.append(ch)
-        self.hosted.append({int(k): v for k, v in info["hosted"].items()})
+        hosted = {int(k): v for k, v in info["hosted"].items()}
+        if index is None:
+            self.channels.append(ch)
+            self.hosted.append(hosted)
+        else:  # a server that left and came back under the same URL
+            self.channels[index] = ch
+            self.hosted[index] = hosted
 
     def add_server(self, url: str) -> int:
         """Elastic join: connects to a new server and routes to it from the next dispatch on.
@@ -151,6 +164,8 @@ class AttentionClient:
         if url in self.urls:
             i = self.urls.index(url)
             self.evicted.pop(i, None)
+            if self.channels[i] is None:
+                self._attach(url, i)
             self._rebuild_maps()
             return i
         self.urls.append(url)
@@ -163,6 +178,30 @@ class AttentionClient:
             raise
         self._rebuild_maps()
         return len(self.urls) - 1
+
+    def follow(self, membership, ttl: float) -> None:
+        """Registers this client (role "client") with a lease of `ttl` and follows the
+        servers: a join is connected to at the next dispatch, a loss or a drain takes the
+        server out at once — also under a combine already waiting on it."""
+        from moecomm.membership import Member
+
+        self._registration = membership.register(Member("client", str(self.client_id)), ttl)
+        self._watcher = membership.watch(role="server", callback=self._events.append)
+
+    def _apply_events(self) -> None:
+        while self._events:
+            ev = self._events.popleft()
+            url = ev.member.endpoints.get("control")
+            if url is None:
+                continue
+            leaving = ev.kind == "loss" or ev.member.metadata.get("draining") == "1"
+            if leaving:
+                if url in self.urls and self.channels[self.urls.index(url)] is not None:
+                    self.remove_server(url)
+            elif url not in self.urls or self.channels[self.urls.index(url)] is None:
+                # Not reachable yet: its next event or a later join retries.
+                with contextlib.suppress(ConnectionError, MoecommError):
+                    self.add_server(url)
 
     def remove_server(self, url: str) -> None:
         """A server left (monitor event or drain): stop routing to it for good."""
@@ -265,6 +304,7 @@ class AttentionClient:
             raise ValueError(f"x must be [num_tokens, {self.layout.hidden}], got {list(x.shape)}")
         if x.shape[0] > self.layout.max_tokens:
             raise ValueError(f"{x.shape[0]} tokens exceed max_tokens {self.layout.max_tokens}")
+        self._apply_events()
         emap = self._check_routable(layer_id, topk_ids)
         slot = self._take_slot()
         try:
@@ -278,12 +318,29 @@ class AttentionClient:
 
     def _wait(self, handle: DispatchHandle, sent: Sent, timeout: float) -> torch.Tensor:
         try:
-            ch = self.channels[sent.server]
-            if ch is None:
-                raise PeerLostError(f"server {self.urls[sent.server]} was removed")
-            return ch.wait(handle.slot, sent.seq, timeout).activations
+            if self._watcher is None:
+                return self._channel(sent.server).wait(handle.slot, sent.seq, timeout).activations
+            # Following a membership: wait in slices so a loss event interrupts the wait.
+            deadline = time.monotonic() + timeout
+            while True:
+                self._apply_events()
+                ch = self._channel(sent.server)
+                left = deadline - time.monotonic()
+                try:
+                    return ch.wait(
+                        handle.slot, sent.seq, max(0.0, min(left, WAIT_SLICE_S))
+                    ).activations
+                except TimeoutError:
+                    if time.monotonic() >= deadline:
+                        raise
         finally:
             self.outstanding[sent.server] -= int(sent.token_index.numel())
+
+    def _channel(self, server: int) -> ClientChannel:
+        ch = self.channels[server]
+        if ch is None:
+            raise PeerLostError(f"server {self.urls[server]} left (membership or removal)")
+        return ch
 
     def combine(self, handle: DispatchHandle, timeout: float | None = None) -> torch.Tensor:
         """Waits for every server of `handle` and sums their partial results in server order.
@@ -380,6 +437,12 @@ class AttentionClient:
         )
 
     def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.close()
+            self._watcher = None
+        if self._registration is not None:
+            self._registration.close(deregister=True)
+            self._registration = None
         for url, ch in zip(self.urls, self.channels, strict=False):
             if ch is not None:
                 http_disconnect(url, self.client_id, self.token)

@@ -16,6 +16,8 @@ from moecomm.runtime.experts import random_experts
 from moecomm.runtime.server import ExpertServer
 
 STOP = "stop"
+# Lease of a server registered with a membership: losses are heard about this late at most.
+DEFAULT_TTL_S = 2.0
 START_TIMEOUT_S = 120.0
 
 
@@ -49,6 +51,8 @@ def _serve(
     token: str,
     batching_window_s: float,
     link_delay_s: float,
+    monitor_url: str | None,
+    ttl: float,
 ) -> None:
     torch.set_num_threads(1)
     all_experts = spec.experts()
@@ -58,7 +62,12 @@ def _serve(
     )
     http = HttpServer(make_app(server, token))
     server.start()
-    conn.send(http.start())
+    url = http.start()
+    if monitor_url:
+        from moecomm.membership import connect_membership
+
+        server.join_membership(connect_membership(monitor_url), url, ttl)
+    conn.send(url)
     with contextlib.suppress(EOFError):  # EOF: the parent died
         conn.recv()
     http.stop()
@@ -89,10 +98,22 @@ def spawn_expert_server(
     token: str = "",
     batching_window_s: float = 0.0,
     link_delay_s: float = 0.0,
+    monitor_url: str | None = None,
+    ttl: float = DEFAULT_TTL_S,
 ) -> ServerProcess:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    args = (child, spec, hosted, server_id, token, batching_window_s, link_delay_s)
+    args = (
+        child,
+        spec,
+        hosted,
+        server_id,
+        token,
+        batching_window_s,
+        link_delay_s,
+        monitor_url,
+        ttl,
+    )
     p = ctx.Process(target=_serve, args=args, daemon=True)
     p.start()
     child.close()

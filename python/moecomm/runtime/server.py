@@ -14,7 +14,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -78,6 +78,8 @@ class ExpertServer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.draining = False
+        self._registration = None  # membership registration (see join_membership)
+        self._watcher = None
 
     # ------------------------------------------------------------------ membership of clients
     def hosted(self) -> dict[int, list[int]]:
@@ -276,6 +278,10 @@ class ExpertServer:
             self._thread = None
 
     def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.close()
+        if self._registration is not None:
+            self._registration.close(deregister=True)
         self.stop()
         with self._lock:
             channels = list(self._channels.values())
@@ -287,8 +293,37 @@ class ExpertServer:
 
     def drain(self) -> None:
         """Graceful drain: accept no new client, answer every request from now on with
-        DRAINING (clients re-send it to a replica at once); the batch being computed finishes."""
+        DRAINING (clients re-send it to a replica at once); the batch being computed finishes.
+        Members of the membership see an update with metadata draining=1."""
         self.draining = True
+        if self._registration is not None:
+            m = self._registration.member
+            self._registration.update(replace(m, metadata={**m.metadata, "draining": "1"}))
+
+    def join_membership(self, membership, control_url: str, ttl: float) -> None:
+        """Registers this server (role "server", its control URL and hosted experts) with a
+        lease of `ttl`, and frees the slots of any client the membership reports lost."""
+        from moecomm.membership import Member
+
+        member = Member(
+            "server",
+            self.server_id,
+            {"control": control_url},
+            {layer: list(ids) for layer, ids in self.hosted().items()},
+        )
+        self._registration = membership.register(member, ttl)
+        self._watcher = membership.watch(
+            role="client", callback=self._on_client_event, initial=False
+        )
+
+    def _on_client_event(self, event) -> None:
+        if event.kind != "loss":
+            return
+        try:
+            client_id = int(event.member.member_id)
+        except ValueError:
+            return  # not one of ours: client ids are integers
+        self.disconnect(client_id)
 
     def health_check(self) -> dict:
         """A real forward pass through one hosted expert (not a port check)."""
