@@ -10,6 +10,7 @@ from moecomm_serving import expert_server
 DESCRIPTION = """moecomm: serve Mixture-of-Experts models with the experts in separate services.
 
 subcommands:
+  monitor         the embedded membership monitor (heartbeats, joins, losses)
   expert-server   host experts of a checkpoint behind the slot protocol and an HTTP control plane
   tiny            write the tiny random checkpoint used by the demo and the tests
 """
@@ -22,6 +23,15 @@ def _tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def _monitor(args: argparse.Namespace) -> int:
+    from moecomm.membership.monitor import main as monitor_main
+
+    argv = ["--host", args.host, "--port", str(args.port)]
+    if args.token_file:
+        argv += ["--token-file", args.token_file]
+    return monitor_main(argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="moecomm",
@@ -29,6 +39,18 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    mon = sub.add_parser(
+        "monitor",
+        help="the embedded membership monitor",
+        description="Track members by heartbeat; push join/loss events to watchers over HTTP. "
+        "Prints its URL on the first line.",
+    )
+    mon.add_argument("--host", default="127.0.0.1", help="address to bind (loopback)")
+    mon.add_argument("--port", type=int, default=0, help="port (0: any free one)")
+    mon.add_argument(
+        "--token-file", default=None, help="file with the shared token (or $MOECOMM_MONITOR_TOKEN)"
+    )
+    mon.set_defaults(func=_monitor)
     es = sub.add_parser(
         "expert-server",
         help="host experts of a checkpoint",

@@ -4,12 +4,16 @@ an HTTP control plane, until interrupted."""
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import threading
 import time
 
 import torch
+from moecomm.membership import connect_membership
+from moecomm.membership.monitor import TOKEN_ENV
 from moecomm.runtime.control import DEFAULT_HOST, HttpServer, make_app
+from moecomm.runtime.launch import DEFAULT_TTL_S
 from moecomm.runtime.server import ExpertServer
 
 from moecomm_serving.checkpoint import Checkpoint
@@ -63,6 +67,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0.0,
         help="wait this long for more requests before a step",
     )
+    p.add_argument(
+        "--monitor",
+        default=None,
+        help="membership to register with: http://host:port (moecomm monitor) or etcd://host:port;"
+        " clients then find this server and hear if it dies (token: $MOECOMM_MONITOR_TOKEN)",
+    )
+    p.add_argument(
+        "--ttl",
+        type=float,
+        default=DEFAULT_TTL_S,
+        help="membership lease in seconds (a lost server is noticed within it)",
+    )
 
 
 def run(args: argparse.Namespace, ready: threading.Event | None = None) -> int:
@@ -94,6 +110,10 @@ def run(args: argparse.Namespace, ready: threading.Event | None = None) -> int:
     url = http.start()
     if args.id is None:
         server.server_id = f"expert-server-{url.rsplit(':', 1)[1]}"
+    if args.monitor:
+        server.join_membership(
+            connect_membership(args.monitor, os.environ.get(TOKEN_ENV, "")), url, args.ttl
+        )
     print(
         f"expert server {server.server_id} listening on {url}: layers {layers}, "
         f"experts {experts[0]}..{experts[-1]} ({len(experts)})",

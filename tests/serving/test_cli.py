@@ -1,0 +1,91 @@
+"""The `moecomm` command as a user runs it: real subprocesses on 127.0.0.1."""
+
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from moecomm_serving.expert_server import parse_ids
+
+CLI = [sys.executable, "-m", "moecomm_serving.cli"]
+START_S = 120.0
+
+
+def test_help_explains_every_subcommand():
+    out = subprocess.run([*CLI, "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    for cmd in ("monitor", "expert-server", "tiny"):
+        assert cmd in out.stdout
+    es = subprocess.run(
+        [*CLI, "expert-server", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert "--checkpoint" in es.stdout and "--monitor" in es.stdout
+
+
+def test_parse_ids():
+    assert parse_ids("all", 4, "x") == [0, 1, 2, 3]
+    assert parse_ids("0-2,5", 8, "x") == [0, 1, 2, 5]
+    with pytest.raises(SystemExit, match="outside"):
+        parse_ids("3-9", 8, "--experts")
+    with pytest.raises(SystemExit, match="cannot parse"):
+        parse_ids("a-b", 8, "--experts")
+
+
+def read_line(proc, prefix, deadline):
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith(prefix):
+            return line.strip()
+    raise AssertionError(f"no line starting with {prefix!r}")
+
+
+@pytest.mark.timeout(300)
+def test_monitor_and_expert_server_from_the_command_line(tmp_path):
+    ckpt = tmp_path / "tiny"
+    subprocess.run([*CLI, "tiny", "--out", str(ckpt)], check=True, timeout=120, capture_output=True)
+    procs = []
+    try:
+        mon = subprocess.Popen([*CLI, "monitor"], stdout=subprocess.PIPE, text=True)
+        procs.append(mon)
+        deadline = time.monotonic() + START_S
+        monitor_url = read_line(mon, "http://", deadline)
+        es = subprocess.Popen(
+            [
+                *CLI,
+                "expert-server",
+                "--checkpoint",
+                str(ckpt),
+                "--layers",
+                "0-1",
+                "--experts",
+                "0-3",
+                "--monitor",
+                monitor_url,
+                "--ttl",
+                "1",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        procs.append(es)
+        line = read_line(es, "expert server", deadline)
+        url = line.split(" listening on ")[1].split(": layers")[0]
+        health = httpx.get(f"{url}/health", timeout=10).json()
+        assert health["ok"]
+        experts = httpx.get(f"{url}/experts", timeout=10).json()["layers"]
+        assert experts == {"0": [0, 1, 2, 3], "1": [0, 1, 2, 3]}
+        members = httpx.get(f"{monitor_url}/members", timeout=10).json()["members"]
+        assert [m["member"]["endpoints"]["control"] for m in members] == [url]
+        es.send_signal(subprocess.signal.SIGINT)
+        assert es.wait(30) == 0
+        # A clean exit deregisters at once (no waiting for the lease).
+        members = httpx.get(f"{monitor_url}/members", timeout=10).json()["members"]
+        assert members == []
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
