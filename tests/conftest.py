@@ -8,6 +8,7 @@ import signal
 import moecomm
 import pytest
 import torch
+from membership_procs import MONITOR_TOKEN, EtcdProcess, MonitorProcess, etcd_binary
 
 # Fuzz and round-trip counts: CI defaults, raised for long runs with MOECOMM_LONG=1.
 LONG = os.environ.get("MOECOMM_LONG") == "1"
@@ -54,3 +55,24 @@ def reaper():
         p.join(5.0)
     for pid in pids:
         moecomm.reap_stale_segments(pid)
+
+
+# One monitor process and one etcd process per session, for every test that needs a membership.
+@pytest.fixture(scope="session")
+def monitor_process():
+    mon = MonitorProcess(token=MONITOR_TOKEN)
+    mon.start()
+    yield mon
+    mon.stop()
+
+
+@pytest.fixture(scope="session")
+def etcd_process(tmp_path_factory):
+    try:
+        binary = etcd_binary()
+    except (RuntimeError, OSError) as exc:
+        pytest.fail(f"the etcd backend tests need etcd (make etcd): {exc}")
+    proc = EtcdProcess(binary, str(tmp_path_factory.mktemp("etcd")))
+    proc.start()
+    yield proc
+    proc.stop()

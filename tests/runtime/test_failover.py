@@ -1,5 +1,6 @@
 """Failover with real processes: kill -9 of an expert server under load loses no request and
-gives the outputs of the fault-free run. The trial count is MOECOMM_FAILOVER_TRIALS (CI: 3;
+gives the outputs of the fault-free run, with no membership, the embedded monitor and etcd. The
+trial count per backend is MOECOMM_FAILOVER_TRIALS (CI: 2;
 20 for a long run)."""
 
 import os
@@ -8,13 +9,16 @@ import signal
 import httpx
 import pytest
 import torch
+from membership_procs import MONITOR_TOKEN
+from moecomm.membership import connect_membership
 from moecomm.runtime import AttentionClient
 from moecomm.runtime.launch import ModelSpec, spawn_expert_server
 
 SPEC = ModelSpec(num_layers=2, num_experts=6, hidden=48, intermediate=24, seed=11)
+TTL = 1.0
 TRIALS = int(
     os.environ.get(
-        "MOECOMM_FAILOVER_TRIALS", "20" if os.environ.get("MOECOMM_LONG") == "1" else "3"
+        "MOECOMM_FAILOVER_TRIALS", "20" if os.environ.get("MOECOMM_LONG") == "1" else "2"
     )
 )
 STEPS = 6
@@ -42,7 +46,7 @@ def batches():
     return out
 
 
-def run(servers, cid, kill_at=None, victim=None):
+def run(servers, cid, kill_at=None, victim=None, membership=None):
     c = AttentionClient(
         [s.url for s in servers],
         cid,
@@ -54,6 +58,8 @@ def run(servers, cid, kill_at=None, victim=None):
         timeout=2.0,
     )
     c.connect()
+    if membership is not None:
+        c.follow(membership, TTL)
     ys = []
     try:
         for step, (x, ids, w, layer) in enumerate(batches()):
@@ -67,21 +73,40 @@ def run(servers, cid, kill_at=None, victim=None):
         c.close()
 
 
-@pytest.mark.timeout(600)
-def test_kill_9_of_a_server_under_load_loses_nothing():
+@pytest.fixture(params=["none", "embedded", "etcd"])
+def membership(request):
+    """Where losses are heard from besides deadlines and process liveness."""
+    if request.param == "none":
+        return None, "", ""
+    if request.param == "embedded":
+        mon = request.getfixturevalue("monitor_process")
+        return connect_membership(mon.url, MONITOR_TOKEN), mon.url, MONITOR_TOKEN
+    etcd = request.getfixturevalue("etcd_process")
+    url = f"etcd://{etcd.endpoint}/moecomm-failover-{os.getpid()}"
+    return connect_membership(url), url, ""
+
+
+@pytest.mark.timeout(900)
+def test_kill_9_of_a_server_under_load_loses_nothing(membership):
+    ms, url, token = membership
     for trial in range(TRIALS):
-        servers = [spawn_expert_server(SPEC, h, f"t{trial}s{i}") for i, h in enumerate(HOSTED)]
+        servers = [
+            spawn_expert_server(
+                SPEC, h, f"t{trial}s{i}", monitor_url=url or None, ttl=TTL, monitor_token=token
+            )
+            for i, h in enumerate(HOSTED)
+        ]
         try:
             clean, failovers = run(servers, 100 + trial)
             assert failovers == 0
             victim = servers[trial % 3]
-            faulty, failovers = run(servers, 200 + trial, kill_at=trial % STEPS, victim=victim)
-            assert failovers >= 1, "the kill was not noticed"
+            faulty, failovers = run(
+                servers, 200 + trial, kill_at=trial % STEPS, victim=victim, membership=ms
+            )
+            assert failovers >= 1 or ms is not None, "the kill was not noticed"
             assert len(faulty) == STEPS  # zero requests lost
             for step, (a, b) in enumerate(zip(clean, faulty, strict=True)):
-                torch.testing.assert_close(
-                    b, a, rtol=1e-6, atol=1e-7, msg=f"trial {trial} step {step}"
-                )
+                assert torch.equal(b, a), f"trial {trial} step {step}: {(b - a).abs().max()}"
         finally:
             for s in servers:
                 s.stop()

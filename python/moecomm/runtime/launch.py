@@ -52,6 +52,7 @@ def _serve(
     batching_window_s: float,
     link_delay_s: float,
     monitor_url: str | None,
+    monitor_token: str,
     ttl: float,
 ) -> None:
     torch.set_num_threads(1)
@@ -66,7 +67,7 @@ def _serve(
     if monitor_url:
         from moecomm.membership import connect_membership
 
-        server.join_membership(connect_membership(monitor_url), url, ttl)
+        server.join_membership(connect_membership(monitor_url, monitor_token), url, ttl)
     conn.send(url)
     with contextlib.suppress(EOFError):  # EOF: the parent died
         conn.recv()
@@ -100,6 +101,7 @@ def spawn_expert_server(
     link_delay_s: float = 0.0,
     monitor_url: str | None = None,
     ttl: float = DEFAULT_TTL_S,
+    monitor_token: str = "",
 ) -> ServerProcess:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -112,6 +114,7 @@ def spawn_expert_server(
         batching_window_s,
         link_delay_s,
         monitor_url,
+        monitor_token,
         ttl,
     )
     p = ctx.Process(target=_serve, args=args, daemon=True)
