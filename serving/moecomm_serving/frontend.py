@@ -274,16 +274,18 @@ class Frontend:
                     outcome = "error"
                     yield oa.sse(oa.ApiError(ev.status, ev.message).body())
                     return
-                if isinstance(ev, FinishEvent):
+                if isinstance(ev, FinishEvent):  # normally already seen on the last token
                     tracker.finish = ev.reason
                     delta, ids = tracker.flush(), []
                 else:
                     n_before = len(tracker.tokens)
                     delta = tracker.on_token(ev)
                     ids = tracker.tokens[n_before:]
-                if tracker.finish and isinstance(ev, TokenEvent):
-                    # a stop string ended it: finish in this chunk, the engine may stop
-                    req.cancel()
+                    if tracker.finish:  # a stop string ended it; the engine may stop
+                        req.cancel()
+                    elif ev.finish:  # the last token carries the finish reason
+                        tracker.finish = ev.finish
+                        delta += tracker.flush()
                 if ids or tracker.finish:
                     tids = ids if body.return_token_ids else None
                     choice = oa.completion_choice(

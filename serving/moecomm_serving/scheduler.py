@@ -42,6 +42,7 @@ DEFAULT_MAX_QUEUE = 1024
 class TokenEvent:
     token: int
     time: float  # time.monotonic() when the step that produced it returned
+    finish: str | None = None  # set on the last token (a FinishEvent with it follows)
 
 
 @dataclass(frozen=True)
@@ -296,7 +297,7 @@ class Engine:
             if req.cancelled:
                 req.done = True
                 continue
-            req.emit(TokenEvent(tok, now))
+            req.emit(TokenEvent(tok, now, req.generation.finish_reason))
             if req.generation.finished:
                 self._finish(req, FinishEvent(req.generation.finish_reason, now))
             else:
