@@ -240,15 +240,13 @@ class Engine:
                     self._finish(req, ErrorEvent("deadline exceeded while queued", 504, now))
                 else:
                     self._waiting.append(req)
-        keep = []
+        expired = [r for r in self._active if not r.cancelled and now > r.deadline]
         for req in self._active:
-            if req.cancelled:
-                req.done = True
-            elif now > req.deadline:
-                self._finish(req, ErrorEvent("deadline exceeded while generating", 504, now))
-            else:
-                keep.append(req)
-        self._active = keep
+            req.done = req.done or req.cancelled
+        # leave the batch before the error goes out, so whoever reads it sees a consistent engine
+        self._active = [r for r in self._active if not r.done and r not in expired]
+        for req in expired:
+            self._finish(req, ErrorEvent("deadline exceeded while generating", 504, now))
 
     def _admit(self) -> None:
         """FIFO admission under the token budget: a prompt that does not fit this step waits
@@ -271,7 +269,7 @@ class Engine:
                 self._active.append(req)
 
     def _step(self) -> None:
-        batch = self._active
+        batch = list(self._active)
         gens = [r.generation for r in batch]
         prefills = sum(1 for g in gens if not g.tokens)
         t0 = time.monotonic()
@@ -280,9 +278,10 @@ class Engine:
         except Exception as exc:
             now = time.monotonic()
             self.stats.step_failures += 1
-            for req in batch:
-                self._finish(req, ErrorEvent(f"forward step failed: {exc}", 500, now))
             self._active = []
+            for req in batch:
+                if not req.cancelled:
+                    self._finish(req, ErrorEvent(f"forward step failed: {exc}", 500, now))
             return
         now = time.monotonic()
         s = self.stats
@@ -292,17 +291,16 @@ class Engine:
         s.max_batch_size = max(s.max_batch_size, len(batch))
         s.batched_steps += len(batch) > 1
         s.mixed_steps += 0 < prefills < len(batch)
-        keep = []
+        for req in batch:
+            req.done = req.cancelled or req.generation.finished
+        # finished requests leave the batch before their events go out (consistent counters)
+        self._active = [r for r in batch if not r.done]
         for req, tok in zip(batch, tokens, strict=True):
             if req.cancelled:
-                req.done = True
                 continue
             req.emit(TokenEvent(tok, now, req.generation.finish_reason))
             if req.generation.finished:
                 self._finish(req, FinishEvent(req.generation.finish_reason, now))
-            else:
-                keep.append(req)
-        self._active = keep
 
     def _fail_all(self, message: str, status: int) -> None:
         now = time.monotonic()
