@@ -118,6 +118,14 @@ class Frontend:
         chat_template: oa.ChatTemplate = oa.default_chat_template,
     ):
         self.model, self.tok, self.model_name = model, tokenizer, model_name
+        # An AttentionClient's slots hold at most layout.max_tokens rows per dispatch, and one
+        # engine step dispatches all of its tokens at once.
+        cap = getattr(getattr(model.experts, "layout", None), "max_tokens", None)
+        if cap is not None and max_batch_tokens > cap:
+            raise ValueError(
+                f"max_batch_tokens {max_batch_tokens} exceeds the experts backend's "
+                f"max_tokens {cap} per dispatch"
+            )
         limit = model.config.max_position_embeddings
         self.max_model_len = limit if max_model_len is None else min(max_model_len, limit)
         self.request_timeout_s = request_timeout_s

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
+from frontend_helpers import MAX_BATCH_TOKENS, MODEL_NAME
 from moecomm_serving.frontend import make_frontend_app, start_frontend
 from moecomm_serving.generate import SamplingParams, generate
 from moecomm_serving.model import load_model
 from moecomm_serving.tiny import write_tiny
 from moecomm_serving.tokenizer import load_tokenizer
-
-MODEL_NAME = "tiny-mixtral"
-# Enough for every prompt of these tests in one prefill, small enough to test the limit.
-MAX_BATCH_TOKENS = 256
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -96,22 +91,3 @@ def solo(model):
         return cache[key]
 
     return run
-
-
-def sse_data(text: str) -> list[str]:
-    """The ``data:`` payloads of a server-sent event stream, in order."""
-    events = [e for e in text.split("\n\n") if e.strip()]
-    out = []
-    for e in events:
-        assert e.startswith("data: "), f"not an SSE data event: {e!r}"
-        out.append(e[len("data: ") :])
-    return out
-
-
-def sse_chunks(text: str) -> tuple[list[dict], bool]:
-    """(JSON chunks, whether the stream ended with [DONE])."""
-    data = sse_data(text)
-    done = bool(data) and data[-1] == "[DONE]"
-    body = data[:-1] if done else data
-    assert "[DONE]" not in body, "[DONE] must be the last event"
-    return [json.loads(d) for d in body], done

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from conftest import MODEL_NAME, sse_chunks
+from frontend_helpers import MODEL_NAME, sse_chunks
 from moecomm_serving.openai_api import ChatMessage, default_chat_template
 
 TIMEOUT_S = 60.0

@@ -4,10 +4,11 @@ prefill is packed with running decodes, and each result equals the request run a
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
-from conftest import MODEL_NAME
+from frontend_helpers import MODEL_NAME
 
 TIMEOUT_S = 60.0
 PROMPTS = ["Alpha", "A longer second prompt", "3", "Four experts, one server"]
@@ -60,9 +61,7 @@ def test_prefill_joins_running_decodes(serve, model, tok, solo):
                 async for line in r.aiter_lines():
                     if not line.startswith("data: {"):
                         continue
-                    a_tokens += httpx.Response(200, content=line[6:]).json()["choices"][0][
-                        "token_ids"
-                    ]
+                    a_tokens += json.loads(line[6:])["choices"][0]["token_ids"]
                     if b_task is None:  # A is running: send B now
                         b_task = asyncio.create_task(
                             _complete(client, served.url, PROMPTS[1], max_tokens=6)

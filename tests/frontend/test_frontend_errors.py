@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from conftest import MAX_BATCH_TOKENS, MODEL_NAME
+from frontend_helpers import MAX_BATCH_TOKENS, MODEL_NAME
 
 TIMEOUT_S = 60.0
 

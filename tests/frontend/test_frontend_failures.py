@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from conftest import MODEL_NAME, sse_chunks
+import torch
+from frontend_helpers import MODEL_NAME, sse_chunks
+from moecomm_serving.frontend import make_frontend_app
 from moecomm_serving.model import load_model
 
 TIMEOUT_S = 60.0
@@ -44,8 +46,6 @@ def flaky(tiny_dir, model):
 
 @pytest.fixture(scope="module")
 def flaky_served(serve, tiny_dir, flaky):
-    import torch
-
     return serve(load_model(tiny_dir, experts=flaky, dtype=torch.float32))
 
 
@@ -114,3 +114,17 @@ def test_metrics_count_failures_and_failovers(flaky_served, flaky):
         if line.startswith('moecomm_requests_total{outcome="error"}')
     )
     assert int(errors.split()[-1]) >= 1
+
+
+def test_step_budget_must_fit_the_backend_slots(tiny_dir, flaky, tok):
+    class Layout:
+        max_tokens = 32  # an AttentionClient's per-dispatch row limit
+
+    flaky.layout = Layout()
+    try:
+        m = load_model(tiny_dir, experts=flaky, dtype=torch.float32)
+        with pytest.raises(ValueError, match="exceeds the experts backend's max_tokens 32"):
+            make_frontend_app(m, tok, MODEL_NAME, max_batch_tokens=64)
+        make_frontend_app(m, tok, MODEL_NAME, max_batch_tokens=32)
+    finally:
+        del flaky.layout

@@ -4,7 +4,7 @@ failovers; and /health on a healthy server."""
 from __future__ import annotations
 
 import httpx
-from conftest import MODEL_NAME
+from frontend_helpers import MODEL_NAME
 from moecomm_serving.metrics import Histogram
 
 TIMEOUT_S = 60.0
