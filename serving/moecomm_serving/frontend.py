@@ -164,13 +164,6 @@ class Frontend:
                 f"{max(max_tokens, 1)} for the completion)",
                 "prompt",
             )
-        if len(ids) > self.engine.max_batch_tokens:
-            raise oa.ApiError(
-                400,
-                f"the prompt has {len(ids)} tokens, more than max_batch_tokens "
-                f"{self.engine.max_batch_tokens} (prefills are not chunked)",
-                "prompt",
-            )
         return max_tokens
 
     def completion_input(self, req: oa.CompletionRequest) -> tuple[list[int], int]:

@@ -1,11 +1,12 @@
 """Continuous batching: one engine thread runs every request in flight through the model.
 
 The engine repeatedly (1) drops cancelled and expired requests, (2) admits waiting requests in
-arrival order while the step's token budget and sequence limit allow, and (3) runs one
-:func:`~moecomm_serving.generate.step` over every active :class:`Generation`. A new request's
-first step is its whole prompt (prefill), packed into the same forward as the single decode
-token of every request already running; a finished request leaves after the step that produced
-its last token.
+arrival order while the step's token budget and sequence limit allow, and (3) runs one forward
+over the active :class:`Generation` s (what :func:`~moecomm_serving.generate.step` does, plus
+chunked prefill): a new request's prompt (prefill) is packed into the same forward as the
+single decode token of every request already running, split over several steps when it does
+not fit the token budget; a finished request leaves after the step that produced its last
+token.
 
 Requests talk to the engine through events handed to their ``emit`` callback *on the engine
 thread*: :class:`TokenEvent` per token, then exactly one :class:`FinishEvent` or
@@ -27,7 +28,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from moecomm_serving.generate import Generation, SamplingParams, step
+from moecomm_serving.generate import Generation, SamplingParams
 from moecomm_serving.model import MoETransformer
 
 # How long the idle engine sleeps on its condition before re-checking stop and deadlines.
@@ -77,6 +78,7 @@ class EngineRequest:
     request_id: int = 0
     cancelled: bool = False  # set by any thread (client gone, stop string seen)
     generation: Generation | None = None
+    prefilled: int = 0  # prompt tokens already in the cache (chunked prefill)
     done: bool = False
 
     def cancel(self) -> None:
@@ -92,6 +94,7 @@ class EngineStats:
     batched_steps: int = 0  # steps with more than one sequence
     mixed_steps: int = 0  # steps packing a prefill with another request's decode
     step_failures: int = 0
+    prefill_chunks: int = 0  # partial prompt chunks (prompts split across steps)
     tokens: int = 0
     finished: int = 0
     failed: int = 0
@@ -103,10 +106,11 @@ class Engine:
 
     Args:
         model: the whole model (embedding to LM head), with its experts backend.
-        max_batch_tokens: most tokens one forward may carry (prefills + one per decode). With an
-            AttentionClient this must not exceed its ``max_tokens``. A prompt longer than this is
-            refused at submit (prefills are not chunked).
-        max_num_seqs: most sequences in one step.
+        max_batch_tokens: most tokens one forward may carry (prompt chunks + one per decode).
+            With an AttentionClient this must not exceed its ``max_tokens``. A longer prompt is
+            prefilled in chunks over several steps.
+        max_num_seqs: most sequences running at once (capped at `max_batch_tokens`, so every
+            running request's decode token always fits a step).
         max_queue: most requests waiting for admission; beyond it :meth:`submit` raises.
         batch_wait_s: when the engine is idle and a request arrives, wait this long for others
             before the first step, so a burst shares its prefill forward (0: start at once).
@@ -129,7 +133,7 @@ class Engine:
             )
         self.model = model
         self.max_batch_tokens = max_batch_tokens
-        self.max_num_seqs = max_num_seqs
+        self.max_num_seqs = min(max_num_seqs, max_batch_tokens)
         self.max_queue = max_queue
         self.batch_wait_s = batch_wait_s
         self.eos_token_id = eos_token_id
@@ -171,11 +175,6 @@ class Engine:
     def submit(self, req: EngineRequest, priority: bool = False) -> EngineRequest:
         """Queues `req` (at the head with `priority`: the health probe must not wait behind
         a long queue to learn whether a forward works)."""
-        if len(req.prompt) > self.max_batch_tokens:
-            raise ValueError(
-                f"prompt has {len(req.prompt)} tokens, more than max_batch_tokens "
-                f"{self.max_batch_tokens} (prefills are not chunked)"
-            )
         with self._cond:
             if self._stop or not self._thread.is_alive():
                 raise EngineBusy("the engine is not running")
@@ -249,15 +248,13 @@ class Engine:
             self._finish(req, ErrorEvent("deadline exceeded while generating", 504, now))
 
     def _admit(self) -> None:
-        """FIFO admission under the token budget: a prompt that does not fit this step waits
-        (and blocks those behind it, so a long prompt is not starved by short ones)."""
-        budget = self.max_batch_tokens - len(self._active)  # one decode token each
+        """FIFO admission while this step still has token budget: every running request
+        needs one decode token or the rest of its prompt; a newcomer is admitted only if at
+        least one of its prompt tokens fits, so the head of the queue is never starved."""
+        budget = self.max_batch_tokens - sum(_need(r) for r in self._active)
         with self._cond:
-            while self._waiting and len(self._active) < self.max_num_seqs:
-                req = self._waiting[0]
-                if len(req.prompt) > budget:
-                    break
-                self._waiting.popleft()
+            while self._waiting and len(self._active) < self.max_num_seqs and budget > 0:
+                req = self._waiting.popleft()
                 try:
                     req.generation = Generation(
                         self.model, req.prompt, req.params, self.eos_token_id
@@ -268,34 +265,63 @@ class Engine:
                 budget -= len(req.prompt)
                 self._active.append(req)
 
+    def _plan(self) -> list[tuple[EngineRequest, list[int]]]:
+        """What each request feeds this step: decodes first (one token each, always fit since
+        ``max_num_seqs <= max_batch_tokens``), then prompt chunks in admission order. A
+        prefilling request that gets no budget sits this step out."""
+        budget = self.max_batch_tokens
+        plan = []
+        for req in self._active:
+            if req.generation.tokens:
+                plan.append((req, req.generation.tokens[-1:]))
+                budget -= 1
+        for req in self._active:
+            if not req.generation.tokens and budget > 0:
+                chunk = req.prompt[req.prefilled : req.prefilled + budget]
+                plan.append((req, chunk))
+                budget -= len(chunk)
+        return plan
+
     def _step(self) -> None:
-        batch = list(self._active)
-        gens = [r.generation for r in batch]
-        prefills = sum(1 for g in gens if not g.tokens)
+        plan = self._plan()
+        batch = [req for req, _ in plan]
         t0 = time.monotonic()
         try:
-            tokens = step(self.model, gens)
+            logits = self.model.forward([f for _, f in plan], [r.generation.cache for r in batch])
         except Exception as exc:
+            # The model rolled these caches back; the requests still fail (no silent retry).
+            # Requests that sat this step out are unaffected.
             now = time.monotonic()
             self.stats.step_failures += 1
-            self._active = []
+            self._active = [r for r in self._active if r not in batch]
             for req in batch:
                 if not req.cancelled:
                     self._finish(req, ErrorEvent(f"forward step failed: {exc}", 500, now))
             return
         now = time.monotonic()
+        out: list[tuple[EngineRequest, int]] = []
+        prefills = chunks = 0
+        for row, (req, feed) in enumerate(plan):
+            if not req.generation.tokens:
+                prefills += 1
+                chunks += len(feed) < len(req.prompt)
+                req.prefilled += len(feed)
+                if req.prefilled < len(req.prompt):
+                    continue  # a prompt chunk: no token until the whole prompt is in
+            out.append((req, req.generation.accept(logits[row])))
         s = self.stats
         s.steps += 1
         s.busy_s += now - t0
-        s.tokens += len(tokens)
+        s.tokens += len(out)
         s.max_batch_size = max(s.max_batch_size, len(batch))
         s.batched_steps += len(batch) > 1
         s.mixed_steps += 0 < prefills < len(batch)
+        s.prefill_chunks += chunks
         for req in batch:
             req.done = req.cancelled or req.generation.finished
         # finished requests leave the batch before their events go out (consistent counters)
-        self._active = [r for r in batch if not r.done]
-        for req, tok in zip(batch, tokens, strict=True):
+        self._active = [r for r in self._active if not r.done]
+        for req, tok in out:
             if req.cancelled:
                 continue
             req.emit(TokenEvent(tok, now, req.generation.finish_reason))
@@ -310,6 +336,11 @@ class Engine:
         for req in pending:
             if not req.done:
                 self._finish(req, ErrorEvent(message, status, now))
+
+
+def _need(req: EngineRequest) -> int:
+    """Tokens a running request still wants in the next step."""
+    return 1 if req.generation.tokens else len(req.prompt) - req.prefilled
 
 
 def run_to_completion(

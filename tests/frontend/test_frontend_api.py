@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from frontend_helpers import MODEL_NAME, sse_chunks
+from frontend_helpers import MAX_BATCH_TOKENS, MODEL_NAME, sse_chunks
 from moecomm_serving.openai_api import ChatMessage, default_chat_template
 
 TIMEOUT_S = 60.0
@@ -144,3 +144,14 @@ def test_models_lists_the_served_model(served, model):
     (card,) = r.json()["data"]
     assert card["id"] == MODEL_NAME
     assert card["max_model_len"] == model.config.max_position_embeddings
+
+
+def test_prompt_longer_than_a_step_is_chunked(served, tok, solo):
+    prompt = "x" * (MAX_BATCH_TOKENS + 40)  # more tokens than one step carries
+    chunks_before = served.stats.prefill_chunks
+    r = completion(served, prompt=prompt, max_tokens=4, ignore_eos=True)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == solo(
+        tok.encode(prompt), max_new_tokens=4, ignore_eos=True
+    )
+    assert served.stats.prefill_chunks >= chunks_before + 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from frontend_helpers import MAX_BATCH_TOKENS, MODEL_NAME
+from frontend_helpers import MODEL_NAME
 
 TIMEOUT_S = 60.0
 
@@ -52,11 +52,6 @@ def test_prompt_beyond_the_context_is_400(served, model):
     body = {"model": MODEL_NAME, "prompt": "a" * 10, "max_tokens": limit}
     msg = error_of(post(served, "/v1/completions", json=body), 400)
     assert f"maximum context length is {limit}" in msg
-
-
-def test_prompt_beyond_one_step_is_400(served):
-    body = {"model": MODEL_NAME, "prompt": "a" * (MAX_BATCH_TOKENS + 5), "max_tokens": 1}
-    assert "max_batch_tokens" in error_of(post(served, "/v1/completions", json=body), 400)
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,8 @@ TIMEOUT_S = 60.0
 # Per-dispatch rows of the client's slots; the engine's step budget must fit in it.
 CLIENT_MAX_TOKENS = 64
 HOSTED = ({i: range(0, 8) for i in range(4)}, {i: range(8, 16) for i in range(4)})
-PROMPTS = ("remote experts", "two servers, one client")
+# The second prompt is longer than a step (CLIENT_MAX_TOKENS): its prefill is chunked.
+PROMPTS = ("remote experts", "two servers, one client; " * 4)
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +70,7 @@ def test_remote_experts_serve_what_the_local_model_generates(remote_served, tok,
                 jobs.append(c.post(f"{served.url}/v1/completions", json=body, timeout=TIMEOUT_S))
             return await asyncio.gather(*jobs)
 
+    assert len(tok.encode(PROMPTS[1])) > CLIENT_MAX_TOKENS
     for p, r in zip(PROMPTS, asyncio.run(both()), strict=True):
         assert r.status_code == 200, r.text
         want = solo(tok.encode(p), max_new_tokens=6, ignore_eos=True)

@@ -30,11 +30,19 @@ def test_token_budget_limits_prefills_per_step(model, tok, solo):
     assert engine.stats.max_batch_size >= 2
 
 
-def test_prompt_longer_than_a_step_is_refused(model):
-    engine = Engine(model, max_batch_tokens=4)
-    req = EngineRequest([1] * 5, SamplingParams(), lambda ev: None, deadline=0.0)
-    with pytest.raises(ValueError, match="max_batch_tokens 4"):
-        engine.submit(req)
+def test_long_prompt_is_prefilled_in_chunks(model, tok, solo):
+    long_prompt = tok.encode("a prompt far longer than one step's token budget " * 2)
+    short = tok.encode("short")
+    budget = 16  # the long prompt needs several steps; the short one's decodes run meanwhile
+    engine = Engine(model, max_batch_tokens=budget).start()
+    try:
+        params = SamplingParams(5, ignore_eos=True)
+        got = run_to_completion(engine, [short, long_prompt], params, TIMEOUT_S)
+    finally:
+        engine.stop()
+    assert got == [solo(p, max_new_tokens=5, ignore_eos=True) for p in (short, long_prompt)]
+    assert engine.stats.prefill_chunks >= len(long_prompt) // budget
+    assert engine.stats.mixed_steps >= 1
 
 
 def test_full_queue_and_stopped_engine_refuse(model):
