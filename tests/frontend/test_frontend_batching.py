@@ -97,3 +97,35 @@ def test_client_that_leaves_is_cancelled(serve, model):
     assert served.frontend.engine.num_running == 0
     assert served.stats.tokens < 2000  # stopped long before max_tokens
     assert served.frontend.metrics.requests["cancelled"] == 1
+
+
+def test_pressure_mixed_requests_each_equal_solo(serve, model, tok, solo):
+    """Many overlapping requests, streamed and not, under a budget small enough that prompts
+    are chunked and requests join and leave at every step: each result is its solo result."""
+    served = serve(model, max_batch_tokens=24)
+    jobs = [(f"request {i} " + "pad " * (i * 3 % 17), 3 + i % 6, i % 2 == 1) for i in range(12)]
+
+    async def one(client, prompt, n, stream):
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": n, "temperature": 0.0}
+        body.update(ignore_eos=True, return_token_ids=True, stream=stream)
+        url = f"{served.url}/v1/completions"
+        if not stream:
+            r = await client.post(url, json=body, timeout=TIMEOUT_S)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"]
+        got = []
+        async with client.stream("POST", url, json=body, timeout=TIMEOUT_S) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    got += json.loads(line[6:])["choices"][0]["token_ids"]
+        return got
+
+    async def run_all():
+        async with httpx.AsyncClient() as client:
+            return await asyncio.gather(*(one(client, *j) for j in jobs))
+
+    results = asyncio.run(run_all())
+    for (prompt, n, _), got in zip(jobs, results, strict=True):
+        assert got == solo(tok.encode(prompt), max_new_tokens=n, ignore_eos=True), prompt
+    assert served.stats.prefill_chunks >= 1 and served.stats.mixed_steps >= 1
+    assert served.stats.step_failures == 0
