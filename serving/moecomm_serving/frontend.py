@@ -1,0 +1,414 @@
+"""The OpenAI-compatible HTTP front end over the continuous-batching engine.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming or not),
+``GET /v1/models``, ``GET /health`` (a real one-token forward through the engine, experts
+included) and ``GET /metrics`` (Prometheus text). See docs/frontend.md.
+
+Each request is checked on the event loop (bad JSON, unknown model, unsupported parameters,
+prompt too long -> 4xx before anything is queued), then handed to the :class:`Engine`, whose
+thread feeds the request's events back into an asyncio queue. A streaming response sends one
+SSE chunk per generated token; if the engine fails the request half-way, the stream ends with an
+``{"error": ...}`` event and no ``[DONE]`` (the request is not retried: the client has seen
+tokens, and a sampled continuation would differ).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Sequence
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from moecomm.runtime.control import HttpServer
+
+from moecomm_serving import openai_api as oa
+from moecomm_serving.generate import SamplingParams
+from moecomm_serving.metrics import ServingMetrics
+from moecomm_serving.model import MoETransformer
+from moecomm_serving.scheduler import (
+    DEFAULT_REQUEST_TIMEOUT_S,
+    Engine,
+    EngineBusy,
+    EngineRequest,
+    ErrorEvent,
+    FinishEvent,
+    TokenEvent,
+)
+
+# A handler wakes at least this often to notice a client that hung up (non-streaming requests).
+DISCONNECT_POLL_S = 1.0
+# Past the engine's own deadline, how long a handler still waits before giving up by itself
+# (the engine normally answers first with a 504 of its own).
+DEADLINE_GRACE_S = 5.0
+# The health probe is one greedy token; it must answer well within a load balancer's timeout.
+HEALTH_TIMEOUT_S = 30.0
+
+
+class _Tracker:
+    """One request's output seen from the front end: tokens, text sent so far, stop strings,
+    and the timings that feed the metrics."""
+
+    def __init__(self, tokenizer, stops: Sequence[str], arrival: float, metrics: ServingMetrics):
+        self.tok, self.stops, self.arrival, self.metrics = tokenizer, list(stops), arrival, metrics
+        self.tokens: list[int] = []
+        self.sent = ""  # text already handed to the client
+        self.finish: str | None = None
+        self.first_time: float | None = None
+        self.last_time: float | None = None
+
+    def on_token(self, ev: TokenEvent) -> str:
+        """Records a token; returns the text that became final with it (may be empty)."""
+        gap = None if self.last_time is None else ev.time - self.last_time
+        if self.first_time is None:
+            self.first_time = ev.time
+            self.metrics.on_first_token(ev.time - self.arrival)
+        self.last_time = ev.time
+        self.metrics.on_token(gap, ev.time)
+        self.tokens.append(ev.token)
+        full = self.tok.decode(self.tokens)
+        for s in self.stops:
+            # only a match that ends in new text counts; earlier text was already checked
+            at = full.find(s, max(0, len(self.sent) - len(s) + 1))
+            if at >= 0:
+                self.finish = "stop"
+                return self._delta(full[:at])
+        # Hold back a possibly unfinished UTF-8 character and any prefix of a stop string.
+        hold = len(full) - len(full.rstrip("\ufffd"))
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(full)), 0, -1):
+                if full.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+        return self._delta(full[: len(full) - hold])
+
+    def flush(self) -> str:
+        """At a normal finish: whatever was held back."""
+        return self._delta(self.tok.decode(self.tokens))
+
+    def _delta(self, text: str) -> str:
+        if len(text) <= len(self.sent):
+            return ""
+        out = text[len(self.sent) :]
+        self.sent = text
+        return out
+
+    def done(self, outcome: str, prompt_tokens: int) -> None:
+        end = self.last_time if self.last_time is not None else time.monotonic()
+        ttft = None if self.first_time is None else self.first_time - self.arrival
+        self.metrics.on_request_done(
+            outcome, prompt_tokens, ttft, end - self.arrival, len(self.tokens)
+        )
+
+
+class Frontend:
+    """State behind the routes; :func:`make_frontend_app` wires it into FastAPI."""
+
+    def __init__(
+        self,
+        model: MoETransformer,
+        tokenizer,
+        model_name: str,
+        max_batch_tokens: int,
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
+        request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+        batch_wait_s: float = 0.0,
+        chat_template: oa.ChatTemplate = oa.default_chat_template,
+    ):
+        self.model, self.tok, self.model_name = model, tokenizer, model_name
+        # An AttentionClient's slots hold at most layout.max_tokens rows per dispatch, and one
+        # engine step dispatches all of its tokens at once.
+        cap = getattr(getattr(model.experts, "layout", None), "max_tokens", None)
+        if cap is not None and max_batch_tokens > cap:
+            raise ValueError(
+                f"max_batch_tokens {max_batch_tokens} exceeds the experts backend's "
+                f"max_tokens {cap} per dispatch"
+            )
+        limit = model.config.max_position_embeddings
+        self.max_model_len = limit if max_model_len is None else min(max_model_len, limit)
+        self.request_timeout_s = request_timeout_s
+        self.chat_template = chat_template
+        self.engine = Engine(model, max_batch_tokens, max_num_seqs, batch_wait_s=batch_wait_s)
+        backend = model.experts
+        self.metrics = ServingMetrics(
+            queue_depth=lambda: self.engine.queue_depth,
+            running=lambda: self.engine.num_running,
+            # AttentionClient counts its re-sends to replicas; local experts never fail over
+            failovers=lambda: int(getattr(backend, "failovers", 0)),
+        )
+
+    # ------------------------------------------------------------------ checks
+    def _check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise oa.ApiError(
+                404, f"model {name!r} does not exist; this server serves {self.model_name!r}"
+            )
+
+    def _check_prompt(self, ids: list[int], max_tokens: int | None) -> int:
+        """Returns the completion budget; refuses prompts the model cannot take."""
+        vocab = self.model.config.vocab_size
+        if not ids:
+            raise oa.ApiError(400, "the prompt is empty", "prompt")
+        if any(not 0 <= t < vocab for t in ids):
+            raise oa.ApiError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+        room = self.max_model_len - len(ids)
+        if max_tokens is None:
+            max_tokens = room
+        if room < 1 or max_tokens > room:
+            raise oa.ApiError(
+                400,
+                f"this model's maximum context length is {self.max_model_len} tokens; the "
+                f"request asks for {len(ids) + max(max_tokens, 1)} ({len(ids)} in the prompt, "
+                f"{max(max_tokens, 1)} for the completion)",
+                "prompt",
+            )
+        return max_tokens
+
+    def completion_input(self, req: oa.CompletionRequest) -> tuple[list[int], int]:
+        self._check_model(req.model)
+        p = req.prompt
+        if isinstance(p, str):
+            ids = self.tok.encode(p)
+        elif p and isinstance(p[0], str):
+            ids = self.tok.encode(p[0])
+        else:
+            ids = [int(t) for t in p]
+        return ids, self._check_prompt(ids, req.max_tokens)
+
+    def chat_input(self, req: oa.ChatRequest) -> tuple[list[int], int]:
+        self._check_model(req.model)
+        ids = self.tok.encode(self.chat_template(req.messages))
+        return ids, self._check_prompt(ids, req.max_completion_tokens or req.max_tokens)
+
+    # ------------------------------------------------------------------ running a request
+    def submit(self, ids: list[int], params: SamplingParams, priority: bool = False, timeout=None):
+        """Queues a request; returns it with the asyncio queue its events arrive on."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def emit(ev) -> None:
+            # called on the engine thread; a closed loop (shutdown) just drops the event
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(events.put_nowait, ev)
+
+        deadline = time.monotonic() + (self.request_timeout_s if timeout is None else timeout)
+        req = EngineRequest(ids, params, emit, deadline)
+        try:
+            self.engine.submit(req, priority=priority)
+        except EngineBusy as exc:
+            raise oa.ApiError(503, str(exc)) from None
+        except ValueError as exc:
+            raise oa.ApiError(400, str(exc)) from None
+        return req, events
+
+    async def events(self, req: EngineRequest, queue: asyncio.Queue, http: Request | None):
+        """The request's events until its finish or error; cancels it if the client leaves."""
+        give_up = req.deadline + DEADLINE_GRACE_S
+        while True:
+            left = give_up - time.monotonic()
+            if left <= 0:
+                req.cancel()
+                yield ErrorEvent("deadline exceeded (no answer from the engine)", 504, 0.0)
+                return
+            try:
+                ev = await asyncio.wait_for(queue.get(), min(left, DISCONNECT_POLL_S))
+            except asyncio.TimeoutError:
+                if http is not None and await http.is_disconnected():
+                    req.cancel()
+                    return
+                continue
+            yield ev
+            if not isinstance(ev, TokenEvent):
+                return
+
+    async def complete(self, http: Request, chat: bool) -> JSONResponse | StreamingResponse:
+        arrival = time.monotonic()
+        schema = oa.ChatRequest if chat else oa.CompletionRequest
+        body = oa.parse_request(await http.body(), schema)
+        ids, max_tokens = self.chat_input(body) if chat else self.completion_input(body)
+        stops = body.stop_strings()
+        params = body.sampling(max_tokens)
+        req, queue = self.submit(ids, params)
+        tracker = _Tracker(self.tok, stops, arrival, self.metrics)
+        rid = oa.new_id("chatcmpl" if chat else "cmpl")
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            gen = self._stream(req, queue, tracker, rid, chat, len(ids), body, include_usage)
+            return StreamingResponse(gen, media_type="text/event-stream")
+        text, error = "", None
+        try:
+            async for ev in self.events(req, queue, http):
+                if isinstance(ev, TokenEvent):
+                    text += tracker.on_token(ev)
+                    if tracker.finish:  # a stop string: the engine may stop now
+                        req.cancel()
+                        break
+                elif isinstance(ev, FinishEvent):
+                    text += tracker.flush()
+                    tracker.finish = ev.reason
+                else:
+                    error = ev
+        finally:
+            req.cancel()  # no-op when finished; stops the engine's work when we left early
+        if tracker.finish is None:
+            outcome = "error" if error else "cancelled"
+            tracker.done(outcome, len(ids))
+            if error is None:  # the client went away; nobody reads this
+                error = ErrorEvent("request cancelled", 499, 0.0)
+            return JSONResponse(oa.ApiError(error.status, error.message).body(), error.status)
+        tracker.done("success", len(ids))
+        tids = tracker.tokens if body.return_token_ids else None
+        choice = oa.completion_choice(text, tracker.finish, tids, chat=chat)
+        u = oa.usage(len(ids), len(tracker.tokens))
+        return JSONResponse(oa.envelope(rid, self.model_name, [choice], chat, False, u))
+
+    async def _stream(
+        self, req, queue, tracker: _Tracker, rid, chat, n_prompt, body, include_usage
+    ) -> AsyncIterator[bytes]:
+        first = True
+        outcome = "cancelled"
+        try:
+            async for ev in self.events(req, queue, None):
+                if isinstance(ev, ErrorEvent):
+                    outcome = "error"
+                    yield oa.sse(oa.ApiError(ev.status, ev.message).body())
+                    return
+                if isinstance(ev, FinishEvent):  # normally already seen on the last token
+                    tracker.finish = ev.reason
+                    delta, ids = tracker.flush(), []
+                else:
+                    n_before = len(tracker.tokens)
+                    delta = tracker.on_token(ev)
+                    ids = tracker.tokens[n_before:]
+                    if tracker.finish:  # a stop string ended it; the engine may stop
+                        req.cancel()
+                    elif ev.finish:  # the last token carries the finish reason
+                        tracker.finish = ev.finish
+                        delta += tracker.flush()
+                if ids or tracker.finish:
+                    tids = ids if body.return_token_ids else None
+                    choice = oa.completion_choice(
+                        delta, tracker.finish, tids, chat=chat, delta=True, first=first
+                    )
+                    first = False
+                    yield oa.sse(oa.envelope(rid, self.model_name, [choice], chat, True))
+                if tracker.finish:
+                    outcome = "success"
+                    break
+            if outcome != "success":  # the deadline fallback ended without an event
+                return
+            if include_usage:
+                u = oa.usage(n_prompt, len(tracker.tokens))
+                yield oa.sse(oa.envelope(rid, self.model_name, [], chat, True, u))
+            yield oa.sse("[DONE]")
+        finally:
+            req.cancel()
+            tracker.done(outcome, n_prompt)
+
+    async def health(self) -> JSONResponse:
+        """One greedy token through the engine: embedding, every layer, the experts, LM head."""
+        probe = [self.tok.bos_id if self.tok.bos_id is not None else 0]
+        params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+        t0 = time.monotonic()
+        try:
+            req, queue = self.submit(probe, params, priority=True, timeout=HEALTH_TIMEOUT_S)
+        except oa.ApiError as exc:
+            return JSONResponse({"status": "unhealthy", "error": exc.message}, 503)
+        error = "no answer"
+        async for ev in self.events(req, queue, None):
+            if isinstance(ev, FinishEvent):
+                return JSONResponse({"status": "ok", "forward_s": time.monotonic() - t0})
+            if isinstance(ev, ErrorEvent):
+                error = ev.message
+        return JSONResponse({"status": "unhealthy", "error": error}, 503)
+
+
+def make_frontend_app(
+    model: MoETransformer,
+    tokenizer,
+    model_name: str,
+    max_batch_tokens: int,
+    max_num_seqs: int = 64,
+    max_model_len: int | None = None,
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+    batch_wait_s: float = 0.0,
+    chat_template: oa.ChatTemplate = oa.default_chat_template,
+) -> FastAPI:
+    """The FastAPI app; its engine thread starts and stops with the app's lifespan.
+
+    ``app.state.frontend`` holds the :class:`Frontend` (``.engine.stats``, ``.metrics``).
+    """
+    fe = Frontend(
+        model,
+        tokenizer,
+        model_name,
+        max_batch_tokens,
+        max_num_seqs,
+        max_model_len,
+        request_timeout_s,
+        batch_wait_s,
+        chat_template,
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        fe.engine.start()
+        yield
+        await asyncio.to_thread(fe.engine.stop)
+
+    app = FastAPI(title="moecomm", lifespan=lifespan)
+    app.state.frontend = fe
+
+    @app.exception_handler(oa.ApiError)
+    async def _api_error(request: Request, exc: oa.ApiError):
+        return JSONResponse(exc.body(), exc.status)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await fe.complete(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await fe.complete(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": fe.model_name, "object": "model", "owned_by": "moecomm"}
+        card["max_model_len"] = fe.max_model_len
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health():
+        return await fe.health()
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(fe.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def start_frontend(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> HttpServer:
+    """Runs `app` in a background thread; ``server.start()`` already called, URL in ``.url``."""
+    server = HttpServer(app, host, port)
+    server.url = server.start()
+    return server
+
+
+def serve_frontend(
+    model: MoETransformer,
+    tokenizer,
+    model_name: str,
+    max_batch_tokens: int,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    **app_kwargs,
+) -> None:
+    """Serves until interrupted (the ``moecomm serve`` entry point). `app_kwargs` go to
+    :func:`make_frontend_app`."""
+    import uvicorn
+
+    app = make_frontend_app(model, tokenizer, model_name, max_batch_tokens, **app_kwargs)
+    uvicorn.run(app, host=host, port=port, log_level="info", access_log=False)

@@ -1,0 +1,93 @@
+"""The tiny checkpoint (written once per session), and real front ends on 127.0.0.1:0."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from frontend_helpers import MAX_BATCH_TOKENS, MODEL_NAME
+from moecomm_serving.frontend import make_frontend_app, start_frontend
+from moecomm_serving.generate import SamplingParams, generate
+from moecomm_serving.model import load_model
+from moecomm_serving.tiny import write_tiny
+from moecomm_serving.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """One intra-op thread: the tiny model's ops are too small to split, and a second spinning
+    thread on the shared two-core machines makes each step several times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("frontend-tiny")
+    write_tiny(str(path), "mixtral", seed=0)
+    return path
+
+
+@pytest.fixture(scope="session")
+def model(tiny_dir):
+    return load_model(tiny_dir, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def tok(tiny_dir, model):
+    return load_tokenizer(tiny_dir, model.config)
+
+
+class Served:
+    """A running front end: its URL and its :class:`Frontend` (engine stats, metrics)."""
+
+    def __init__(self, app):
+        self.app = app
+        self.frontend = app.state.frontend
+        self.server = start_frontend(app)
+        self.url = self.server.url
+
+    @property
+    def stats(self):
+        return self.frontend.engine.stats
+
+    def stop(self):
+        self.server.stop()
+
+
+@pytest.fixture(scope="session")
+def serve(tok):
+    """Factory: ``serve(model, **make_frontend_app kwargs)``; stopped at the end of the session."""
+    running = []
+
+    def start(model, **kwargs):
+        kwargs.setdefault("max_batch_tokens", MAX_BATCH_TOKENS)
+        s = Served(make_frontend_app(model, tok, MODEL_NAME, **kwargs))
+        running.append(s)
+        return s
+
+    yield start
+    for s in running:
+        s.stop()
+
+
+@pytest.fixture(scope="session")
+def served(serve, model):
+    """The default front end over local experts (no batching window)."""
+    return serve(model)
+
+
+@pytest.fixture(scope="session")
+def solo(model):
+    """In-process reference: the tokens `generate` produces for one prompt alone."""
+    cache = {}
+
+    def run(prompt_ids, **params) -> list[int]:
+        key = (tuple(prompt_ids), tuple(sorted(params.items())))
+        if key not in cache:
+            (g,) = generate(model, [prompt_ids], SamplingParams(**params))
+            cache[key] = g.tokens
+        return cache[key]
+
+    return run
