@@ -35,7 +35,7 @@ $(PKG_STAMP): $(DEPS_STAMP) $(BUILD_INPUTS)
 build: $(PKG_STAMP)
 
 demo: $(PKG_STAMP)
-	$(PY) -m moecomm.demo
+	$(PY) -m moecomm_serving.cli demo
 
 lint: $(DEPS_STAMP)
 	$(VENV)/bin/ruff check $(PY_SOURCES)

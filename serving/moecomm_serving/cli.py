@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moecomm_serving import expert_server
+from moecomm_serving import demo, expert_server, frontend_cmd, loadgen
 
 DESCRIPTION = """moecomm: serve Mixture-of-Experts models with the experts in separate services.
 
 subcommands:
   monitor         the embedded membership monitor (heartbeats, joins, losses)
   expert-server   host experts of a checkpoint behind the slot protocol and an HTTP control plane
+  frontend        the attention side: the model with its KV cache behind the OpenAI API
+  demo            monitor + two expert servers + a front end on the tiny model, a few prompts
+  bench           a load generator against any OpenAI-compatible endpoint
   tiny            write the tiny random checkpoint used by the demo and the tests
 """
 
@@ -60,6 +63,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     expert_server.add_arguments(es)
     es.set_defaults(func=expert_server.run)
+    fe = sub.add_parser(
+        "frontend",
+        help="the model behind the OpenAI API",
+        description="Serve /v1/completions and /v1/chat/completions with continuous batching. "
+        "Attention and the KV cache run here; the experts on expert servers (--servers or "
+        "--monitor) or in this process (--local-experts).",
+    )
+    frontend_cmd.add_arguments(fe)
+    fe.set_defaults(func=frontend_cmd.run)
+    dm = sub.add_parser(
+        "demo",
+        help="the whole system on the tiny model",
+        description="Start the monitor, two expert servers and a front end as processes on a "
+        "tiny random checkpoint, send a few prompts, print completions and metrics, shut down.",
+    )
+    dm.set_defaults(func=demo.run)
+    bn = sub.add_parser(
+        "bench",
+        help="load generator for an OpenAI-compatible endpoint",
+        description="Send requests at a rate/concurrency and report throughput, TTFT, TPOT, "
+        "ITL and end-to-end latency (mean, median, p99); --json writes the report.",
+    )
+    loadgen.build_parser(bn)
+    bn.set_defaults(func=loadgen.run_from_args)
     tiny = sub.add_parser(
         "tiny",
         help="write the tiny random checkpoint",

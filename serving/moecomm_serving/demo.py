@@ -1,0 +1,206 @@
+"""`moecomm demo` (what `make demo` runs): the whole system on the tiny checkpoint, as separate
+processes on 127.0.0.1 — the embedded monitor, two expert servers (experts 0-11 and 4-15, so
+4-11 have a replica) and a front end that finds them through the monitor — then a few prompts
+through the OpenAI API, a metrics summary, and a clean shutdown (also on Ctrl-C)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+CLI = [sys.executable, "-m", "moecomm_serving.cli"]
+# Start-up of a process that imports torch and loads a checkpoint on a busy 2-core machine.
+START_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 20.0
+HTTP_TIMEOUT_S = 120.0
+SERVER_EXPERTS = ("0-11", "4-15")
+PROMPTS = ["The experts are", "Once upon a time", "moecomm moves tokens"]
+MAX_TOKENS = 16
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+class Processes:
+    """Children started by the demo; all stopped on exit, whatever happened."""
+
+    def __init__(self):
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, name: str, args: list[str], ready_prefix: str) -> str:
+        p = subprocess.Popen(
+            [*CLI, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self.procs.append((name, p))
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            line = p.stdout.readline()
+            if not line:
+                raise RuntimeError(f"{name} exited during start-up (code {p.wait()})")
+            line = line.rstrip()
+            if line.startswith(ready_prefix):
+                return line
+            say(f"  [{name}] {line}")
+        raise RuntimeError(f"{name} did not start within {START_TIMEOUT_S} s")
+
+    def stop_all(self) -> None:
+        for name, p in reversed(self.procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+                try:
+                    p.wait(STOP_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(STOP_TIMEOUT_S)
+            say(f"  stopped {name} (exit {p.returncode})")
+
+
+def complete(url: str, prompt: str) -> tuple[str, float]:
+    t0 = time.perf_counter()
+    r = httpx.post(
+        f"{url}/v1/completions",
+        timeout=HTTP_TIMEOUT_S,
+        json={"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0},
+    )
+    r.raise_for_status()
+    return r.json()["choices"][0]["text"], time.perf_counter() - t0
+
+
+def stream_chat(url: str, content: str) -> str:
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.8,
+        "seed": 7,
+        "stream": True,
+    }
+    out = []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=HTTP_TIMEOUT_S) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                delta = json.loads(line[6:])["choices"][0]["delta"]
+                out.append(delta.get("content", ""))
+    return "".join(out)
+
+
+def metric_summary(url: str) -> list[str]:
+    """Means of the latency summaries and the gauges of the front end's /metrics."""
+    values: dict[str, float] = {}
+    for ln in httpx.get(f"{url}/metrics", timeout=HTTP_TIMEOUT_S).text.splitlines():
+        if ln and not ln.startswith("#"):
+            name, _, value = ln.rpartition(" ")
+            values[name.split("{")[0]] = float(value)
+    out = []
+    for label, base in (
+        ("TTFT", "time_to_first_token"),
+        ("TPOT", "time_per_output_token"),
+        ("ITL", "inter_token_latency"),
+        ("E2E", "e2e_request_latency"),
+    ):
+        total = values.get(f"moecomm_{base}_seconds_sum")
+        count = values.get(f"moecomm_{base}_seconds_count")
+        if total is not None and count:
+            out.append(f"{label} mean {total / count * 1e3:.1f} ms over {count:.0f}")
+    for label, name in (
+        ("generation tokens/s", "moecomm_generation_tokens_per_second"),
+        ("queue depth", "moecomm_queue_depth"),
+        ("failovers", "moecomm_failovers_total"),
+    ):
+        if name in values:
+            out.append(f"{label} {values[name]:g}")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    procs = Processes()
+    interrupted = False
+
+    def on_signal(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        with tempfile.TemporaryDirectory(prefix="moecomm-demo-") as tmp:
+            ckpt = os.path.join(tmp, "tiny")
+            say("1. writing the tiny checkpoint (4 layers, 16 experts, top-2, hidden 256)")
+            subprocess.run([*CLI, "tiny", "--out", ckpt], check=True, timeout=START_TIMEOUT_S)
+            say("2. starting the membership monitor")
+            monitor = procs.start("monitor", ["monitor"], "http://")
+            say(f"   monitor at {monitor}")
+            server_urls = []
+            for i, experts in enumerate(SERVER_EXPERTS):
+                say(f"3.{i + 1} starting expert server {i} with experts {experts}")
+                line = procs.start(
+                    f"expert-server-{i}",
+                    [
+                        "expert-server",
+                        "--checkpoint",
+                        ckpt,
+                        "--experts",
+                        experts,
+                        "--id",
+                        f"demo-server-{i}",
+                        "--monitor",
+                        monitor,
+                    ],
+                    "expert server",
+                )
+                server_urls.append(line.split(" listening on ")[1].split(": layers")[0])
+                say(f"   {line}")
+            say("4. starting the front end (finds the servers through the monitor)")
+            line = procs.start(
+                "frontend",
+                [
+                    "frontend",
+                    "--checkpoint",
+                    ckpt,
+                    "--model-name",
+                    "tiny",
+                    "--monitor",
+                    monitor,
+                    "--port",
+                    "0",
+                ],
+                "frontend",
+            )
+            url = line.split(" listening on ")[1]
+            say(f"   {line}")
+            health = httpx.get(f"{url}/health", timeout=HTTP_TIMEOUT_S).json()
+            say(f"5. health (a real one-token forward through the expert servers): {health}")
+            say("6. completions (greedy, 16 tokens each; the tiny model is random, so is its text)")
+            for prompt in PROMPTS:
+                text, s = complete(url, prompt)
+                say(f"   {prompt!r} -> {text!r}  ({s * 1e3:.0f} ms)")
+            say(f"   streamed chat (sampled, seed 7): {stream_chat(url, 'Hello experts')!r}")
+            for i, server_url in enumerate(server_urls):
+                load = httpx.get(f"{server_url}/experts", timeout=HTTP_TIMEOUT_S)
+                say(
+                    f"   expert server {i} served {sum(x['tokens'] for x in load.json()['load'])} "
+                    "token copies"
+                )
+            say("7. front-end metrics")
+            for ln in metric_summary(url):
+                say(f"   {ln}")
+    except KeyboardInterrupt:
+        interrupted = True
+        say("interrupted: shutting down")
+    finally:
+        say("8. shutting down")
+        procs.stop_all()
+    say("demo " + ("interrupted" if interrupted else "OK"))
+    return 130 if interrupted else 0

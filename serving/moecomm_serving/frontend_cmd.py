@@ -1,0 +1,122 @@
+"""`moecomm frontend`: the attention side — the model's attention and KV cache in this process,
+its experts on expert servers (or in-process with --local-experts) — behind the OpenAI API."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import threading
+
+import torch
+from moecomm.membership import connect_membership
+from moecomm.membership.monitor import TOKEN_ENV
+from moecomm.runtime import AttentionClient
+from moecomm.runtime.launch import DEFAULT_TTL_S
+
+from moecomm_serving.config import MoEConfig
+from moecomm_serving.frontend import make_frontend_app, start_frontend
+from moecomm_serving.model import LOCAL, load_model
+from moecomm_serving.tokenizer import load_tokenizer
+
+# How often the foreground thread checks for a stop request.
+WAKE_S = 0.2
+# Tokens per engine step by default: decode batches of the demo and the tiny model fit easily.
+DEFAULT_MAX_BATCH_TOKENS = 64
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True, help="HF-layout checkpoint directory")
+    p.add_argument("--model-name", default=None, help="name served as `model` (default: dir name)")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--servers", help="expert server control URLs, comma-separated")
+    where.add_argument(
+        "--monitor",
+        help="find expert servers through this membership and "
+        "follow joins and losses (http://... or etcd://...)",
+    )
+    where.add_argument(
+        "--local-experts",
+        action="store_true",
+        help="run the experts in this process (the monolithic baseline)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="HTTP address (loopback by default)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free one)")
+    p.add_argument("--token", default="", help="token of the expert servers' control planes")
+    p.add_argument("--client-id", type=int, default=None, help="default: this process id")
+    p.add_argument(
+        "--encoding",
+        default="f32",
+        help="activation encoding on the wire: f32, bf16, int8, fp8_e4m3, ...",
+    )
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=DEFAULT_MAX_BATCH_TOKENS,
+        help="tokens per engine step (prefill chunks + decodes)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=5.0,
+        help="per-request deadline of an expert round trip (s)",
+    )
+    p.add_argument("--ttl", type=float, default=DEFAULT_TTL_S, help="membership lease (s)")
+
+
+def _servers_from(membership) -> list[str]:
+    return [
+        m.endpoints["control"]
+        for m in membership.list_members("server")
+        if "control" in m.endpoints and m.metadata.get("draining") != "1"
+    ]
+
+
+def run(args: argparse.Namespace) -> int:
+    config = MoEConfig.from_file(args.checkpoint)
+    client = membership = None
+    if args.local_experts:
+        experts = LOCAL
+    else:
+        if args.monitor:
+            membership = connect_membership(args.monitor, os.environ.get(TOKEN_ENV, ""))
+            urls = _servers_from(membership)
+            if not urls:
+                raise SystemExit(f"no expert server is registered with {args.monitor}")
+        else:
+            urls = [u.strip() for u in args.servers.split(",") if u.strip()]
+        client = AttentionClient(
+            urls,
+            args.client_id if args.client_id is not None else os.getpid(),
+            config.hidden_size,
+            config.num_experts_per_tok,
+            args.max_batch_tokens,
+            encoding=args.encoding,
+            out_dtype=torch.float32,
+            token=args.token,
+            timeout=args.timeout,
+        )
+        print(f"connecting to {len(urls)} expert server(s)", flush=True)
+        client.connect()
+        if membership is not None:
+            client.follow(membership, args.ttl)
+        experts = client
+    print(f"loading {args.checkpoint}", flush=True)
+    model = load_model(args.checkpoint, experts=experts, dtype=torch.float32)
+    tokenizer = load_tokenizer(args.checkpoint, config)
+    name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
+    app = make_frontend_app(model, tokenizer, name, args.max_batch_tokens)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    http = start_frontend(app, args.host, args.port)
+    print(f"frontend {name} listening on {http.url}", flush=True)
+    try:
+        while not stop.wait(WAKE_S):
+            pass
+    finally:
+        print("frontend: stopping", flush=True)
+        http.stop()  # before the client: in-flight steps still need their expert servers
+        if client is not None:
+            client.close()
+    return 0
