@@ -20,6 +20,10 @@ from moecomm_serving.checkpoint import Checkpoint
 
 # How often the foreground thread checks for a stop request.
 WAKE_S = 0.2
+# A draining server leaves once no request reached it for this long (clients have moved on)...
+DRAIN_QUIET_S = 1.0
+# ...or after this long in any case.
+DRAIN_MAX_S = 30.0
 
 
 def parse_ids(spec: str, upper: int, what: str) -> list[int]:
@@ -40,7 +44,24 @@ def parse_ids(spec: str, upper: int, what: str) -> list[int]:
     return sorted(out)
 
 
+def graceful_drain(server: ExpertServer) -> None:
+    """SIGTERM: tell clients (DRAINING answers and a membership update) to go elsewhere, let the
+    traffic stop, then leave — close() deregisters."""
+    print(f"expert server {server.server_id}: draining", flush=True)
+    server.drain()
+    deadline = time.monotonic() + DRAIN_MAX_S
+    last, quiet_since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        answered = server.stats.requests + server.stats.rejected
+        if answered != last:
+            last, quiet_since = answered, time.monotonic()
+        elif time.monotonic() - quiet_since >= DRAIN_QUIET_S:
+            break
+        time.sleep(WAKE_S)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = (p.description or "") + " SIGTERM drains gracefully; SIGINT stops at once."
     p.add_argument("--checkpoint", required=True, help="HF-layout checkpoint directory")
     p.add_argument(
         "--layers", default="all", help="MoE layers to host, e.g. 0-3 (default: every MoE layer)"
@@ -103,9 +124,9 @@ def run(args: argparse.Namespace, ready: threading.Event | None = None) -> int:
         hosted, args.id or "expert-server", batching_window_s=args.batching_window_ms / 1e3
     )
     http = HttpServer(make_app(server, args.token), args.host, args.port)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop, drain = threading.Event(), threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: drain.set())  # what orchestrators send first
     server.start()
     url = http.start()
     if args.id is None:
@@ -123,7 +144,9 @@ def run(args: argparse.Namespace, ready: threading.Event | None = None) -> int:
         ready.set()
     try:
         while not stop.wait(WAKE_S):
-            pass
+            if drain.is_set():
+                graceful_drain(server)
+                break
     finally:
         print(f"expert server {server.server_id}: stopping", flush=True)
         http.stop()

@@ -79,8 +79,10 @@ def test_monitor_and_expert_server_from_the_command_line(tmp_path):
         assert experts == {"0": [0, 1, 2, 3], "1": [0, 1, 2, 3]}
         members = httpx.get(f"{monitor_url}/members", timeout=10).json()["members"]
         assert [m["member"]["endpoints"]["control"] for m in members] == [url]
-        es.send_signal(subprocess.signal.SIGINT)
-        assert es.wait(30) == 0
+        # SIGTERM drains: the server answers DRAINING, waits for traffic to stop, then leaves.
+        es.send_signal(subprocess.signal.SIGTERM)
+        assert es.wait(60) == 0
+        assert "draining" in es.stdout.read()
         # A clean exit deregisters at once (no waiting for the lease).
         members = httpx.get(f"{monitor_url}/members", timeout=10).json()["members"]
         assert members == []
