@@ -71,7 +71,7 @@ void register_slots(py::module_& m) {
       [](Transport& t, Region& server, const SlotRing& ring, uint32_t slot, uint64_t client_id,
          uint64_t seq, uint32_t layer_id, uint32_t num_tokens, uint32_t topk, Encoding encoding,
          uintptr_t activations, uintptr_t scales, uintptr_t expert_ids, uintptr_t scores,
-         std::shared_ptr<Region> doorbell) {
+         std::shared_ptr<Region> doorbell, bool wake) {
         RequestData r{layer_id,
                       num_tokens,
                       topk,
@@ -80,13 +80,16 @@ void register_slots(py::module_& m) {
                       ptr<float>(scales),
                       ptr<int32_t>(expert_ids),
                       ptr<float>(scores)};
-        send_request(t, server, ring, slot, client_id, seq, r, doorbell.get());
+        send_request(t, server, ring, slot, client_id, seq, r, doorbell.get(), wake);
       },
       py::arg("transport"), py::arg("server"), py::arg("ring"), py::arg("slot"),
       py::arg("client_id"), py::arg("seq"), py::arg("layer_id"), py::arg("num_tokens"),
       py::arg("topk"), py::arg("encoding"), py::arg("activations"), py::arg("scales"),
       py::arg("expert_ids"), py::arg("scores"), py::arg("doorbell") = nullptr,
-      py::call_guard<py::gil_scoped_release>());
+      py::arg("wake") = true, py::call_guard<py::gil_scoped_release>());
+
+  m.def("ring_doorbell", &ring_doorbell, py::arg("transport"), py::arg("doorbell"),
+        py::call_guard<py::gil_scoped_release>());
 
   m.def("poll_requests", &poll_requests, py::arg("transport"), py::arg("local"), py::arg("ring"),
         py::arg("client_id"), py::call_guard<py::gil_scoped_release>());

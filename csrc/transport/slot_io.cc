@@ -114,7 +114,8 @@ void check_request(const SlotRing& ring, const RequestData& req) {
 }
 
 void send_request(Transport& t, Region& server, const SlotRing& ring, uint32_t slot,
-                  uint64_t client_id, uint64_t seq, const RequestData& req, Region* doorbell) {
+                  uint64_t client_id, uint64_t seq, const RequestData& req, Region* doorbell,
+                  bool wake) {
   ring.check(server, slot);
   check_request(ring, req);
   check_seq(seq);
@@ -131,7 +132,11 @@ void send_request(Transport& t, Region& server, const SlotRing& ring, uint32_t s
   t.put(server, ring.slot_offset(slot) + kHeaderOffset, &h, sizeof(h));
   t.signal(server, ring.slot_offset(slot) + kSignalOffset,
            make_signal(SlotState::kRequestReady, seq), SignalOp::kSet);
-  t.signal(doorbell != nullptr ? *doorbell : server, kDoorbellOffset, 1, SignalOp::kAdd);
+  if (wake) ring_doorbell(t, doorbell != nullptr ? *doorbell : server);
+}
+
+void ring_doorbell(Transport& t, Region& doorbell) {
+  t.signal(doorbell, kDoorbellOffset, 1, SignalOp::kAdd);
 }
 
 std::vector<Incoming> poll_requests(Transport& t, Region& local, const SlotRing& ring,

@@ -62,7 +62,12 @@ void check_request(const SlotRing& ring, const RequestData& req);
 // many clients sleeps on one shared doorbell), else the one at offset 0 of `server`.
 void send_request(Transport& t, Region& server, const SlotRing& ring, uint32_t slot,
                   uint64_t client_id, uint64_t seq, const RequestData& req,
-                  Region* doorbell = nullptr);
+                  Region* doorbell = nullptr, bool wake = true);
+
+// Client: bumps the doorbell at offset 0 of `doorbell` (a server's shared doorbell, or its
+// request region). To reach several servers, write every request with wake = false first, then
+// ring each doorbell: waking a server can preempt the writer on a busy core.
+void ring_doorbell(Transport& t, Region& doorbell);
 
 struct Incoming {
   uint32_t slot = 0;

@@ -165,9 +165,11 @@ class ClientChannel(_Channel):
         layer_id: int = 0,
         scales: torch.Tensor | None = None,
         encoding: Encoding | str | None = None,
+        wake: bool = True,
     ) -> int:
         """Writes a request into `slot` of the server and signals it. Returns its sequence
-        number. Everything is checked before a byte is written."""
+        number. Everything is checked before a byte is written. With ``wake=False`` the server
+        is not woken until :meth:`ring` (write to several servers first, then wake them all)."""
         if self.server is None:
             raise RuntimeError(f"{self.name}: send before connect")
         enc = self.layout.encoding if encoding is None else as_encoding(encoding)
@@ -206,9 +208,16 @@ class ClientChannel(_Channel):
             expert_ids.data_ptr(),
             scores.data_ptr(),
             self.doorbell,
+            wake,
         )
         self._next_seq += 1
         return seq
+
+    def ring(self) -> None:
+        """Wakes the server for requests sent with wake=False."""
+        _C.ring_doorbell(
+            self.transport, self.doorbell if self.doorbell is not None else self.server
+        )
 
     def wait(self, slot: int, seq: int, timeout: float = DEFAULT_TIMEOUT_S) -> Response:
         """Waits for the answer to request `seq` in `slot`. Late answers to older requests are

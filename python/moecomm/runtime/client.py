@@ -289,11 +289,16 @@ class AttentionClient:
                     b.scores,
                     layer_id=layer_id,
                     scales=b.scales,
+                    wake=False,
                 )
             except MoecommError as exc:
                 raise type(exc)(f"server {self.urls[b.server]} layer {layer_id}: {exc}") from exc
             self.outstanding[b.server] += b.num_tokens
             sent.append(Sent(b.server, seq, b.token_index, b.expert_ids >= 0))
+        # Wake the servers only once every request is written: a woken server can preempt us
+        # on a busy core, and the next server would then start late.
+        for s in sent:
+            self.channels[s.server].ring()
         return sent, replica
 
     def dispatch(
