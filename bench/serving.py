@@ -20,7 +20,7 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import format_table, write_json
-from moecomm_serving.demo import CLI, Processes
+from moecomm_serving.demo import CLI, ONE_THREAD, Processes
 from moecomm_serving.loadgen import run_bench
 
 MAX_BATCH_TOKENS = 64
@@ -48,7 +48,7 @@ def start_systems(procs: Processes, ckpt: str) -> dict[str, str]:
     for i, experts in enumerate(("0-7", "8-15")):
         line = procs.start(
             f"expert-server-{i}",
-            ["expert-server", "--checkpoint", ckpt, "--experts", experts],
+            ["expert-server", "--checkpoint", ckpt, "--experts", experts, *ONE_THREAD],
             "expert server",
         )
         urls.append(line.split(" listening on ")[1].split(": layers")[0])
@@ -62,6 +62,7 @@ def start_systems(procs: Processes, ckpt: str) -> dict[str, str]:
         "0",
         "--max-batch-tokens",
         str(MAX_BATCH_TOKENS),
+        *ONE_THREAD,
     ]
     mono = procs.start("monolith", [*common, "--local-experts"], "frontend")
     disagg = procs.start("disaggregated", [*common, "--servers", ",".join(urls)], "frontend")

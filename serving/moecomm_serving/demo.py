@@ -24,6 +24,9 @@ HTTP_TIMEOUT_S = 120.0
 SERVER_EXPERTS = ("0-11", "4-15")
 PROMPTS = ["The experts are", "Once upon a time", "moecomm moves tokens"]
 MAX_TOKENS = 16
+# Four processes share this machine's cores: one torch thread each, or their thread pools spin
+# against each other.
+ONE_THREAD = ("--threads", "1")
 
 
 def say(msg: str) -> None:
@@ -157,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
                         f"demo-server-{i}",
                         "--monitor",
                         monitor,
+                        *ONE_THREAD,
                     ],
                     "expert server",
                 )
@@ -173,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
                     "tiny",
                     "--monitor",
                     monitor,
+                    *ONE_THREAD,
                     "--port",
                     "0",
                 ],

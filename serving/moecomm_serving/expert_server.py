@@ -64,6 +64,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = (p.description or "") + " SIGTERM drains gracefully; SIGINT stops at once."
     p.add_argument("--checkpoint", required=True, help="HF-layout checkpoint directory")
     p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads of this process (default: torch's choice); give each process of "
+        "a host its share of the cores — oversubscribed thread pools spin against each other",
+    )
+    p.add_argument(
         "--layers", default="all", help="MoE layers to host, e.g. 0-3 (default: every MoE layer)"
     )
     p.add_argument(
@@ -102,7 +109,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def set_threads(args: argparse.Namespace) -> None:
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+
+
 def run(args: argparse.Namespace, ready: threading.Event | None = None) -> int:
+    set_threads(args)
     ckpt = Checkpoint(args.checkpoint)
     cfg = ckpt.config
     layers = [

@@ -15,6 +15,7 @@ from moecomm.runtime import AttentionClient
 from moecomm.runtime.launch import DEFAULT_TTL_S
 
 from moecomm_serving.config import MoEConfig
+from moecomm_serving.expert_server import set_threads
 from moecomm_serving.frontend import make_frontend_app, start_frontend
 from moecomm_serving.model import LOCAL, load_model
 from moecomm_serving.tokenizer import load_tokenizer
@@ -27,6 +28,13 @@ DEFAULT_MAX_BATCH_TOKENS = 64
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="HF-layout checkpoint directory")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads of this process (default: torch's choice); give each process of "
+        "a host its share of the cores — oversubscribed thread pools spin against each other",
+    )
     p.add_argument("--model-name", default=None, help="name served as `model` (default: dir name)")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--servers", help="expert server control URLs, comma-separated")
@@ -73,6 +81,7 @@ def _servers_from(membership) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    set_threads(args)
     config = MoEConfig.from_file(args.checkpoint)
     client = membership = None
     if args.local_experts:
