@@ -325,6 +325,9 @@ def run_greedy(
             return
         if forced and run.steps in forced and forced[run.steps] != k:
             k = forced[run.steps]
+            if scheduler is not None:  # the scheduler starts over from the forced map
+                scheduler.k = k
+                scheduler.recent.clear()
             run.remaps.append((pipe.remap(stage_ranges(pipe.num_layers, pipe.num_stages, k)), k))
         elif scheduler is not None and predictor is not None and predictor.ready:
             nn = [1 if out[j] else len(prompts[j]) for j in ids]
@@ -339,7 +342,7 @@ def run_greedy(
         owner[step] = g
         run.steps += 1
 
-    t0 = time.perf_counter()
+    t0, results = time.perf_counter(), 0
     for g in range(len(members)):
         submit(g)
     while pipe.inflight:
@@ -356,8 +359,9 @@ def run_greedy(
             pipe.free(finished)
         if predictor is not None:
             _feed(predictor, pipe.drain_profiles())
-            if run.steps % REFIT_EVERY == 0 and len(predictor.layer.samples) >= 16:
-                with contextlib.suppress(ValueError):
+            results += 1
+            if not predictor.ready or results % REFIT_EVERY == 0:
+                with contextlib.suppress(ValueError):  # too few samples yet
                     predictor.fit()
         submit(g)
     run.seconds = time.perf_counter() - t0
