@@ -29,6 +29,9 @@ START_TIMEOUT_S = 120.0
 LIVENESS_POLL_S = 0.05
 # Refit the predictor every this many results: a fit costs ~1 ms, a step several.
 REFIT_EVERY = 32
+# Results profiled before the first fit: the first steps are prefills and cold caches, and a
+# fit on a handful of them would steer the scheduler with noise.
+WARMUP_RESULTS = 16
 
 
 class PipelineError(MoecommError):
@@ -71,6 +74,7 @@ class Pipeline:
         self.num_layers, self.num_stages = num_layers, num_stages
         self.layout, self.num_slots, self.timeout_s = layout, num_slots, timeout_s
         self.ranges = tuple(stage_ranges(num_layers, num_stages, initial_k))
+        self.k = initial_k  # layers moved off the last stage in the current map
         stage_ranges(num_layers, num_stages, k_max)  # validates k_max
         ctx = mp.get_context("spawn")
         self.inboxes = [ctx.Queue() for _ in range(num_stages)]
@@ -224,7 +228,7 @@ class Pipeline:
         self.inflight.append(step)
         return step
 
-    def remap(self, ranges: Sequence[range]) -> int:
+    def remap(self, ranges: Sequence[range], k: int | None = None) -> int:
         """Switches to a new layer map from the step after the next one submitted, so the
         sources know during that next step which layers to send; returns the first step
         that runs under `ranges`."""
@@ -233,7 +237,7 @@ class Pipeline:
             raise ValueError(f"layer map {ranges} is not a contiguous cover of the layers")
         effective = self.next_step + 1
         self._broadcast(("remap", effective, ranges))
-        self.ranges = ranges
+        self.ranges, self.k = ranges, k
         return effective
 
     def free(self, seq_ids: Sequence[int]) -> None:
@@ -315,7 +319,9 @@ def run_greedy(
     out: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
     run = GreedyRun(out)
-    k = k0 = scheduler.k if scheduler else 0
+    k = k0 = pipe.k
+    if scheduler is not None:
+        scheduler.k = k  # the scheduler starts from the map the pipeline runs
     owner: dict[int, int] = {}  # step -> group
 
     def submit(g: int) -> None:
@@ -328,14 +334,15 @@ def run_greedy(
             if scheduler is not None:  # the scheduler starts over from the forced map
                 scheduler.k = k
                 scheduler.recent.clear()
-            run.remaps.append((pipe.remap(stage_ranges(pipe.num_layers, pipe.num_stages, k)), k))
+            ranges = stage_ranges(pipe.num_layers, pipe.num_stages, k)
+            run.remaps.append((pipe.remap(ranges, k), k))
         elif scheduler is not None and predictor is not None and predictor.ready:
             nn = [1 if out[j] else len(prompts[j]) for j in ids]
             lens = [len(prompts[j]) + len(out[j]) for j in ids]
             decision = scheduler.observe(*predictor.predict(nn, lens, len(ids)))
             if decision.changed:
                 k = decision.applied
-                run.remaps.append((pipe.remap(decision.ranges), k))
+                run.remaps.append((pipe.remap(decision.ranges, k), k))
         past = [len(prompts[j]) + len(out[j]) - 1 if out[j] else 0 for j in ids]
         feed = [list(prompts[j]) if not out[j] else out[j][-1:] for j in ids]
         step = pipe.submit(ids, past, [len(f) for f in feed], [t for f in feed for t in f])
@@ -360,7 +367,7 @@ def run_greedy(
         if predictor is not None:
             _feed(predictor, pipe.drain_profiles())
             results += 1
-            if not predictor.ready or results % REFIT_EVERY == 0:
+            if results >= WARMUP_RESULTS and (not predictor.ready or results % REFIT_EVERY == 0):
                 with contextlib.suppress(ValueError):  # too few samples yet
                     predictor.fit()
         submit(g)

@@ -123,7 +123,8 @@ class LayerTimeModel:
         return self.evaluate(self.samples)
 
     def predict_features(self, sum_new: float, sum_new_len: float, requests: float) -> float:
-        return self.phi1 * sum_new + self.phi2 * sum_new_len + self.eps * requests
+        # A fit on few, noisy samples can extrapolate below zero; no layer takes negative time.
+        return max(0.0, self.phi1 * sum_new + self.phi2 * sum_new_len + self.eps * requests)
 
     def predict(self, num_new: Sequence[int], lengths: Sequence[int]) -> float:
         """Seconds for one layer over a chunk of requests (``num_new[i]``, ``lengths[i]``)."""
@@ -158,7 +159,7 @@ class SampleTimeModel:
         return self.evaluate(self.samples)
 
     def predict(self, num_decode: int) -> float:
-        return self.alpha * num_decode + self.beta
+        return max(0.0, self.alpha * num_decode + self.beta)
 
     def evaluate(self, samples: Iterable[SampleSample]) -> FitReport:
         samples = list(samples)

@@ -1,0 +1,261 @@
+"""DynaPipe: predictor accuracy on this machine, and a decode-heavy pipeline with a uniform layer
+split against bubble-aware redistribution.
+
+    python bench/pipeline.py [--json PATH] [--stages 2] [--quick]
+
+Part 1 (predictor): one layer (and the sampling step: final norm, LM head, argmax) of the tiny
+reference model is timed in-process over chunks of mixed decode / prefill requests with random
+context lengths. Each sample is the median of REPEATS calls (bench/common.py time_calls). The
+models are fitted on half the chunks and the relative error |pred − measured| / measured is
+reported on the other half (held out), mean and p90.
+
+Part 2 (end to end): the same greedy decode workload (every prompt decoded to the same length,
+micro-batches = stages) through S stage processes, three ways, alternating rounds so both see the
+same background load: `uniform` (k = 0, fixed), `dynapipe` (predictor fitted from the stages' own
+profiles, scheduler with its default 25-step window, live KV migration) and `best_static` (the k
+that DynaPipe settles on, fixed from the start: the bound a perfect oracle reaches). The model
+has a large vocabulary so sampling is a real share of a step, as in production models. Reported:
+median wall time of the whole workload and per decode step (TPOT), ratio = contender / uniform
+(< 1: faster), and whether every run produced the same greedy tokens (`same_tokens`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import format_table, percentile, time_calls, write_json
+from moecomm.pipeline.driver import run_greedy
+from moecomm.pipeline.predictor import LatencyPredictor, LayerSample, SampleSample
+from moecomm.pipeline.scheduler import BubbleScheduler
+from moecomm_serving.kvcache import ForwardBatch
+from moecomm_serving.model import load_model
+from moecomm_serving.pipeline_stages import model_pipeline
+from moecomm_serving.tiny import write_tiny
+
+SEED = 0
+# 8 layers so two stages can trade up to three; a 16k vocabulary makes the LM head cost about
+# as much as a few layers, the regime where the last stage is the bottleneck.
+LAYERS, VOCAB = 8, 16384
+# Each timing sample is the median of this many calls (noise on a shared 2-core machine).
+REPEATS, WARMUP = 7, 2
+# Predictor chunks: number of chunks timed, requests per chunk, context range (tokens).
+CHUNKS, MAX_REQS, MAX_CONTEXT = 160, 24, 1024
+# End-to-end workload: decode-heavy (short prompts, long outputs).
+E2E_SEQS, E2E_PROMPT, E2E_NEW, E2E_ROUNDS = 16, 8, 96, 3
+
+
+def make_checkpoint(out: str) -> None:
+    write_tiny(
+        out, "mixtral", seed=SEED, overrides={"num_hidden_layers": LAYERS, "vocab_size": VOCAB}
+    )
+
+
+def random_chunk(rng: random.Random) -> tuple[list[int], list[int]]:
+    """Mostly decode requests (n = 1), a prefill chunk now and then; random cached lengths."""
+    reqs = rng.randint(1, MAX_REQS)
+    nn = [1 if rng.random() < 0.85 else rng.randint(8, 64) for _ in range(reqs)]
+    past = [rng.randint(0, MAX_CONTEXT) for _ in range(reqs)]
+    return nn, past
+
+
+def time_layer(model, layer: int, nn: list[int], past: list[int]) -> float:
+    c = model.config
+    caches = []
+    for p in past:
+        seq = model.new_sequence()
+        if p:
+            kv = seq.layer(layer)
+            kv.append(
+                torch.randn(c.num_key_value_heads, p, c.head_dim),
+                torch.randn(c.num_key_value_heads, p, c.head_dim),
+            )
+        caches.append(seq)
+    starts, pos, t = [], [], 0
+    for p, n in zip(past, nn, strict=True):
+        starts.append(t)
+        pos.append(torch.arange(p, p + n))
+        t += n
+    batch = ForwardBatch(caches, nn, past, starts, torch.cat(pos))
+    h = torch.randn(t, c.hidden_size)
+    block = model.block(layer)
+
+    def call():
+        block.forward(h, batch, model.rope, model.experts)
+        for cache, p in zip(caches, past, strict=True):
+            cache.layer(layer).truncate(p)
+
+    return percentile(time_calls(call, REPEATS, WARMUP), 50) / 1e9
+
+
+def time_sample(model, n: int) -> float:
+    h = torch.randn(n, model.config.hidden_size)
+    return (
+        percentile(
+            time_calls(lambda: torch.argmax(model.logits(h), dim=-1).tolist(), REPEATS, WARMUP), 50
+        )
+        / 1e9
+    )
+
+
+def bench_predictor(path: str, chunks: int) -> dict:
+    model = load_model(path, dtype=torch.float32)
+    rng = random.Random(SEED)
+    layer = LAYERS // 2
+    layer_samples = []
+    for _ in range(chunks):
+        nn, past = random_chunk(rng)
+        lengths = [p + n for p, n in zip(past, nn, strict=True)]
+        layer_samples.append(
+            LayerSample(tuple(nn), tuple(lengths), time_layer(model, layer, nn, past))
+        )
+    sample_samples = [
+        SampleSample(n, time_sample(model, n)) for n in range(1, 65) for _ in range(2)
+    ]
+    rng.shuffle(sample_samples)
+    pred = LatencyPredictor()
+    for s in layer_samples[::2]:
+        pred.layer.add(s)
+    for s in sample_samples[::2]:
+        pred.sample.add(s)
+    fit_layer, fit_sample = pred.fit()
+    held_layer = pred.layer.evaluate(layer_samples[1::2])
+    held_sample = pred.sample.evaluate(sample_samples[1::2])
+    nn, ll = [1] * 16, [512] * 16
+    cost = percentile(time_calls(lambda: pred.predict(nn, ll, 16), 2000, 100), 50) / 1e3
+    return {
+        "layer": {
+            "phi1": pred.layer.phi1,
+            "phi2": pred.layer.phi2,
+            "eps": pred.layer.eps,
+            "fit": fit_layer,
+            "held_out": held_layer,
+        },
+        "sample": {
+            "alpha": pred.sample.alpha,
+            "beta": pred.sample.beta,
+            "fit": fit_sample,
+            "held_out": held_sample,
+        },
+        "predict_us": cost,
+    }
+
+
+def e2e_once(path: str, stages: int, mode: str, k: int, prompts) -> dict:
+    pred = sched = None
+    initial = k if mode == "best_static" else 0
+    if mode == "dynapipe":
+        pred, sched = LatencyPredictor(), BubbleScheduler(LAYERS, stages)
+    with model_pipeline(path, stages, initial_k=initial, max_tokens=1024) as pipe:
+        run = run_greedy(pipe, prompts, E2E_NEW, scheduler=sched, predictor=pred)
+    decode_steps = max(1, run.steps // stages - 1)
+    return {
+        "seconds": run.seconds,
+        "tpot_ms": run.seconds / decode_steps * 1e3,
+        "final_k": run.step_ks[-1],
+        "remaps": run.remaps,
+        "tokens": run.tokens,
+    }
+
+
+def bench_e2e(path: str, stages: int, rounds: int) -> list[dict]:
+    rng = random.Random(SEED + 1)
+    prompts = [[rng.randrange(VOCAB) for _ in range(E2E_PROMPT)] for _ in range(E2E_SEQS)]
+    results: dict[str, list[dict]] = {"uniform": [], "dynapipe": [], "best_static": []}
+    for _ in range(rounds):
+        results["uniform"].append(e2e_once(path, stages, "uniform", 0, prompts))
+        results["dynapipe"].append(e2e_once(path, stages, "dynapipe", 0, prompts))
+        k = results["dynapipe"][-1]["final_k"]
+        results["best_static"].append(e2e_once(path, stages, "best_static", k, prompts))
+    ref_tokens = results["uniform"][0]["tokens"]
+    base = percentile([r["seconds"] for r in results["uniform"]], 50)
+    rows = []
+    for mode, runs in results.items():
+        secs = percentile([r["seconds"] for r in runs], 50)
+        rows.append(
+            {
+                "stages": stages,
+                "mode": mode,
+                "k": "/".join(str(r["final_k"]) for r in runs),
+                "remaps": sum(len(r["remaps"]) for r in runs) / len(runs),
+                "seconds": secs,
+                "tpot_ms": percentile([r["tpot_ms"] for r in runs], 50),
+                "ratio": secs / base,
+                "same_tokens": all(r["tokens"] == ref_tokens for r in runs),
+            }
+        )
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", default=None)
+    p.add_argument("--stages", type=int, nargs="+", default=[2])
+    p.add_argument("--quick", action="store_true", help="fewer chunks and rounds (smoke run)")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(SEED)
+    with tempfile.TemporaryDirectory() as tmp:
+        make_checkpoint(tmp)
+        pr = bench_predictor(tmp, CHUNKS // 4 if args.quick else CHUNKS)
+        lay, sam = pr["layer"], pr["sample"]
+        print("predictor (held-out relative error; targets: layer <= 5%, sampling <= 1%)")
+        rows = [
+            {
+                "model": "T_layer",
+                "mean": lay["held_out"].mean_rel_error * 100,
+                "p90": lay["held_out"].p90_rel_error * 100,
+                "fit_mean": lay["fit"].mean_rel_error * 100,
+                "target": 5.0,
+                "met": lay["held_out"].mean_rel_error <= 0.05,
+            },
+            {
+                "model": "T_sample",
+                "mean": sam["held_out"].mean_rel_error * 100,
+                "p90": sam["held_out"].p90_rel_error * 100,
+                "fit_mean": sam["fit"].mean_rel_error * 100,
+                "target": 1.0,
+                "met": sam["held_out"].mean_rel_error <= 0.01,
+            },
+        ]
+        cols = [
+            ("model", "model", "s"),
+            ("mean", "held_mean_%", ".2f"),
+            ("p90", "held_p90_%", ".2f"),
+            ("fit_mean", "fit_mean_%", ".2f"),
+            ("target", "target_%", ".1f"),
+            ("met", "met", ""),
+        ]
+        print(format_table(rows, cols))
+        print(
+            f"phi1 {lay['phi1']:.3e} s/token, phi2 {lay['phi2']:.3e} s/(token*ctx), "
+            f"eps {lay['eps']:.3e} s/request; alpha {sam['alpha']:.3e} s/seq, "
+            f"beta {sam['beta']:.3e} s; one prediction {pr['predict_us']:.2f} us"
+        )
+        e2e = []
+        for s in args.stages:
+            e2e += bench_e2e(tmp, s, 1 if args.quick else E2E_ROUNDS)
+        print(f"\nend to end: {E2E_SEQS} sequences x {E2E_NEW} new tokens, prompts of {E2E_PROMPT}")
+        cols = [
+            ("stages", "stages", "d"),
+            ("mode", "mode", "s"),
+            ("k", "final_k", "s"),
+            ("remaps", "remaps", ".1f"),
+            ("seconds", "seconds", ".3f"),
+            ("tpot_ms", "tpot_ms", ".2f"),
+            ("ratio", "ratio", ".3f"),
+            ("same_tokens", "same_tokens", ""),
+        ]
+        print(format_table(e2e, cols))
+        write_json(args.json, {"predictor": pr, "predictor_table": rows, "end_to_end": e2e})
+
+
+if __name__ == "__main__":
+    main()
