@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import format_table, percentile, time_calls, write_json
 from moecomm.pipeline.driver import run_greedy
-from moecomm.pipeline.predictor import LatencyPredictor, LayerSample, SampleSample
+from moecomm.pipeline.predictor import LatencyPredictor, LayerSample, LayerTimeModel, SampleSample
 from moecomm.pipeline.scheduler import BubbleScheduler
 from moecomm_serving.kvcache import ForwardBatch
 from moecomm_serving.model import load_model
@@ -44,8 +44,10 @@ SEED = 0
 # 8 layers so two stages can trade up to three; a 16k vocabulary makes the LM head cost about
 # as much as a few layers, the regime where the last stage is the bottleneck.
 LAYERS, VOCAB = 8, 16384
-# Each timing sample is the median of this many calls (noise on a shared 2-core machine).
+# Each timing sample is the minimum of this many calls: the machine is shared (2 cores, other
+# tenants' test runs), and the uncontended cost is what the model is meant to predict.
 REPEATS, WARMUP = 7, 2
+STAT_Q = 0  # percentile taken over the repeats (0: the minimum)
 # Predictor chunks: number of chunks timed, requests per chunk, context range (tokens).
 CHUNKS, MAX_REQS, MAX_CONTEXT = 160, 24, 1024
 # End-to-end workload: decode-heavy (short prompts, long outputs).
@@ -92,7 +94,7 @@ def time_layer(model, layer: int, nn: list[int], past: list[int]) -> float:
         for cache, p in zip(caches, past, strict=True):
             cache.layer(layer).truncate(p)
 
-    return percentile(time_calls(call, REPEATS, WARMUP), 50) / 1e9
+    return percentile(time_calls(call, REPEATS, WARMUP), STAT_Q) / 1e9
 
 
 def time_sample(model, n: int) -> float:
@@ -120,7 +122,12 @@ def bench_predictor(path: str, chunks: int) -> dict:
         SampleSample(n, time_sample(model, n)) for n in range(1, 65) for _ in range(2)
     ]
     rng.shuffle(sample_samples)
-    pred = LatencyPredictor()
+    # DynaPipe's formula as stated, and the same plus a per-chunk constant (chunk_term).
+    plain = LayerTimeModel()
+    for s in layer_samples[::2]:
+        plain.add(s)
+    plain_fit, plain_held = plain.fit(), plain.evaluate(layer_samples[1::2])
+    pred = LatencyPredictor(chunk_term=True)
     for s in layer_samples[::2]:
         pred.layer.add(s)
     for s in sample_samples[::2]:
@@ -135,8 +142,16 @@ def bench_predictor(path: str, chunks: int) -> dict:
             "phi1": pred.layer.phi1,
             "phi2": pred.layer.phi2,
             "eps": pred.layer.eps,
+            "chunk": pred.layer.chunk,
             "fit": fit_layer,
             "held_out": held_layer,
+        },
+        "layer_plain": {
+            "phi1": plain.phi1,
+            "phi2": plain.phi2,
+            "eps": plain.eps,
+            "fit": plain_fit,
+            "held_out": plain_held,
         },
         "sample": {
             "alpha": pred.sample.alpha,
@@ -152,7 +167,7 @@ def e2e_once(path: str, stages: int, mode: str, k: int, prompts) -> dict:
     pred = sched = None
     initial = k if mode == "best_static" else 0
     if mode == "dynapipe":
-        pred, sched = LatencyPredictor(), BubbleScheduler(LAYERS, stages)
+        pred, sched = LatencyPredictor(chunk_term=True), BubbleScheduler(LAYERS, stages)
     with model_pipeline(path, stages, initial_k=initial, max_tokens=1024) as pipe:
         run = run_greedy(pipe, prompts, E2E_NEW, scheduler=sched, predictor=pred)
     decode_steps = max(1, run.steps // stages - 1)
@@ -207,9 +222,18 @@ def main() -> None:
         pr = bench_predictor(tmp, CHUNKS // 4 if args.quick else CHUNKS)
         lay, sam = pr["layer"], pr["sample"]
         print("predictor (held-out relative error; targets: layer <= 5%, sampling <= 1%)")
+        plain = pr["layer_plain"]
         rows = [
             {
-                "model": "T_layer",
+                "model": "T_layer (formula)",
+                "mean": plain["held_out"].mean_rel_error * 100,
+                "p90": plain["held_out"].p90_rel_error * 100,
+                "fit_mean": plain["fit"].mean_rel_error * 100,
+                "target": 5.0,
+                "met": plain["held_out"].mean_rel_error <= 0.05,
+            },
+            {
+                "model": "T_layer (+chunk)",
                 "mean": lay["held_out"].mean_rel_error * 100,
                 "p90": lay["held_out"].p90_rel_error * 100,
                 "fit_mean": lay["fit"].mean_rel_error * 100,
@@ -236,7 +260,8 @@ def main() -> None:
         print(format_table(rows, cols))
         print(
             f"phi1 {lay['phi1']:.3e} s/token, phi2 {lay['phi2']:.3e} s/(token*ctx), "
-            f"eps {lay['eps']:.3e} s/request; alpha {sam['alpha']:.3e} s/seq, "
+            f"eps {lay['eps']:.3e} s/request, chunk {lay['chunk']:.3e} s; "
+            f"alpha {sam['alpha']:.3e} s/seq, "
             f"beta {sam['beta']:.3e} s; one prediction {pr['predict_us']:.2f} us"
         )
         e2e = []

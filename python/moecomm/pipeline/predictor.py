@@ -100,11 +100,18 @@ class FitReport:
 
 
 class LayerTimeModel:
-    """``T_layer = φ1·Σn + φ2·Σn·L + ε·R``, fitted from :class:`LayerSample` s."""
+    """``T_layer = φ1·Σn + φ2·Σn·L + ε·R [+ c]``, fitted from :class:`LayerSample` s.
 
-    def __init__(self, history: int = DEFAULT_HISTORY):
+    With `chunk_term`, a per-chunk constant ``c`` is fitted too: the cost a layer pays once per
+    micro-batch whatever its requests (projections and router launched once, the expert
+    dispatch). DynaPipe's formula has none; on a CPU reference model it is a large share of a
+    small decode chunk (see docs/pipeline.md for the measured difference).
+    """
+
+    def __init__(self, history: int = DEFAULT_HISTORY, chunk_term: bool = False):
         self.samples: deque[LayerSample] = deque(maxlen=history)
-        self.phi1 = self.phi2 = self.eps = 0.0
+        self.phi1 = self.phi2 = self.eps = self.chunk = 0.0
+        self.chunk_term = chunk_term
         self.fitted = False
 
     def add(self, sample: LayerSample) -> None:
@@ -117,14 +124,18 @@ class LayerTimeModel:
                 f"need at least {3 * MIN_SAMPLES_PER_COEF} layer samples to fit, "
                 f"have {len(self.samples)}"
             )
-        rows = [list(layer_features(s.num_new, s.lengths)) for s in self.samples]
-        self.phi1, self.phi2, self.eps = _lstsq(rows, [s.seconds for s in self.samples])
+        extra = [1.0] if self.chunk_term else []
+        rows = [[*layer_features(s.num_new, s.lengths), *extra] for s in self.samples]
+        coef = _lstsq(rows, [s.seconds for s in self.samples])
+        self.phi1, self.phi2, self.eps = coef[:3]
+        self.chunk = coef[3] if self.chunk_term else 0.0
         self.fitted = True
         return self.evaluate(self.samples)
 
     def predict_features(self, sum_new: float, sum_new_len: float, requests: float) -> float:
         # A fit on few, noisy samples can extrapolate below zero; no layer takes negative time.
-        return max(0.0, self.phi1 * sum_new + self.phi2 * sum_new_len + self.eps * requests)
+        t = self.phi1 * sum_new + self.phi2 * sum_new_len + self.eps * requests + self.chunk
+        return max(0.0, t)
 
     def predict(self, num_new: Sequence[int], lengths: Sequence[int]) -> float:
         """Seconds for one layer over a chunk of requests (``num_new[i]``, ``lengths[i]``)."""
@@ -170,8 +181,8 @@ class SampleTimeModel:
 class LatencyPredictor:
     """Both models together: what the bubble-aware scheduler asks about a batch."""
 
-    def __init__(self, history: int = DEFAULT_HISTORY):
-        self.layer = LayerTimeModel(history)
+    def __init__(self, history: int = DEFAULT_HISTORY, chunk_term: bool = False):
+        self.layer = LayerTimeModel(history, chunk_term)
         self.sample = SampleTimeModel(history)
 
     def add_layer(self, num_new: Sequence[int], lengths: Sequence[int], seconds: float) -> None:
