@@ -18,6 +18,7 @@ from moecomm.pipeline.scheduler import max_moves
 from moecomm.protocol import SlotLayout
 
 from moecomm_serving.config import MoEConfig
+from moecomm_serving.generate import SamplingParams, sample_next
 from moecomm_serving.kvcache import ForwardBatch, LayerKV, SequenceKV
 from moecomm_serving.model import load_model
 
@@ -30,8 +31,19 @@ _ENCODINGS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "fp16
 class ModelStage:
     """One stage's share of the model. Layer ids are global."""
 
-    def __init__(self, path: str, preload: range, owned: range, dtype: torch.dtype | None):
+    def __init__(
+        self,
+        path: str,
+        preload: range,
+        owned: range,
+        dtype: torch.dtype | None,
+        sampling: SamplingParams | None = None,
+    ):
         self.model = load_model(path, layers=preload, dtype=dtype)
+        # Greedy by default; otherwise every sequence draws from its own generator seeded by
+        # (params.seed + sequence id), so its tokens do not depend on the micro-batch it is in.
+        self.sampling = sampling or SamplingParams()
+        self.generators: dict[int, torch.Generator | None] = {}
         c = self.model.config
         self.kv_shape = (c.num_key_value_heads, c.head_dim)
         self.owned = owned
@@ -62,6 +74,7 @@ class ModelStage:
             t += n
         pos = torch.cat(positions).to(self.model.device)
         self.batch = ForwardBatch(caches, list(num_new), list(past), starts, pos)
+        self.seq_ids = list(seq_ids)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.embed(tokens)
@@ -72,7 +85,15 @@ class ModelStage:
 
     def sample(self, h: torch.Tensor) -> list[int]:
         logits = self.model.logits(h.index_select(0, self.batch.last_rows()))
-        return [int(t) for t in torch.argmax(logits, dim=-1)]
+        params = self.sampling
+        if params.greedy:
+            return [int(t) for t in torch.argmax(logits, dim=-1)]
+        out = []
+        for row, sid in enumerate(self.seq_ids):
+            if sid not in self.generators:
+                self.generators[sid] = torch.Generator().manual_seed((params.seed or 0) + sid)
+            out.append(sample_next(logits[row], params, self.generators[sid]))
+        return out
 
     def export_kv(self, layer: int) -> dict[int, tuple]:
         out = {}
@@ -97,11 +118,19 @@ class ModelStage:
     def free(self, seq_ids: Sequence[int]) -> None:
         for sid in seq_ids:
             self.seqs.pop(sid, None)
+            self.generators.pop(sid, None)
 
 
-def _make_stage(path: str, dtype_name: str | None, index: int, preload: range, owned: range):
+def _make_stage(
+    path: str,
+    dtype_name: str | None,
+    sampling: SamplingParams | None,
+    index: int,
+    preload: range,
+    owned: range,
+):
     dtype = getattr(torch, dtype_name) if dtype_name else None
-    return ModelStage(path, preload, owned, dtype)
+    return ModelStage(path, preload, owned, dtype, sampling)
 
 
 def model_pipeline(
@@ -113,12 +142,14 @@ def model_pipeline(
     dtype: torch.dtype = torch.float32,
     max_tokens: int = DEFAULT_MAX_TOKENS,
     timeout_s: float | None = None,
+    sampling: SamplingParams | None = None,
 ) -> Pipeline:
     """Spawns `num_stages` stage processes over the checkpoint at `path`.
 
     `k_max` (default: as many as the last stage can give) bounds the layers the scheduler may
     move, and so what each upstream stage preloads; `num_slots` (default: one per stage) is
-    the number of micro-batches in flight.
+    the number of micro-batches in flight; `sampling` (default greedy) is how the last stage
+    picks tokens (temperature / top-p with per-sequence seeds, as ``generate`` does).
     """
     if dtype not in _ENCODINGS:
         raise ValueError(f"dtype must be one of {sorted(map(str, _ENCODINGS))}, got {dtype}")
@@ -126,7 +157,7 @@ def model_pipeline(
     n = config.num_hidden_layers
     k_max = max_moves(n, num_stages) if k_max is None else k_max
     layout = SlotLayout(max_tokens, config.hidden_size, 1, _ENCODINGS[dtype], _ENCODINGS[dtype])
-    factory = functools.partial(_make_stage, str(path), str(dtype).removeprefix("torch."))
+    factory = functools.partial(_make_stage, str(path), str(dtype).removeprefix("torch."), sampling)
     kwargs = {} if timeout_s is None else {"timeout_s": timeout_s}
     return Pipeline(
         factory, n, num_stages, layout, k_max, initial_k, num_slots or num_stages, **kwargs
