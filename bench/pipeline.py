@@ -24,6 +24,7 @@ seeded per sequence, so any difference would be a pipeline error).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import random
 import sys
@@ -34,9 +35,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import format_table, percentile, time_calls, write_json
-from moecomm.pipeline.driver import run_greedy
+from moecomm.pipeline.driver import Pipeline, run_greedy
 from moecomm.pipeline.predictor import LatencyPredictor, LayerSample, LayerTimeModel, SampleSample
-from moecomm.pipeline.scheduler import BubbleScheduler
+from moecomm.pipeline.scheduler import BubbleScheduler, max_moves
+from moecomm.pipeline.testing import EmulatedCost, make_fake_stage
+from moecomm.protocol import SlotLayout
 from moecomm_serving.generate import SamplingParams, sample_next
 from moecomm_serving.kvcache import ForwardBatch
 from moecomm_serving.model import load_model
@@ -59,8 +62,12 @@ SAMPLING = SamplingParams(max_new_tokens=1, temperature=0.8, top_p=0.95, seed=SE
 MAX_DECODE = 32
 # Predictor chunks: number of chunks timed, requests per chunk, context range (tokens).
 CHUNKS, MAX_REQS, MAX_CONTEXT = 160, 24, 1024
+# Emulated device compute: the fake stage's hidden width, and its token ids' range (ids grow by
+# the layer count each step and must stay exact in float32).
+EMULATED_LAYOUT = SlotLayout(max_tokens=1024, hidden=8, topk=1, encoding="f32", out_encoding="f32")
+EMULATED_TOKENS = 1000
 # End-to-end workload: decode-heavy (short prompts, long outputs).
-E2E_SEQS, E2E_PROMPT, E2E_NEW, E2E_ROUNDS = 16, 8, 96, 5
+E2E_SEQS, E2E_PROMPT, E2E_NEW, E2E_ROUNDS = 16, 8, 96, 3
 
 
 def make_checkpoint(out: str) -> None:
@@ -178,14 +185,22 @@ def bench_predictor(path: str, chunks: int) -> dict:
     }
 
 
-def e2e_once(path: str, stages: int, mode: str, k: int, prompts) -> dict:
+def model_pipe(path: str, stages: int, initial_k: int):
+    return model_pipeline(path, stages, initial_k=initial_k, max_tokens=1024, sampling=SAMPLING)
+
+
+def emulated_pipe(cost: EmulatedCost, stages: int, initial_k: int):
+    factory = functools.partial(make_fake_stage, None, None, cost=cost)
+    k_max = max_moves(LAYERS, stages)
+    return Pipeline(factory, LAYERS, stages, EMULATED_LAYOUT, k_max, initial_k, stages)
+
+
+def e2e_once(make_pipe, stages: int, mode: str, k: int, prompts) -> dict:
     pred = sched = None
     initial = k if mode == "best_static" else 0
     if mode == "dynapipe":
         pred, sched = LatencyPredictor(chunk_term=True), BubbleScheduler(LAYERS, stages)
-    with model_pipeline(
-        path, stages, initial_k=initial, max_tokens=1024, sampling=SAMPLING
-    ) as pipe:
+    with make_pipe(stages, initial) as pipe:
         run = run_greedy(pipe, prompts, E2E_NEW, scheduler=sched, predictor=pred)
     decode_steps = max(1, run.steps // stages - 1)
     return {
@@ -197,15 +212,15 @@ def e2e_once(path: str, stages: int, mode: str, k: int, prompts) -> dict:
     }
 
 
-def bench_e2e(path: str, stages: int, rounds: int) -> list[dict]:
+def bench_e2e(make_pipe, kind: str, stages: int, rounds: int, vocab: int) -> list[dict]:
     rng = random.Random(SEED + 1)
-    prompts = [[rng.randrange(VOCAB) for _ in range(E2E_PROMPT)] for _ in range(E2E_SEQS)]
+    prompts = [[rng.randrange(vocab) for _ in range(E2E_PROMPT)] for _ in range(E2E_SEQS)]
     results: dict[str, list[dict]] = {"uniform": [], "dynapipe": [], "best_static": []}
     for _ in range(rounds):
-        results["uniform"].append(e2e_once(path, stages, "uniform", 0, prompts))
-        results["dynapipe"].append(e2e_once(path, stages, "dynapipe", 0, prompts))
+        results["uniform"].append(e2e_once(make_pipe, stages, "uniform", 0, prompts))
+        results["dynapipe"].append(e2e_once(make_pipe, stages, "dynapipe", 0, prompts))
         k = results["dynapipe"][-1]["final_k"]
-        results["best_static"].append(e2e_once(path, stages, "best_static", k, prompts))
+        results["best_static"].append(e2e_once(make_pipe, stages, "best_static", k, prompts))
     ref_tokens = results["uniform"][0]["tokens"]
     base = percentile([r["seconds"] for r in results["uniform"]], 50)
     rows = []
@@ -213,6 +228,7 @@ def bench_e2e(path: str, stages: int, rounds: int) -> list[dict]:
         secs = percentile([r["seconds"] for r in runs], 50)
         rows.append(
             {
+                "compute": kind,
                 "stages": stages,
                 "mode": mode,
                 "k": "/".join(str(r["final_k"]) for r in runs),
@@ -281,11 +297,19 @@ def main() -> None:
             f"alpha {sam['alpha']:.3e} s/seq, "
             f"beta {sam['beta']:.3e} s; one prediction {pr['predict_us']:.2f} us"
         )
+        rounds = 1 if args.quick else E2E_ROUNDS
+        cost = EmulatedCost(
+            lay["phi1"], lay["phi2"], lay["eps"], lay["chunk"], sam["alpha"], sam["beta"]
+        )
         e2e = []
-        for s in args.stages:
-            e2e += bench_e2e(tmp, s, 1 if args.quick else E2E_ROUNDS)
+        for st in args.stages:
+            real = functools.partial(model_pipe, tmp)
+            e2e += bench_e2e(real, "model", st, rounds, VOCAB)
+            emu = functools.partial(emulated_pipe, cost)
+            e2e += bench_e2e(emu, "emulated", st, rounds, EMULATED_TOKENS)
         print(f"\nend to end: {E2E_SEQS} sequences x {E2E_NEW} new tokens, prompts of {E2E_PROMPT}")
         cols = [
+            ("compute", "compute", "s"),
             ("stages", "stages", "d"),
             ("mode", "mode", "s"),
             ("k", "final_k", "s"),

@@ -16,6 +16,7 @@ import json
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -27,18 +28,51 @@ def expected_token(token: int, num_layers: int) -> int:
     return token + num_layers * (num_layers + 1) // 2
 
 
+@dataclass(frozen=True)
+class EmulatedCost:
+    """Seconds a layer / the sampling step *sleeps* (the predictor's model with given
+    coefficients): stands in for device compute, so stages on a small shared host run in
+    parallel the way stages on separate accelerators would."""
+
+    phi1: float
+    phi2: float
+    eps: float
+    chunk: float
+    alpha: float
+    beta: float
+
+    def layer(self, num_new: Sequence[int], lengths: Sequence[int]) -> float:
+        sn = sum(num_new)
+        snl = sum(n * length for n, length in zip(num_new, lengths, strict=True))
+        return self.phi1 * sn + self.phi2 * snl + self.eps * len(num_new) + self.chunk
+
+    def sample(self, num_decode: int) -> float:
+        return self.alpha * num_decode + self.beta
+
+
 class FakeStage:
     """See the module docstring. `slow` maps ``(layer, step)`` to seconds to sleep before that
-    layer runs (to hold a migration source back)."""
+    layer runs (to hold a migration source back); `cost` makes every layer and sampling call
+    sleep as an emulated device would; `log_dir` None keeps no log."""
 
-    def __init__(self, index: int, owned: range, log_dir: str, slow: dict | None = None):
+    def __init__(
+        self,
+        index: int,
+        owned: range,
+        log_dir: str | None,
+        slow: dict | None = None,
+        cost: EmulatedCost | None = None,
+    ):
         self.index, self.owned = index, owned
         self.kv: dict[int, dict[int, list[int]]] = {}  # seq -> layer -> positions seen
         self.slow = {tuple(k): v for k, v in (slow or {}).items()}
-        self.log_path = os.path.join(log_dir, f"stage{index}.jsonl")
+        self.cost = cost
+        self.log_path = os.path.join(log_dir, f"stage{index}.jsonl") if log_dir else None
         self.step = -1
 
     def _log(self, event: str, **kw) -> None:
+        if self.log_path is None:
+            return
         with open(self.log_path, "a") as f:
             f.write(json.dumps({"t": time.monotonic(), "event": event, **kw}) + "\n")
 
@@ -61,6 +95,9 @@ class FakeStage:
         delay = self.slow.get((layer, self.step))
         if delay:
             time.sleep(delay)
+        if self.cost is not None:
+            lengths = [p + n for p, n in zip(self.past, self.num_new, strict=True)]
+            time.sleep(self.cost.layer(self.num_new, lengths))
         self._log("layer", layer=layer, step=self.step)
         for sid, p, n in zip(self.seq_ids, self.past, self.num_new, strict=True):
             seen = self.kv[sid].get(layer)
@@ -75,6 +112,8 @@ class FakeStage:
         return h + (layer + 1)
 
     def sample(self, h: torch.Tensor) -> list[int]:
+        if self.cost is not None:
+            time.sleep(self.cost.sample(len(self.num_new)))
         rows, t = [], -1
         for n in self.num_new:
             t += n
@@ -97,9 +136,16 @@ class FakeStage:
             self.kv.pop(sid, None)
 
 
-def make_fake_stage(log_dir: str, slow: dict | None, index: int, preload: range, owned: range):
-    """Picklable factory: ``functools.partial(make_fake_stage, log_dir, slow)``."""
-    return FakeStage(index, owned, log_dir, slow)
+def make_fake_stage(
+    log_dir: str | None,
+    slow: dict | None,
+    index: int,
+    preload: range,
+    owned: range,
+    cost: EmulatedCost | None = None,
+):
+    """Picklable factory: ``functools.partial(make_fake_stage, log_dir, slow, cost=...)``."""
+    return FakeStage(index, owned, log_dir, slow, cost)
 
 
 def read_log(log_dir: str, index: int) -> list[dict]:
