@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import format_table, percentile, time_calls, write_json
-from moecomm.pipeline.driver import Pipeline, run_greedy
+from moecomm.pipeline.driver import Pipeline, run_decode
 from moecomm.pipeline.predictor import LatencyPredictor, LayerSample, LayerTimeModel, SampleSample
 from moecomm.pipeline.scheduler import BubbleScheduler, max_moves
 from moecomm.pipeline.testing import EmulatedCost, make_fake_stage
@@ -201,7 +201,7 @@ def e2e_once(make_pipe, stages: int, mode: str, k: int, prompts) -> dict:
     if mode == "dynapipe":
         pred, sched = LatencyPredictor(chunk_term=True), BubbleScheduler(LAYERS, stages)
     with make_pipe(stages, initial) as pipe:
-        run = run_greedy(pipe, prompts, E2E_NEW, scheduler=sched, predictor=pred)
+        run = run_decode(pipe, prompts, E2E_NEW, scheduler=sched, predictor=pred)
     decode_steps = max(1, run.steps // stages - 1)
     return {
         "seconds": run.seconds,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 
 import pytest
-from moecomm.pipeline.driver import Pipeline, run_greedy
+from moecomm.pipeline.driver import Pipeline, run_decode
 from moecomm.pipeline.testing import expected_token, make_fake_stage, read_log
 from moecomm.protocol import SlotLayout
 
@@ -38,7 +38,7 @@ def test_async_kv_migration_overlaps_the_destination(tmp_path):
     slow = {(2, 4): HOLD_S}
     factory = functools.partial(make_fake_stage, str(tmp_path), slow)
     with Pipeline(factory, LAYERS, STAGES, LAYOUT, k_max=1, num_slots=2) as pipe:
-        run = run_greedy(pipe, PROMPTS, NEW, forced={4: 1, 9: 0, 12: 1})
+        run = run_decode(pipe, PROMPTS, NEW, forced={4: 1, 9: 0, 12: 1})
     assert run.tokens == expected_tokens()
     assert run.remaps[0] == (5, 1)
     src, dst = read_log(str(tmp_path), 1), read_log(str(tmp_path), 0)

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 import torch
-from moecomm.pipeline.driver import PipelineError, run_greedy
+from moecomm.pipeline.driver import PipelineError, run_decode
 from moecomm.pipeline.predictor import LatencyPredictor
 from moecomm.pipeline.scheduler import BubbleScheduler
 from moecomm_serving.generate import SamplingParams, generate
@@ -33,7 +33,7 @@ def test_three_stages_equal_generate_across_redistributions(nine_layer_dir):
     # uniform, and two again; the switch lands while other micro-batches are in flight.
     forced = {4: 2, 11: 1, 17: 0, 23: 2}
     with model_pipeline(nine_layer_dir, 3) as pipe:
-        run = run_greedy(pipe, PROMPTS, MAX_NEW, forced=forced)
+        run = run_decode(pipe, PROMPTS, MAX_NEW, forced=forced)
     assert run.tokens == want
     assert [k for _, k in run.remaps] == [2, 1, 0, 2]
     assert set(run.step_ks) == {0, 1, 2}  # steps really ran under every map
@@ -49,7 +49,7 @@ def test_dynapipe_loop_keeps_greedy_tokens(tiny_dir):
     sched = BubbleScheduler(4, 2, window=2)
     with model_pipeline(tiny_dir, 2) as pipe:
         # Forced first switch makes the run cover a migration whatever the timings say.
-        run = run_greedy(pipe, PROMPTS, MAX_NEW, scheduler=sched, predictor=pred, forced={3: 1})
+        run = run_decode(pipe, PROMPTS, MAX_NEW, scheduler=sched, predictor=pred, forced={3: 1})
     assert run.tokens == want
     assert len(pred.layer.samples) > 0 and len(pred.sample.samples) > 0
     assert pred.ready  # fitted from the stages' own profiles
@@ -87,3 +87,20 @@ def test_pipeline_rejects_bad_requests(tiny_dir):
             pipe.result()
     with pytest.raises(ValueError, match="k must be in"):
         model_pipeline(tiny_dir, 2, k_max=2)
+
+
+@pytest.mark.timeout(120)
+def test_seeded_sampling_equals_generate(tiny_dir):
+    """Sampled decoding: sequence j draws from a generator seeded seed + j, like a request with
+    SamplingParams(seed=seed + j) in generate, so the tokens match through a redistribution."""
+    seed = 1234
+    sampling = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.9, top_p=0.9, seed=seed)
+    per_request = [
+        SamplingParams(MAX_NEW, 0.9, 0.9, seed + j, ignore_eos=True) for j in range(len(PROMPTS))
+    ]
+    model = load_model(tiny_dir, dtype=torch.float32)
+    want = [g.tokens for g in generate(model, PROMPTS, per_request)]
+    with model_pipeline(tiny_dir, 2, sampling=sampling) as pipe:
+        run = run_decode(pipe, PROMPTS, MAX_NEW, forced={5: 1})
+    assert run.tokens == want
+    assert want != reference(tiny_dir)  # really sampled, not greedy

@@ -1,7 +1,7 @@
 """The driver side of a stage pipeline: spawns the stage processes, connects their slot channels,
 feeds micro-batches, collects results and profiles, and changes the layer map on the fly.
 
-:class:`Pipeline` is the mechanism (submit / result / remap / free); :func:`run_greedy` is a
+:class:`Pipeline` is the mechanism (submit / result / remap / free); :func:`run_decode` is a
 decode loop over it with micro-batch groups, the latency predictor and the bubble-aware
 scheduler (DynaPipe).
 """
@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 
 from moecomm.errors import MoecommError
 from moecomm.pipeline.predictor import LatencyPredictor
-from moecomm.pipeline.scheduler import BubbleScheduler
+from moecomm.pipeline.scheduler import BubbleScheduler, stage_ranges
 from moecomm.pipeline.stage import STEP_TIMEOUT_S, StageSpec, stage_main
 from moecomm.protocol import SlotLayout
+from moecomm.transport import reap_stale_segments
 
 # Loading a stage's weights in a fresh interpreter (torch import included) on a busy machine.
 START_TIMEOUT_S = 120.0
@@ -39,8 +40,7 @@ class PipelineError(MoecommError):
 
 
 def _preload(num_layers: int, num_stages: int, k_max: int, index: int) -> range:
-    from moecomm.pipeline.scheduler import stage_ranges
-
+    """Every layer stage `index` owns for some k <= k_max (one contiguous range)."""
     rs = [stage_ranges(num_layers, num_stages, k)[index] for k in range(k_max + 1)]
     return range(min(r.start for r in rs), max(r.stop for r in rs))
 
@@ -69,13 +69,13 @@ class Pipeline:
         num_slots: int = 2,
         timeout_s: float = STEP_TIMEOUT_S,
     ):
-        from moecomm.pipeline.scheduler import stage_ranges
-
         self.num_layers, self.num_stages = num_layers, num_stages
         self.layout, self.num_slots, self.timeout_s = layout, num_slots, timeout_s
         self.ranges = tuple(stage_ranges(num_layers, num_stages, initial_k))
         self.k = initial_k  # layers moved off the last stage in the current map
         stage_ranges(num_layers, num_stages, k_max)  # validates k_max
+        if not 0 <= initial_k <= k_max:
+            raise ValueError(f"initial_k must be in [0, k_max = {k_max}], got {initial_k}")
         ctx = mp.get_context("spawn")
         self.inboxes = [ctx.Queue() for _ in range(num_stages)]
         self.procs, self.conns = [], []
@@ -182,8 +182,6 @@ class Pipeline:
         for q in self.inboxes:
             q.cancel_join_thread()
             q.close()
-        from moecomm.transport import reap_stale_segments
-
         for p in self.procs:
             reap_stale_segments(p.pid)
 
@@ -275,8 +273,8 @@ class Pipeline:
 
 
 @dataclass
-class GreedyRun:
-    """Outcome of :func:`run_greedy`."""
+class DecodeRun:
+    """Outcome of :func:`run_decode`."""
 
     tokens: list[list[int]]
     step_ks: list[int] = field(default_factory=list)  # k in force at each step run
@@ -294,7 +292,7 @@ def _feed(predictor: LatencyPredictor, profiles: list[tuple]) -> None:
             predictor.add_sample(len(num_new), rest[0])
 
 
-def run_greedy(
+def run_decode(
     pipe: Pipeline,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
@@ -303,22 +301,21 @@ def run_greedy(
     predictor: LatencyPredictor | None = None,
     forced: dict[int, int] | None = None,
     stop_ids: Sequence[int] = (),
-) -> GreedyRun:
-    """Greedy decoding of `prompts` through `pipe`, `groups` micro-batches in flight.
+) -> DecodeRun:
+    """Decodes `prompts` through `pipe` (the last stage picks each token: greedy or seeded
+    sampling, as its compute does), with `groups` micro-batches in flight.
 
     Sequences are split round-robin into groups; a group's next step is submitted when its
     previous one returns. With `scheduler` (and `predictor`, fed from the stages' own
     profiles), the layer map follows the scheduler's decisions; `forced` maps a submission
     index to a k to switch to (tests drive redistribution deterministically with it).
     """
-    from moecomm.pipeline.scheduler import stage_ranges
-
     groups = groups or pipe.num_slots
     members = [list(range(g, len(prompts), groups)) for g in range(groups)]
     members = [m for m in members if m]
     out: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
-    run = GreedyRun(out)
+    run = DecodeRun(out)
     k = k0 = pipe.k
     if scheduler is not None:
         scheduler.k = k  # the scheduler starts from the map the pipeline runs
@@ -364,8 +361,9 @@ def run_greedy(
                 finished.append(j)
         if finished:
             pipe.free(finished)
+        profiles = pipe.drain_profiles()  # drained either way: they would pile up
         if predictor is not None:
-            _feed(predictor, pipe.drain_profiles())
+            _feed(predictor, profiles)
             results += 1
             if results >= WARMUP_RESULTS and (not predictor.ready or results % REFIT_EVERY == 0):
                 with contextlib.suppress(ValueError):  # too few samples yet
