@@ -1,14 +1,15 @@
 """DynaPipe: predictor accuracy on this machine, and a decode-heavy pipeline with a uniform layer
 split against bubble-aware redistribution.
 
-    python bench/pipeline.py [--json PATH] [--stages 2] [--quick]
+    python bench/pipeline.py [--json PATH] [--stages 2 3] [--quick] [--predictor-only]
 
 Part 1 (predictor): one layer (and the sampling step: final norm, LM head, a temperature /
 top-p draw per sequence) of the tiny reference model is timed in-process over chunks of mixed
 decode / prefill requests with random context lengths. Each sample is the minimum over
 PASSES x REPEATS calls (bench/common.py time_calls), passes spread apart in time. The
 models are fitted on half the chunks and the relative error |pred − measured| / measured is
-reported on the other half (held out), mean and p90.
+reported on the other half (held out), mean and p90: over mixed chunks (85% decode requests,
+15% prefill chunks of 8-64 tokens) and, fitted separately, over pure decode chunks.
 
 Part 2 (end to end): the same sampled decode workload (every prompt decoded to the same length,
 micro-batches = stages) through S stage processes, three ways, alternating rounds so both see the
@@ -130,9 +131,14 @@ def bench_predictor(path: str, chunks: int) -> dict:
     rng = random.Random(SEED)
     layer = LAYERS // 2
     chunk_list = [random_chunk(rng) for _ in range(chunks)]
+    # Pure decode chunks (every request n = 1): the regime of a decode-heavy load.
+    chunk_list += [
+        ([1] * r, [rng.randint(0, MAX_CONTEXT) for _ in range(r)])
+        for r in (rng.randint(1, MAX_REQS) for _ in range(chunks // 2))
+    ]
     sizes = [n for n in range(1, MAX_DECODE + 1) for _ in range(2)]
     rng.shuffle(sizes)
-    best_layer = [float("inf")] * chunks
+    best_layer = [float("inf")] * len(chunk_list)
     best_sample = [float("inf")] * len(sizes)
     for _ in range(PASSES):
         for j, (nn, past) in enumerate(chunk_list):
@@ -144,6 +150,11 @@ def bench_predictor(path: str, chunks: int) -> dict:
         for (nn, past), t in zip(chunk_list, best_layer, strict=True)
     ]
     sample_samples = [SampleSample(n, t) for n, t in zip(sizes, best_sample, strict=True)]
+    decode_samples, layer_samples = layer_samples[chunks:], layer_samples[:chunks]
+    decode = LayerTimeModel(chunk_term=True)
+    for s in decode_samples[::2]:
+        decode.add(s)
+    decode_fit, decode_held = decode.fit(), decode.evaluate(decode_samples[1::2])
     # DynaPipe's formula as stated, and the same plus a per-chunk constant (chunk_term).
     plain = LayerTimeModel()
     for s in layer_samples[::2]:
@@ -174,6 +185,14 @@ def bench_predictor(path: str, chunks: int) -> dict:
             "eps": plain.eps,
             "fit": plain_fit,
             "held_out": plain_held,
+        },
+        "layer_decode": {
+            "phi1": decode.phi1,
+            "phi2": decode.phi2,
+            "eps": decode.eps,
+            "chunk": decode.chunk,
+            "fit": decode_fit,
+            "held_out": decode_held,
         },
         "sample": {
             "alpha": pred.sample.alpha,
@@ -247,6 +266,7 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--stages", type=int, nargs="+", default=[2])
     p.add_argument("--quick", action="store_true", help="fewer chunks and rounds (smoke run)")
+    p.add_argument("--predictor-only", action="store_true", help="part 1 only")
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(SEED)
@@ -255,7 +275,7 @@ def main() -> None:
         pr = bench_predictor(tmp, CHUNKS // 4 if args.quick else CHUNKS)
         lay, sam = pr["layer"], pr["sample"]
         print("predictor (held-out relative error; targets: layer <= 5%, sampling <= 1%)")
-        plain = pr["layer_plain"]
+        plain, dec = pr["layer_plain"], pr["layer_decode"]
         rows = [
             {
                 "model": "T_layer (formula)",
@@ -272,6 +292,14 @@ def main() -> None:
                 "fit_mean": lay["fit"].mean_rel_error * 100,
                 "target": 5.0,
                 "met": lay["held_out"].mean_rel_error <= 0.05,
+            },
+            {
+                "model": "T_layer decode-only (+chunk)",
+                "mean": dec["held_out"].mean_rel_error * 100,
+                "p90": dec["held_out"].p90_rel_error * 100,
+                "fit_mean": dec["fit"].mean_rel_error * 100,
+                "target": 5.0,
+                "met": dec["held_out"].mean_rel_error <= 0.05,
             },
             {
                 "model": "T_sample",
@@ -297,6 +325,9 @@ def main() -> None:
             f"alpha {sam['alpha']:.3e} s/seq, "
             f"beta {sam['beta']:.3e} s; one prediction {pr['predict_us']:.2f} us"
         )
+        if args.predictor_only:
+            write_json(args.json, {"predictor": pr, "predictor_table": rows})
+            return
         rounds = 1 if args.quick else E2E_ROUNDS
         cost = EmulatedCost(
             lay["phi1"], lay["phi2"], lay["eps"], lay["chunk"], sam["alpha"], sam["beta"]
