@@ -79,6 +79,10 @@ def test_pipeline_rejects_bad_requests(tiny_dir):
             pipe.submit([0], [0], [2], [1])
         with pytest.raises(ValueError, match="contiguous cover"):
             pipe.remap([range(0, 1), range(2, 4)])
+        with pytest.raises(ValueError, match="one non-empty range per stage"):
+            pipe.remap([range(0, 4)])
+        with pytest.raises(ValueError, match=r"stage 1 layers 1..3, but it preloaded only 2..3"):
+            pipe.remap([range(0, 1), range(1, 4)])
         with pytest.raises(RuntimeError, match="no micro-batch in flight"):
             pipe.result()
         # a stage that hits an error reports it and the driver names it

@@ -76,6 +76,7 @@ class Pipeline:
         stage_ranges(num_layers, num_stages, k_max)  # validates k_max
         if not 0 <= initial_k <= k_max:
             raise ValueError(f"initial_k must be in [0, k_max = {k_max}], got {initial_k}")
+        self.preloads = [_preload(num_layers, num_stages, k_max, i) for i in range(num_stages)]
         ctx = mp.get_context("spawn")
         self.inboxes = [ctx.Queue() for _ in range(num_stages)]
         self.procs, self.conns = [], []
@@ -90,7 +91,7 @@ class Pipeline:
                     i,
                     num_stages,
                     self.ranges,
-                    _preload(num_layers, num_stages, k_max, i),
+                    self.preloads[i],
                     layout.to_dict(),
                     num_slots,
                     factory,
@@ -231,8 +232,16 @@ class Pipeline:
         sources know during that next step which layers to send; returns the first step
         that runs under `ranges`."""
         ranges = tuple(ranges)
+        if len(ranges) != self.num_stages or any(len(r) == 0 for r in ranges):
+            raise ValueError(f"layer map {ranges}: need one non-empty range per stage")
         if [i for r in ranges for i in r] != list(range(self.num_layers)):
             raise ValueError(f"layer map {ranges} is not a contiguous cover of the layers")
+        for i, (r, pre) in enumerate(zip(ranges, self.preloads, strict=True)):
+            if r.start < pre.start or r.stop > pre.stop:
+                raise ValueError(
+                    f"layer map gives stage {i} layers {r.start}..{r.stop - 1}, but it preloaded "
+                    f"only {pre.start}..{pre.stop - 1} (raise k_max)"
+                )
         effective = self.next_step + 1
         self._broadcast(("remap", effective, ranges))
         self.ranges, self.k = ranges, k
