@@ -1,0 +1,386 @@
+"""The driver side of a stage pipeline: spawns the stage processes, connects their slot channels,
+feeds micro-batches, collects results and profiles, and changes the layer map on the fly.
+
+:class:`Pipeline` is the mechanism (submit / result / remap / free); :func:`run_decode` is a
+decode loop over it with micro-batch groups, the latency predictor and the bubble-aware
+scheduler (DynaPipe).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from moecomm.errors import MoecommError
+from moecomm.pipeline.predictor import LatencyPredictor
+from moecomm.pipeline.scheduler import BubbleScheduler, stage_ranges
+from moecomm.pipeline.stage import STEP_TIMEOUT_S, StageSpec, stage_main
+from moecomm.protocol import SlotLayout
+from moecomm.transport import reap_stale_segments
+
+# Loading a stage's weights in a fresh interpreter (torch import included) on a busy machine.
+START_TIMEOUT_S = 120.0
+# How often the driver checks its stages' liveness while it waits for a result.
+LIVENESS_POLL_S = 0.05
+# Refit the predictor every this many results: a fit costs ~1 ms, a step several.
+REFIT_EVERY = 32
+# Results profiled before the first fit: the first steps are prefills and cold caches, and a
+# fit on a handful of them would steer the scheduler with noise.
+WARMUP_RESULTS = 16
+
+
+class PipelineError(MoecommError):
+    """A stage failed or died; the message names the stage and what happened."""
+
+
+def _preload(num_layers: int, num_stages: int, k_max: int, index: int) -> range:
+    """Every layer stage `index` owns for some k <= k_max (one contiguous range)."""
+    rs = [stage_ranges(num_layers, num_stages, k)[index] for k in range(k_max + 1)]
+    return range(min(r.start for r in rs), max(r.stop for r in rs))
+
+
+class Pipeline:
+    """S stage processes joined by slot channels.
+
+    Args:
+        factory: picklable ``(index, preload, owned) -> StageCompute``, called in each child.
+        num_layers, num_stages: pipeline shape.
+        layout: the activation slot layout (``hidden``, ``max_tokens`` per micro-batch).
+        k_max: most layers the scheduler may move off the last stage; stages preload the
+            weights of every layer they can receive up to that.
+        initial_k: the layer map at start (0: uniform).
+        num_slots: micro-batches in flight per stage boundary.
+    """
+
+    def __init__(
+        self,
+        factory: Callable,
+        num_layers: int,
+        num_stages: int,
+        layout: SlotLayout,
+        k_max: int = 0,
+        initial_k: int = 0,
+        num_slots: int = 2,
+        timeout_s: float = STEP_TIMEOUT_S,
+    ):
+        self.num_layers, self.num_stages = num_layers, num_stages
+        self.layout, self.num_slots, self.timeout_s = layout, num_slots, timeout_s
+        self.ranges = tuple(stage_ranges(num_layers, num_stages, initial_k))
+        self.k = initial_k  # layers moved off the last stage in the current map
+        stage_ranges(num_layers, num_stages, k_max)  # validates k_max
+        if not 0 <= initial_k <= k_max:
+            raise ValueError(f"initial_k must be in [0, k_max = {k_max}], got {initial_k}")
+        self.preloads = [_preload(num_layers, num_stages, k_max, i) for i in range(num_stages)]
+        ctx = mp.get_context("spawn")
+        self.inboxes = [ctx.Queue() for _ in range(num_stages)]
+        self.procs, self.conns = [], []
+        self.next_step = 0
+        self.inflight: deque[int] = deque()
+        self.profiles: list[tuple] = []  # (stage, step, num_new, lengths, layer_times[, t_sample])
+        self.closed = False
+        try:
+            for i in range(num_stages):
+                parent, child = ctx.Pipe()
+                spec = StageSpec(
+                    i,
+                    num_stages,
+                    self.ranges,
+                    self.preloads[i],
+                    layout.to_dict(),
+                    num_slots,
+                    factory,
+                    timeout_s,
+                )
+                p = ctx.Process(target=stage_main, args=(spec, child, self.inboxes), daemon=True)
+                p.start()
+                child.close()
+                self.procs.append(p)
+                self.conns.append(parent)
+            self._connect()
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ set-up / tear-down
+    def _connect(self) -> None:
+        ready = [self._expect(i, "ready", START_TIMEOUT_S) for i in range(self.num_stages)]
+        for i, conn in enumerate(self.conns):
+            down = ready[i + 1][1] if i + 1 < self.num_stages else None
+            up = ready[i - 1][2] if i > 0 else None
+            conn.send(("connect", down, up))
+        for i in range(self.num_stages):
+            self._expect(i, "connected", START_TIMEOUT_S)
+
+    def _expect(self, i: int, kind: str, timeout: float):
+        deadline = time.monotonic() + timeout
+        while not self.conns[i].poll(LIVENESS_POLL_S):
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise PipelineError(f"stage {i} sent no {kind!r} within {timeout} s")
+        msg = self._recv(i)
+        if msg[0] != kind:
+            raise PipelineError(f"stage {i}: expected {kind!r}, got {msg[0]!r}")
+        return msg
+
+    def _recv(self, i: int):
+        try:
+            msg = self.conns[i].recv()
+        except (EOFError, OSError):
+            self._check_alive(wait=True)
+            raise PipelineError(f"stage {i} closed its control pipe") from None
+        if msg[0] == "error":
+            self._fail(f"stage {msg[1]} failed: {msg[2].strip().splitlines()[-1]}", msg[2])
+        return msg
+
+    def _check_alive(self, wait: bool = False) -> None:
+        if wait:  # a closed pipe: give the exit code a moment to be reaped
+            for p in self.procs:
+                p.join(LIVENESS_POLL_S)
+        dead = [(i, p) for i, p in enumerate(self.procs) if p.exitcode is not None]
+        if dead:
+            for i, _ in dead:  # a stage that failed (rather than died) said why: report that
+                with contextlib.suppress(EOFError, OSError):
+                    while self.conns[i].poll(0):
+                        msg = self.conns[i].recv()
+                        if msg[0] == "error":
+                            self._fail(
+                                f"stage {msg[1]} failed: {msg[2].strip().splitlines()[-1]}",
+                                msg[2],
+                            )
+            what = ", ".join(
+                f"stage {i} (pid {p.pid}) exited with code {p.exitcode}"
+                + (f" (signal {-p.exitcode})" if p.exitcode < 0 else "")
+                for i, p in dead
+            )
+            steps = f"steps {list(self.inflight)} in flight" if self.inflight else "idle"
+            self._fail(f"pipeline stage lost: {what}; {steps}")
+
+    def _fail(self, message: str, detail: str = "") -> None:
+        self.close()
+        err = PipelineError(message)
+        err.detail = detail
+        raise err
+
+    def close(self) -> None:
+        """Stops every stage (asks, then kills after a deadline) and releases the queues."""
+        if self.closed:
+            return
+        self.closed = True
+        for conn in self.conns:
+            with contextlib.suppress(OSError, BrokenPipeError):
+                conn.send(("stop",))
+        for p in self.procs:
+            p.join(self.timeout_s / 4)
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+                p.join(self.timeout_s / 4)
+        for q in self.inboxes:
+            q.cancel_join_thread()
+            q.close()
+        for p in self.procs:
+            reap_stale_segments(p.pid)
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ commands
+    def _broadcast(self, msg) -> None:
+        if self.closed:
+            raise PipelineError("the pipeline is closed")
+        for i, conn in enumerate(self.conns):
+            try:
+                conn.send(msg)
+            except (BrokenPipeError, OSError):
+                self._check_alive(wait=True)
+                self._fail(f"stage {i} closed its control pipe")
+
+    def submit(
+        self,
+        seq_ids: Sequence[int],
+        past: Sequence[int],
+        num_new: Sequence[int],
+        tokens: Sequence[int],
+    ) -> int:
+        """Queues one micro-batch; returns its step number. Results come back in step order."""
+        if not (len(seq_ids) == len(past) == len(num_new)) or sum(num_new) != len(tokens):
+            raise ValueError(
+                f"micro-batch: {len(seq_ids)} ids, {len(past)} lengths, {len(num_new)} counts "
+                f"and {len(tokens)} tokens (expected sum(num_new) = {sum(num_new)})"
+            )
+        if len(tokens) > self.layout.max_tokens:
+            raise ValueError(
+                f"micro-batch of {len(tokens)} tokens exceeds the slot's max_tokens "
+                f"{self.layout.max_tokens}"
+            )
+        step = self.next_step
+        self._broadcast(("step", step, list(seq_ids), list(past), list(num_new), list(tokens)))
+        self.next_step += 1
+        self.inflight.append(step)
+        return step
+
+    def remap(self, ranges: Sequence[range], k: int | None = None) -> int:
+        """Switches to a new layer map from the step after the next one submitted, so the
+        sources know during that next step which layers to send; returns the first step
+        that runs under `ranges`."""
+        ranges = tuple(ranges)
+        if len(ranges) != self.num_stages or any(len(r) == 0 for r in ranges):
+            raise ValueError(f"layer map {ranges}: need one non-empty range per stage")
+        if [i for r in ranges for i in r] != list(range(self.num_layers)):
+            raise ValueError(f"layer map {ranges} is not a contiguous cover of the layers")
+        for i, (r, pre) in enumerate(zip(ranges, self.preloads, strict=True)):
+            if r.start < pre.start or r.stop > pre.stop:
+                raise ValueError(
+                    f"layer map gives stage {i} layers {r.start}..{r.stop - 1}, but it preloaded "
+                    f"only {pre.start}..{pre.stop - 1} (raise k_max)"
+                )
+        effective = self.next_step + 1
+        self._broadcast(("remap", effective, ranges))
+        self.ranges, self.k = ranges, k
+        return effective
+
+    def free(self, seq_ids: Sequence[int]) -> None:
+        self._broadcast(("free", list(seq_ids)))
+
+    def result(self) -> tuple[int, list[int]]:
+        """Waits for the oldest micro-batch in flight: ``(step, tokens)``."""
+        if not self.inflight:
+            raise RuntimeError("no micro-batch in flight")
+        last = self.num_stages - 1
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            for i in range(last):
+                while self.conns[i].poll(0):
+                    _, step, prof = self._recv(i)
+                    self.profiles.append((i, step, *prof))
+            if self.conns[last].poll(LIVENESS_POLL_S):
+                msg = self._recv(last)
+                _, step, out, prof = msg
+                want = self.inflight.popleft()
+                if step != want:
+                    self._fail(f"result of step {step} arrived while {want} was expected")
+                self.profiles.append((last, step, *prof))
+                return step, out
+            self._check_alive()
+            if time.monotonic() > deadline:
+                self._fail(
+                    f"no result for step {self.inflight[0]} within {self.timeout_s} s "
+                    f"(all stages alive: a stage is stuck)"
+                )
+
+    def drain_profiles(self) -> list[tuple]:
+        out, self.profiles = self.profiles, []
+        return out
+
+
+@dataclass
+class DecodeRun:
+    """Outcome of :func:`run_decode`."""
+
+    tokens: list[list[int]]
+    step_ks: list[int] = field(default_factory=list)  # k in force at each step run
+    remaps: list[tuple[int, int]] = field(default_factory=list)  # (effective step, k)
+    seconds: float = 0.0
+    steps: int = 0
+
+
+def _feed(predictor: LatencyPredictor, profiles: list[tuple]) -> None:
+    for prof in profiles:
+        _, _, num_new, lengths, layer_times, *rest = prof
+        for t in layer_times:
+            predictor.add_layer(num_new, lengths, t)
+        if rest:
+            predictor.add_sample(len(num_new), rest[0])
+
+
+def run_decode(
+    pipe: Pipeline,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    groups: int | None = None,
+    scheduler: BubbleScheduler | None = None,
+    predictor: LatencyPredictor | None = None,
+    forced: dict[int, int] | None = None,
+    stop_ids: Sequence[int] = (),
+) -> DecodeRun:
+    """Decodes `prompts` through `pipe` (the last stage picks each token: greedy or seeded
+    sampling, as its compute does), with `groups` micro-batches in flight.
+
+    Sequences are split round-robin into groups; a group's next step is submitted when its
+    previous one returns. With `scheduler` (and `predictor`, fed from the stages' own
+    profiles), the layer map follows the scheduler's decisions; `forced` maps a submission
+    index to a k to switch to (tests drive redistribution deterministically with it).
+    """
+    groups = groups or pipe.num_slots
+    members = [list(range(g, len(prompts), groups)) for g in range(groups)]
+    members = [m for m in members if m]
+    out: list[list[int]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    run = DecodeRun(out)
+    k = k0 = pipe.k
+    if scheduler is not None:
+        scheduler.k = k  # the scheduler starts from the map the pipeline runs
+    owner: dict[int, int] = {}  # step -> group
+
+    def submit(g: int) -> None:
+        nonlocal k
+        ids = [j for j in members[g] if not done[j]]
+        if not ids:
+            return
+        if forced and run.steps in forced and forced[run.steps] != k:
+            k = forced[run.steps]
+            if scheduler is not None:  # the scheduler starts over from the forced map
+                scheduler.k = k
+                scheduler.recent.clear()
+            ranges = stage_ranges(pipe.num_layers, pipe.num_stages, k)
+            run.remaps.append((pipe.remap(ranges, k), k))
+        elif scheduler is not None and predictor is not None and predictor.ready:
+            nn = [1 if out[j] else len(prompts[j]) for j in ids]
+            lens = [len(prompts[j]) + len(out[j]) for j in ids]
+            decision = scheduler.observe(*predictor.predict(nn, lens, len(ids)))
+            if decision.changed:
+                k = decision.applied
+                run.remaps.append((pipe.remap(decision.ranges, k), k))
+        past = [len(prompts[j]) + len(out[j]) - 1 if out[j] else 0 for j in ids]
+        feed = [list(prompts[j]) if not out[j] else out[j][-1:] for j in ids]
+        step = pipe.submit(ids, past, [len(f) for f in feed], [t for f in feed for t in f])
+        owner[step] = g
+        run.steps += 1
+
+    t0, results = time.perf_counter(), 0
+    for g in range(len(members)):
+        submit(g)
+    while pipe.inflight:
+        step, tokens = pipe.result()
+        g = owner.pop(step)
+        ids = [j for j in members[g] if not done[j]]
+        finished = []
+        for j, tok in zip(ids, tokens, strict=True):
+            out[j].append(tok)
+            if len(out[j]) >= max_new_tokens or tok in stop_ids:
+                done[j] = True
+                finished.append(j)
+        if finished:
+            pipe.free(finished)
+        profiles = pipe.drain_profiles()  # drained either way: they would pile up
+        if predictor is not None:
+            _feed(predictor, profiles)
+            results += 1
+            if results >= WARMUP_RESULTS and (not predictor.ready or results % REFIT_EVERY == 0):
+                with contextlib.suppress(ValueError):  # too few samples yet
+                    predictor.fit()
+        submit(g)
+    run.seconds = time.perf_counter() - t0
+    changes, k = dict(run.remaps), k0  # effective step -> k
+    for s in range(pipe.next_step - run.steps, pipe.next_step):
+        k = changes.get(s, k)
+        run.step_ks.append(k)
+    return run

@@ -1,0 +1,164 @@
+"""The reference model as DynaPipe pipeline stages (``moecomm.pipeline``).
+
+:class:`ModelStage` is the :class:`moecomm.pipeline.stage.StageCompute` of one stage: it loads
+the weights of every layer it may own (``preload``), runs whichever contiguous range it owns at
+the moment, keeps a :class:`SequenceKV` per sequence holding only the owned layers, and exports /
+imports one layer's caches when the layer map moves that layer. :func:`model_pipeline` builds a
+:class:`moecomm.pipeline.driver.Pipeline` over a checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+from moecomm.pipeline.driver import Pipeline
+from moecomm.pipeline.scheduler import max_moves
+from moecomm.protocol import SlotLayout
+
+from moecomm_serving.config import MoEConfig
+from moecomm_serving.generate import SamplingParams, sample_next
+from moecomm_serving.kvcache import ForwardBatch, LayerKV, SequenceKV
+from moecomm_serving.model import load_model
+
+# Tokens per micro-batch the activation slots are sized for: a few prompts' prefill at once.
+DEFAULT_MAX_TOKENS = 512
+# Only dtypes with an unquantized slot encoding can travel between stages as they are.
+_ENCODINGS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+class ModelStage:
+    """One stage's share of the model. Layer ids are global."""
+
+    def __init__(
+        self,
+        path: str,
+        preload: range,
+        owned: range,
+        dtype: torch.dtype | None,
+        sampling: SamplingParams | None = None,
+    ):
+        self.model = load_model(path, layers=preload, dtype=dtype)
+        # Greedy by default; otherwise every sequence draws from its own generator seeded by
+        # (params.seed + sequence id), so its tokens do not depend on the micro-batch it is in.
+        self.sampling = sampling or SamplingParams()
+        self.generators: dict[int, torch.Generator | None] = {}
+        c = self.model.config
+        self.kv_shape = (c.num_key_value_heads, c.head_dim)
+        self.owned = owned
+        self.seqs: dict[int, SequenceKV] = {}
+        self.batch: ForwardBatch | None = None
+
+    def set_layers(self, layers: range) -> None:
+        self.owned = layers
+
+    def _new_sequence(self) -> SequenceKV:
+        m = self.model
+        return SequenceKV(self.owned, *self.kv_shape, m.dtype, m.device)
+
+    def begin(self, seq_ids: Sequence[int], past: Sequence[int], num_new: Sequence[int]) -> None:
+        # ForwardBatch.build reads each cache's length, which is undefined while a migrated
+        # layer is still in flight; the driver knows the lengths, so the batch is built here.
+        caches = []
+        for sid, p in zip(seq_ids, past, strict=True):
+            if sid not in self.seqs:
+                if p != 0:
+                    raise RuntimeError(f"sequence {sid} is unknown here but has {p} tokens")
+                self.seqs[sid] = self._new_sequence()
+            caches.append(self.seqs[sid])
+        starts, positions, t = [], [], 0
+        for p, n in zip(past, num_new, strict=True):
+            starts.append(t)
+            positions.append(torch.arange(p, p + n, dtype=torch.int64))
+            t += n
+        pos = torch.cat(positions).to(self.model.device)
+        self.batch = ForwardBatch(caches, list(num_new), list(past), starts, pos)
+        self.seq_ids = list(seq_ids)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(tokens)
+
+    def layer(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        m = self.model
+        return m.block(layer).forward(h, self.batch, m.rope, m.experts)
+
+    def sample(self, h: torch.Tensor) -> list[int]:
+        logits = self.model.logits(h.index_select(0, self.batch.last_rows()))
+        params = self.sampling
+        if params.greedy:
+            return [int(t) for t in torch.argmax(logits, dim=-1)]
+        out = []
+        for row, sid in enumerate(self.seq_ids):
+            if sid not in self.generators:
+                self.generators[sid] = torch.Generator().manual_seed((params.seed or 0) + sid)
+            out.append(sample_next(logits[row], params, self.generators[sid]))
+        return out
+
+    def export_kv(self, layer: int) -> dict[int, tuple]:
+        out = {}
+        for sid, seq in self.seqs.items():
+            kv = seq.pop_layer(layer)
+            n = kv.length
+            # numpy arrays pickle by value; torch tensors would travel as shared-memory handles
+            # tied to this process's lifetime.
+            out[sid] = (kv.k[:, :n].numpy().copy(), kv.v[:, :n].numpy().copy())
+        return out
+
+    def import_kv(self, layer: int, package: dict[int, tuple]) -> None:
+        m = self.model
+        for sid, (k, v) in package.items():
+            seq = self.seqs.get(sid)
+            if seq is None:
+                continue  # finished (freed here) after the source exported it
+            kv = LayerKV(*self.kv_shape, m.dtype, m.device)
+            kv.append(torch.from_numpy(k), torch.from_numpy(v))
+            seq.put_layer(layer, kv)
+
+    def free(self, seq_ids: Sequence[int]) -> None:
+        for sid in seq_ids:
+            self.seqs.pop(sid, None)
+            self.generators.pop(sid, None)
+
+
+def _make_stage(
+    path: str,
+    dtype_name: str | None,
+    sampling: SamplingParams | None,
+    index: int,
+    preload: range,
+    owned: range,
+):
+    dtype = getattr(torch, dtype_name) if dtype_name else None
+    return ModelStage(path, preload, owned, dtype, sampling)
+
+
+def model_pipeline(
+    path: str,
+    num_stages: int,
+    k_max: int | None = None,
+    initial_k: int = 0,
+    num_slots: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    timeout_s: float | None = None,
+    sampling: SamplingParams | None = None,
+) -> Pipeline:
+    """Spawns `num_stages` stage processes over the checkpoint at `path`.
+
+    `k_max` (default: as many as the last stage can give) bounds the layers the scheduler may
+    move, and so what each upstream stage preloads; `num_slots` (default: one per stage) is
+    the number of micro-batches in flight; `sampling` (default greedy) is how the last stage
+    picks tokens (temperature / top-p with per-sequence seeds, as ``generate`` does).
+    """
+    if dtype not in _ENCODINGS:
+        raise ValueError(f"dtype must be one of {sorted(map(str, _ENCODINGS))}, got {dtype}")
+    config = MoEConfig.from_file(path)
+    n = config.num_hidden_layers
+    k_max = max_moves(n, num_stages) if k_max is None else k_max
+    layout = SlotLayout(max_tokens, config.hidden_size, 1, _ENCODINGS[dtype], _ENCODINGS[dtype])
+    factory = functools.partial(_make_stage, str(path), str(dtype).removeprefix("torch."), sampling)
+    kwargs = {} if timeout_s is None else {"timeout_s": timeout_s}
+    return Pipeline(
+        factory, n, num_stages, layout, k_max, initial_k, num_slots or num_stages, **kwargs
+    )
