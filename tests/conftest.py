@@ -76,3 +76,23 @@ def etcd_process(tmp_path_factory):
     proc.start()
     yield proc
     proc.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """One intra-op thread: test tensors are far too small to split, and on the shared two-core
+    machines a second spinning thread makes small steps several times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_dir(tmp_path_factory):
+    """The tiny random Mixtral-layout checkpoint (seed 0), written once per session."""
+    from moecomm_serving.tiny import write_tiny
+
+    path = tmp_path_factory.mktemp("tiny-mixtral")
+    write_tiny(str(path), "mixtral", seed=0)
+    return path

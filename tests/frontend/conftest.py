@@ -8,25 +8,12 @@ from frontend_helpers import MAX_BATCH_TOKENS, MODEL_NAME
 from moecomm_serving.frontend import make_frontend_app, start_frontend
 from moecomm_serving.generate import SamplingParams, generate
 from moecomm_serving.model import load_model
-from moecomm_serving.tiny import write_tiny
 from moecomm_serving.tokenizer import load_tokenizer
 
 
-@pytest.fixture(scope="session", autouse=True)
-def one_thread():
-    """One intra-op thread: the tiny model's ops are too small to split, and a second spinning
-    thread on the shared two-core machines makes each step several times slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("frontend-tiny")
-    write_tiny(str(path), "mixtral", seed=0)
-    return path
+def tiny_dir(tiny_mixtral_dir):
+    return tiny_mixtral_dir
 
 
 @pytest.fixture(scope="session")

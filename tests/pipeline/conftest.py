@@ -1,9 +1,8 @@
-"""Tiny checkpoints for pipeline tests, written once per session; one intra-op thread."""
+"""Tiny checkpoints for pipeline tests, written once per session."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 from moecomm_serving.tiny import write_tiny
 
 # Nine layers split 3/3/3 over three stages let the last stage give away two layers, onto two
@@ -11,19 +10,9 @@ from moecomm_serving.tiny import write_tiny
 THREE_STAGE_LAYERS = 9
 
 
-@pytest.fixture(scope="session", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("pipe-tiny-mixtral")
-    write_tiny(str(path), "mixtral", seed=0)
-    return path
+def tiny_dir(tiny_mixtral_dir):
+    return tiny_mixtral_dir
 
 
 @pytest.fixture(scope="session")

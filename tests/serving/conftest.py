@@ -8,21 +8,9 @@ from moecomm_serving.model import load_model
 from moecomm_serving.tiny import write_tiny
 
 
-@pytest.fixture(scope="session", autouse=True)
-def one_thread():
-    """One intra-op thread: the tiny model's ops are far too small to split, and on the shared
-    two-core CI machines a second spinning thread makes each decode step ~8x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="session")
-def mixtral_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-mixtral")
-    write_tiny(str(path), "mixtral", seed=0)
-    return path
+def mixtral_dir(tiny_mixtral_dir):
+    return tiny_mixtral_dir
 
 
 @pytest.fixture(scope="session")
