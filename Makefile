@@ -26,6 +26,10 @@ $(DEPS_STAMP): pyproject.toml | $(PY)
 		"pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "pyzmq>=25" \
 		"ruff>=0.6" "clang-format>=18" triton "fastapi>=0.110" "uvicorn>=0.29" "httpx>=0.27" \
 		"safetensors>=0.4" matplotlib
+	# GPU data path: NVSHMEM headers + device library for the build (the CUDA 13 wheel matches the
+	# machine's nvcc 13; use nvidia-nvshmem-cu12 with a CUDA 12 toolkit) and cuda-python for
+	# device discovery and IPC handles. Both install and import without a GPU.
+	$(PIP) install -q nvidia-nvshmem-cu13 "cuda-bindings>=13,<14"
 	touch $@
 
 $(PKG_STAMP): $(DEPS_STAMP) $(BUILD_INPUTS)

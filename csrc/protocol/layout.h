@@ -23,6 +23,13 @@ constexpr uint64_t kSlotAlign = kCacheLine;
 // the header written by the peer never shares a cache line with the polled word.
 constexpr uint64_t kSignalLineBytes = kCacheLine;
 constexpr uint64_t kSignalOffset = 0;
+// Device transports only: a byte counter in the signal line of each slot. Every payload put
+// adds the bytes it carried (NVSHMEM signal ADD, or a release add over CUDA IPC), and the
+// header's put sets the signal word; a reader that saw the signal waits until the counter
+// reaches payload_bytes, then zeroes it before releasing the slot. Puts from many warps can
+// then land in any order with no grid-wide barrier on the sender. (shm uses bytes 8-11 for its
+// sleeper count; this word stays clear of them.)
+constexpr uint64_t kArrivalOffset = 16;
 constexpr uint64_t kHeaderOffset = kSignalLineBytes;
 constexpr uint64_t kPayloadOffset = kHeaderOffset + align_up(sizeof(SlotHeader), kSlotAlign);
 // A region-wide arrival counter: writers bump it after signalling a slot, so a reader that

@@ -1,0 +1,49 @@
+// Device side of the NVSHMEM transport: every region is a range of NVSHMEM's symmetric heap, so
+// a peer's copy of our region sits at the same offset in its heap, and a put is
+// nvshmemx_putmem_signal_nbi_warp (IBGDA: the GPU rings the NIC itself, no CPU on the path).
+#pragma once
+
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include <cstdint>
+
+#include "transport/device/device_ops.cuh"
+
+namespace moecomm::transport::nvshmem {
+
+// Plain-old-data, passed to kernels by value; arrays are device memory the host side rewrites
+// when peers are marked alive or dead (NVSHMEM's PE set itself is fixed at start).
+struct NvshmemBackend {
+  uint8_t* local_base = nullptr;     // our region: symmetric, same offset on every PE
+  const int32_t* peer_pe = nullptr;  // [max_peers] NVSHMEM PE of each moecomm peer
+  const uint32_t* alive = nullptr;   // [max_peers] liveness mask
+  uint32_t max_peers = 0;
+
+  __device__ uint32_t num_peers() const { return max_peers; }
+
+  __device__ bool peer_alive(uint32_t peer) const {
+    return peer < max_peers && ::cuda::atomic_ref<uint32_t, ::cuda::thread_scope_system>(
+                                   *const_cast<uint32_t*>(alive + peer))
+                                       .load(::cuda::memory_order_relaxed) != 0;
+  }
+
+  __device__ uint8_t* local(uint64_t offset) const { return local_base + offset; }
+
+  __device__ void put_warp(uint32_t peer, uint64_t offset, const void* src, uint64_t bytes) const {
+    nvshmemx_putmem_nbi_warp(local_base + offset, src, bytes, peer_pe[peer]);
+  }
+
+  __device__ void put_signal_warp(uint32_t peer, uint64_t offset, const void* src, uint64_t bytes,
+                                  uint64_t sig_offset, uint64_t value, SignalOp op) const {
+    // Earlier put_warp calls of this warp to the same PE must land before this signal:
+    // putmem_signal only orders its own data, so fence first.
+    if (threadIdx.x % 32 == 0) nvshmem_fence();
+    __syncwarp();
+    nvshmemx_putmem_signal_nbi_warp(
+        local_base + offset, src, bytes, reinterpret_cast<uint64_t*>(local_base + sig_offset),
+        value, op == SignalOp::kSet ? NVSHMEM_SIGNAL_SET : NVSHMEM_SIGNAL_ADD, peer_pe[peer]);
+  }
+};
+
+}  // namespace moecomm::transport::nvshmem
