@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 DEPS_STAMP := $(VENV)/.deps-installed
 PKG_STAMP := $(VENV)/.moecomm-installed
-BUILD_INPUTS := $(shell find csrc bindings -type f 2>/dev/null) CMakeLists.txt pyproject.toml
+BUILD_INPUTS := $(shell find csrc bindings cmake -type f 2>/dev/null) CMakeLists.txt pyproject.toml
 PY_SOURCES := python serving tests bench
 CXX_SOURCES = $(shell find csrc bindings -name '*.h' -o -name '*.cc' -o -name '*.cu' -o -name '*.cuh')
 

@@ -172,6 +172,11 @@ def test_connect_is_authenticated_and_validated(two_servers, transport):
     assert httpx.post(f"{url}/connect", json=gone, timeout=10).status_code == 404
     r = httpx.post(f"{url}/connect", content=b"{not json", timeout=10)
     assert r.status_code == 422
+    # A GPU client cannot be served from host shared memory: refused before any attach.
+    r = httpx.post(f"{url}/connect", json={**body, "transport": "cuda_ipc"}, timeout=10)
+    assert r.status_code == 400 and "cannot serve a 'cuda_ipc' client" in r.text
+    r = httpx.post(f"{url}/connect", json={**body, "transport": "carrier-pigeon"}, timeout=10)
+    assert r.status_code == 400 and "unknown transport" in r.text
     with pytest.raises(ConnectionError, match="refused"):
         client(two_servers, 10, token="nope")
 

@@ -145,6 +145,7 @@ class AttentionClient:
                 self.num_slots,
                 self.token,
                 self.timeout,
+                transport=self.transport.name,
             )
             ch.connect(info["server_handle"], info["doorbell_handle"])
         except Exception:

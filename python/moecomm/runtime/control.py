@@ -25,7 +25,12 @@ DEFAULT_HOST = "127.0.0.1"
 MAX_TOKENS_LIMIT = 1 << 16
 MAX_HIDDEN = 1 << 16
 MAX_TOPK = 64
-MAX_HANDLE_LEN = 256
+# A CUDA-IPC handle string (64-byte cudaIpcMemHandle in hex, size, owner pid, device bus id) is
+# about 200 characters; shm names are far shorter.
+MAX_HANDLE_LEN = 512
+# Names a connect may ask for: the host shared-memory transport and the GPU one. A server
+# answers a client of another transport with a clear 400 instead of failing at attach time.
+TRANSPORT_NAMES = ("shm", "cuda_ipc")
 HTTP_TIMEOUT_S = 10.0
 
 
@@ -43,6 +48,8 @@ class ConnectModel(BaseModel):
     layout: LayoutModel
     num_slots: int = Field(ge=1, le=MAX_SLOTS_PER_CLIENT)
     token: str = Field(default="", max_length=256)
+    # Clients from before the field existed spoke shm.
+    transport: str = Field(default="shm", max_length=32)
 
 
 class TokenModel(BaseModel):
@@ -65,6 +72,19 @@ def make_app(server: ExpertServer, token: str = "") -> FastAPI:
     @app.post("/connect")
     def connect(body: ConnectModel):
         authorize(body.token)
+        served = server.transport.name
+        if body.transport != served:
+            known = body.transport in TRANSPORT_NAMES
+            raise HTTPException(
+                status_code=400,
+                detail=f"this server's slots live in {served!r} memory; it cannot serve a "
+                + (
+                    f"{body.transport!r} client"
+                    if known
+                    else f"client of unknown transport "
+                    f"{body.transport[:32]!r} (known: {', '.join(TRANSPORT_NAMES)})"
+                ),
+            )
         try:
             layout = SlotLayout(
                 body.layout.max_tokens,
@@ -176,14 +196,17 @@ def http_connect(
     num_slots: int,
     token: str = "",
     timeout: float = HTTP_TIMEOUT_S,
+    transport: str = "shm",
 ) -> dict:
-    """Client side of the connect handshake. Raises ConnectionError naming the server."""
+    """Client side of the connect handshake. `transport` names where the client's response
+    slots live (the server must use the same one). Raises ConnectionError naming the server."""
     body = {
         "client_id": client_id,
         "client_handle": client_handle,
         "layout": layout.to_dict(),
         "num_slots": num_slots,
         "token": token,
+        "transport": transport,
     }
     try:
         r = httpx.post(f"{url}/connect", json=body, timeout=timeout)

@@ -118,6 +118,7 @@ class ExpertServer:
         return {
             "server_id": self.server_id,
             "server_handle": channel.handle,
+            "transport": self.transport.name,
             "doorbell_handle": self.doorbell.handle,
             "num_slots": num_slots,
             "request_slot_bytes": layout.request_slot_bytes,
