@@ -197,10 +197,10 @@ def test_combine_reduces_in_ascending_k_order_in_f32():
     # 1 + 1e8 rounds the 1 away in f32; summed in the other order the 1 would survive.
     from moecomm.compat._ll_layout import weighted_sum
 
-    y = torch.ones(1, 3, 1, dtype=torch.bfloat16)
+    rows = torch.tensor([[1.0], [float("nan")]], dtype=torch.bfloat16)
     w = torch.tensor([[1.0, 1e8, -1e8]])
-    assert weighted_sum(y, torch.zeros(1, 3, dtype=torch.int64), w).item() == 0.0
-    # A -1 entry is skipped, whatever garbage its row holds.
-    y[0, 1] = float("nan")
-    got = weighted_sum(y, torch.tensor([[0, -1, 2]]), w)
+    got = weighted_sum(rows, torch.zeros(1, 3, dtype=torch.int64), torch.zeros(1, 3).long(), w)
+    assert got.item() == 0.0
+    # A -1 entry is skipped, whatever its source row holds (here a NaN).
+    got = weighted_sum(rows, torch.tensor([[0, 1, 0]]), torch.tensor([[0, -1, 2]]), w)
     assert torch.equal(got, torch.tensor([[1.0]]) + torch.tensor([[-1e8]]))

@@ -67,6 +67,7 @@ from moecomm._C import Encoding, SlotRing
 from moecomm.compat._ll_layout import (
     LLShape,
     ReceiveLayout,
+    Scratch,
     check_dispatch_inputs,
     check_host,
     check_shape,
@@ -177,6 +178,7 @@ class Buffer:
         self._servers: list[ServerChannel] = []
         self._clients: list[ClientChannel] = []
         self._recv_buffers: dict = {}
+        self._scratch = Scratch()
         self._in_flight: list[LowLatencyHandle | None] = [None] * NUM_SLOTS
         self._num_dispatches = 0
         self._destroyed = False
@@ -417,15 +419,19 @@ class Buffer:
                 )
             reqs.append(req)
         num_local = self.shape.num_experts // self.num_ranks
-        lay = receive_layout([r.expert_ids for r in reqs], [r.scores for r in reqs], num_local)
-        acts = torch.cat([r.activations for r in reqs]).index_select(0, lay.src_token)
+        rows_per_expert = self.num_ranks * self.shape.num_max_dispatch_tokens_per_rank
+        ids = [r.expert_ids for r in reqs]
+        lay = receive_layout(ids, [r.scores for r in reqs], num_local, rows_per_expert)
+        data = recv_x[0].view(torch.uint8) if use_fp8 else recv_x
+        acts = torch.cat([r.activations.view(data.dtype) for r in reqs])
+        # One gather per expert straight into its rows: the rows of an expert are contiguous
+        # in the layout (index_copy_ / index_put_ measured 3x slower than index_select here).
+        for e, (a, b) in enumerate(zip(lay.offsets[:-1], lay.offsets[1:], strict=True)):
+            if b > a:
+                torch.index_select(acts, 0, lay.src_token[a:b], out=data[e, : b - a])
         if use_fp8:
-            data, scales = recv_x
-            data.view(torch.uint8)[lay.expert, lay.pos] = acts.view(torch.uint8)
-            all_scales = torch.cat([r.scales for r in reqs]).index_select(0, lay.src_token)
-            scales[lay.expert, lay.pos] = all_scales
-        else:
-            recv_x[lay.expert, lay.pos] = acts
+            scales = torch.cat([r.scales for r in reqs]).index_select(0, lay.src_token)
+            recv_x[1][lay.expert, lay.pos] = scales
         src_info, layout_range = handle[0], handle[1]
         src_info[lay.expert, lay.pos] = lay.token_index.to(torch.int32)
         layout_range.copy_(lay.layout_range)
@@ -480,9 +486,16 @@ class Buffer:
                     f"out must be bf16 [{t}, {s.hidden}], got {out.dtype} {list(out.shape)}"
                 )
         combined = out if out is not None else torch.empty(t, s.hidden, dtype=torch.bfloat16)
+        flat_x = x.view(-1, s.hidden) if x.is_contiguous() else None
         for p, server in enumerate(self._servers):
-            expert, pos = handle.layout.reply[p]
-            y = x[expert, pos] if expert.numel() else torch.zeros(1, s.hidden, dtype=torch.bfloat16)
+            rows = handle.layout.reply[p]
+            if not rows.numel():
+                y = torch.zeros(1, s.hidden, dtype=torch.bfloat16)
+            elif flat_x is not None:  # into scratch: respond() copies it into the slot
+                y = self._scratch.get("reply", (rows.numel(), s.hidden), torch.bfloat16)
+                torch.index_select(flat_x, 0, rows, out=y)
+            else:
+                y = x[rows // want[1], rows % want[1]]
             server.respond(dataclasses.replace(handle.requests[p], num_tokens=y.shape[0]), y)
         handle.combined = True
         weights = topk_weights.clone() if return_recv_hook else topk_weights
@@ -503,7 +516,7 @@ class Buffer:
         s = self.shape
         t, k = handle.topk_idx.shape
         slot, seq = handle.index % NUM_SLOTS, handle.index + 1
-        y = torch.empty(t * k, s.hidden, dtype=torch.bfloat16)
+        parts, sent = [], []
         deadline = time.monotonic() + self.timeout
         for q, client in enumerate(self._clients):
             with self._naming(q, "combine answer"):
@@ -515,8 +528,19 @@ class Buffer:
                         f"deep_ep.Buffer rank {self.rank}: rank {q} answered {resp.num_tokens} "
                         f"rows for {rows.numel()} copies"
                     )
-                y.index_copy_(0, rows, resp.activations)
-        combined.copy_(weighted_sum(y.view(t, k, s.hidden), handle.topk_idx, weights))
+                parts.append(resp.activations)
+                sent.append(rows)
+        # Copy (t, k) is row source[t, k] of the answers; unselected copies read a zero row.
+        n = sum(p.shape[0] for p in parts)
+        answers = self._scratch.get("answers", (n + 1, s.hidden), torch.bfloat16)
+        if parts:
+            torch.cat(parts, out=answers[:n])
+        answers[n].zero_()
+        source = torch.full((t * k,), n, dtype=torch.int64)
+        if sent:
+            source[torch.cat(sent)] = torch.arange(n)
+        acc = weighted_sum(answers, source.view(t, k), handle.topk_idx, weights, self._scratch)
+        combined.copy_(acc)
 
     # ------------------------------------------------------------------ lifetime, errors
     @contextlib.contextmanager
