@@ -284,7 +284,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--num-topk", type=int, default=8)
     ap.add_argument("--num-experts", type=int, default=288)
-    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--trials", type=int, default=9)
     ap.add_argument("--warmup-trials", type=int, default=1)
     ap.add_argument("--iters", type=int, default=20, help="samples per trial (half with hooks)")
     ap.add_argument("--quick", action="store_true", help="small shape and few samples (tests)")

@@ -57,16 +57,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import time
-from datetime import timedelta
 
 import torch
 
-from moecomm._C import Encoding, SlotRing
+from moecomm._C import Encoding
 from moecomm.compat._ll_layout import (
     LLShape,
-    ReceiveLayout,
     Scratch,
     check_dispatch_inputs,
     check_host,
@@ -74,55 +71,26 @@ from moecomm.compat._ll_layout import (
     receive_layout,
     weighted_sum,
 )
+from moecomm.compat._ll_support import (
+    NUM_SLOTS,
+    CompletedEvent,
+    LowLatencyHandle,
+    check_combine_inputs,
+    exchange,
+    shm_bytes_per_rank,
+    slot_layout,
+)
 from moecomm.errors import PeerLostError, ProtocolError, TimeoutError
 from moecomm.ops.dispatch import ExpertMap, pack_dispatch
-from moecomm.protocol import SlotLayout
 from moecomm.slots import ClientChannel, ServerChannel
 from moecomm.transport import ShmTransport
 
 __all__ = ["Buffer", "CompletedEvent", "LowLatencyHandle"]
 
-# DeepEP double-buffers the low-latency results; one slot per result in flight.
-NUM_SLOTS = 2
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_STORE_PREFIX = "moecomm.compat.deep_ep"
 # Only for get_low_latency_rdma_size_hint, which is not told the top-k (DeepSeek-V3 uses 8).
 SIZE_HINT_TOPK = 8
-
-
-class CompletedEvent:
-    """Stands in for DeepEP's ``EventOverlap``: host calls are complete when they return."""
-
-    def current_stream_wait(self) -> None:
-        return None
-
-    def __enter__(self) -> CompletedEvent:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        return None
-
-
-class LowLatencyHandle(tuple):
-    """DeepEP's handle ``(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden,
-    num_experts)``, plus (as attributes) what our combine needs."""
-
-    def __new__(cls, src_info, layout_range, num_max, hidden, num_experts):
-        return super().__new__(cls, (src_info, layout_range, num_max, hidden, num_experts))
-
-    owner: int
-    index: int  # dispatch number on the owning buffer; slot = index % NUM_SLOTS, seq = index + 1
-    topk_idx: torch.Tensor
-    sent_rows: list  # per destination rank: int64 t*K + k of each copy, in request order
-    requests: list | None = None  # per source rank, after the receive: its Request
-    layout: ReceiveLayout | None = None
-    combined: bool = False
-
-
-def _single_slot_layout(shape: LLShape, num_ranks: int) -> SlotLayout:
-    per_rank = shape.num_max_dispatch_tokens_per_rank
-    copies = per_rank * min(shape.num_topk, shape.num_experts // num_ranks)
-    return SlotLayout(max(per_rank, copies), shape.hidden, shape.num_topk, "bf16", "bf16")
 
 
 class Buffer:
@@ -194,7 +162,7 @@ class Buffer:
     # ------------------------------------------------------------------ set-up, rendezvous
     def _setup(self, shape: LLShape) -> None:
         check_shape(shape, self.num_ranks)
-        layout = _single_slot_layout(shape, self.num_ranks)
+        layout = slot_layout(shape, self.num_ranks)
         transport = ShmTransport()
         r = self.rank
         try:
@@ -230,23 +198,9 @@ class Buffer:
         self.shape = shape
 
     def _exchange(self, mine: dict) -> list[dict]:
-        if self.group is not None:
-            import torch.distributed as dist
-
-            out: list = [None] * self.num_ranks
-            dist.all_gather_object(out, mine, group=self.group)
-            return out
-        keys = [f"{self.store_prefix}/{p}" for p in range(self.num_ranks)]
-        self.store.set(keys[self.rank], json.dumps(mine))
-        try:
-            self.store.wait(keys, timedelta(seconds=self.timeout))
-        except Exception as exc:  # the store raises its own error types on a deadline
-            missing = [p for p, k in enumerate(keys) if not self.store.check([k])]
-            raise TimeoutError(
-                f"deep_ep.Buffer rank {self.rank}: ranks {missing} did not publish their "
-                f"regions within {self.timeout:.1f} s ({exc})"
-            ) from exc
-        return [json.loads(self.store.get(k)) for k in keys]
+        return exchange(
+            mine, self.rank, self.num_ranks, self.group, self.store, self.store_prefix, self.timeout
+        )
 
     @staticmethod
     def get_low_latency_rdma_size_hint(
@@ -254,16 +208,8 @@ class Buffer:
     ) -> int:
         """Bytes of shared memory one rank maps for this shape (at top-8; the argument is
         ignored by the constructor, which sizes the slots itself)."""
-        shape = LLShape(
-            num_max_dispatch_tokens_per_rank,
-            hidden,
-            num_experts,
-            min(SIZE_HINT_TOPK, num_experts),
-        )
-        cfg = _single_slot_layout(check_shape(shape, num_ranks), num_ranks).config
-        per_peer = SlotRing(cfg, NUM_SLOTS, True).region_bytes
-        per_peer += SlotRing(cfg, NUM_SLOTS, False).region_bytes
-        return num_ranks * per_peer
+        shape = LLShape(num_max_dispatch_tokens_per_rank, hidden, num_experts, SIZE_HINT_TOPK)
+        return shm_bytes_per_rank(check_shape(shape, num_ranks), num_ranks)
 
     # ------------------------------------------------------------------ dispatch
     def low_latency_dispatch(
@@ -464,27 +410,13 @@ class Buffer:
         if handle.combined or self._in_flight[handle.index % NUM_SLOTS] is not handle:
             raise RuntimeError(f"dispatch {handle.index} was already combined")
         s = self.shape
-        num_local = s.num_experts // self.num_ranks
-        want = (num_local, self.num_ranks * s.num_max_dispatch_tokens_per_rank, s.hidden)
-        x = check_host("x", x)
-        if x.dtype != torch.bfloat16 or tuple(x.shape) != want:
-            raise ValueError(f"x must be bf16 {list(want)}, got {x.dtype} {list(x.shape)}")
-        check_host("topk_idx", topk_idx)
-        if not torch.equal(topk_idx, handle.topk_idx):
-            raise ValueError("topk_idx must be the one given to the dispatch of this handle")
-        check_host("topk_weights", topk_weights)
-        if topk_weights.dtype != torch.float32 or topk_weights.shape != topk_idx.shape:
-            raise ValueError(
-                f"topk_weights must be float32 {list(topk_idx.shape)}, got "
-                f"{topk_weights.dtype} {list(topk_weights.shape)}"
-            )
+        want = (
+            s.num_experts // self.num_ranks,
+            self.num_ranks * s.num_max_dispatch_tokens_per_rank,
+            s.hidden,
+        )
+        check_combine_inputs(x, topk_idx, topk_weights, out, handle.topk_idx, want)
         t = topk_idx.shape[0]
-        if out is not None:
-            check_host("out", out)
-            if out.dtype != torch.bfloat16 or tuple(out.shape) != (t, s.hidden):
-                raise ValueError(
-                    f"out must be bf16 [{t}, {s.hidden}], got {out.dtype} {list(out.shape)}"
-                )
         combined = out if out is not None else torch.empty(t, s.hidden, dtype=torch.bfloat16)
         flat_x = x.view(-1, s.hidden) if x.is_contiguous() else None
         for p, server in enumerate(self._servers):
@@ -495,7 +427,7 @@ class Buffer:
                 y = self._scratch.get("reply", (rows.numel(), s.hidden), torch.bfloat16)
                 torch.index_select(flat_x, 0, rows, out=y)
             else:
-                y = x[rows // want[1], rows % want[1]]
+                y = x[rows // x.shape[1], rows % x.shape[1]]
             server.respond(dataclasses.replace(handle.requests[p], num_tokens=y.shape[0]), y)
         handle.combined = True
         weights = topk_weights.clone() if return_recv_hook else topk_weights
