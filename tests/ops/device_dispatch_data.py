@@ -10,7 +10,6 @@ from __future__ import annotations
 import struct
 
 import torch
-
 from moecomm._C import Encoding, request_payload_layout
 from moecomm.ops.combine import combine
 from moecomm.ops.dispatch import ExpertMap, pack_dispatch
@@ -24,12 +23,22 @@ ELEM_BYTES = {
     Encoding.FP8_E4M3: 1,
     Encoding.FP8_E4M3_B128: 1,
 }
-DTYPE_ENCODING = {torch.bfloat16: Encoding.BF16, torch.float16: Encoding.FP16,
-                  torch.float32: Encoding.F32}  # fmt: skip
+DTYPE_ENCODING = {
+    torch.bfloat16: Encoding.BF16,
+    torch.float16: Encoding.FP16,
+    torch.float32: Encoding.F32,
+}
 
 
-def make_case(tokens: int, hidden: int, topk: int, servers: int, experts: int, seed: int,
-              x_dtype: torch.dtype = torch.bfloat16):  # fmt: skip
+def make_case(
+    tokens: int,
+    hidden: int,
+    topk: int,
+    servers: int,
+    experts: int,
+    seed: int,
+    x_dtype: torch.dtype = torch.bfloat16,
+):
     """A routed batch with replicas: every expert lives on 1-2 servers (distinct local slots);
     some (token, k) are -1 and some servers may get no token. Returns (x, ids, weights, emap,
     replica [E]) where x encodes its origin (row t, column c -> t + c / 1024)."""
@@ -101,8 +110,9 @@ def expected_round_trip(x, ids, weights, emap, replica, enc: Encoding, out_dtype
             factor = b.scores[:, k] * (b.expert_ids[:, k] + 1).float()
             acc[here] += (factor.unsqueeze(1) * xf)[here]
         partials.append(acc.to(out_dtype))
-    y = combine(partials, [b.token_index for b in batches], x.shape[0], hidden=x.shape[1],
-                dtype=out_dtype)  # fmt: skip
+    y = combine(
+        partials, [b.token_index for b in batches], x.shape[0], hidden=x.shape[1], dtype=out_dtype
+    )
     return batches, y
 
 

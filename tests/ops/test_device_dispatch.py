@@ -28,7 +28,6 @@ from device_dispatch_data import (
     payload_bytes,
     raw,
 )
-
 from moecomm._C import Encoding
 from moecomm.ops.combine import combine
 from moecomm.ops.dispatch import pack_dispatch
@@ -37,8 +36,14 @@ from moecomm.protocol import SlotLayout
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).parent
-ENCODINGS = [Encoding.BF16, Encoding.FP16, Encoding.F32, Encoding.INT8, Encoding.FP8_E4M3,
-             Encoding.FP8_E4M3_B128]  # fmt: skip
+ENCODINGS = [
+    Encoding.BF16,
+    Encoding.FP16,
+    Encoding.F32,
+    Encoding.INT8,
+    Encoding.FP8_E4M3,
+    Encoding.FP8_E4M3_B128,
+]
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +86,11 @@ def test_index_replay_matches_pack_dispatch_and_combine(
     blob += raw(scales) if scales is not None else b""
     blob += b"".join(raw(p) for p in partials)
     (tmp_path / "in.bin").write_bytes(blob)
-    run = subprocess.run([str(replay_exe), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")],
-                         capture_output=True, text=True)  # fmt: skip
+    run = subprocess.run(
+        [str(replay_exe), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")],
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, run.stderr
     out = (tmp_path / "out.bin").read_bytes()
     pos = torch.frombuffer(bytearray(out[: tokens * servers * 4]), dtype=torch.int32)
@@ -104,8 +112,13 @@ def test_index_replay_matches_pack_dispatch_and_combine(
         assert got == payload_bytes(b, hidden, topk, enc), f"server {s}: payload differs"
     y = torch.frombuffer(bytearray(out[at:]), dtype=torch.float32).view(tokens, hidden)
     sent = [s for s in range(servers) if s in by_server]
-    want = combine([partials[s] for s in sent], [by_server[s].token_index for s in sent], tokens,
-                   hidden=hidden, dtype=torch.float32)  # fmt: skip
+    want = combine(
+        [partials[s] for s in sent],
+        [by_server[s].token_index for s in sent],
+        tokens,
+        hidden=hidden,
+        dtype=torch.float32,
+    )
     assert torch.equal(y, want)
 
 
@@ -227,7 +240,7 @@ def test_wrapper_refuses_cpu_tensors_and_missing_module(monkeypatch):
         raise ImportError(f"No module named {name!r}")
 
     monkeypatch.setattr(device_dispatch.importlib, "import_module", missing)
-    with pytest.raises(RuntimeError, match="moecomm._cuda is not built"):
+    with pytest.raises(RuntimeError, match=r"moecomm\._cuda is not built"):
         device_dispatch.DeviceClient(peers, layout, 1, 0, offsets, offsets)
 
 
@@ -238,29 +251,53 @@ def _gpu_check(tmp_path: Path, blob: bytes, mode: str) -> str:
         pytest.skip("needs nvcc to build the CUDA check")
     kernels = ROOT / "csrc" / "kernels" / "cuda"
     exe = tmp_path / "device_dispatch_check"
-    sources = [HERE / "cuda" / "device_dispatch_check.cu", kernels / "device_dispatch.cu",
-               kernels / "reorg.cu", kernels / "scan.cu"]  # fmt: skip
+    sources = [
+        HERE / "cuda" / "device_dispatch_check.cu",
+        kernels / "device_dispatch.cu",
+        kernels / "reorg.cu",
+        kernels / "scan.cu",
+    ]
     cmd = [nvcc, "-std=c++17", "-arch=native", f"-I{ROOT / 'csrc'}", *map(str, sources)]
     subprocess.run([*cmd, "-o", str(exe)], check=True)
     (tmp_path / "case.bin").write_bytes(blob)
-    run = subprocess.run([str(exe), mode, str(tmp_path / "case.bin")], capture_output=True,
-                         text=True, timeout=300)  # fmt: skip
+    run = subprocess.run(
+        [str(exe), mode, str(tmp_path / "case.bin")], capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     return run.stdout
 
 
-def _gpu_case(enc: Encoding, steps: int, tokens=24, hidden=256, topk=4, servers=3, experts=10,
-              x_dtype=torch.bfloat16, out_dtype=torch.bfloat16) -> bytes:  # fmt: skip
+def _gpu_case(
+    enc: Encoding,
+    steps: int,
+    tokens=24,
+    hidden=256,
+    topk=4,
+    servers=3,
+    experts=10,
+    x_dtype=torch.bfloat16,
+    out_dtype=torch.bfloat16,
+) -> bytes:
     """The GPU check's input: shapes, the device expert map, then per step the inputs and the
     host path's expected payloads and combine result (see device_dispatch_check.cu)."""
     _, _, _, emap, replica = make_case(tokens, hidden, topk, servers, experts, seed=0)
     server, local = device_tables(emap, replica)
-    blob = pack_u32(tokens, hidden, topk, servers, experts, int(enc),
-                    int(DTYPE_ENCODING[x_dtype]), int(DTYPE_ENCODING[out_dtype]), steps)  # fmt: skip
+    blob = pack_u32(
+        tokens,
+        hidden,
+        topk,
+        servers,
+        experts,
+        int(enc),
+        int(DTYPE_ENCODING[x_dtype]),
+        int(DTYPE_ENCODING[out_dtype]),
+        steps,
+    )
     blob += pack_i32(server) + pack_i32(local)
     for step in range(steps):
-        x, ids, weights, _, _ = make_case(tokens, hidden, topk, servers, experts, seed=step,
-                                          x_dtype=x_dtype)  # fmt: skip
+        x, ids, weights, _, _ = make_case(
+            tokens, hidden, topk, servers, experts, seed=step, x_dtype=x_dtype
+        )
         batches, y = expected_round_trip(x, ids, weights, emap, replica, enc, out_dtype)
         blob += raw(x) + raw(ids) + raw(weights.float())
         by_server = {b.server: b for b in batches}

@@ -1,4 +1,4 @@
-"""Device dispatch/combine: the GPU twin of :func:`pack_dispatch` + slot send and of :func:`combine`.
+"""Device dispatch/combine: the GPU twin of :func:`pack_dispatch` + send, and of :func:`combine`.
 
 :class:`DeviceClient` drives the CUDA kernels of ``csrc/kernels/cuda/`` (client_dispatch.cuh,
 client_combine.cuh) through ``moecomm._cuda`` over the CUDA-IPC backend. Everything stays on the
@@ -85,8 +85,10 @@ class DeviceClient:
         self._k = cuda_module()
         if num_servers < 1:
             raise ValueError(f"num_servers must be >= 1, got {num_servers}")
-        for name, t in (("request_ring_offset", request_ring_offset),
-                        ("response_ring_offset", response_ring_offset)):  # fmt: skip
+        for name, t in (
+            ("request_ring_offset", request_ring_offset),
+            ("response_ring_offset", response_ring_offset),
+        ):
             _check_cuda(name, t, (_U64,), 1)
             if t.shape[0] != num_servers or not t.is_contiguous():
                 raise ValueError(f"{name} must be contiguous with {num_servers} entries")
@@ -136,7 +138,9 @@ class DeviceClient:
     def status(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(status, detail) int32 device views [num_servers] of the last combine on ``slot``."""
         n = self.config.num_servers
-        return self._part(slot, "status", torch.int32, n), self._part(slot, "detail", torch.int32, n)
+        return self._part(slot, "status", torch.int32, n), self._part(
+            slot, "detail", torch.int32, n
+        )
 
     def counts(self, slot: int) -> torch.Tensor:
         """Tokens sent to each server by the last dispatch on ``slot`` (int32 device view)."""
@@ -147,9 +151,13 @@ class DeviceClient:
             raise ValueError(f"slot must be in [0, {len(self.workspaces)}), got {slot}")
 
     def dispatch(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer_id: int,
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        layer_id: int,
         slot: int = 0,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Routes, quantizes, packs and puts one request per server with tokens, on the
         current stream. Returns at once; ``x``/``topk_*`` must stay alive until the stream has
         run it."""
@@ -172,15 +180,23 @@ class DeviceClient:
         a.topk_weights = topk_weights.data_ptr()
         a.weights_dtype = int(_FLOAT_ENCODING[topk_weights.dtype])
         a.num_tokens, a.topk = t, topk_ids.shape[1]
-        a.expert_server, a.expert_local = self.expert_server.data_ptr(), self.expert_local.data_ptr()
+        a.expert_server, a.expert_local = (
+            self.expert_server.data_ptr(),
+            self.expert_local.data_ptr(),
+        )
         a.num_experts, a.layer_id, a.slot = self.expert_server.shape[0], layer_id, slot
         a.next_seq, a.workspace = self.next_seq.data_ptr(), self.workspaces[slot].data_ptr()
         self._k.client_dispatch(self.peers, self.config, a, _stream(x.device))
 
     def combine(
-        self, num_tokens: int, layer_id: int, slot: int = 0, timeout_s: float = 1.0,
-        out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        num_tokens: int,
+        layer_id: int,
+        slot: int = 0,
+        timeout_s: float = 1.0,
+        out: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
         """Waits (deadline ``timeout_s`` per server) and sums the answers of the dispatch on
         ``slot`` into ``out`` [num_tokens, hidden] on the current stream; no synchronisation."""
         self._check_slot(slot)
@@ -188,8 +204,9 @@ class DeviceClient:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if out is None:
             dtype = out_dtype or _dtype_of(as_encoding(self.layout.out_encoding))
-            out = torch.empty(num_tokens, self.layout.hidden, dtype=dtype,
-                              device=self.next_seq.device)  # fmt: skip
+            out = torch.empty(
+                num_tokens, self.layout.hidden, dtype=dtype, device=self.next_seq.device
+            )
         _check_cuda("out", out, tuple(_FLOAT_ENCODING), 2)
         if tuple(out.shape) != (num_tokens, self.layout.hidden) or not out.is_contiguous():
             raise ValueError(f"out must be contiguous [{num_tokens}, {self.layout.hidden}]")
