@@ -67,9 +67,9 @@ int replay(const char* in_path, const char* out_path) {
     for (uint32_t t = 0; t < t_n; ++t) {
       bool mine = false;
       for (uint32_t k = 0; k < topk && !mine; ++k) {
-        const kc::Route r = kc::route_expert(kc::load_id(ids.data(), ids_int64, t * topk + k),
-                                             expert_server.data(), expert_local.data(), experts,
-                                             servers);
+        const kc::Route r =
+            kc::route_expert(kc::load_id(ids.data(), ids_int64, t * topk + k), expert_server.data(),
+                             expert_local.data(), experts, servers);
         mine = r.server == static_cast<int32_t>(s);
       }
       if (mine) pos[uint64_t{t} * servers + s] = static_cast<int32_t>(count[s]++);
@@ -82,9 +82,9 @@ int replay(const char* in_path, const char* out_path) {
       const kc::RequestRow off = kc::request_row(l, row, hidden, topk, enc);
       for (uint32_t k = 0; k < topk; ++k) {
         const uint64_t i = uint64_t{t} * topk + k;
-        const kc::Route r = kc::route_expert(kc::load_id(ids.data(), ids_int64, i),
-                                             expert_server.data(), expert_local.data(), experts,
-                                             servers);
+        const kc::Route r =
+            kc::route_expert(kc::load_id(ids.data(), ids_int64, i), expert_server.data(),
+                             expert_local.data(), experts, servers);
         const bool here = r.server == static_cast<int32_t>(s);
         const int32_t id = here ? r.local : kc::kNoExpert;
         const float score = here ? weights[i] : 0.0f;
@@ -171,31 +171,33 @@ int layouts() {
       c.out_encoding = proto::Encoding::kBF16;
       const uint32_t s = 3;
       const kc::ClientWorkspaceLayout w = kc::client_workspace_layout(s, c);
-      ok = ok && ordered("client", {{w.staging, s * w.staging_stride},
-                                    {w.headers, s * 64},
-                                    {w.pos, uint64_t{c.max_tokens} * s * 4},
-                                    {w.count, s * 4},
-                                    {w.sent_seq, s * 8},
-                                    {w.status, s * 4},
-                                    {w.detail, s * 4}},
+      ok = ok && ordered("client",
+                         {{w.staging, s * w.staging_stride},
+                          {w.headers, s * 64},
+                          {w.pos, uint64_t{c.max_tokens} * s * 4},
+                          {w.count, s * 4},
+                          {w.sent_seq, s * 8},
+                          {w.status, s * 4},
+                          {w.detail, s * 4}},
                          w.total);
       const uint32_t step = 2 * c.max_tokens, experts = 9, clients = 4, slots = 2;
       const kc::ServerWorkspaceLayout v =
           kc::server_workspace_layout(c, clients, slots, step, experts);
       const uint64_t b = clients * slots, rows = uint64_t{step} * c.topk;
       ok = ok && v.max_rows == rows && v.num_entries == b;
-      ok = ok && ordered("server", {{v.entries, b * sizeof(kc::EntryState)},
-                                    {v.batch_offsets, (b + 1) * 8},
-                                    {v.x, step * v.row_bytes},
-                                    {v.ids, rows * 4},
-                                    {v.scores, rows * 4},
-                                    {v.tile_hist, v.num_tiles * experts * 4},
-                                    {v.tile_prefix, v.num_tiles * experts * 4},
-                                    {v.src_token, rows * 8},
-                                    {v.slot_of, rows * 8},
-                                    {v.rows, rows * v.row_bytes},
-                                    {v.response, uint64_t{step} * hidden * 2 + 64},
-                                    {v.headers, b * 64}},
+      ok = ok && ordered("server",
+                         {{v.entries, b * sizeof(kc::EntryState)},
+                          {v.batch_offsets, (b + 1) * 8},
+                          {v.x, step * v.row_bytes},
+                          {v.ids, rows * 4},
+                          {v.scores, rows * 4},
+                          {v.tile_hist, v.num_tiles * experts * 4},
+                          {v.tile_prefix, v.num_tiles * experts * 4},
+                          {v.src_token, rows * 8},
+                          {v.slot_of, rows * 8},
+                          {v.rows, rows * v.row_bytes},
+                          {v.response, uint64_t{step} * hidden * 2 + 64},
+                          {v.headers, b * 64}},
                          v.total);
     }
   }
