@@ -1,6 +1,7 @@
 // Per-token quantize kernels. One block per token; the reductions stay inside the block, so no
-// atomics and no second launch. Arithmetic mirrors the torch reference step for step (IEEE
-// division, round-half-even conversions), which is what makes the results bit-identical.
+// atomics and no second launch. The arithmetic (device_common.cuh) mirrors the torch reference
+// step for step, which is what makes the results bit-identical; the device dispatch packs with
+// the same helpers.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -8,6 +9,7 @@
 
 #include "common/align.h"
 #include "common/error.h"
+#include "kernels/cuda/device_common.cuh"
 #include "kernels/cuda/quant.h"
 
 namespace moecomm::kernels::cuda {
@@ -15,7 +17,14 @@ namespace {
 
 using protocol::Encoding;
 
-constexpr int kWarpSize = 32;
+using dev::encode;
+using dev::kFp8E4M3Max;
+using dev::kInt8Max;
+using dev::kWarpSize;
+using dev::scale_of;
+using dev::to_f32;
+using dev::warp_max;
+
 // 8 warps per token: enough loads in flight to cover a 7K-channel row, few enough that the
 // block-wide max is one shuffle round plus 8 shared-memory slots.
 constexpr int kThreadsPerBlock = 256;
@@ -23,42 +32,6 @@ constexpr int kWarpsPerBlock = kThreadsPerBlock / kWarpSize;
 // Block-scaled fp8: one warp per 128-channel block, so each lane owns 4 channels of it.
 constexpr int kLanesPerScaleBlock = static_cast<int>(protocol::kScaleBlock) / kWarpSize;
 static_assert(protocol::kScaleBlock % kWarpSize == 0, "a scale block spans whole warps");
-constexpr float kInt8Max = 127.0f;     // symmetric: -128 is never produced
-constexpr float kFp8E4M3Max = 448.0f;  // largest finite e4m3 (fn) value
-constexpr float kZeroScale = 1.0f;     // scale of an all-zero group, as in moecomm.ops.quant
-constexpr unsigned kFullMask = 0xffffffffu;
-
-__device__ __forceinline__ float to_f32(float v) {
-  return v;
-}
-__device__ __forceinline__ float to_f32(__half v) {
-  return __half2float(v);
-}
-__device__ __forceinline__ float to_f32(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
-    v = fmaxf(v, __shfl_xor_sync(kFullMask, v, offset));
-  }
-  return v;
-}
-
-__device__ __forceinline__ float scale_of(float amax, float qmax) {
-  return amax == 0.0f ? kZeroScale : __fdiv_rn(amax, qmax);
-}
-
-template <bool kInt8>
-__device__ __forceinline__ uint8_t encode(float v, float scale) {
-  const float qmax = kInt8 ? kInt8Max : kFp8E4M3Max;
-  const float y = fminf(fmaxf(__fdiv_rn(v, scale), -qmax), qmax);
-  if constexpr (kInt8) {
-    return static_cast<uint8_t>(static_cast<int8_t>(__float2int_rn(y)));
-  } else {
-    return static_cast<uint8_t>(__nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3));
-  }
-}
 
 // One scale per token: block-wide max, then one pass to encode.
 template <typename T, bool kInt8>

@@ -1,0 +1,45 @@
+// The device data path instantiated for the CUDA-IPC backend (moecomm_cuda). The NVSHMEM
+// instantiation is csrc/transport/nvshmem/instantiate_kernels.cu (moecomm_nvshmem).
+#include "kernels/cuda/client_combine.cuh"
+#include "kernels/cuda/client_dispatch.cuh"
+#include "kernels/cuda/device_dispatch.h"
+#include "kernels/cuda/server_launch.cuh"
+#include "transport/cuda_ipc/ipc_backend.cuh"
+
+namespace moecomm::kernels::cuda {
+namespace {
+
+transport::cuda_ipc::IpcBackend backend_of(const IpcPeers& p) {
+  MC_CHECK(p.local_base != nullptr && p.peer_base != nullptr && p.alive != nullptr,
+           "IPC peers: local_base, peer_base and alive must be non-null device pointers");
+  transport::cuda_ipc::IpcBackend b;
+  b.local_base = p.local_base;
+  b.peer_base = p.peer_base;
+  b.alive = p.alive;
+  b.max_peers = p.max_peers;
+  return b;
+}
+
+}  // namespace
+
+void launch_client_dispatch(const IpcPeers& peers, const ClientConfig& cfg,
+                            const DispatchArgs& args, void* stream) {
+  client::launch_dispatch(backend_of(peers), peers.max_peers, cfg, args, stream);
+}
+
+void launch_client_combine(const IpcPeers& peers, const ClientConfig& cfg, const CombineArgs& args,
+                           void* stream) {
+  client::launch_combine(backend_of(peers), peers.max_peers, cfg, args, stream);
+}
+
+void launch_server_gather(const IpcPeers& peers, const ServerConfig& cfg,
+                          const ServerGatherArgs& args, void* stream) {
+  server::launch_gather(backend_of(peers), peers.max_peers, cfg, args, stream);
+}
+
+void launch_server_respond(const IpcPeers& peers, const ServerConfig& cfg,
+                           const ServerRespondArgs& args, void* stream) {
+  server::launch_respond(backend_of(peers), peers.max_peers, cfg, args, stream);
+}
+
+}  // namespace moecomm::kernels::cuda

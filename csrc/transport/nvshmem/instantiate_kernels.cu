@@ -1,0 +1,47 @@
+// The device data path instantiated for the NVSHMEM backend (moecomm_nvshmem): the same kernels
+// as csrc/kernels/cuda/device_dispatch.cu, with puts that are nvshmemx_putmem_signal_nbi_warp.
+// Every workspace must be in the symmetric heap or registered with nvshmemx_buffer_register:
+// the puts read from it.
+#include "kernels/cuda/client_combine.cuh"
+#include "kernels/cuda/client_dispatch.cuh"
+#include "kernels/cuda/device_dispatch.h"
+#include "kernels/cuda/server_launch.cuh"
+#include "transport/nvshmem/nvshmem_backend.cuh"
+
+namespace moecomm::kernels::cuda {
+namespace {
+
+transport::nvshmem::NvshmemBackend backend_of(const NvshmemPeers& p) {
+  MC_CHECK(p.local_base != nullptr && p.peer_pe != nullptr && p.alive != nullptr,
+           "NVSHMEM peers: local_base, peer_pe and alive must be non-null device pointers");
+  transport::nvshmem::NvshmemBackend b;
+  b.local_base = p.local_base;
+  b.peer_pe = p.peer_pe;
+  b.alive = p.alive;
+  b.max_peers = p.max_peers;
+  return b;
+}
+
+}  // namespace
+
+void launch_client_dispatch(const NvshmemPeers& peers, const ClientConfig& cfg,
+                            const DispatchArgs& args, void* stream) {
+  client::launch_dispatch(backend_of(peers), peers.max_peers, cfg, args, stream);
+}
+
+void launch_client_combine(const NvshmemPeers& peers, const ClientConfig& cfg,
+                           const CombineArgs& args, void* stream) {
+  client::launch_combine(backend_of(peers), peers.max_peers, cfg, args, stream);
+}
+
+void launch_server_gather(const NvshmemPeers& peers, const ServerConfig& cfg,
+                          const ServerGatherArgs& args, void* stream) {
+  server::launch_gather(backend_of(peers), peers.max_peers, cfg, args, stream);
+}
+
+void launch_server_respond(const NvshmemPeers& peers, const ServerConfig& cfg,
+                           const ServerRespondArgs& args, void* stream) {
+  server::launch_respond(backend_of(peers), peers.max_peers, cfg, args, stream);
+}
+
+}  // namespace moecomm::kernels::cuda
