@@ -207,7 +207,6 @@ def test_gather_and_combine_reject_bad_arguments():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_reorg_and_scan(tmp_path):
     """Builds tests/ops/cuda/reorg_scan_check.cu with the kernels and runs it on the device: the
     CUDA reorganization, group-shrink and tile map must match a host reference bit-exactly."""

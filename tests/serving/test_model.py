@@ -255,6 +255,7 @@ def test_failed_step_rolls_back_and_retries(mixtral, mixtral_dir):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA build of torch")
 def test_cuda_model_matches_cpu(mixtral, mixtral_dir):
     """The same forward on a CUDA device (float32; TF32 off so the tolerance holds)."""
     torch.backends.cuda.matmul.allow_tf32 = False
