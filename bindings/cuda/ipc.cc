@@ -1,5 +1,4 @@
 #include "registry.h"
 namespace moecomm::bindings::cuda {
 void register_ipc(pybind11::module_&) {}
-void register_kernels(pybind11::module_&) {}
 }  // namespace moecomm::bindings::cuda
