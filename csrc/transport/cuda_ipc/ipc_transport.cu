@@ -10,7 +10,7 @@
 
 #include "common/align.h"
 #include "common/error.h"
-#include "transport/cuda_ipc/cuda_util.h"
+#include "transport/device/cuda_util.h"
 #include "transport/cuda_ipc/ipc_transport.h"
 
 namespace moecomm::transport::cuda_ipc {

@@ -9,7 +9,7 @@
 
 #include "common/error.h"
 
-namespace moecomm::transport::cuda_ipc {
+namespace moecomm::transport {
 
 class DeviceGuard {
  public:
@@ -58,4 +58,4 @@ class DeviceBuffer {
   void* ptr_ = nullptr;
 };
 
-}  // namespace moecomm::transport::cuda_ipc
+}  // namespace moecomm::transport
