@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "transport/shm/process.h"
 
 namespace moecomm::transport::cuda_ipc {
 namespace {
@@ -89,9 +90,9 @@ std::string hex_encode(const uint8_t* data, size_t n) {
 
 std::string format_handle(const IpcHandle& h) {
   std::ostringstream os;
-  os << kHandlePrefix << kHandleVersion << ':' << h.boot_id << ':' << h.pid << ':'
-     << h.start_ticks << ':' << hex_encode(h.device_uuid.data(), h.device_uuid.size()) << ':'
-     << h.bytes << ':' << hex_encode(h.mem_handle.data(), h.mem_handle.size());
+  os << kHandlePrefix << kHandleVersion << ':' << h.boot_id << ':' << h.pid << ':' << h.start_ticks
+     << ':' << hex_encode(h.device_uuid.data(), h.device_uuid.size()) << ':' << h.bytes << ':'
+     << hex_encode(h.mem_handle.data(), h.mem_handle.size());
   return os.str();
 }
 
@@ -100,8 +101,8 @@ IpcHandle parse_handle(const std::string& text) {
   MC_CHECK(text.compare(0, prefix.size(), prefix) == 0, "not a cuda_ipc handle: '", text,
            "' (expected '", prefix, "...'; shm handles start with 'shm:')");
   const std::vector<std::string> f = split(text.substr(prefix.size()), ':');
-  MC_CHECK(f.size() == kNumFields, "malformed cuda_ipc handle '", text, "': expected ",
-           kNumFields, " ':'-separated fields after the prefix, got ", f.size());
+  MC_CHECK(f.size() == kNumFields, "malformed cuda_ipc handle '", text, "': expected ", kNumFields,
+           " ':'-separated fields after the prefix, got ", f.size());
   const uint64_t version = parse_u64(f[0], "version", text);
   MC_CHECK(version == kHandleVersion, "cuda_ipc handle version ", version,
            " is not supported (this build speaks version ", kHandleVersion, ")");
@@ -119,6 +120,20 @@ IpcHandle parse_handle(const std::string& text) {
   MC_CHECK(h.bytes > 0 && h.bytes <= kMaxRegionBytes, "malformed cuda_ipc handle '", text,
            "': region size ", h.bytes, " outside [1, ", kMaxRegionBytes, "]");
   h.mem_handle = hex_decode<kMemHandleBytes>(f[6], "memory handle", text);
+  return h;
+}
+
+IpcHandle check_attachable(const std::string& text, const std::string& our_boot_id,
+                           int64_t our_pid) {
+  IpcHandle h = parse_handle(text);
+  MC_CHECK(h.boot_id == our_boot_id, "cuda_ipc handle comes from another node (boot id ", h.boot_id,
+           ", ours ", our_boot_id,
+           "): CUDA IPC only connects processes on one node; use the NVSHMEM transport across "
+           "nodes");
+  MC_CHECK(h.pid != our_pid, "cuda_ipc handle was exported by this same process (pid ", h.pid,
+           "): CUDA forbids opening one's own IPC handle; use the region object directly");
+  MC_CHECK_KIND(shm::process_alive({h.pid, h.start_ticks}), ErrorKind::kPeerLost,
+                "the owner of the cuda_ipc handle (pid ", h.pid, ") is gone");
   return h;
 }
 

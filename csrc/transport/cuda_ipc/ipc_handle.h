@@ -1,6 +1,7 @@
 // The string form of a CUDA-IPC region handle, as it travels in the HTTP connect handshake:
 //
-//   cuda_ipc:1:<boot id>:<owner pid>:<owner start ticks>:<GPU UUID, 32 hex>:<bytes>:<handle, 128 hex>
+//   cuda_ipc:1:<boot id>:<owner pid>:<owner start ticks>:<GPU UUID, 32 hex>:<bytes>:<handle, 128
+//   hex>
 //
 // The boot id (/proc/sys/kernel/random/boot_id) names the node: CUDA IPC only works between
 // processes under one kernel, so a handle from another node is refused before any CUDA call.
@@ -39,6 +40,12 @@ std::string format_handle(const IpcHandle& h);
 
 // Throws moecomm::Error (kInvalidArgument) naming the first field that is wrong.
 IpcHandle parse_handle(const std::string& text);
+
+// Everything attach() checks before its first CUDA call: the handle parses, comes from this
+// node (`our_boot_id`), not from this process (`our_pid`: CUDA forbids opening one's own
+// handle), and its owner is alive. Throws kInvalidArgument, or kPeerLost for a dead owner.
+IpcHandle check_attachable(const std::string& text, const std::string& our_boot_id,
+                           int64_t our_pid);
 
 // This node's boot id (lower-case textual UUID); all zeros when /proc does not provide one.
 std::string node_boot_id();

@@ -1,21 +1,26 @@
 #include <cuda_runtime.h>
 
 #include "common/error.h"
-#include "transport/device/cuda_util.h"
 #include "transport/cuda_ipc/ipc_peer_table.h"
+#include "transport/device/cuda_util.h"
 
 namespace moecomm::transport::cuda_ipc {
 namespace {
 
-cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
-cudaEvent_t as_event(void* e) { return static_cast<cudaEvent_t>(e); }
+cudaStream_t as_stream(void* s) {
+  return static_cast<cudaStream_t>(s);
+}
+cudaEvent_t as_event(void* e) {
+  return static_cast<cudaEvent_t>(e);
+}
 
 }  // namespace
 
 IpcPeerTable::IpcPeerTable(std::shared_ptr<IpcTransport> transport, std::shared_ptr<Region> local,
                            uint32_t max_peers)
     : transport_(std::move(transport)), local_(std::move(local)), max_peers_(max_peers) {
-  MC_CHECK(transport_ != nullptr && local_ != nullptr, "a peer table needs a transport and a "
+  MC_CHECK(transport_ != nullptr && local_ != nullptr,
+           "a peer table needs a transport and a "
            "local region");
   const IpcRegion& r = as_ipc(*local_);
   MC_CHECK(r.owned(), "the local region of a peer table must be our own, got ", r.describe());

@@ -70,7 +70,7 @@ class IpcPeerTable {
   std::shared_ptr<Region> local_;
   uint32_t max_peers_;
   int device_;
-  void* stream_ = nullptr;        // cudaStream_t for table updates
+  void* stream_ = nullptr;         // cudaStream_t for table updates
   uint8_t** peer_base_ = nullptr;  // device [max_peers]
   uint32_t* alive_ = nullptr;      // device [max_peers]
   std::vector<Entry> entries_;
@@ -105,8 +105,7 @@ class DeviceWaitProbe {
 
 // One warp runs IpcBackend::put_signal_warp: `bytes` of host memory `src` (staged in device
 // memory) to `offset` of peer `peer`, then the signal; returns when the kernel is done.
-void device_put_signal(const IpcPeerTable& table, uint32_t peer, uint64_t offset,
-                       const void* src, uint64_t bytes, uint64_t sig_offset, uint64_t value,
-                       SignalOp op);
+void device_put_signal(const IpcPeerTable& table, uint32_t peer, uint64_t offset, const void* src,
+                       uint64_t bytes, uint64_t sig_offset, uint64_t value, SignalOp op);
 
 }  // namespace moecomm::transport::cuda_ipc

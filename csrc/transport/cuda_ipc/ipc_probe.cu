@@ -4,8 +4,8 @@
 #include <cuda_runtime.h>
 
 #include "common/error.h"
-#include "transport/device/cuda_util.h"
 #include "transport/cuda_ipc/ipc_peer_table.h"
+#include "transport/device/cuda_util.h"
 #include "transport/device/device_ops.cuh"
 
 namespace moecomm::transport::cuda_ipc {
@@ -16,8 +16,7 @@ constexpr uint32_t kOneWarp = 32;
 __global__ void wait_probe_kernel(IpcBackend b, uint64_t offset, WaitPredicate pred,
                                   int64_t timeout_ns, uint32_t peer, ProbeResult* out) {
   const uint64_t start = device::now_ns();
-  const uint64_t deadline =
-      timeout_ns < 0 ? UINT64_MAX : start + static_cast<uint64_t>(timeout_ns);
+  const uint64_t deadline = timeout_ns < 0 ? UINT64_MAX : start + static_cast<uint64_t>(timeout_ns);
   uint64_t observed = 0;
   const device::DeviceWait st = device::wait_word(b, offset, pred, deadline, peer, &observed);
   out->status = static_cast<uint32_t>(st);
@@ -68,7 +67,9 @@ void DeviceWaitProbe::release() noexcept {
   cudaGetLastError();
 }
 
-DeviceWaitProbe::~DeviceWaitProbe() { release(); }
+DeviceWaitProbe::~DeviceWaitProbe() {
+  release();
+}
 
 bool DeviceWaitProbe::done() {
   const cudaError_t q = cudaEventQuery(static_cast<cudaEvent_t>(event_));
@@ -89,15 +90,14 @@ ProbeResult DeviceWaitProbe::result() {
   return r;
 }
 
-void device_put_signal(const IpcPeerTable& table, uint32_t peer, uint64_t offset,
-                       const void* src, uint64_t bytes, uint64_t sig_offset, uint64_t value,
-                       SignalOp op) {
+void device_put_signal(const IpcPeerTable& table, uint32_t peer, uint64_t offset, const void* src,
+                       uint64_t bytes, uint64_t sig_offset, uint64_t value, SignalOp op) {
   const IpcBackend b = table.backend();
   MC_CHECK(peer < b.max_peers, "peer index ", peer, " out of range [0, ", b.max_peers, ")");
   MC_CHECK(table.state(peer) == PeerState::kActive, "peer ", peer, " is not an active peer");
   const uint64_t size = table.peer_region(peer)->size();
-  MC_CHECK(offset <= size && bytes <= size - offset, "put of ", bytes, " bytes at offset ",
-           offset, " is outside the peer region (", size, " bytes)");
+  MC_CHECK(offset <= size && bytes <= size - offset, "put of ", bytes, " bytes at offset ", offset,
+           " is outside the peer region (", size, " bytes)");
   MC_CHECK(sig_offset % sizeof(uint64_t) == 0 && sig_offset + sizeof(uint64_t) <= size,
            "signal offset ", sig_offset, " is unaligned or outside the peer region");
   MC_CHECK(bytes == 0 || src != nullptr, "put from a null source");
@@ -105,8 +105,8 @@ void device_put_signal(const IpcPeerTable& table, uint32_t peer, uint64_t offset
   DeviceBuffer staged(bytes > 0 ? bytes : 1);
   cudaStream_t s = nullptr;
   MC_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cudaError_t err = bytes > 0 ? cudaMemcpyAsync(staged.get(), src, bytes, cudaMemcpyDefault, s)
-                              : cudaSuccess;
+  cudaError_t err =
+      bytes > 0 ? cudaMemcpyAsync(staged.get(), src, bytes, cudaMemcpyDefault, s) : cudaSuccess;
   if (err == cudaSuccess) {
     put_signal_kernel<<<1, kOneWarp, 0, s>>>(b, peer, offset, staged.get(), bytes, sig_offset,
                                              value, op);

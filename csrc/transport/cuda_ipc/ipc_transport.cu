@@ -1,5 +1,5 @@
-#include <cuda/atomic>
 #include <cuda_runtime.h>
+#include <cuda/atomic>
 
 #include <algorithm>
 #include <atomic>
@@ -10,8 +10,8 @@
 
 #include "common/align.h"
 #include "common/error.h"
-#include "transport/device/cuda_util.h"
 #include "transport/cuda_ipc/ipc_transport.h"
+#include "transport/device/cuda_util.h"
 
 namespace moecomm::transport::cuda_ipc {
 
@@ -52,8 +52,7 @@ void check_range(const Region& r, uint64_t offset, uint64_t bytes, const char* w
 }
 
 void check_word(const Region& r, uint64_t offset) {
-  MC_CHECK(offset % sizeof(uint64_t) == 0, "signal word offset ", offset,
-           " is not 8-byte aligned");
+  MC_CHECK(offset % sizeof(uint64_t) == 0, "signal word offset ", offset, " is not 8-byte aligned");
   check_range(r, offset, sizeof(uint64_t), "signal word");
 }
 
@@ -74,7 +73,9 @@ int find_device(const std::array<uint8_t, kUuidBytes>& uuid) {
   return -1;
 }
 
-cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+cudaStream_t as_stream(void* s) {
+  return static_cast<cudaStream_t>(s);
+}
 
 }  // namespace
 
@@ -162,8 +163,8 @@ IpcTransport::~IpcTransport() {
 }
 
 std::shared_ptr<Region> IpcTransport::create_region(uint64_t bytes) {
-  MC_CHECK(bytes > 0 && bytes <= kMaxRegionBytes, "cuda_ipc region size ", bytes,
-           " outside [1, ", kMaxRegionBytes, "]");
+  MC_CHECK(bytes > 0 && bytes <= kMaxRegionBytes, "cuda_ipc region size ", bytes, " outside [1, ",
+           kMaxRegionBytes, "]");
   DeviceGuard guard(device_);
   const uint64_t alloc = align_up(bytes, kCacheLine);
   DeviceBuffer mem(alloc);
@@ -179,26 +180,18 @@ std::shared_ptr<Region> IpcTransport::create_region(uint64_t bytes) {
   h.device_uuid = device_uuid(device_);
   h.bytes = alloc;
   std::memcpy(h.mem_handle.data(), &raw, kMemHandleBytes);
-  auto region = std::make_shared<IpcRegion>(static_cast<uint8_t*>(mem.get()), alloc, true,
-                                            device_, std::move(h));
+  auto region = std::make_shared<IpcRegion>(static_cast<uint8_t*>(mem.get()), alloc, true, device_,
+                                            std::move(h));
   mem.release();  // the region frees it now
   return region;
 }
 
 std::shared_ptr<Region> IpcTransport::attach(const std::string& handle) {
-  IpcHandle h = parse_handle(handle);
-  MC_CHECK(h.boot_id == boot_id_, "cuda_ipc handle comes from another node (boot id ", h.boot_id,
-           ", ours ", boot_id_, "): CUDA IPC only connects processes on one node; use the "
-           "NVSHMEM transport across nodes");
-  MC_CHECK(h.pid != self_.pid, "cuda_ipc handle was exported by this same process (pid ", h.pid,
-           "): CUDA forbids opening one's own IPC handle; use the region object directly");
-  MC_CHECK_KIND(shm::process_alive({h.pid, h.start_ticks}), ErrorKind::kPeerLost,
-                "the owner of cuda_ipc handle (pid ", h.pid, ") is gone");
+  IpcHandle h = check_attachable(handle, boot_id_, self_.pid);
+  // CUDA can open a handle whose GPU this process does not see (CUDA_VISIBLE_DEVICES); when
+  // it does see it and it is another GPU than ours, check peer access for a clear error.
   const int owner_device = find_device(h.device_uuid);
-  MC_CHECK_KIND(owner_device >= 0, ErrorKind::kNotFound, "cuda_ipc handle lives on GPU ",
-                hex_encode(h.device_uuid.data(), kUuidBytes),
-                ", which this process cannot see (check CUDA_VISIBLE_DEVICES)");
-  if (owner_device != device_) {
+  if (owner_device >= 0 && owner_device != device_) {
     int can = 0;
     MC_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, device_, owner_device));
     MC_CHECK_KIND(can != 0, ErrorKind::kSystem, "GPU ", device_, " cannot access GPU ",
@@ -221,8 +214,8 @@ void IpcTransport::put(Region& dst, uint64_t offset, const void* src, uint64_t b
   if (bytes == 0) return;
   MC_CHECK(src != nullptr, "put from a null source");
   DeviceGuard guard(device_);
-  MC_CUDA_CHECK(cudaMemcpyAsync(r.device_ptr() + offset, src, bytes, cudaMemcpyDefault,
-                                as_stream(stream_)));
+  MC_CUDA_CHECK(
+      cudaMemcpyAsync(r.device_ptr() + offset, src, bytes, cudaMemcpyDefault, as_stream(stream_)));
   MC_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream_)));
 }
 
@@ -242,8 +235,8 @@ void IpcTransport::read(Region& region, uint64_t offset, void* dst, uint64_t byt
   check_range(r, offset, bytes, "read");
   if (bytes == 0) return;
   DeviceGuard guard(device_);
-  MC_CUDA_CHECK(cudaMemcpyAsync(dst, r.device_ptr() + offset, bytes, cudaMemcpyDefault,
-                                as_stream(stream_)));
+  MC_CUDA_CHECK(
+      cudaMemcpyAsync(dst, r.device_ptr() + offset, bytes, cudaMemcpyDefault, as_stream(stream_)));
   MC_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream_)));
   // Reads issued after this one (the payload after the signal) stay after it.
   std::atomic_thread_fence(std::memory_order_acquire);

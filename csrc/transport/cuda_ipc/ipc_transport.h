@@ -7,6 +7,12 @@
 // signal has been stored, a read has arrived in host memory. That costs a stream
 // synchronisation per call; it is the control path, the data path is the device kernels.
 //
+// Lifetime: CUDA leaves it undefined what happens when the owner frees exported memory that a
+// peer still has open. The owner must therefore keep a region until every peer has detached
+// (the disconnect handshake), and a peer destroys its attached region (cudaIpcCloseMemHandle)
+// on disconnect or on losing the owner. A process that dies has its mappings torn down by the
+// driver.
+//
 // Host code never dereferences device memory: Region::data() is nullptr for these regions and
 // device_ptr() gives the device address (valid in this process, on device()).
 #pragma once
@@ -99,7 +105,7 @@ class IpcTransport final : public Transport {
 
  private:
   int device_ = 0;
-  void* stream_ = nullptr;      // cudaStream_t, non-blocking: never waits on the legacy stream
+  void* stream_ = nullptr;       // cudaStream_t, non-blocking: never waits on the legacy stream
   uint64_t* scratch_ = nullptr;  // device word for compare_exchange results
   std::mutex scratch_mu_;
   shm::ProcessId self_;

@@ -18,8 +18,7 @@ constexpr uint32_t kOneWarp = 32;
 __global__ void wait_probe_kernel(NvshmemBackend b, uint64_t offset, WaitPredicate pred,
                                   int64_t timeout_ns, uint32_t peer, NvshmemProbeResult* out) {
   const uint64_t start = device::now_ns();
-  const uint64_t deadline =
-      timeout_ns < 0 ? UINT64_MAX : start + static_cast<uint64_t>(timeout_ns);
+  const uint64_t deadline = timeout_ns < 0 ? UINT64_MAX : start + static_cast<uint64_t>(timeout_ns);
   uint64_t observed = 0;
   const device::DeviceWait st = device::wait_word(b, offset, pred, deadline, peer, &observed);
   out->status = static_cast<uint32_t>(st);

@@ -49,8 +49,8 @@ void require_device() {
 }
 
 void check_unique_id(const std::string& uid) {
-  MC_CHECK(uid.size() == kUniqueIdBytes, "an NVSHMEM unique id is ", kUniqueIdBytes,
-           " bytes, got ", uid.size());
+  MC_CHECK(uid.size() == kUniqueIdBytes, "an NVSHMEM unique id is ", kUniqueIdBytes, " bytes, got ",
+           uid.size());
   int32_t version = 0;
   std::memcpy(&version, uid.data(), sizeof(version));
   MC_CHECK(version == kUniqueIdVersion, "not an NVSHMEM unique id: version field is ", version,
@@ -87,21 +87,25 @@ void init(const std::string& uid, int rank, int nranks, int device) {
   std::memcpy(&id, uid.data(), kUniqueIdBytes);
   nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
   int status = nvshmemx_set_attr_uniqueid_args(rank, nranks, &id, &attr);
-  MC_CHECK_KIND(status == 0, ErrorKind::kSystem, "nvshmemx_set_attr_uniqueid_args failed with "
-                "status ", status);
+  MC_CHECK_KIND(status == 0, ErrorKind::kSystem,
+                "nvshmemx_set_attr_uniqueid_args failed with "
+                "status ",
+                status);
   // nvshmemx_init_attr is an inline wrapper that calls exit() when this fails; library code
   // must throw instead, so the wrapper's body is reproduced without the exit.
   int provided = 0;
   nvshmemi_version_t version = {NVSHMEM_VENDOR_MAJOR_VERSION, NVSHMEM_VENDOR_MINOR_VERSION,
                                 NVSHMEM_VENDOR_PATCH_VERSION};
-  status = nvshmemi_init_thread(NVSHMEM_THREAD_SERIALIZED, &provided,
-                                NVSHMEMX_INIT_WITH_UNIQUEID, &attr, version);
+  status = nvshmemi_init_thread(NVSHMEM_THREAD_SERIALIZED, &provided, NVSHMEMX_INIT_WITH_UNIQUEID,
+                                &attr, version);
   MC_CHECK_KIND(status == 0, ErrorKind::kSystem, "NVSHMEM initialization (rank ", rank, " of ",
                 nranks, ") failed with status ", status);
   g_initialized.store(true);
 }
 
-bool initialized() { return g_initialized.load(); }
+bool initialized() {
+  return g_initialized.load();
+}
 
 int my_pe() {
   require_initialized("my_pe");
