@@ -9,7 +9,8 @@ SHORT_DEADLINE_NS = 200_000_000
 
 def single_pe(conn) -> None:
     """A one-PE job: bootstrap by unique id, a symmetric region, put_signal to itself through
-    the device path, and the device wait's three outcomes (OK, TIMEOUT, PEER_LOST)."""
+    the device path, and the device wait's three outcomes (OK, TIMEOUT, PEER_LOST). Statuses
+    travel as ints (pybind11 enums do not pickle)."""
     try:
         from moecomm import _C
         from moecomm import _nvshmem as nv
@@ -23,12 +24,12 @@ def single_pe(conn) -> None:
         region.write(8192, data)
         table.put_signal(0, 4096, 8192, len(data), 64, 5, _C.SignalOp.SET)
         ok = table.device_wait(64, _C.WaitOp.EQUAL, 5, timeout_ns=SECOND, peer=0)
-        out["ok"] = (ok["status"], ok["observed"], region.read(4096, len(data)) == data)
+        out["ok"] = (int(ok["status"]), ok["observed"], region.read(4096, len(data)) == data)
         late = table.device_wait(128, _C.WaitOp.EQUAL, 1, timeout_ns=SHORT_DEADLINE_NS, peer=0)
-        out["timeout"] = (late["status"], late["elapsed_ns"])
+        out["timeout"] = (int(late["status"]), late["elapsed_ns"])
         table.mark_dead(0)
         lost = table.device_wait(128, _C.WaitOp.EQUAL, 1, timeout_ns=30 * SECOND, peer=0)
-        out["lost"] = (lost["status"], lost["elapsed_ns"])
+        out["lost"] = (int(lost["status"]), lost["elapsed_ns"])
         region.free()
         nv.finalize()
         conn.send(out)

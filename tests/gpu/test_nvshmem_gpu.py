@@ -23,11 +23,11 @@ def test_single_pe_put_signal_and_wait_outcomes(nvshmem_native):
         out = parent.recv()
         assert not (isinstance(out, tuple) and out[0] == "error"), out
         assert out["pe"] == (0, 1)
-        assert out["ok"] == (_C.WaitStatus.OK, 5, True)
+        assert out["ok"] == (int(_C.WaitStatus.OK), 5, True)
         status, elapsed = out["timeout"]
-        assert status == _C.WaitStatus.TIMEOUT and elapsed >= nvshmem_procs.SHORT_DEADLINE_NS
+        assert status == int(_C.WaitStatus.TIMEOUT) and elapsed >= nvshmem_procs.SHORT_DEADLINE_NS
         status, elapsed = out["lost"]
-        assert status == _C.WaitStatus.PEER_LOST and elapsed < nvshmem_procs.SECOND
+        assert status == int(_C.WaitStatus.PEER_LOST) and elapsed < nvshmem_procs.SECOND
     finally:
         if p.is_alive():
             p.kill()
