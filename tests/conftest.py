@@ -6,6 +6,7 @@ import os
 import signal
 
 import moecomm
+import moecomm.cuda
 import pytest
 import torch
 from membership_procs import MONITOR_TOKEN, EtcdProcess, MonitorProcess, etcd_binary
@@ -14,27 +15,21 @@ from membership_procs import MONITOR_TOKEN, EtcdProcess, MonitorProcess, etcd_bi
 LONG = os.environ.get("MOECOMM_LONG") == "1"
 
 
-def _cuda_device_visible() -> tuple[bool, str]:
-    """A device counts when moecomm's own CUDA module sees one (the GPU checks need only nvcc
-    and a driver) or when torch does; torch here is usually the CPU build, so it alone would
-    skip every GPU check even on a GPU machine."""
-    try:
-        from moecomm import _cuda
-    except ImportError:
-        _cuda = None
-    if _cuda is not None and _cuda.device_count() > 0:
-        return True, ""
+def _gpu_skip_reason() -> str | None:
+    """Why tests marked gpu cannot run, or None. A device counts when moecomm sees one
+    (cuda-python or moecomm._cuda: the GPU checks need only nvcc and a driver) or torch does;
+    torch here is usually the CPU build, so it alone would skip every check on a GPU machine."""
     if torch.cuda.is_available():
-        return True, ""
-    why = _cuda.no_device_reason() if _cuda is not None else "moecomm._cuda not built"
-    return False, f"needs a CUDA device ({why})"
+        return None
+    why = moecomm.cuda.why_unavailable()
+    return None if why is None else f"needs a CUDA device ({why})"
 
 
 def pytest_collection_modifyitems(config, items):
-    has_gpu, why = _cuda_device_visible()
+    gpu_skip = _gpu_skip_reason()
     for item in items:
-        if "gpu" in item.keywords and not has_gpu:
-            item.add_marker(pytest.mark.skip(reason=why))
+        if "gpu" in item.keywords and gpu_skip is not None:
+            item.add_marker(pytest.mark.skip(reason=gpu_skip))
         if "slow" in item.keywords and not LONG:
             item.add_marker(pytest.mark.skip(reason="long trial: set MOECOMM_LONG=1"))
 

@@ -71,6 +71,16 @@ void finish_response(Transport& t, Region& local, const SlotRing& request_ring, 
   t.signal(client, kDoorbellOffset, 1, SignalOp::kAdd);
 }
 
+// Copies the header of the slot at `slot_off` through the transport (device memory has no host
+// mapping), then validates the copy.
+ValidateCode read_header(Transport& t, Region& local, uint64_t slot_off,
+                         const protocol::Expectation& e, SlotHeader* out) {
+  if (e.slot_bytes < kPayloadOffset) return ValidateCode::kSlotTooSmall;
+  alignas(uint64_t) uint8_t slot_start[kPayloadOffset] = {};
+  t.read(local, slot_off + kHeaderOffset, slot_start + kHeaderOffset, sizeof(SlotHeader));
+  return protocol::read_and_validate(slot_start, e, out);
+}
+
 }  // namespace
 
 uint64_t SlotRing::slot_bytes() const {
@@ -157,7 +167,7 @@ std::vector<Incoming> poll_requests(Transport& t, Region& local, const SlotRing&
     in.slot = s;
     in.seq = signal_seq(w);
     e.seq = in.seq;
-    in.code = protocol::read_and_validate(local.data() + off, e, &in.header);
+    in.code = read_header(t, local, off, e, &in.header);
     in.payload_offset = off + kPayloadOffset;
     if (in.code == ValidateCode::kOk) {
       in.layout =
@@ -259,7 +269,7 @@ Outcome wait_response(Transport& t, Region& local, const SlotRing& ring, uint32_
   e.slot_bytes = ring.slot_bytes();
   e.client_id = client_id;
   e.seq = seq;
-  out.code = protocol::read_and_validate(local.data() + off, e, &out.header);
+  out.code = read_header(t, local, off, e, &out.header);
   out.payload_offset = off + kPayloadOffset;
   return out;
 }

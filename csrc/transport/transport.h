@@ -5,8 +5,11 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
+
+#include "common/error.h"
 
 namespace moecomm::transport {
 
@@ -77,6 +80,10 @@ class Transport {
   // passes, or `peer` (optional) is found dead. Never blocks past the deadline.
   virtual WaitResult wait(Region& local, uint64_t offset, const WaitPredicate& pred,
                           int64_t timeout_ns, const Region* peer) = 0;
+  // Copies `bytes` at `offset` of a region (ours or a peer's) into host memory `dst`, word by
+  // word where aligned, as a reader that may race a writer must. The default reads through
+  // data(); backends whose memory the host cannot map (device memory) override it.
+  virtual void read(Region& region, uint64_t offset, void* dst, uint64_t bytes);
   // Reads the word at `offset` of our own region with acquire semantics.
   virtual uint64_t load(Region& local, uint64_t offset) = 0;
   // Atomically replaces the word at `offset` of our own region with `desired` if it still holds
@@ -88,6 +95,25 @@ class Transport {
   // False once the owner of `peer` is known to be gone.
   virtual bool peer_alive(const Region& peer) = 0;
 };
+
+inline void Transport::read(Region& region, uint64_t offset, void* dst, uint64_t bytes) {
+  MC_CHECK(region.data() != nullptr, region.describe(), " has no host mapping: its transport (",
+           name(), ") must override read()");
+  MC_CHECK(offset <= region.size() && bytes <= region.size() - offset, "read of ", bytes,
+           " bytes at offset ", offset, " is outside ", region.describe());
+  const uint8_t* src = region.data() + offset;
+  auto* out = static_cast<uint8_t*>(dst);
+  uint64_t i = 0;
+  if (reinterpret_cast<uintptr_t>(src) % sizeof(uint64_t) == 0) {
+    // Word-wise volatile loads (the writer may still be changing the range), then memcpy out:
+    // writing through a uint64_t* into `dst` would break strict aliasing.
+    for (; i + sizeof(uint64_t) <= bytes; i += sizeof(uint64_t)) {
+      const uint64_t w = *reinterpret_cast<const volatile uint64_t*>(src + i);
+      std::memcpy(out + i, &w, sizeof(w));
+    }
+  }
+  for (; i < bytes; ++i) out[i] = *reinterpret_cast<const volatile uint8_t*>(src + i);
+}
 
 // Signal words live at the start of a cache line: backends keep per-word state (shm: the count
 // of sleeping waiters) in the rest of the line.

@@ -34,7 +34,17 @@ _LAZY = {
 }
 
 
-_SUBMODULES = {"eplb", "membership", "ops", "protocol", "runtime", "slots", "testing", "transport"}
+_SUBMODULES = {
+    "cuda",
+    "eplb",
+    "membership",
+    "ops",
+    "protocol",
+    "runtime",
+    "slots",
+    "testing",
+    "transport",
+}
 
 
 def __getattr__(name: str):

@@ -1,11 +1,16 @@
 // Device side of the CUDA-IPC transport: peers' regions are mapped into our address space
 // (cudaIpcOpenMemHandle on the host), so a put is a warp of 16-byte stores over NVLink/PCIe and
 // a signal is a system-scope release store or add on the peer's word.
+//
+// The data members compile under any C++ compiler (host code and bindings fill the struct);
+// the member functions only under nvcc.
 #pragma once
 
 #include <cstdint>
 
+#if defined(__CUDACC__)
 #include "transport/device/device_ops.cuh"
+#endif
 
 namespace moecomm::transport::cuda_ipc {
 
@@ -21,6 +26,7 @@ struct IpcBackend {
   const uint32_t* alive = nullptr;      // [max_peers] 1 = alive, 0 = gone or never joined
   uint32_t max_peers = 0;
 
+#if defined(__CUDACC__)
   __device__ uint32_t num_peers() const { return max_peers; }
 
   __device__ bool peer_alive(uint32_t peer) const {
@@ -66,6 +72,10 @@ struct IpcBackend {
     }
     __syncwarp();
   }
+
+  // Called by wait_word once the predicate holds: the acquire load already ordered the data.
+  __device__ void complete_wait(uint64_t /*offset*/) const {}
+#endif  // __CUDACC__
 };
 
 }  // namespace moecomm::transport::cuda_ipc

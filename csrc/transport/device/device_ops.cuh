@@ -16,6 +16,10 @@
 //   // Same without a signal: ordered before the next put_signal_warp of the same warp to the
 //   // same peer (both backends deliver a warp's puts to one peer in order of the signal).
 //   void put_warp(uint32_t peer, uint64_t offset, const void* src, uint64_t bytes) const;
+//   // Called by wait_word (one thread) after the predicate held on the word at `offset` of our
+//   // region: whatever the backend needs so data delivered before that signal is visible
+//   // (CUDA IPC: nothing beyond the acquire load; NVSHMEM: its own post-wait step).
+//   void complete_wait(uint64_t offset) const;
 //
 // Waiting is always on our own memory, so it is backend independent (wait_word below): a peer
 // writes into our region with release, we read with acquire.
@@ -79,7 +83,10 @@ __device__ DeviceWait wait_word(const Backend& b, uint64_t offset, const WaitPre
   for (uint32_t i = 0;; ++i) {
     const uint64_t w = load_acquire(word);
     *observed = w;
-    if (satisfied(pred, w)) return DeviceWait::kOk;
+    if (satisfied(pred, w)) {
+      b.complete_wait(offset);
+      return DeviceWait::kOk;
+    }
     if (i % kPollsPerLivenessCheck == 0) {
       if (!b.peer_alive(peer)) return DeviceWait::kPeerLost;
       if (now_ns() >= deadline_ns) return DeviceWait::kTimeout;

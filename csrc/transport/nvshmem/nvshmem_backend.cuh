@@ -1,14 +1,19 @@
 // Device side of the NVSHMEM transport: every region is a range of NVSHMEM's symmetric heap, so
 // a peer's copy of our region sits at the same offset in its heap, and a put is
 // nvshmemx_putmem_signal_nbi_warp (IBGDA: the GPU rings the NIC itself, no CPU on the path).
+//
+// The data members compile under any C++ compiler (host code and bindings fill the struct);
+// the member functions, and NVSHMEM's device headers, only under nvcc.
 #pragma once
-
-#include <nvshmem.h>
-#include <nvshmemx.h>
 
 #include <cstdint>
 
+#if defined(__CUDACC__)
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
 #include "transport/device/device_ops.cuh"
+#endif
 
 namespace moecomm::transport::nvshmem {
 
@@ -20,6 +25,7 @@ struct NvshmemBackend {
   const uint32_t* alive = nullptr;   // [max_peers] liveness mask
   uint32_t max_peers = 0;
 
+#if defined(__CUDACC__)
   __device__ uint32_t num_peers() const { return max_peers; }
 
   __device__ bool peer_alive(uint32_t peer) const {
@@ -44,6 +50,15 @@ struct NvshmemBackend {
         local_base + offset, src, bytes, reinterpret_cast<uint64_t*>(local_base + sig_offset),
         value, op == SignalOp::kSet ? NVSHMEM_SIGNAL_SET : NVSHMEM_SIGNAL_ADD, peer_pe[peer]);
   }
+
+  // Called by wait_word once the predicate holds on a word a peer signalled. NVSHMEM's own
+  // waits end with a transport-specific step that makes the data delivered before the signal
+  // visible to this thread (with IBGDA the NIC writes GPU memory over PCIe); a wait on a
+  // condition that already holds (any value >= 0) runs exactly that step and returns at once.
+  __device__ void complete_wait(uint64_t offset) const {
+    nvshmem_signal_wait_until(reinterpret_cast<uint64_t*>(local_base + offset), NVSHMEM_CMP_GE, 0);
+  }
+#endif  // __CUDACC__
 };
 
 }  // namespace moecomm::transport::nvshmem

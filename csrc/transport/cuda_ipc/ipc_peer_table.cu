@@ -1,0 +1,182 @@
+#include <cuda_runtime.h>
+
+#include "common/error.h"
+#include "transport/cuda_ipc/ipc_peer_table.h"
+#include "transport/device/cuda_util.h"
+
+namespace moecomm::transport::cuda_ipc {
+namespace {
+
+cudaStream_t as_stream(void* s) {
+  return static_cast<cudaStream_t>(s);
+}
+cudaEvent_t as_event(void* e) {
+  return static_cast<cudaEvent_t>(e);
+}
+
+}  // namespace
+
+IpcPeerTable::IpcPeerTable(std::shared_ptr<IpcTransport> transport, std::shared_ptr<Region> local,
+                           uint32_t max_peers)
+    : transport_(std::move(transport)), local_(std::move(local)), max_peers_(max_peers) {
+  MC_CHECK(transport_ != nullptr && local_ != nullptr,
+           "a peer table needs a transport and a "
+           "local region");
+  const IpcRegion& r = as_ipc(*local_);
+  MC_CHECK(r.owned(), "the local region of a peer table must be our own, got ", r.describe());
+  MC_CHECK(max_peers >= 1 && max_peers <= kMaxPeerTableSize, "max_peers ", max_peers,
+           " outside [1, ", kMaxPeerTableSize, "]");
+  device_ = transport_->device();
+  MC_CHECK(r.device() == device_, "the local region lives on device ", r.device(),
+           ", the transport on device ", device_);
+  DeviceGuard guard(device_);
+  DeviceBuffer base(sizeof(uint8_t*) * max_peers);
+  DeviceBuffer alive(sizeof(uint32_t) * max_peers);
+  cudaStream_t s = nullptr;
+  MC_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  const cudaError_t e1 = cudaMemsetAsync(base.get(), 0, sizeof(uint8_t*) * max_peers, s);
+  const cudaError_t e2 = cudaMemsetAsync(alive.get(), 0, sizeof(uint32_t) * max_peers, s);
+  const cudaError_t e3 = cudaStreamSynchronize(s);
+  if (e1 != cudaSuccess || e2 != cudaSuccess || e3 != cudaSuccess) {
+    cudaStreamDestroy(s);
+    MC_CUDA_CHECK(e1 != cudaSuccess ? e1 : e2 != cudaSuccess ? e2 : e3);
+  }
+  stream_ = s;
+  peer_base_ = static_cast<uint8_t**>(base.release());
+  alive_ = static_cast<uint32_t*>(alive.release());
+  entries_.resize(max_peers);
+}
+
+IpcPeerTable::~IpcPeerTable() {
+  // The owner destroys the table only once no kernel uses it; wait for retirements anyway so a
+  // mapping is never closed under a kernel that was given a stream to finish on.
+  DeviceGuard guard(device_, std::nothrow);
+  for (Entry& e : entries_) {
+    if (e.retire_event != nullptr) {
+      cudaEventSynchronize(as_event(e.retire_event));
+      cudaEventDestroy(as_event(e.retire_event));
+    }
+    e.region.reset();
+  }
+  cudaFree(peer_base_);
+  cudaFree(alive_);
+  cudaStreamDestroy(as_stream(stream_));
+  cudaGetLastError();
+}
+
+void IpcPeerTable::check_index(uint32_t index) const {
+  MC_CHECK(index < max_peers_, "peer index ", index, " out of range [0, ", max_peers_, ")");
+}
+
+void IpcPeerTable::write_alive(uint32_t index, uint32_t value) {
+  DeviceGuard guard(device_);
+  // Pageable source: the copy is staged before cudaMemcpyAsync returns; the synchronisation
+  // makes the new value visible to kernels before we return.
+  MC_CUDA_CHECK(cudaMemcpyAsync(alive_ + index, &value, sizeof(value), cudaMemcpyHostToDevice,
+                                as_stream(stream_)));
+  MC_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream_)));
+}
+
+void IpcPeerTable::write_base(uint32_t index, uint8_t* base) {
+  DeviceGuard guard(device_);
+  MC_CUDA_CHECK(cudaMemcpyAsync(peer_base_ + index, &base, sizeof(base), cudaMemcpyHostToDevice,
+                                as_stream(stream_)));
+  MC_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream_)));
+}
+
+uint32_t IpcPeerTable::add_peer(const std::string& handle) {
+  collect();
+  uint32_t index = max_peers_;
+  for (uint32_t i = 0; i < max_peers_; ++i) {
+    if (entries_[i].state == PeerState::kFree) {
+      index = i;
+      break;
+    }
+  }
+  MC_CHECK(index < max_peers_, "peer table full: ", max_peers_,
+           " peers active, dead or retiring (remove peers, or let their kernels finish)");
+  std::shared_ptr<Region> region = transport_->attach(handle);  // throws on a refused handle
+  // Pointer first, then the alive bit: a kernel that sees alive = 1 finds the mapping.
+  write_base(index, as_ipc(*region).device_ptr());
+  write_alive(index, 1);
+  entries_[index].region = std::move(region);
+  entries_[index].state = PeerState::kActive;
+  return index;
+}
+
+void IpcPeerTable::mark_dead(uint32_t index) {
+  check_index(index);
+  Entry& e = entries_[index];
+  MC_CHECK(e.state == PeerState::kActive || e.state == PeerState::kDead, "peer ", index,
+           " is not connected");
+  write_alive(index, 0);
+  e.state = PeerState::kDead;
+}
+
+void IpcPeerTable::remove_peer(uint32_t index, uintptr_t stream) {
+  check_index(index);
+  Entry& e = entries_[index];
+  MC_CHECK(e.state == PeerState::kActive || e.state == PeerState::kDead, "peer ", index,
+           " is not connected");
+  write_alive(index, 0);
+  DeviceGuard guard(device_);
+  cudaEvent_t ev = nullptr;
+  MC_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  const cudaError_t err = cudaEventRecord(ev, reinterpret_cast<cudaStream_t>(stream));
+  if (err != cudaSuccess) {
+    cudaEventDestroy(ev);
+    MC_CUDA_CHECK(err);
+  }
+  e.retire_event = ev;
+  e.state = PeerState::kRetiring;
+  collect();
+}
+
+uint32_t IpcPeerTable::collect() {
+  uint32_t closed = 0;
+  for (uint32_t i = 0; i < max_peers_; ++i) {
+    Entry& e = entries_[i];
+    if (e.state != PeerState::kRetiring) continue;
+    const cudaError_t q = cudaEventQuery(as_event(e.retire_event));
+    if (q == cudaErrorNotReady) {
+      cudaGetLastError();  // not an error: the kernels are still running
+      continue;
+    }
+    MC_CUDA_CHECK(q);
+    write_base(i, nullptr);
+    cudaEventDestroy(as_event(e.retire_event));
+    e.retire_event = nullptr;
+    e.region.reset();  // closes the IPC mapping
+    e.state = PeerState::kFree;
+    ++closed;
+  }
+  return closed;
+}
+
+PeerState IpcPeerTable::state(uint32_t index) const {
+  check_index(index);
+  return entries_[index].state;
+}
+
+uint32_t IpcPeerTable::active_peers() const {
+  uint32_t n = 0;
+  for (const Entry& e : entries_) n += e.state == PeerState::kActive ? 1 : 0;
+  return n;
+}
+
+std::shared_ptr<Region> IpcPeerTable::peer_region(uint32_t index) const {
+  check_index(index);
+  MC_CHECK(entries_[index].region != nullptr, "peer ", index, " has no region");
+  return entries_[index].region;
+}
+
+IpcBackend IpcPeerTable::backend() const {
+  IpcBackend b;
+  b.local_base = as_ipc(*local_).device_ptr();
+  b.peer_base = peer_base_;
+  b.alive = alive_;
+  b.max_peers = max_peers_;
+  return b;
+}
+
+}  // namespace moecomm::transport::cuda_ipc

@@ -1,0 +1,121 @@
+// Device-side probes of the CUDA-IPC backend: the same device code paths the dispatch/combine
+// kernels use (wait_word, put_signal_warp), each in a minimal kernel, so tests can exercise them
+// across processes.
+#include <cuda_runtime.h>
+
+#include "common/error.h"
+#include "transport/cuda_ipc/ipc_peer_table.h"
+#include "transport/device/cuda_util.h"
+#include "transport/device/device_ops.cuh"
+
+namespace moecomm::transport::cuda_ipc {
+namespace {
+
+constexpr uint32_t kOneWarp = 32;
+
+__global__ void wait_probe_kernel(IpcBackend b, uint64_t offset, WaitPredicate pred,
+                                  int64_t timeout_ns, uint32_t peer, ProbeResult* out) {
+  const uint64_t start = device::now_ns();
+  const uint64_t deadline = timeout_ns < 0 ? UINT64_MAX : start + static_cast<uint64_t>(timeout_ns);
+  uint64_t observed = 0;
+  const device::DeviceWait st = device::wait_word(b, offset, pred, deadline, peer, &observed);
+  out->status = static_cast<uint32_t>(st);
+  out->observed = observed;
+  out->elapsed_ns = device::now_ns() - start;
+}
+
+__global__ void put_signal_kernel(IpcBackend b, uint32_t peer, uint64_t offset, const void* src,
+                                  uint64_t bytes, uint64_t sig_offset, uint64_t value,
+                                  SignalOp op) {
+  b.put_signal_warp(peer, offset, src, bytes, sig_offset, value, op);
+}
+
+}  // namespace
+
+DeviceWaitProbe::DeviceWaitProbe(const IpcPeerTable& table, uint64_t offset,
+                                 const WaitPredicate& pred, int64_t timeout_ns, uint32_t peer) {
+  const IpcBackend b = table.backend();
+  MC_CHECK(peer < b.max_peers, "peer index ", peer, " out of range [0, ", b.max_peers, ")");
+  MC_CHECK(offset % sizeof(uint64_t) == 0, "wait offset ", offset, " is not 8-byte aligned");
+  device_ = table.device();
+  DeviceGuard guard(device_);
+  try {
+    cudaStream_t s = nullptr;
+    MC_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    stream_ = s;
+    cudaEvent_t ev = nullptr;
+    MC_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    event_ = ev;
+    MC_CUDA_CHECK(cudaMalloc(&result_dev_, sizeof(ProbeResult)));
+    wait_probe_kernel<<<1, 1, 0, s>>>(b, offset, pred, timeout_ns, peer, result_dev_);
+    MC_CUDA_CHECK(cudaGetLastError());
+    MC_CUDA_CHECK(cudaEventRecord(ev, s));
+  } catch (...) {
+    release();  // a constructor that throws runs no destructor
+    throw;
+  }
+}
+
+void DeviceWaitProbe::release() noexcept {
+  DeviceGuard guard(device_, std::nothrow);
+  if (stream_ != nullptr) cudaStreamSynchronize(static_cast<cudaStream_t>(stream_));
+  if (result_dev_ != nullptr) cudaFree(result_dev_);
+  if (event_ != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(event_));
+  if (stream_ != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
+  result_dev_ = nullptr;
+  event_ = stream_ = nullptr;
+  cudaGetLastError();
+}
+
+DeviceWaitProbe::~DeviceWaitProbe() {
+  release();
+}
+
+bool DeviceWaitProbe::done() {
+  const cudaError_t q = cudaEventQuery(static_cast<cudaEvent_t>(event_));
+  if (q == cudaErrorNotReady) {
+    cudaGetLastError();
+    return false;
+  }
+  MC_CUDA_CHECK(q);
+  return true;
+}
+
+ProbeResult DeviceWaitProbe::result() {
+  DeviceGuard guard(device_);
+  ProbeResult r;
+  MC_CUDA_CHECK(cudaMemcpyAsync(&r, result_dev_, sizeof(r), cudaMemcpyDeviceToHost,
+                                static_cast<cudaStream_t>(stream_)));
+  MC_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)));
+  return r;
+}
+
+void device_put_signal(const IpcPeerTable& table, uint32_t peer, uint64_t offset, const void* src,
+                       uint64_t bytes, uint64_t sig_offset, uint64_t value, SignalOp op) {
+  const IpcBackend b = table.backend();
+  MC_CHECK(peer < b.max_peers, "peer index ", peer, " out of range [0, ", b.max_peers, ")");
+  MC_CHECK(table.state(peer) == PeerState::kActive, "peer ", peer, " is not an active peer");
+  const uint64_t size = table.peer_region(peer)->size();
+  MC_CHECK(offset <= size && bytes <= size - offset, "put of ", bytes, " bytes at offset ", offset,
+           " is outside the peer region (", size, " bytes)");
+  MC_CHECK(sig_offset % sizeof(uint64_t) == 0 && sig_offset + sizeof(uint64_t) <= size,
+           "signal offset ", sig_offset, " is unaligned or outside the peer region");
+  MC_CHECK(bytes == 0 || src != nullptr, "put from a null source");
+  DeviceGuard guard(table.device());
+  DeviceBuffer staged(bytes > 0 ? bytes : 1);
+  cudaStream_t s = nullptr;
+  MC_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaError_t err =
+      bytes > 0 ? cudaMemcpyAsync(staged.get(), src, bytes, cudaMemcpyDefault, s) : cudaSuccess;
+  if (err == cudaSuccess) {
+    put_signal_kernel<<<1, kOneWarp, 0, s>>>(b, peer, offset, staged.get(), bytes, sig_offset,
+                                             value, op);
+    err = cudaGetLastError();
+  }
+  const cudaError_t sync = cudaStreamSynchronize(s);
+  cudaStreamDestroy(s);
+  MC_CUDA_CHECK(err);
+  MC_CUDA_CHECK(sync);
+}
+
+}  // namespace moecomm::transport::cuda_ipc

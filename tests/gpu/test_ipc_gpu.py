@@ -1,0 +1,233 @@
+"""CUDA-IPC transport across processes (needs a GPU; skipped cleanly without one).
+
+Inputs carry their origin (request i: x = i * 1000 + element index) so a response or payload
+read back says where it came from; data movement is compared bit-exactly. Every test has a
+wall-clock timeout so a hang fails instead of stalling the suite.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import ipc_procs
+import numpy as np
+import pytest
+from moecomm import _C
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(180)]
+
+SPAWN = mp.get_context("spawn")  # never fork a process that may hold a CUDA context
+WAIT_NS = 30_000_000_000
+DEADLINE_NS = 200_000_000  # the device wait's deadline in the peer-killed test
+# The probe kernel must finish within this much wall time after its deadline (launch, the
+# liveness check interval, and host polling of the event).
+SLACK_S = 5.0
+
+
+def recv(conn, timeout=60.0):
+    assert conn.poll(timeout), "child process did not answer in time"
+    msg = conn.recv()
+    if isinstance(msg, tuple) and msg and msg[0] == "error":
+        raise AssertionError(f"child failed: {msg[1]}")
+    return msg
+
+
+def start(target, *args):
+    parent, child = SPAWN.Pipe()
+    p = SPAWN.Process(target=target, args=(child, *args), daemon=True)
+    p.start()
+    return p, parent
+
+
+def stop(p):
+    if p.is_alive():
+        os.kill(p.pid, signal.SIGKILL)
+    p.join(10)
+
+
+@pytest.fixture
+def ipc(cuda_native):
+    t = cuda_native.IpcTransport()
+    return cuda_native, t
+
+
+def wait_done(probe, timeout_s):
+    end = time.monotonic() + timeout_s
+    while not probe.done():
+        assert time.monotonic() < end, "device wait did not finish: the kernel hangs"
+        time.sleep(0.002)
+    return probe.result()
+
+
+def test_slot_protocol_two_processes_bit_exact(ipc):
+    cuda, t = ipc
+    num_requests = 12
+    server, conn = start(ipc_procs.slot_server, num_requests)
+    try:
+        cfg = ipc_procs.slot_config()
+        req_ring = _C.SlotRing(cfg, ipc_procs.NUM_SLOTS, True)
+        resp_ring = _C.SlotRing(cfg, ipc_procs.NUM_SLOTS, False)
+        local = t.create_region(resp_ring.region_bytes)
+        remote = t.attach(recv(conn))
+        assert isinstance(remote, cuda.IpcRegion) and not remote.owned
+        conn.send(local.handle)
+        h, k = ipc_procs.HIDDEN, ipc_procs.TOPK
+        for i in range(num_requests):
+            n = 1 + (i * 5) % ipc_procs.MAX_TOKENS
+            x = (np.arange(n * h, dtype=np.float32) + i * 1000).reshape(n, h)
+            ids = (np.arange(n * k, dtype=np.int32) % 5 + i).reshape(n, k)
+            scores = np.full((n, k), 0.5, dtype=np.float32)
+            slot, seq = i % ipc_procs.NUM_SLOTS, i + 1
+            _C.send_request(
+                t, remote, req_ring, slot, ipc_procs.CLIENT_ID, seq, i, n, k, _C.Encoding.F32,
+                x.ctypes.data, 0, ids.ctypes.data, scores.ctypes.data,
+            )  # fmt: skip
+            out = _C.wait_response(
+                t, local, resp_ring, slot, ipc_procs.CLIENT_ID, seq, WAIT_NS, remote
+            )
+            assert out.status == _C.WaitStatus.OK and not out.offline
+            assert out.code == _C.ValidateCode.OK
+            assert out.header.layer_id == i and out.header.num_tokens == n
+            y = np.frombuffer(t.read(local, out.payload_offset, n * h * 4), np.float32)
+            assert np.array_equal(y.reshape(n, h), ipc_procs.expected_response(x, ids))
+        assert recv(conn) == ("done", num_requests)
+    finally:
+        stop(server)
+
+
+def test_host_wait_times_out_and_sees_a_dead_peer(ipc):
+    _, t = ipc
+    p, conn = start(ipc_procs.peer)
+    try:
+        local = t.create_region(4096)
+        remote = t.attach(recv(conn))
+        assert t.peer_alive(remote)
+        pred = dict(op=_C.WaitOp.EQUAL, value=1)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            t.wait(local, 64, timeout_ns=DEADLINE_NS, peer=remote, **pred)
+        assert time.monotonic() - t0 < DEADLINE_NS / 1e9 + SLACK_S
+        conn.send(("sleep",))
+        assert recv(conn) == "sleeping"
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(10)
+        with pytest.raises(ConnectionError):
+            t.wait(local, 64, timeout_ns=WAIT_NS, peer=remote, **pred)
+        assert not t.peer_alive(remote)
+    finally:
+        stop(p)
+
+
+@pytest.mark.parametrize("watchdog", [False, True], ids=["deadline", "liveness"])
+def test_device_wait_returns_when_peer_is_killed(ipc, watchdog):
+    """A kernel waits on a word the peer will never write; the peer is SIGKILLed. Without a
+    watchdog the kernel ends at its 200 ms deadline (TIMEOUT); with one, the host marks the
+    peer dead and the kernel ends with PEER_LOST long before its (30 s) deadline."""
+    cuda, t = ipc
+    p, conn = start(ipc_procs.peer)
+    try:
+        local = t.create_region(4096)
+        table = cuda.IpcPeerTable(t, local, 4)
+        idx = table.add_peer(recv(conn))
+        conn.send(("sleep",))
+        assert recv(conn) == "sleeping"
+        timeout_ns = WAIT_NS if watchdog else DEADLINE_NS
+        probe = table.launch_wait(64, _C.WaitOp.EQUAL, 1, timeout_ns=timeout_ns, peer=idx)
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(10)
+        killed = time.monotonic()
+        if watchdog:
+            while not probe.done():
+                if not t.peer_alive(table.peer_region(idx)):
+                    table.mark_dead(idx)
+                    break
+                assert time.monotonic() - killed < SLACK_S, "liveness check never fired"
+                time.sleep(0.005)
+        r = wait_done(probe, DEADLINE_NS / 1e9 + SLACK_S)
+        if watchdog:
+            assert r["status"] == _C.WaitStatus.PEER_LOST
+            assert r["elapsed_ns"] < WAIT_NS
+        else:
+            assert r["status"] in (_C.WaitStatus.TIMEOUT, _C.WaitStatus.PEER_LOST)
+            if r["status"] == _C.WaitStatus.TIMEOUT:
+                assert r["elapsed_ns"] >= DEADLINE_NS
+        assert r["observed"] == 0
+        retire(cuda, table, idx)
+    finally:
+        stop(p)
+
+
+def retire(cuda, table, idx, timeout_s=10.0):
+    """remove_peer, then collect until the retirement event has completed (it is recorded on
+    the legacy stream, which the GPU reaches a moment later)."""
+    table.remove_peer(idx)
+    end = time.monotonic() + timeout_s
+    while table.state(idx) != cuda.PeerState.FREE:
+        assert table.state(idx) == cuda.PeerState.RETIRING
+        assert time.monotonic() < end, "retirement never completed"
+        table.collect()
+        time.sleep(0.001)
+
+
+def pattern(tag: int, n: int) -> bytes:
+    return bytes((tag * 31 + i) % 251 for i in range(n))
+
+
+def test_peers_join_and_leave_at_run_time(ipc):
+    """Two peers join A's table and write with the device put_signal path; one leaves, a third
+    takes its index. Payloads of odd sizes at aligned and unaligned offsets, read back exactly."""
+    cuda, t = ipc
+    local = t.create_region(ipc_procs.REGION_BYTES)
+    table = cuda.IpcPeerTable(t, local, 2)
+    procs = {}
+    try:
+        for name in ("b", "c", "d"):
+            procs[name] = start(ipc_procs.peer)
+        handles = {name: recv(conn) for name, (_, conn) in procs.items()}
+        ib, ic = table.add_peer(handles["b"]), table.add_peer(handles["c"])
+        assert (ib, ic) == (0, 1) and table.active_peers == 2
+        with pytest.raises(ValueError, match="peer table full"):
+            table.add_peer(handles["d"])
+
+        def put_from(name, tag, offset, nbytes, sig_offset, op="SET", value=None):
+            conn = procs[name][1]
+            conn.send(("connect", local.handle))
+            assert recv(conn) == 0
+            data = pattern(tag, nbytes)
+            value = tag if value is None else value
+            conn.send(("put_signal", 0, offset, data, sig_offset, value, op))
+            return data
+
+        # b: 1000 bytes (not a multiple of 16) at an aligned offset; c: unaligned offset.
+        for name, idx, tag, offset, sig in (("b", ib, 11, 4096, 64), ("c", ic, 12, 8195, 128)):
+            probe = table.launch_wait(sig, _C.WaitOp.EQUAL, tag, timeout_ns=WAIT_NS, peer=idx)
+            data = put_from(name, tag, offset, 1000, sig)
+            assert recv(procs[name][1]) == "ok"
+            r = wait_done(probe, 30)
+            assert r["status"] == _C.WaitStatus.OK and r["observed"] == tag
+            assert t.read(local, offset, len(data)) == data
+
+        # b leaves: alive = 0 at once, the mapping closes once the (default) stream is idle.
+        retire(cuda, table, ib)
+        assert table.active_peers == 1
+        procs["b"][1].send(("exit",))
+        assert recv(procs["b"][1]) == "bye"
+
+        # d joins into the freed index and adds to an arrival counter twice.
+        idd = table.add_peer(handles["d"])
+        assert idd == ib
+        counter = 64 * 3 + 16  # a slot's arrival counter sits 16 bytes into its signal line
+        probe = table.launch_wait(counter, _C.WaitOp.EQUAL, 2000, timeout_ns=WAIT_NS, peer=idd)
+        data = put_from("d", 13, 20000, 1000, counter, op="ADD", value=1000)
+        assert recv(procs["d"][1]) == "ok"
+        procs["d"][1].send(("put_signal", 0, 21000, data, counter, 1000, "ADD"))
+        assert recv(procs["d"][1]) == "ok"
+        r = wait_done(probe, 30)
+        assert r["status"] == _C.WaitStatus.OK and r["observed"] == 2000
+        assert t.read(local, 20000, 1000) == data and t.read(local, 21000, 1000) == data
+    finally:
+        for p, _ in procs.values():
+            stop(p)
