@@ -28,9 +28,10 @@ def _gpu_skip_reason() -> str | None:
 def pytest_collection_modifyitems(config, items):
     gpu_skip = _gpu_skip_reason()
     for item in items:
-        if "gpu" in item.keywords and gpu_skip is not None:
+        # The marker, not item.keywords: keywords also hold directory names (tests/gpu/).
+        if item.get_closest_marker("gpu") and gpu_skip is not None:
             item.add_marker(pytest.mark.skip(reason=gpu_skip))
-        if "slow" in item.keywords and not LONG:
+        if item.get_closest_marker("slow") and not LONG:
             item.add_marker(pytest.mark.skip(reason="long trial: set MOECOMM_LONG=1"))
 
 

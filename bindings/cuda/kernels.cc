@@ -185,17 +185,6 @@ void bind_configs(py::module_& m) {
 }  // namespace
 
 void register_kernels(py::module_& m) {
-  // Module-local: moecomm._C's translator covers the same type, but _cuda must not depend on
-  // the import order of the two modules.
-  py::register_local_exception_translator([](std::exception_ptr p) {
-    try {
-      if (p) std::rethrow_exception(p);
-    } catch (const Error& e) {
-      PyErr_SetString(
-          e.kind() == ErrorKind::kInvalidArgument ? PyExc_ValueError : PyExc_RuntimeError,
-          e.what());
-    }
-  });
   bind_configs(m);
   m.attr("MAX_TOPK") = kc::kMaxTopk;
   py::dict status;

@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 
+#include "../error_map.h"
 #include "common/error.h"
 #include "transport/nvshmem/nvshmem_runtime.h"
 
@@ -31,8 +32,9 @@ py::dict backend_to_dict(const nv::NvshmemBackend& b) {
 
 PYBIND11_MODULE(_nvshmem, m) {
   m.doc() = "moecomm NVSHMEM transport: unique-id bootstrap, symmetric regions, peer table";
-  // WaitStatus, SignalOp, WaitOp and the exception translator live in moecomm._C.
+  // WaitStatus, SignalOp, WaitOp and the exception classes live in moecomm._C.
   py::module_::import("moecomm._C");
+  moecomm::bindings::register_local_error_translator();
 
   m.attr("UNIQUE_ID_BYTES") = nv::kUniqueIdBytes;
   m.def("device_count", &nv::device_count);
