@@ -15,6 +15,7 @@ import struct
 import subprocess
 from pathlib import Path
 
+import moecomm.cuda
 import pytest
 import torch
 from device_dispatch_data import (
@@ -236,11 +237,8 @@ def test_wrapper_refuses_cpu_tensors_and_missing_module(monkeypatch):
         with pytest.raises(ValueError, match="must be a CUDA tensor"):
             device_dispatch.DeviceClient(peers, layout, 1, 0, offsets, offsets)
 
-    def missing(name):
-        raise ImportError(f"No module named {name!r}")
-
-    monkeypatch.setattr(device_dispatch.importlib, "import_module", missing)
-    with pytest.raises(RuntimeError, match=r"moecomm\._cuda is not built"):
+    monkeypatch.setattr(moecomm.cuda, "_import_native", lambda name: None)
+    with pytest.raises(RuntimeError, match=r"moecomm\._cuda was not built"):
         device_dispatch.DeviceClient(peers, layout, 1, 0, offsets, offsets)
 
 

@@ -20,13 +20,12 @@ nothing. Reading the status is the caller's (synchronising) choice, after the st
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 
+import moecomm.cuda
 from moecomm.protocol import Encoding, SlotLayout, as_encoding
 
-__all__ = ["DeviceClient", "cuda_module"]
+__all__ = ["DeviceClient", "cuda_module", "ipc_peers"]
 
 _FLOAT_ENCODING = {
     torch.bfloat16: Encoding.BF16,
@@ -40,14 +39,24 @@ _U64 = torch.int64
 
 
 def cuda_module():
-    """``moecomm._cuda``, or a RuntimeError saying why the device path is unavailable."""
-    try:
-        return importlib.import_module("moecomm._cuda")
-    except ImportError as exc:
-        raise RuntimeError(
-            "moecomm._cuda is not built (no nvcc when moecomm was installed): the device "
-            f"dispatch/combine needs it ({exc})"
-        ) from exc
+    """``moecomm._cuda``; GpuUnavailableError (a RuntimeError) saying it was not built. The
+    device itself is checked through the tensors, which must be CUDA tensors."""
+    return moecomm.cuda.cuda_module(need_device=False)
+
+
+def ipc_peers(table) -> object:
+    """The kernels' view (``moecomm._cuda.IpcPeers``) of a transport ``IpcPeerTable``: its
+    region base, its device array of mapped peers and its liveness mask. The table keeps
+    owning them; build the view again after peers join or leave only if max_peers changed
+    (the arrays themselves are rewritten in place)."""
+    k = cuda_module()
+    view = table.backend()
+    peers = k.IpcPeers()
+    peers.local_base = view["local_base"]
+    peers.peer_base = view["peer_base"]
+    peers.alive = view["alive"]
+    peers.max_peers = view["max_peers"]
+    return peers
 
 
 def _check_cuda(name: str, t: object, dtypes: tuple, dim: int) -> torch.Tensor:
@@ -65,8 +74,9 @@ def _check_cuda(name: str, t: object, dtypes: tuple, dim: int) -> torch.Tensor:
 class DeviceClient:
     """One attention client's device dispatch/combine over a CUDA-IPC peer table.
 
-    ``peers`` is a ``moecomm._cuda.IpcPeers`` (our region's base, the device array of mapped
-    server regions, the liveness mask); ``request_ring_offset[s]`` is where our request ring
+    ``peers`` is a ``moecomm._cuda.IpcPeers`` (:func:`ipc_peers` makes one from the transport's
+    ``IpcPeerTable``: our region's base, the device array of mapped server regions, the liveness
+    mask); ``request_ring_offset[s]`` is where our request ring
     starts in server ``s``'s region, ``response_ring_offset[s]`` where server ``s``'s response
     ring starts in ours (both int64 CUDA tensors of ``num_servers`` entries, kept alive here).
     """
