@@ -55,31 +55,31 @@ PYBIND11_MODULE(_nvshmem, m) {
       py::arg("unique_id"), py::arg("rank"), py::arg("nranks"), py::arg("device") = -1);
   m.def("initialized", &nv::initialized);
   m.def("my_pe", [] {
-    nv::require_device();
+    moecomm::transport::require_device("the NVSHMEM transport");
     return nv::my_pe();
   });
   m.def("n_pes", [] {
-    nv::require_device();
+    moecomm::transport::require_device("the NVSHMEM transport");
     return nv::n_pes();
   });
   m.def(
       "barrier_all",
       [] {
-        nv::require_device();
+        moecomm::transport::require_device("the NVSHMEM transport");
         nv::barrier_all();
       },
       py::call_guard<py::gil_scoped_release>());
   m.def(
       "finalize",
       [] {
-        nv::require_device();
+        moecomm::transport::require_device("the NVSHMEM transport");
         nv::finalize();
       },
       py::call_guard<py::gil_scoped_release>());
 
   py::class_<nv::NvshmemRegion, std::shared_ptr<nv::NvshmemRegion>>(m, "NvshmemRegion")
       .def(py::init([](uint64_t bytes) {
-             nv::require_device();
+             moecomm::transport::require_device("the NVSHMEM transport");
              py::gil_scoped_release release;  // collective
              return std::make_shared<nv::NvshmemRegion>(bytes);
            }),
@@ -108,7 +108,7 @@ PYBIND11_MODULE(_nvshmem, m) {
 
   py::class_<nv::NvshmemPeerTable>(m, "NvshmemPeerTable")
       .def(py::init([](std::shared_ptr<nv::NvshmemRegion> local, uint32_t max_peers) {
-             nv::require_device();
+             moecomm::transport::require_device("the NVSHMEM transport");
              return std::make_unique<nv::NvshmemPeerTable>(std::move(local), max_peers);
            }),
            py::arg("local"), py::arg("max_peers"))

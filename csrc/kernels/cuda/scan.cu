@@ -3,49 +3,23 @@
 
 #include "common/align.h"
 #include "common/error.h"
+#include "kernels/cuda/device_common.cuh"
 #include "kernels/cuda/scan.h"
 
 namespace moecomm::kernels::cuda {
 namespace {
 
-constexpr int kWarpSize = 32;
-constexpr unsigned kFullMask = 0xffffffffu;
 // One block of this many threads scans the counts: a server hosts hundreds of experts, so one
 // or two chunks cover them and a single block needs no inter-block carry.
 constexpr int kScanThreads = 1024;
-constexpr int kScanWarps = kScanThreads / kWarpSize;
+constexpr int kScanWarps = kScanThreads / dev::kWarpSize;
 // Threads per block of the tile map: one thread per tile.
 constexpr int kTileMapThreads = 256;
 
-template <typename T>
-__device__ T warp_inclusive_scan(T v) {
-  const int lane = threadIdx.x % kWarpSize;
-  for (int d = 1; d < kWarpSize; d *= 2) {
-    const T up = __shfl_up_sync(kFullMask, v, d);
-    if (lane >= d) v += up;
-  }
-  return v;
-}
-
-// Inclusive scan over the whole block; `total` receives the block sum. `warp_sums` is shared
-// memory of kScanWarps entries. Every thread of the block must call it.
+// The shared block scan (device_common.cuh) at this file's block size.
 template <typename T>
 __device__ T block_inclusive_scan(T v, T* warp_sums, T* total) {
-  const int lane = threadIdx.x % kWarpSize;
-  const int warp = threadIdx.x / kWarpSize;
-  v = warp_inclusive_scan(v);
-  if (lane == kWarpSize - 1) warp_sums[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    T s = lane < kScanWarps ? warp_sums[lane] : T{0};
-    s = warp_inclusive_scan(s);
-    if (lane < kScanWarps) warp_sums[lane] = s;
-  }
-  __syncthreads();
-  if (warp > 0) v += warp_sums[warp - 1];
-  *total = warp_sums[kScanWarps - 1];
-  __syncthreads();  // warp_sums is reused by the next call
-  return v;
+  return dev::block_inclusive_scan<kScanThreads>(v, warp_sums, total);
 }
 
 __global__ void __launch_bounds__(kScanThreads)

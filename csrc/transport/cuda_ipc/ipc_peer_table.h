@@ -77,11 +77,7 @@ class IpcPeerTable {
 };
 
 // Device-side checks (tests and diagnostics), one kernel launch each.
-struct ProbeResult {
-  uint32_t status = 0;  // transport::WaitStatus numbering
-  uint64_t observed = 0;
-  uint64_t elapsed_ns = 0;  // device globaltimer, from kernel start to the verdict
-};
+using ProbeResult = WaitProbeResult;
 
 // Launches one thread that runs device::wait_word on the table's backend, without waiting for
 // it; the host polls done() and reads result().

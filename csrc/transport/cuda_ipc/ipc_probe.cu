@@ -13,17 +13,6 @@ namespace {
 
 constexpr uint32_t kOneWarp = 32;
 
-__global__ void wait_probe_kernel(IpcBackend b, uint64_t offset, WaitPredicate pred,
-                                  int64_t timeout_ns, uint32_t peer, ProbeResult* out) {
-  const uint64_t start = device::now_ns();
-  const uint64_t deadline = timeout_ns < 0 ? UINT64_MAX : start + static_cast<uint64_t>(timeout_ns);
-  uint64_t observed = 0;
-  const device::DeviceWait st = device::wait_word(b, offset, pred, deadline, peer, &observed);
-  out->status = static_cast<uint32_t>(st);
-  out->observed = observed;
-  out->elapsed_ns = device::now_ns() - start;
-}
-
 __global__ void put_signal_kernel(IpcBackend b, uint32_t peer, uint64_t offset, const void* src,
                                   uint64_t bytes, uint64_t sig_offset, uint64_t value,
                                   SignalOp op) {
@@ -47,7 +36,8 @@ DeviceWaitProbe::DeviceWaitProbe(const IpcPeerTable& table, uint64_t offset,
     MC_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
     event_ = ev;
     MC_CUDA_CHECK(cudaMalloc(&result_dev_, sizeof(ProbeResult)));
-    wait_probe_kernel<<<1, 1, 0, s>>>(b, offset, pred, timeout_ns, peer, result_dev_);
+    device::wait_probe_kernel<IpcBackend>
+        <<<1, 1, 0, s>>>(b, offset, pred, timeout_ns, peer, result_dev_);
     MC_CUDA_CHECK(cudaGetLastError());
     MC_CUDA_CHECK(cudaEventRecord(ev, s));
   } catch (...) {

@@ -79,31 +79,6 @@ cudaStream_t as_stream(void* s) {
 
 }  // namespace
 
-int device_count() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    cudaGetLastError();  // not sticky; clear it so later calls start clean
-    return 0;
-  }
-  return n;
-}
-
-std::string no_device_reason() {
-  int n = 0;
-  const cudaError_t err = cudaGetDeviceCount(&n);
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    return std::string(cudaGetErrorName(err)) + ": " + cudaGetErrorString(err);
-  }
-  return n == 0 ? "no CUDA device visible" : "";
-}
-
-void require_device() {
-  const std::string why = no_device_reason();
-  MC_CHECK_KIND(why.empty(), ErrorKind::kSystem, "no usable CUDA device (", why,
-                "): the cuda_ipc transport needs a GPU");
-}
-
 IpcRegion& as_ipc(Region& r) {
   auto* p = dynamic_cast<IpcRegion*>(&r);
   MC_CHECK(p != nullptr, r.describe(), " does not belong to the cuda_ipc transport");
@@ -139,7 +114,7 @@ std::string IpcRegion::describe() const {
 }
 
 IpcTransport::IpcTransport(int device) : self_(shm::self_process()), boot_id_(node_boot_id()) {
-  require_device();
+  require_device("the cuda_ipc transport");
   if (device < 0) MC_CUDA_CHECK(cudaGetDevice(&device));
   MC_CHECK(device < device_count(), "device ", device, " out of range: ", device_count(),
            " visible");

@@ -23,6 +23,7 @@
 #include <string>
 
 #include "transport/cuda_ipc/ipc_handle.h"
+#include "transport/device/cuda_device.h"
 #include "transport/shm/process.h"
 #include "transport/transport.h"
 
@@ -38,12 +39,8 @@ constexpr int64_t kMaxPollSleepNs = 200'000;
 // How often a waiter checks that the peer process still exists.
 constexpr int64_t kPeerCheckIntervalNs = 20'000'000;
 
-// Number of CUDA devices this process sees; 0 without a driver or device (never throws).
-int device_count();
-// Why device_count() is 0 (the CUDA error), or "" when a device is visible.
-std::string no_device_reason();
-// Throws moecomm::Error (kSystem) with the reason when no CUDA device is usable.
-void require_device();
+using transport::device_count;
+using transport::no_device_reason;
 
 class IpcRegion final : public Region {
  public:

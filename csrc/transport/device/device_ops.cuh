@@ -30,6 +30,7 @@
 #include <cstdint>
 
 #include "common/macros.h"
+#include "transport/device/cuda_device.h"
 #include "transport/transport.h"
 
 namespace moecomm::transport::device {
@@ -92,6 +93,20 @@ __device__ DeviceWait wait_word(const Backend& b, uint64_t offset, const WaitPre
       if (now_ns() >= deadline_ns) return DeviceWait::kTimeout;
     }
   }
+}
+
+// One thread runs wait_word and reports what it saw (the transports' probes; tests). A negative
+// timeout waits without a deadline.
+template <typename Backend>
+__global__ void wait_probe_kernel(Backend b, uint64_t offset, WaitPredicate pred,
+                                  int64_t timeout_ns, uint32_t peer, WaitProbeResult* out) {
+  const uint64_t start = now_ns();
+  const uint64_t deadline = timeout_ns < 0 ? UINT64_MAX : start + static_cast<uint64_t>(timeout_ns);
+  uint64_t observed = 0;
+  const DeviceWait st = wait_word(b, offset, pred, deadline, peer, &observed);
+  out->status = static_cast<uint32_t>(st);
+  out->observed = observed;
+  out->elapsed_ns = now_ns() - start;
 }
 
 }  // namespace moecomm::transport::device

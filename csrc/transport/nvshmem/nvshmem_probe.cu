@@ -15,17 +15,6 @@ namespace {
 
 constexpr uint32_t kOneWarp = 32;
 
-__global__ void wait_probe_kernel(NvshmemBackend b, uint64_t offset, WaitPredicate pred,
-                                  int64_t timeout_ns, uint32_t peer, NvshmemProbeResult* out) {
-  const uint64_t start = device::now_ns();
-  const uint64_t deadline = timeout_ns < 0 ? UINT64_MAX : start + static_cast<uint64_t>(timeout_ns);
-  uint64_t observed = 0;
-  const device::DeviceWait st = device::wait_word(b, offset, pred, deadline, peer, &observed);
-  out->status = static_cast<uint32_t>(st);
-  out->observed = observed;
-  out->elapsed_ns = device::now_ns() - start;
-}
-
 __global__ void put_signal_kernel(NvshmemBackend b, uint32_t peer, uint64_t dst_offset,
                                   uint64_t src_offset, uint64_t bytes, uint64_t sig_offset,
                                   uint64_t value, SignalOp op) {
@@ -48,8 +37,8 @@ NvshmemProbeResult device_wait(const NvshmemPeerTable& table, uint64_t offset,
   MC_CHECK(offset % sizeof(uint64_t) == 0, "wait offset ", offset, " is not 8-byte aligned");
   check_span(table.local(), offset, sizeof(uint64_t), "wait word");
   DeviceBuffer out(sizeof(NvshmemProbeResult));
-  wait_probe_kernel<<<1, 1>>>(table.backend(), offset, pred, timeout_ns, peer,
-                              static_cast<NvshmemProbeResult*>(out.get()));
+  device::wait_probe_kernel<NvshmemBackend><<<1, 1>>>(
+      table.backend(), offset, pred, timeout_ns, peer, static_cast<NvshmemProbeResult*>(out.get()));
   MC_CUDA_CHECK(cudaGetLastError());
   NvshmemProbeResult r;
   MC_CUDA_CHECK(cudaMemcpy(&r, out.get(), sizeof(r), cudaMemcpyDeviceToHost));

@@ -23,31 +23,6 @@ void require_initialized(const char* what) {
 
 }  // namespace
 
-int device_count() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  return n;
-}
-
-std::string no_device_reason() {
-  int n = 0;
-  const cudaError_t err = cudaGetDeviceCount(&n);
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    return std::string(cudaGetErrorName(err)) + ": " + cudaGetErrorString(err);
-  }
-  return n == 0 ? "no CUDA device visible" : "";
-}
-
-void require_device() {
-  const std::string why = no_device_reason();
-  MC_CHECK_KIND(why.empty(), ErrorKind::kSystem, "no usable CUDA device (", why,
-                "): the NVSHMEM transport needs a GPU");
-}
-
 void check_unique_id(const std::string& uid) {
   MC_CHECK(uid.size() == kUniqueIdBytes, "an NVSHMEM unique id is ", kUniqueIdBytes, " bytes, got ",
            uid.size());
@@ -63,7 +38,7 @@ void check_init_args(int rank, int nranks) {
 }
 
 std::string get_unique_id() {
-  require_device();
+  require_device("the NVSHMEM transport");
   nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;
   const int status = nvshmemx_get_uniqueid(&id);
   MC_CHECK_KIND(status == 0, ErrorKind::kSystem, "nvshmemx_get_uniqueid failed with status ",
@@ -76,7 +51,7 @@ std::string get_unique_id() {
 void init(const std::string& uid, int rank, int nranks, int device) {
   check_unique_id(uid);
   check_init_args(rank, nranks);
-  require_device();
+  require_device("the NVSHMEM transport");
   MC_CHECK(!g_initialized.load(), "NVSHMEM is already initialized in this process (PE ",
            nvshmem_my_pe(), "); it is initialized once per process");
   if (device >= 0) {

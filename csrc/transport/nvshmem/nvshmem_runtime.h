@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "transport/device/cuda_device.h"
 #include "transport/nvshmem/nvshmem_backend.cuh"
 #include "transport/transport.h"
 
@@ -29,9 +30,8 @@ constexpr int32_t kUniqueIdVersion = (1 << 16) + static_cast<int32_t>(kUniqueIdB
 // A peer table larger than this is a caller bug (one entry per PE of the job).
 constexpr uint32_t kMaxPeers = 4096;
 
-int device_count();
-std::string no_device_reason();
-void require_device();
+using transport::device_count;
+using transport::no_device_reason;
 
 // Argument checks of init(), usable without a GPU. Throw kInvalidArgument.
 void check_unique_id(const std::string& uid);
@@ -108,11 +108,7 @@ class NvshmemPeerTable {
   std::vector<uint32_t> host_alive_;
 };
 
-struct NvshmemProbeResult {
-  uint32_t status = 0;  // transport::WaitStatus numbering
-  uint64_t observed = 0;
-  uint64_t elapsed_ns = 0;
-};
+using NvshmemProbeResult = WaitProbeResult;
 
 // One thread runs device::wait_word on the table's backend (NVSHMEM's post-wait step
 // included); blocks until the kernel finishes (so at most timeout_ns plus launch latency).
