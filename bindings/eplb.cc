@@ -58,6 +58,30 @@ void register_eplb(py::module_& m) {
             min_relative_gain);
       },
       "Refinement swaps of moecomm.eplb.packing, in place.");
+  m.def(
+      "eplb_replica_counts",
+      [](uintptr_t weights, int64_t rows, int64_t experts, int64_t num_slots, int64_t max_count,
+         double offset, uintptr_t counts) {
+        py::gil_scoped_release release;
+        kernels::cpu::eplb_replica_counts(reinterpret_cast<const double*>(weights), rows, experts,
+                                          num_slots, max_count, offset,
+                                          reinterpret_cast<int64_t*>(counts));
+      },
+      "Replica counts of moecomm.eplb.replicas into a preallocated [rows, experts] array.");
+  m.def(
+      "eplb_log2phy",
+      [](uintptr_t phy2log, int64_t rows, int64_t slots, int64_t experts, uintptr_t log2phy,
+         uintptr_t logcnt) {
+        bool ok = false;
+        {
+          py::gil_scoped_release release;
+          ok = kernels::cpu::eplb_log2phy(reinterpret_cast<const int64_t*>(phy2log), rows, slots,
+                                          experts, reinterpret_cast<int64_t*>(log2phy),
+                                          reinterpret_cast<int64_t*>(logcnt));
+        }
+        if (!ok) throw py::value_error("phy2log holds an expert id out of range or too often");
+      },
+      "log2phy and logcnt from phy2log into preallocated arrays.");
 }
 
 }  // namespace moecomm::bindings

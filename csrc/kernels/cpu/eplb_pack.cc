@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <limits>
 #include <numeric>
+#include <queue>
+#include <utility>
 #include <vector>
 
 namespace moecomm::kernels::cpu {
@@ -172,6 +174,7 @@ void eplb_rounds(const EplbPacking& p, const double* weights, const int64_t* lab
   const int64_t n = p.packs * p.slots;
   std::vector<int64_t> order(static_cast<size_t>(n));
   std::vector<int64_t> pack_order(static_cast<size_t>(p.packs));
+  std::vector<std::pair<double, int64_t>> keyed(static_cast<size_t>(n));
   for (int64_t r = 0; r < p.rows; ++r) {
     const double* w = weights + r * n;
     const int64_t* lab = labels + r * n;
@@ -179,15 +182,20 @@ void eplb_rounds(const EplbPacking& p, const double* weights, const int64_t* lab
     double* slot_w = p.slot_w + r * n;
     int64_t* slot_l = p.slot_l + r * n;
     double* loads = p.loads + r * p.packs;
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [w](int64_t a, int64_t b) { return w[a] > w[b]; });
+    // Heaviest first, ties by index: the order of numpy's stable argsort of -w.
+    for (int64_t i = 0; i < n; ++i) keyed[i] = {w[i], i};
+    std::sort(keyed.begin(), keyed.end(), [](const auto& a, const auto& b) {
+      return a.first > b.first || (a.first == b.first && a.second < b.second);
+    });
+    for (int64_t i = 0; i < n; ++i) order[i] = keyed[i].second;
     std::fill(loads, loads + p.packs, 0.0);
     std::iota(pack_order.begin(), pack_order.end(), 0);  // round 0: every pack empty
     for (int64_t k = 0; k < p.slots; ++k) {
       if (k > 0) {
         std::iota(pack_order.begin(), pack_order.end(), 0);
-        std::stable_sort(pack_order.begin(), pack_order.end(),
-                         [loads](int64_t a, int64_t b) { return loads[a] < loads[b]; });
+        std::sort(pack_order.begin(), pack_order.end(), [loads](int64_t a, int64_t b) {
+          return loads[a] < loads[b] || (loads[a] == loads[b] && a < b);
+        });
       }
       for (int64_t j = 0; j < p.packs; ++j) {
         const int64_t item = order[k * p.packs + j];
@@ -255,6 +263,64 @@ void eplb_refine(const EplbPacking& p, int64_t max_steps, double min_relative_ga
       if (stuck) break;
     }
   }
+}
+
+void eplb_replica_counts(const double* weights, int64_t rows, int64_t experts, int64_t num_slots,
+                         int64_t max_count, double offset, int64_t* counts) {
+  const int64_t redundant = num_slots - experts;
+  const int64_t floor_cap = (num_slots + experts - 1) / experts;
+  const int64_t cap = max_count < 0 ? redundant + 1 : std::max(max_count, floor_cap);
+  const int64_t extra = std::min(redundant, cap - 1);  // most extra replicas of one expert
+  // A candidate: (priority, expert) of an expert's next extra replica. Within an expert the
+  // priorities fall with every replica, so popping the best candidate and pushing the expert's
+  // next one takes the same `redundant` candidates as numpy's top-k over all of them.
+  using Candidate = std::pair<double, int64_t>;
+  const auto worse = [](const Candidate& a, const Candidate& b) {
+    return a.first < b.first || (a.first == b.first && a.second > b.second);
+  };
+  std::vector<Candidate> heap;
+  heap.reserve(static_cast<size_t>(experts));
+  for (int64_t r = 0; r < rows; ++r) {
+    const double* w = weights + r * experts;
+    int64_t* c = counts + r * experts;
+    const auto priority = [&](int64_t e, int64_t j) {
+      const double value = w[e] / (static_cast<double>(j) + offset);
+      return value > 0 ? value : -static_cast<double>(j);  // zero loads: fewer replicas first
+    };
+    heap.clear();
+    for (int64_t e = 0; e < experts; ++e) {
+      c[e] = 1;
+      if (extra > 0) heap.push_back({priority(e, 1), e});
+    }
+    std::make_heap(heap.begin(), heap.end(), worse);
+    for (int64_t s = 0; s < redundant && !heap.empty(); ++s) {
+      std::pop_heap(heap.begin(), heap.end(), worse);
+      const int64_t e = heap.back().second;
+      heap.pop_back();
+      const int64_t j = c[e]++;  // extras so far + 1 = this extra's index
+      if (j < extra) {
+        heap.push_back({priority(e, j + 1), e});
+        std::push_heap(heap.begin(), heap.end(), worse);
+      }
+    }
+  }
+}
+
+bool eplb_log2phy(const int64_t* phy2log, int64_t rows, int64_t slots, int64_t experts,
+                  int64_t* log2phy, int64_t* logcnt) {
+  const int64_t width = slots - experts + 1;
+  std::fill(log2phy, log2phy + rows * experts * width, int64_t{-1});
+  std::fill(logcnt, logcnt + rows * experts, int64_t{0});
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t* table = log2phy + r * experts * width;
+    int64_t* cnt = logcnt + r * experts;
+    for (int64_t s = 0; s < slots; ++s) {
+      const int64_t e = phy2log[r * slots + s];
+      if (e < 0 || e >= experts || cnt[e] >= width) return false;
+      table[e * width + cnt[e]++] = s;
+    }
+  }
+  return true;
 }
 
 }  // namespace moecomm::kernels::cpu

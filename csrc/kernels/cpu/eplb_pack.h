@@ -40,4 +40,19 @@ void eplb_dedup(const EplbPacking& p, int64_t max_steps);
 // creating a duplicate label); a group stops once such a row finds no improving swap.
 void eplb_refine(const EplbPacking& p, int64_t max_steps, double min_relative_gain);
 
+// Replica counts (python/moecomm/eplb/replicas.py replica_counts): one per expert, then each
+// redundant slot to the largest priority w / (j + offset) for an expert's j-th extra replica
+// (zero loads: -j, below every positive load), ties to the lower expert id; at most
+// max_count replicas per expert (max_count < 0: no cap), raised to ceil(num_slots / experts)
+// when that could not fill the slots. weights [rows, experts] -> counts [rows, experts].
+void eplb_replica_counts(const double* weights, int64_t rows, int64_t experts, int64_t num_slots,
+                         int64_t max_count, double offset, int64_t* counts);
+
+// Published outputs from phy2log [rows, slots] (every expert id in [0, experts) at least once):
+// logcnt [rows, experts] replica counts, log2phy [rows, experts, slots - experts + 1] each
+// expert's slots ascending, padded with -1. False (outputs partial) on an id out of range or an
+// expert with more than slots - experts + 1 replicas.
+bool eplb_log2phy(const int64_t* phy2log, int64_t rows, int64_t slots, int64_t experts,
+                  int64_t* log2phy, int64_t* logcnt);
+
 }  // namespace moecomm::kernels::cpu

@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 import numpy as np
+import torch
 
 # Set MOECOMM_EPLB_NATIVE=0 to force the numpy reference path (or set ENABLED at run time).
 ENABLED = os.environ.get("MOECOMM_EPLB_NATIVE", "1") != "0"
@@ -28,6 +29,11 @@ def _load() -> Any:
 
 
 _C = _load()
+
+
+def on() -> bool:
+    """The kernels are built and enabled."""
+    return ENABLED and _C is not None
 
 
 def usable(packing: Any, capacity: np.ndarray | None) -> bool:
@@ -111,3 +117,26 @@ def refine(
     keep, group = _group(packing, row_group)
     _C.eplb_refine(*_args(packing), group, max_steps, min_relative_gain)
     del keep
+
+
+def replica_counts(
+    weights: np.ndarray, num_slots: int, max_count: int | None, offset: float
+) -> np.ndarray:
+    """replicas.replica_counts (checked arguments), same counts."""
+    w = np.ascontiguousarray(weights, dtype=np.float64)
+    rows, experts = w.shape
+    counts = np.empty((rows, experts), dtype=np.int64)
+    cap = -1 if max_count is None else int(max_count)
+    _C.eplb_replica_counts(w.ctypes.data, rows, experts, num_slots, cap, offset, counts.ctypes.data)
+    return counts
+
+
+def log2phy(phy2log: np.ndarray, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log2phy, logcnt) of policy.finalize, written straight into torch tensors."""
+    assert phy2log.dtype == np.int64 and phy2log.flags.c_contiguous
+    rows, slots = phy2log.shape
+    width = slots - num_experts + 1
+    out = torch.empty((rows, num_experts, width), dtype=torch.int64)
+    cnt = torch.empty((rows, num_experts), dtype=torch.int64)
+    _C.eplb_log2phy(phy2log.ctypes.data, rows, slots, num_experts, out.data_ptr(), cnt.data_ptr())
+    return out, cnt

@@ -91,8 +91,7 @@ def _rounds(
     num_packs = len(slots)
     max_slots = max(slots)
     if (
-        native.ENABLED
-        and native._C is not None
+        native.on()
         and labels is not None
         and min(slots) == max_slots
         and not bool((capacity != 1.0).any())
