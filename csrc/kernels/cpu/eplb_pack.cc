@@ -12,6 +12,10 @@ namespace moecomm::kernels::cpu {
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
+// Refinement pruning: a pack whose gap to the top pack is below kPruneFactor * best gain cannot
+// reach that gain (which needs a gap of 2 * best, less at most one rounding of gap - d); the
+// margin below 2 keeps the search's result identical to the exhaustive numpy one.
+constexpr double kPruneFactor = 1.999;
 
 // One row of a packing, with a per-(pack, label) count table standing in for the numpy
 // "presence" array (count > 0 <=> the pack holds the label). The table is shared by all rows:
@@ -102,8 +106,11 @@ class Row {
   // refine(): the swap between the top pack and another lowering the pair's larger load most:
   // gain min(d, gap - d), d = w_a - w_b, gap = top load - other load. Returns the gain (-inf
   // when none is allowed) and the slots in *src, *dst.
-  double best_refine_swap(int64_t top, int64_t* src, int64_t* dst) const {
+  double best_refine_swap(int64_t top, int64_t* src, int64_t* dst) {
     const double top_load = loads_[top];
+    // b may leave its pack for the top one only if the top pack lacks its label.
+    blocked_.resize(static_cast<size_t>(packs_ * slots_));
+    for (int64_t b = 0; b < packs_ * slots_; ++b) blocked_[b] = holds(top, l_[b]);
     double best = -kInf;
     for (int64_t i = 0; i < slots_; ++i) {
       const int64_t a = top * slots_ + i;
@@ -112,9 +119,12 @@ class Row {
       for (int64_t q = 0; q < packs_; ++q) {
         if (q == top || holds(q, la)) continue;
         const double gap = top_load - loads_[q];
+        // A gain >= best needs d >= best and gap - d >= best (up to one rounding), so
+        // gap >= 2 * best up to rounding: packs well below that can neither beat nor tie it.
+        if (best > 0 && gap < best * kPruneFactor) continue;
         for (int64_t k = 0; k < slots_; ++k) {
           const int64_t b = q * slots_ + k;
-          if (holds(top, l_[b])) continue;
+          if (blocked_[b]) continue;
           const double delta = wa - w_[b];
           const double gain = std::min(delta, gap - delta);
           if (gain > best) {
@@ -135,6 +145,7 @@ class Row {
   int64_t* l_;
   double* loads_;
   std::vector<int32_t>& count_;
+  std::vector<char> blocked_;
 };
 
 int64_t num_labels(const EplbPacking& p) {
