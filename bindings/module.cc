@@ -7,4 +7,5 @@ PYBIND11_MODULE(_C, m) {
   moecomm::bindings::register_transport(m);
   moecomm::bindings::register_slots(m);
   moecomm::bindings::register_kernels_moe(m);
+  moecomm::bindings::register_eplb(m);
 }

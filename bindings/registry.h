@@ -10,5 +10,6 @@ void register_protocol(pybind11::module_& m);
 void register_transport(pybind11::module_& m);
 void register_slots(pybind11::module_& m);
 void register_kernels_moe(pybind11::module_& m);
+void register_eplb(pybind11::module_& m);
 
 }  // namespace moecomm::bindings

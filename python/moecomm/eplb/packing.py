@@ -25,6 +25,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from . import native
+
 # Swaps must lower the heaviest pack by more than this fraction: float noise is not a gain and
 # would let the loop run to its cap on ties.
 _MIN_RELATIVE_GAIN = 1e-9
@@ -88,6 +90,13 @@ def _rounds(
     rows = weights.shape[0]
     num_packs = len(slots)
     max_slots = max(slots)
+    if (
+        native.on()
+        and labels is not None
+        and min(slots) == max_slots
+        and not bool((capacity != 1.0).any())
+    ):
+        return Packing(*native.rounds(weights, labels, num_packs, max_slots))
     order = np.argsort(-weights, axis=1, kind="stable")
     sorted_w = np.take_along_axis(weights, order, axis=1)
     slots_a = np.asarray(slots)
@@ -211,6 +220,9 @@ def dedup(packing: Packing, capacity: np.ndarray, row_group: np.ndarray | None =
     rows, _, max_slots = packing.table.shape
     if rows == 0:
         return
+    if native.usable(packing, capacity):
+        native.dedup(packing, row_group, MAX_DEDUP_STEPS)
+        return
     cap = capacity if bool((capacity != 1.0).any()) else None  # None: equal packs
     dup = _duplicate_slots(packing.slot_l).reshape(rows, -1)
     active = np.flatnonzero(dup.any(axis=1))
@@ -288,6 +300,9 @@ def refine(
     """
     rows, num_packs, max_slots = packing.table.shape
     if rows == 0:
+        return
+    if native.usable(packing, capacity):
+        native.refine(packing, row_group, max_steps, _MIN_RELATIVE_GAIN)
         return
     per_src = num_packs * max_slots
     cap = capacity if bool((capacity != 1.0).any()) else None  # None: equal packs

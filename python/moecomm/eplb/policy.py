@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from . import native
 from .checks import as_weight, check_capacity, check_config, check_slots
 from .packing import MAX_REFINE_STEPS, balanced_pack, dedup, refine, rounds_are_optimal
 from .replicas import expand_replicas, replica_counts
@@ -74,6 +75,9 @@ def finalize(
     as int64 torch tensors."""
     phy2log = np.ascontiguousarray(phy2log, dtype=np.int64)
     layers, num_slots = phy2log.shape
+    if native.on():
+        log2phy_t, logcnt_t = native.log2phy(phy2log, num_experts)
+        return torch.from_numpy(phy2log), log2phy_t, logcnt_t
     row_base = (np.arange(layers) * num_experts)[:, None]
     logcnt = np.bincount((row_base + phy2log).ravel(), minlength=layers * num_experts)
     logcnt = logcnt.reshape(layers, num_experts)

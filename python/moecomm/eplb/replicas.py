@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import native
+
 
 def _first_largest_mask(values: np.ndarray, k: int) -> np.ndarray:
     """[B, n] bool: the k largest values of each row; ties at the cut go to lower column ids.
@@ -54,6 +56,8 @@ def replica_counts(
     floor_cap = -(-num_slots // num_experts)
     cap = redundant + 1 if max_count is None else max(max_count, floor_cap)
     extra = min(redundant, cap - 1)  # most extra replicas one expert can take
+    if native.on():
+        return native.replica_counts(weights, num_slots, max_count, offset)
     w = np.asarray(weights, dtype=np.float64)
     # Only the `redundant` heaviest experts can win an extra replica: each of them outranks any
     # lighter expert's first extra. Ties at the cut keep the lower expert ids.
