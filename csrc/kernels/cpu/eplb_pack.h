@@ -17,10 +17,10 @@ struct EplbPacking {
   int64_t rows;
   int64_t packs;
   int64_t slots;
-  int64_t* table;    // [rows, packs, slots] item index in the row
-  double* slot_w;    // [rows, packs, slots] item weight
-  int64_t* slot_l;   // [rows, packs, slots] item label (>= 0)
-  double* loads;     // [rows, packs] sum of slot_w over the pack
+  int64_t* table;   // [rows, packs, slots] item index in the row
+  double* slot_w;   // [rows, packs, slots] item weight
+  int64_t* slot_l;  // [rows, packs, slots] item label (>= 0)
+  double* loads;    // [rows, packs] sum of slot_w over the pack
   // Rows judged together by their heaviest pack (a layer's nodes): group id per row, ids in
   // [0, rows); nullptr means every row is its own group.
   const int64_t* row_group;
