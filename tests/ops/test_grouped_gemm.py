@@ -308,13 +308,16 @@ def test_native_kernel_rejects_bad_sizes_with_value_error():
         native.expert_mlp_f32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 8, 4, 0)
 
 
-def test_expert_forward_is_batch_invariant_in_float32():
+# (40, 24): every depth a multiple of 8; (67, 13): 16-float steps, an 8-float step and scalar
+# tails in both projections.
+@pytest.mark.parametrize(("hidden", "inter"), [(HIDDEN, INTER), (67, 13)])
+def test_expert_forward_is_batch_invariant_in_float32(hidden, inter):
     if gg._native_module() is None:
         pytest.skip("the native kernel needs moecomm._C built and an AVX2+FMA CPU")
     # A token's result must not depend on which other tokens share the step.
-    w13, w2 = weights(3, seed=12)
+    w13, w2 = weights(3, seed=12, hidden=hidden, inter=inter)
     g = torch.Generator().manual_seed(13)
-    x = torch.randn(80, HIDDEN, generator=g)
+    x = torch.randn(80, hidden, generator=g)
     ids = torch.randint(0, 3, (80, 2), generator=g, dtype=torch.int32)
     sc = torch.rand(80, 2, generator=g)
     (full,) = expert_forward([x], [ids], [sc], w13, w2)
