@@ -1,7 +1,9 @@
 // Transports and regions. Regions export the buffer protocol so Python can view them as tensors
 // without copying; the exported view keeps the region object (and so its mapping) alive.
 #include <pybind11/pybind11.h>
+
 #include <pybind11/stl.h>
+#include <algorithm>
 
 #include <memory>
 
@@ -18,13 +20,19 @@ using namespace moecomm::transport;
 
 namespace {
 
+// The first part of every wait spins with the GIL held: on a hot path the peer's signal usually
+// lands within it, and giving up and re-taking the GIL costs about as much as such a spin. Short
+// enough that other Python threads never notice.
+constexpr int64_t kHeldSpinNs = 2'000;
+
 // Turns a wait outcome into a value or the matching exception.
 uint64_t wait_or_throw(Transport& t, Region& local, uint64_t offset, const WaitPredicate& pred,
                        int64_t timeout_ns, const Region* peer) {
-  WaitResult r;
-  {
+  const int64_t held = timeout_ns < 0 ? kHeldSpinNs : std::min(timeout_ns, kHeldSpinNs);
+  WaitResult r = t.wait(local, offset, pred, held, peer);
+  if (r.status == WaitStatus::kTimeout && (timeout_ns < 0 || timeout_ns > held)) {
     py::gil_scoped_release release;
-    r = t.wait(local, offset, pred, timeout_ns, peer);
+    r = t.wait(local, offset, pred, timeout_ns < 0 ? timeout_ns : timeout_ns - held, peer);
   }
   if (r.status == WaitStatus::kTimeout) {
     MC_THROW(ErrorKind::kTimeout, "wait on ", local.describe(), " offset ", offset,
