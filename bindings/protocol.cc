@@ -111,16 +111,19 @@ void register_protocol(py::module_& m) {
 
   py::class_<SlotConfig>(m, "SlotConfig")
       .def(py::init([](uint32_t max_tokens, uint32_t hidden, uint32_t topk, Encoding enc,
-                       Encoding out_enc) {
+                       Encoding out_enc, uint32_t max_response_tokens) {
              MC_CHECK(max_tokens >= 1, "max_tokens must be >= 1, got ", max_tokens);
              MC_CHECK(hidden >= 1, "hidden must be >= 1, got ", hidden);
              MC_CHECK(topk >= 1, "topk must be >= 1, got ", topk);
              MC_CHECK(!encoding_quantized(out_enc), "the response encoding cannot be quantized");
-             return SlotConfig{max_tokens, hidden, topk, enc, out_enc};
+             return SlotConfig{max_tokens, hidden, topk, enc, out_enc, max_response_tokens};
            }),
            py::arg("max_tokens"), py::arg("hidden"), py::arg("topk"),
-           py::arg("encoding") = Encoding::kBF16, py::arg("out_encoding") = Encoding::kBF16)
+           py::arg("encoding") = Encoding::kBF16, py::arg("out_encoding") = Encoding::kBF16,
+           py::arg("max_response_tokens") = 0)
       .def_readonly("max_tokens", &SlotConfig::max_tokens)
+      .def_property_readonly("max_response_tokens",
+                             [](const SlotConfig& c) { return response_max_tokens(c); })
       .def_readonly("hidden", &SlotConfig::hidden)
       .def_readonly("topk", &SlotConfig::topk)
       .def_readonly("encoding", &SlotConfig::encoding)

@@ -121,3 +121,35 @@ def test_header_bytes_round_trip():
     assert (again.layer_id, again.num_tokens, again.seq) == (5, 3, 2**55)
     with pytest.raises(ValueError, match="64 bytes"):
         SlotHeader.from_bytes(b"\x00" * 63)
+
+
+def test_response_rows_sized_apart_from_request_rows():
+    """max_response_tokens sizes the response slots on their own: answers may carry more rows
+    than requests (one per (token, k) copy), requests stay bounded by max_tokens."""
+    layout = SlotLayout(MAX_TOKENS, HIDDEN, TOPK, max_response_tokens=3 * MAX_TOKENS)
+    assert layout.config.max_response_tokens == 3 * MAX_TOKENS
+    assert layout.request_slot_bytes == REQ_SLOT
+    assert layout.response_slot_bytes > RESP_SLOT
+    assert SlotLayout.from_dict(layout.to_dict()) == layout
+    assert SlotLayout.from_dict({**LAYOUT.to_dict()} | {"max_response_tokens": 0}) == LAYOUT
+
+    def code(fields, kind, slot_bytes):
+        e = Expectation(kind, layout.config, slot_bytes, CLIENT, SEQ)
+        raw = pack(**fields)
+        slot = bytes(64) + raw + bytes(max(0, slot_bytes - 128))
+        guarded = _C.validate_slot_guarded(slot[:slot_bytes], e)
+        assert guarded == validate_header(SlotHeader.from_bytes(raw), e)
+        return guarded
+
+    resp_slot = layout.response_slot_bytes
+    for rows, want in ((3 * MAX_TOKENS, ValidateCode.OK), (3 * MAX_TOKENS + 1, None)):
+        f = response(num_tokens=rows, payload_bytes=((rows * HIDDEN * 2 + 63) // 64) * 64)
+        got = code(f, MessageKind.RESPONSE, resp_slot)
+        assert got == (want or ValidateCode.TOO_MANY_TOKENS)
+    # Requests are still held to max_tokens.
+    over = valid_request(MAX_TOKENS + 1, HIDDEN, TOPK, client_id=CLIENT, seq=SEQ)
+    assert code(over, MessageKind.REQUEST, layout.request_slot_bytes) == (
+        ValidateCode.TOO_MANY_TOKENS
+    )
+    with pytest.raises(ValueError, match="max_response_tokens must be >= 0"):
+        SlotLayout(MAX_TOKENS, HIDDEN, TOPK, max_response_tokens=-1)

@@ -77,14 +77,23 @@ struct SlotConfig {
   uint32_t topk = 0;
   Encoding encoding = Encoding::kBF16;      // request activations
   Encoding out_encoding = Encoding::kBF16;  // response activations; never quantized
+  // Rows a response may carry; 0 means max_tokens. Larger when a peer answers one row per
+  // (token, k) copy (the DeepEP adapter): sizing the request slots for those rows too would
+  // over-provision them K times.
+  uint32_t max_response_tokens = 0;
 };
+
+MC_HOST_DEVICE inline uint32_t response_max_tokens(const SlotConfig& c) {
+  return c.max_response_tokens != 0 ? c.max_response_tokens : c.max_tokens;
+}
 
 MC_HOST_DEVICE inline uint64_t request_slot_bytes(const SlotConfig& c) {
   return kPayloadOffset + request_payload_layout(c.max_tokens, c.hidden, c.topk, c.encoding).total;
 }
 
 MC_HOST_DEVICE inline uint64_t response_slot_bytes(const SlotConfig& c) {
-  const uint64_t payload = response_payload_layout(c.max_tokens, c.hidden, c.out_encoding).total;
+  const uint64_t payload =
+      response_payload_layout(response_max_tokens(c), c.hidden, c.out_encoding).total;
   return kPayloadOffset + (payload < kMinErrorPayloadBytes ? kMinErrorPayloadBytes : payload);
 }
 

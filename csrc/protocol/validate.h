@@ -53,7 +53,7 @@ MC_HOST_DEVICE inline const char* validate_reason(ValidateCode c) {
     case ValidateCode::kZeroTokens:
       return "num_tokens is zero";
     case ValidateCode::kTooManyTokens:
-      return "num_tokens exceeds the slot's max_tokens";
+      return "num_tokens exceeds the rows the slot was sized for";
     case ValidateCode::kHiddenMismatch:
       return "hidden size differs from the connection's";
     case ValidateCode::kBadTopk:
@@ -111,12 +111,14 @@ MC_HOST_DEVICE inline ValidateCode validate_header(const SlotHeader& h, const Ex
   const Encoding enc = static_cast<Encoding>(h.encoding);
   if (!request && encoding_quantized(enc)) return ValidateCode::kQuantizedResponse;
   if (h.num_tokens == 0) return ValidateCode::kZeroTokens;
-  if (h.num_tokens > e.config.max_tokens) return ValidateCode::kTooManyTokens;
+  if (h.num_tokens > (request ? e.config.max_tokens : response_max_tokens(e.config))) {
+    return ValidateCode::kTooManyTokens;
+  }
   if (h.hidden != e.config.hidden) return ValidateCode::kHiddenMismatch;
   if (request ? (h.topk == 0 || h.topk > e.config.topk) : h.topk != 0) {
     return ValidateCode::kBadTopk;
   }
-  // Bounded above: tokens <= max_tokens and hidden/topk equal the connection's, so no overflow.
+  // Bounded above: tokens <= the slot's rows and hidden/topk equal the connection's: no overflow.
   const PayloadLayout p = request ? request_payload_layout(h.num_tokens, h.hidden, h.topk, enc)
                                   : response_payload_layout(h.num_tokens, h.hidden, enc);
   if (h.payload_bytes != p.total) return ValidateCode::kPayloadSizeMismatch;

@@ -194,8 +194,9 @@ void send_response(Transport& t, Region& local, const SlotRing& request_ring, Re
   check_seq(seq);
   MC_CHECK(!response_ring.request, "responses go into a response ring");
   MC_CHECK(!protocol::encoding_quantized(encoding), "responses are never quantized");
-  MC_CHECK(num_tokens >= 1 && num_tokens <= response_ring.config.max_tokens, "response of ",
-           num_tokens, " tokens outside [1, ", response_ring.config.max_tokens, "]");
+  const uint32_t max_rows = protocol::response_max_tokens(response_ring.config);
+  MC_CHECK(num_tokens >= 1 && num_tokens <= max_rows, "response of ", num_tokens,
+           " tokens outside [1, ", max_rows, "]");
   const PayloadLayout p =
       protocol::response_payload_layout(num_tokens, response_ring.config.hidden, encoding);
   MC_CHECK(kPayloadOffset + p.total <= response_ring.slot_bytes(), "response payload of ", p.total,

@@ -87,7 +87,9 @@ class SlotLayout:
     """What a client and a server agree on at connect time; slots are sized for max_tokens.
 
     `encoding` is the encoding of request activations (possibly quantized), `out_encoding` the
-    one of response activations (never quantized).
+    one of response activations (never quantized). `max_response_tokens` (0: max_tokens) sizes
+    the response slots on their own, for peers that answer more rows than they were sent (one
+    per (token, k) copy).
     """
 
     max_tokens: int
@@ -95,15 +97,25 @@ class SlotLayout:
     topk: int
     encoding: Encoding = Encoding.BF16
     out_encoding: Encoding = Encoding.BF16
+    max_response_tokens: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "encoding", as_encoding(self.encoding))
         object.__setattr__(self, "out_encoding", as_encoding(self.out_encoding))
+        if self.max_response_tokens < 0:
+            raise ValueError(f"max_response_tokens must be >= 0, got {self.max_response_tokens}")
         self.config  # validates sizes  # noqa: B018
 
     @property
     def config(self) -> SlotConfig:
-        return SlotConfig(self.max_tokens, self.hidden, self.topk, self.encoding, self.out_encoding)
+        return SlotConfig(
+            self.max_tokens,
+            self.hidden,
+            self.topk,
+            self.encoding,
+            self.out_encoding,
+            self.max_response_tokens,
+        )
 
     @property
     def request_slot_bytes(self) -> int:
@@ -132,6 +144,7 @@ class SlotLayout:
             "topk": self.topk,
             "encoding": self.encoding.name,
             "out_encoding": self.out_encoding.name,
+            "max_response_tokens": self.max_response_tokens,
         }
 
     @classmethod
@@ -142,4 +155,5 @@ class SlotLayout:
             int(d["topk"]),
             as_encoding(d["encoding"]),
             as_encoding(d["out_encoding"]),
+            int(d.get("max_response_tokens", 0)),
         )

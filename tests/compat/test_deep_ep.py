@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from deep_ep_procs import EXPERTS_PER_RANK, HIDDEN, SCENARIOS, TOPK, M, launch, make_inputs
 from moecomm.compat.deep_ep import Buffer
+from moecomm.protocol import SlotLayout
 
 ALL = list(SCENARIOS)
 THREE_RANKS = ["fp8", "bf16", "hooks", "ragged", "process_group"]
@@ -105,7 +106,10 @@ def test_single_rank_round_trip_and_size_hint(tmp_path):
     with pytest.raises(RuntimeError, match="destroyed"):
         buf.low_latency_dispatch(x, idx, M, e)
     hint = Buffer.get_low_latency_rdma_size_hint(128, 7168, 2, 288)
-    assert 100e6 < hint < 200e6  # two peers, two slots of 1024 bf16 rows each way
+    # Two peers, two slots each way: requests of 128 bf16 rows, answers of 128 * 8 copies.
+    layout = SlotLayout(128, 7168, 8, "bf16", "bf16", max_response_tokens=128 * 8)
+    per_peer = 2 * (layout.request_slot_bytes + layout.response_slot_bytes)
+    assert 2 * per_peer <= hint < 2 * per_peer + 2 * 4096
 
 
 def test_cuda_tensors_are_refused_with_a_pointer_to_the_device_path():

@@ -47,11 +47,13 @@ class LowLatencyHandle(tuple):
 
 
 def slot_layout(shape: LLShape, num_ranks: int) -> SlotLayout:
-    """One layout for both rings: answers carry a row per (token, k) copy, at most
-    M * min(K, L) of them; requests (at most M rows) fit in the same slots."""
+    """Requests carry at most M rows (each token once per destination rank); answers carry a row
+    per (token, k) copy, at most M * min(K, L) of them, so the response slots are sized apart."""
     per_rank = shape.num_max_dispatch_tokens_per_rank
     copies = per_rank * min(shape.num_topk, shape.num_experts // num_ranks)
-    return SlotLayout(max(per_rank, copies), shape.hidden, shape.num_topk, "bf16", "bf16")
+    return SlotLayout(
+        per_rank, shape.hidden, shape.num_topk, "bf16", "bf16", max_response_tokens=copies
+    )
 
 
 def exchange(

@@ -48,9 +48,9 @@ Differences from DeepEP (all deliberate; engines that rely on one of them must a
    ``moecomm.PeerLostError`` (a dead peer is noticed at once), naming the rank waited for.
 10. Wire details: the request's score column carries the source token index (DeepEP's dispatch
     has no weights); a rank with nothing for a peer sends one row whose expert ids are all -1
-    (the protocol has no empty message); answers carry one row per (token, k) copy, so slots hold
-    ``M * min(num_topk, L)`` rows and request slots are sized like answer slots (bf16), which
-    over-provisions them — see docs/compat-deep-ep.md.
+    (the protocol has no empty message); answers carry one row per (token, k) copy, so response
+    slots hold ``M * min(num_topk, L)`` rows and request slots ``M`` (bf16-sized, so use_fp8 may
+    change per call) — see docs/compat-deep-ep.md.
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ class LayoutModel(BaseModel):
     topk: int = Field(ge=1, le=MAX_TOPK)
     encoding: str = Field(max_length=32)
     out_encoding: str = Field(max_length=32)
+    max_response_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS_LIMIT)
 
 
 class ConnectModel(BaseModel):
@@ -92,6 +93,7 @@ def make_app(server: ExpertServer, token: str = "") -> FastAPI:
                 body.layout.topk,
                 as_encoding(body.layout.encoding),
                 as_encoding(body.layout.out_encoding),
+                body.layout.max_response_tokens,
             )
             return server.connect(body.client_id, body.client_handle, layout, body.num_slots)
         except FileNotFoundError as exc:
