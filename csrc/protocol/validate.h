@@ -53,7 +53,7 @@ MC_HOST_DEVICE inline const char* validate_reason(ValidateCode c) {
     case ValidateCode::kZeroTokens:
       return "num_tokens is zero";
     case ValidateCode::kTooManyTokens:
-      return "num_tokens exceeds the rows the slot was sized for";
+      return "num_tokens exceeds the slot's max_tokens (max_response_tokens for a response)";
     case ValidateCode::kHiddenMismatch:
       return "hidden size differs from the connection's";
     case ValidateCode::kBadTopk:
