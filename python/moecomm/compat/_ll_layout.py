@@ -211,3 +211,26 @@ def weighted_sum(
             prod.index_fill_(0, torch.tensor(holes), -0.0)
         acc.add_(prod)
     return acc
+
+
+def reduce_answers(
+    parts: list[torch.Tensor],
+    sent: list[torch.Tensor],
+    topk_idx: torch.Tensor,
+    weights: torch.Tensor,
+    hidden: int,
+    scratch: Scratch,
+) -> torch.Tensor:
+    """The combine's reduction over the answers of every rank, in rank order: ``parts[i]`` holds
+    one bf16 row per copy ``sent[i]`` (flat ``t * K + k`` indices). Copy (t, k) reads row
+    ``source[t, k]`` of the concatenated answers; unselected copies read a zero row."""
+    t, k = topk_idx.shape
+    n = sum(p.shape[0] for p in parts)
+    answers = scratch.get("answers", (n + 1, hidden), torch.bfloat16)
+    if parts:
+        torch.cat(parts, out=answers[:n])
+    answers[n].zero_()
+    source = torch.full((t * k,), n, dtype=torch.int64)
+    if sent:
+        source[torch.cat(sent)] = torch.arange(n)
+    return weighted_sum(answers, source.view(t, k), topk_idx, weights, scratch)

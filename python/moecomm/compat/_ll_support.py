@@ -3,6 +3,7 @@ rendezvous of region handles, and the argument checks of the combine."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from datetime import timedelta
 
@@ -10,7 +11,7 @@ import torch
 
 from moecomm._C import SlotRing
 from moecomm.compat._ll_layout import LLShape, ReceiveLayout, check_host
-from moecomm.errors import TimeoutError
+from moecomm.errors import PeerLostError, TimeoutError
 from moecomm.protocol import SlotLayout
 
 # DeepEP double-buffers the low-latency results; one slot per result in flight.
@@ -106,3 +107,14 @@ def shm_bytes_per_rank(shape: LLShape, num_ranks: int) -> int:
     return num_ranks * (
         SlotRing(cfg, NUM_SLOTS, True).region_bytes + SlotRing(cfg, NUM_SLOTS, False).region_bytes
     )
+
+
+@contextlib.contextmanager
+def naming_peer(rank: int, peer: int, what: str):
+    """Re-raises a wait's TimeoutError / PeerLostError naming both ranks and what was awaited."""
+    try:
+        yield
+    except (TimeoutError, PeerLostError) as exc:
+        raise type(exc)(
+            f"deep_ep.Buffer rank {rank}: waiting for the {what} of rank {peer}: {exc}"
+        ) from exc

@@ -69,7 +69,7 @@ from moecomm.compat._ll_layout import (
     check_host,
     check_shape,
     receive_layout,
-    weighted_sum,
+    reduce_answers,
 )
 from moecomm.compat._ll_support import (
     NUM_SLOTS,
@@ -77,10 +77,11 @@ from moecomm.compat._ll_support import (
     LowLatencyHandle,
     check_combine_inputs,
     exchange,
+    naming_peer,
     shm_bytes_per_rank,
     slot_layout,
 )
-from moecomm.errors import PeerLostError, ProtocolError, TimeoutError
+from moecomm.errors import ProtocolError
 from moecomm.ops.dispatch import ExpertMap, pack_dispatch
 from moecomm.slots import ClientChannel, ServerChannel
 from moecomm.transport import ShmTransport
@@ -351,7 +352,7 @@ class Buffer:
         deadline = time.monotonic() + self.timeout
         reqs = []
         for p, server in enumerate(self._servers):
-            with self._naming(p, "dispatch request"):
+            with naming_peer(self.rank, p, "dispatch request"):
                 req = server.wait_slot(slot, max(deadline - time.monotonic(), 0.0))
             if not req.valid or req.seq != seq:
                 raise ProtocolError(
@@ -446,12 +447,11 @@ class Buffer:
     def _reduce(self, handle: LowLatencyHandle, weights, combined) -> None:
         self._check_open()
         s = self.shape
-        t, k = handle.topk_idx.shape
         slot, seq = handle.index % NUM_SLOTS, handle.index + 1
         parts, sent = [], []
         deadline = time.monotonic() + self.timeout
         for q, client in enumerate(self._clients):
-            with self._naming(q, "combine answer"):
+            with naming_peer(self.rank, q, "combine answer"):
                 resp = client.wait(slot, seq, max(deadline - time.monotonic(), 0.0))
             rows = handle.sent_rows[q]
             if rows.numel():
@@ -462,28 +462,11 @@ class Buffer:
                     )
                 parts.append(resp.activations)
                 sent.append(rows)
-        # Copy (t, k) is row source[t, k] of the answers; unselected copies read a zero row.
-        n = sum(p.shape[0] for p in parts)
-        answers = self._scratch.get("answers", (n + 1, s.hidden), torch.bfloat16)
-        if parts:
-            torch.cat(parts, out=answers[:n])
-        answers[n].zero_()
-        source = torch.full((t * k,), n, dtype=torch.int64)
-        if sent:
-            source[torch.cat(sent)] = torch.arange(n)
-        acc = weighted_sum(answers, source.view(t, k), handle.topk_idx, weights, self._scratch)
-        combined.copy_(acc)
+        combined.copy_(
+            reduce_answers(parts, sent, handle.topk_idx, weights, s.hidden, self._scratch)
+        )
 
     # ------------------------------------------------------------------ lifetime, errors
-    @contextlib.contextmanager
-    def _naming(self, peer: int, what: str):
-        try:
-            yield
-        except (TimeoutError, PeerLostError) as exc:
-            raise type(exc)(
-                f"deep_ep.Buffer rank {self.rank}: waiting for the {what} of rank {peer}: {exc}"
-            ) from exc
-
     def _check_open(self) -> None:
         if self._destroyed:
             raise RuntimeError("this deep_ep.Buffer was destroyed")
