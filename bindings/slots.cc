@@ -31,14 +31,15 @@ void register_slots(py::module_& m) {
       .value("PEER_LOST", WaitStatus::kPeerLost);
 
   py::class_<SlotRing>(m, "SlotRing")
-      .def(py::init([](const SlotConfig& c, uint32_t num_slots, bool request) {
+      .def(py::init([](const SlotConfig& c, uint32_t num_slots, bool request, bool poison) {
              MC_CHECK(num_slots >= 1, "a slot ring needs at least one slot");
-             return SlotRing{c, num_slots, request};
+             return SlotRing{c, num_slots, request, poison};
            }),
-           py::arg("config"), py::arg("num_slots"), py::arg("request"))
+           py::arg("config"), py::arg("num_slots"), py::arg("request"), py::arg("poison") = false)
       .def_readonly("config", &SlotRing::config)
       .def_readonly("num_slots", &SlotRing::num_slots)
       .def_readonly("request", &SlotRing::request)
+      .def_readonly("poison", &SlotRing::poison)
       .def_property_readonly("slot_bytes", &SlotRing::slot_bytes)
       .def_property_readonly("region_bytes", &SlotRing::region_bytes)
       .def("slot_offset", &SlotRing::slot_offset, py::arg("slot"));
@@ -124,6 +125,10 @@ void register_slots(py::module_& m) {
   m.def("send_error", &send_error, py::arg("transport"), py::arg("local"), py::arg("request_ring"),
         py::arg("client"), py::arg("response_ring"), py::arg("slot"), py::arg("client_id"),
         py::arg("seq"), py::arg("layer_id"), py::arg("status"), py::arg("reason"),
+        py::call_guard<py::gil_scoped_release>());
+
+  m.def("release_response", &release_response, py::arg("transport"), py::arg("local"),
+        py::arg("ring"), py::arg("slot"), py::arg("payload_bytes"),
         py::call_guard<py::gil_scoped_release>());
 
   m.def("mark_offline", &mark_offline, py::arg("transport"), py::arg("local"), py::arg("ring"),

@@ -5,6 +5,11 @@ from __future__ import annotations
 import os
 import signal
 
+# Slot poisoning (read once, own the copy): every slot released in this process or in any process
+# the suite starts is overwritten first, so a read after release fails every time. Set before
+# moecomm is imported: channels read the switch at import time.
+os.environ["MOECOMM_POISON_SLOTS"] = "1"
+
 import moecomm
 import moecomm.cuda
 import pytest

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "common/error.h"
+#include "protocol/poison.h"
 
 namespace moecomm::slots {
 
@@ -54,6 +55,50 @@ void check_seq(uint64_t seq) {
   MC_CHECK(seq <= protocol::kMaxSeq, "sequence number ", seq, " exceeds 56 bits");
 }
 
+// Fills [offset, offset + n) of `r` with kPoisonByte, in bounded chunks through the transport.
+void fill_poison(Transport& t, Region& r, uint64_t offset, uint64_t n) {
+  constexpr uint64_t kChunk = 4096;  // one page per put: bounded stack, few calls
+  uint8_t buf[kChunk];
+  std::memset(buf, protocol::kPoisonByte, sizeof(buf));
+  for (uint64_t done = 0; done < n; done += kChunk) {
+    t.put(r, offset + done, buf, std::min(kChunk, n - done));
+  }
+}
+
+// Poison mode: overwrites the request in `slot` before the server releases it — unless the
+// client already wrote a newer request there (it gave up on this one), which must survive.
+void poison_request(Transport& t, Region& local, const SlotRing& ring, uint32_t slot,
+                    uint64_t seq) {
+  const uint64_t off = ring.slot_offset(slot);
+  if (t.load(local, off + kSignalOffset) != make_signal(SlotState::kRequestReady, seq)) return;
+  SlotHeader h{};
+  t.read(local, off + kHeaderOffset, &h, sizeof(h));
+  const uint64_t capacity = ring.slot_bytes() - kPayloadOffset;
+  const bool sized = h.magic == protocol::kMagic && protocol::encoding_known(h.encoding) &&
+                     h.num_tokens <= ring.config.max_tokens && h.hidden == ring.config.hidden &&
+                     h.topk <= ring.config.topk;
+  const PayloadLayout p =
+      sized ? protocol::request_payload_layout(h.num_tokens, h.hidden, h.topk,
+                                               static_cast<Encoding>(h.encoding))
+            : PayloadLayout{};
+  const uint64_t base = off + kPayloadOffset;
+  if (!sized || p.total > capacity) {
+    fill_poison(t, local, base, capacity);  // sizes unknown: the whole payload area
+  } else {
+    fill_poison(t, local, base, p.ids_offset);
+    constexpr uint64_t kIdsPerPut = 1024;
+    int32_t ids[kIdsPerPut];
+    std::fill(ids, ids + kIdsPerPut, protocol::kPoisonExpertId);
+    const uint64_t count = p.ids_bytes / sizeof(int32_t);
+    for (uint64_t done = 0; done < count; done += kIdsPerPut) {
+      const uint64_t n = std::min(kIdsPerPut, count - done);
+      t.put(local, base + p.ids_offset + done * sizeof(int32_t), ids, n * sizeof(int32_t));
+    }
+    fill_poison(t, local, base + p.scores_offset, p.total - p.scores_offset);
+  }
+  fill_poison(t, local, off + kHeaderOffset, sizeof(SlotHeader));
+}
+
 // Response header + signal + doorbell, after the payload has been put. The request slot is
 // released first: once the client sees the response it may reuse the slot at once. The release
 // is a compare-exchange so that a client which gave up on this request and already wrote a newer
@@ -63,6 +108,9 @@ void finish_response(Transport& t, Region& local, const SlotRing& request_ring, 
                      const SlotHeader& h) {
   const uint64_t off = response_ring.slot_offset(slot);
   t.put(client, off + kHeaderOffset, &h, sizeof(h));
+  // The release: after this compare-exchange the slot is the client's again and the server never
+  // reads or writes it (read once, own the copy); poison mode overwrites it just before.
+  if (request_ring.poison) poison_request(t, local, request_ring, slot, seq);
   t.compare_exchange(local, request_ring.slot_offset(slot) + kSignalOffset,
                      make_signal(SlotState::kRequestReady, seq),
                      make_signal(SlotState::kIdle, seq));
@@ -221,6 +269,17 @@ void send_error(Transport& t, Region& local, const SlotRing& request_ring, Regio
   const SlotHeader h = make_header(MessageKind::kResponse, response_ring.config, layer_id, 0, 0,
                                    Encoding::kBF16, n, client_id, seq, status);
   finish_response(t, local, request_ring, client, response_ring, slot, seq, h);
+}
+
+void release_response(Transport& t, Region& local, const SlotRing& ring, uint32_t slot,
+                      uint64_t payload_bytes) {
+  MC_CHECK(!ring.request, "release_response releases a response slot");
+  ring.check(local, slot);
+  if (!ring.poison) return;
+  const uint64_t off = ring.slot_offset(slot);
+  const uint64_t capacity = ring.slot_bytes() - kPayloadOffset;
+  fill_poison(t, local, off + kHeaderOffset, sizeof(SlotHeader));
+  fill_poison(t, local, off + kPayloadOffset, std::min(payload_bytes, capacity));
 }
 
 void mark_offline(Transport& t, Region& local, const SlotRing& ring, uint32_t slot, uint64_t seq) {

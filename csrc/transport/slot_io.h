@@ -5,6 +5,9 @@
 //   server: copy what it needs, release its request slot (IDLE), then signal the response, so a
 //           client that reuses the slot at once can never have its new request wiped;
 //   reader: acquire the signal word before reading anything else; copy the header, validate it.
+// Read once, own the copy: once a side releases a slot it never touches it again. With a ring's
+// `poison` set (debug mode) the releasing side overwrites what it read first, so a late read
+// fails loudly (protocol/poison.h).
 #pragma once
 
 #include <cstdint>
@@ -34,6 +37,7 @@ struct SlotRing {
   SlotConfig config;
   uint32_t num_slots = 0;
   bool request = true;  // request slots (server side) or response slots (client side)
+  bool poison = false;  // debug: poison a slot's header and payload when it is released
 
   uint64_t slot_bytes() const;
   uint64_t region_bytes() const;
@@ -99,6 +103,11 @@ void send_response(Transport& t, Region& local, const SlotRing& request_ring, Re
 void send_error(Transport& t, Region& local, const SlotRing& request_ring, Region& client,
                 const SlotRing& response_ring, uint32_t slot, uint64_t client_id, uint64_t seq,
                 uint32_t layer_id, int32_t status, const std::string& reason);
+
+// Client: releases response `slot` of its own region once every byte it needs from it was copied
+// or consumed; with ring.poison, overwrites the header and the first `payload_bytes` of payload.
+void release_response(Transport& t, Region& local, const SlotRing& ring, uint32_t slot,
+                      uint64_t payload_bytes);
 
 // Server: marks `slot` of its own request region OFFLINE (its client is gone).
 void mark_offline(Transport& t, Region& local, const SlotRing& ring, uint32_t slot, uint64_t seq);

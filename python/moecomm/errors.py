@@ -20,9 +20,15 @@ class RemoteError(MoecommError):
         super().__init__(f"{where}remote error {status}: {reason}")
 
 
+class PeerOfflineError(PeerLostError):
+    """The peer is alive but marked our slots OFFLINE: it stopped serving us (it is stopping,
+    its loop failed, or it dropped our session). A client may reconnect at once."""
+
+
 __all__ = [
     "MoecommError",
     "PeerLostError",
+    "PeerOfflineError",
     "ProtocolError",
     "RemoteError",
     "SegmentNotFoundError",

@@ -6,17 +6,30 @@ waits only for transitions the other side makes (the client for RESPONSE_READY i
 memory, the server for REQUEST_READY / the doorbell in its own), so neither can wait on itself.
 
 Every wait has a deadline and releases the GIL.
+
+Read once, own the copy (DESIGN.md): a reader copies out (or consumes) what it uses from a slot
+and validates the copy; after it releases the slot — the server by answering, the client by
+:meth:`ClientChannel.release` — it never reads that slot again, because the peer may already be
+writing its next message there. With ``MOECOMM_POISON_SLOTS=1`` (on in the test suite) a release
+overwrites the slot with a poison pattern first, so a read after release fails every time.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
 import torch
 
 from moecomm import _C
-from moecomm.errors import PeerLostError, ProtocolError, RemoteError, TimeoutError
+from moecomm.errors import (
+    PeerLostError,
+    PeerOfflineError,
+    ProtocolError,
+    RemoteError,
+    TimeoutError,
+)
 from moecomm.protocol import (
     ENCODING_DTYPE,
     Encoding,
@@ -45,6 +58,9 @@ _QUANTIZED_CODES = {int(e) for e in ENCODING_DTYPE if _C.encoding_quantized(e)}
 
 # Slots per connection: one per micro-batch in flight; two give double-batch overlap.
 DEFAULT_NUM_SLOTS = 2
+# Debug mode: released slots are poisoned (protocol/poison.h). Read once, when this module loads.
+POISON_ENV = "MOECOMM_POISON_SLOTS"
+POISON_SLOTS = os.environ.get(POISON_ENV, "0") not in ("", "0")
 
 
 def _ns(timeout_s: float) -> int:
@@ -100,8 +116,8 @@ class _Channel:
         self.client_id = int(client_id)
         self.num_slots = num_slots
         self.name = name
-        self.request_ring = _C.SlotRing(layout.config, num_slots, True)
-        self.response_ring = _C.SlotRing(layout.config, num_slots, False)
+        self.request_ring = _C.SlotRing(layout.config, num_slots, True, POISON_SLOTS)
+        self.response_ring = _C.SlotRing(layout.config, num_slots, False, POISON_SLOTS)
         own = self.request_ring if self.owns_requests else self.response_ring
         self.region: Region = transport.create_region(own.region_bytes)
         self._views = RegionViews(self.region)
@@ -139,6 +155,8 @@ class ClientChannel(_Channel):
         self.server: Region | None = None
         self.doorbell: Region | None = None
         self._next_seq = 1  # 0 is the sequence of the zero-filled (IDLE) slot
+        # Payload bytes of the last answer read from each slot: what release() poisons.
+        self._held = [0] * num_slots
 
     def connect(self, server_handle: str, doorbell_handle: str | None = None) -> None:
         """Attaches to the server's request region, and to its shared doorbell when it has one
@@ -237,6 +255,7 @@ class ClientChannel(_Channel):
         if out.status != _WAIT_OK or out.offline or out.code != _VALID:
             self._raise_for(out, slot, seq, timeout)
         h = out.header
+        self._held[slot] = h.payload_bytes
         if h.status != 0:
             where = f"{self.name} slot {slot} seq {seq}: "
             reason = _reason(self._bytes, out.payload_offset, h.payload_bytes)
@@ -246,6 +265,13 @@ class ClientChannel(_Channel):
         )
         return Response(slot, seq, h.layer_id, h.num_tokens, y, out.stale_dropped)
 
+    def release(self, slot: int) -> None:
+        """Gives response `slot` back once every answer read from it was copied or consumed:
+        the `activations` of its Response must not be read after this (poison mode overwrites
+        them). A slot is released before the next request is sent into it."""
+        _C.release_response(self.transport, self.region, self.response_ring, slot, self._held[slot])
+        self._held[slot] = 0
+
     def _raise_for(self, out, slot: int, seq: int, timeout: float) -> None:
         where = f"{self.name} slot {slot} seq {seq}: "
         if out.status == WaitStatus.TIMEOUT:
@@ -254,12 +280,17 @@ class ClientChannel(_Channel):
             reap_stale_segments()
             raise PeerLostError(f"{where}the server process died ({self.server.describe()})")
         if out.offline:
-            raise PeerLostError(f"{where}the server marked the slot OFFLINE")
+            raise PeerOfflineError(f"{where}the server marked the slot OFFLINE")
         raise ProtocolError(f"{where}invalid response header: {validate_reason(out.code)}")
 
 
 @dataclass
 class Request:
+    """A request taken from a slot. Header fields, expert ids, scores and scales are the
+    server's own copies, read once; `activations` is a zero-copy view of the slot, to be
+    consumed (gathered, dequantized) before the answer, and dropped when the slot is released
+    by respond() or reject()."""
+
     slot: int
     seq: int
     client_id: int
@@ -268,8 +299,8 @@ class Request:
     num_tokens: int = 0
     topk: int = 0
     encoding: Encoding | None = None
-    activations: torch.Tensor | None = None  # views into the server's request slot
-    scales: torch.Tensor | None = None
+    activations: torch.Tensor | None = None  # view into the request slot, until the release
+    scales: torch.Tensor | None = None  # owned copies from here on
     expert_ids: torch.Tensor | None = None
     scores: torch.Tensor | None = None
 
@@ -299,7 +330,8 @@ class ServerChannel(_Channel):
         self.client = self._attach_peer(client_handle, self.response_ring)
 
     def poll(self) -> list[Request]:
-        """Every request slot in REQUEST_READY, validated, with zero-copy views of valid ones."""
+        """Every request slot in REQUEST_READY with its header validated; valid ones carry
+        copies of their ids, scores and scales and a view of their activations."""
         self._doorbell = self.transport.load(self.region, 0)
         out = []
         for inc in _C.poll_requests(self.transport, self.region, self.request_ring, self.client_id):
@@ -315,9 +347,11 @@ class ServerChannel(_Channel):
                 req.activations = views.get(base + inc.act_offset, (n, hid), _DTYPE_OF_CODE[code])
                 if code in _QUANTIZED_CODES:
                     s = scales_per_token(req.encoding, hid)
-                    req.scales = views.get(base + inc.scale_offset, (n, s), torch.float32)
-                req.expert_ids = views.get(base + inc.ids_offset, (n, k), torch.int32)
-                req.scores = views.get(base + inc.scores_offset, (n, k), torch.float32)
+                    req.scales = views.get(base + inc.scale_offset, (n, s), torch.float32).clone()
+                # Copied once: the server validates and indexes with these, and a client that
+                # rewrites its slot meanwhile must not change what was validated.
+                req.expert_ids = views.get(base + inc.ids_offset, (n, k), torch.int32).clone()
+                req.scores = views.get(base + inc.scores_offset, (n, k), torch.float32).clone()
             out.append(req)
         return out
 
@@ -378,6 +412,8 @@ class ServerChannel(_Channel):
             self.layout.out_encoding,
             y.data_ptr(),
         )
+        # Released: the client may be writing its next request into the slot already.
+        req.activations = None
 
     def reject(
         self,
@@ -402,6 +438,16 @@ class ServerChannel(_Channel):
             code,
             reason,
         )
+        req.activations = None  # released, as in respond()
+
+    def announce_offline(self) -> None:
+        """Tells the client that this server no longer answers: every response slot of the
+        connection goes OFFLINE, so a client waiting there fails over at once instead of at its
+        deadline."""
+        if self.client is None:
+            return
+        for s in range(self.num_slots):
+            _C.mark_offline(self.transport, self.client, self.response_ring, s, 0)
 
     def mark_offline(self) -> None:
         """Marks every slot OFFLINE (the client is gone)."""
