@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -13,7 +14,7 @@ import torch
 from moecomm.membership import connect_membership
 from moecomm.membership.monitor import TOKEN_ENV
 from moecomm.runtime.control import DEFAULT_HOST, HttpServer, make_app
-from moecomm.runtime.launch import DEFAULT_TTL_S
+from moecomm.runtime.launch import DEFAULT_TTL_S, LOOP_FAILED_EXIT
 from moecomm.runtime.server import ExpertServer
 
 from moecomm_serving.checkpoint import Checkpoint
@@ -162,8 +163,17 @@ def run(args: argparse.Namespace, ready: threading.Event | None = None) -> int:
             if drain.is_set():
                 graceful_drain(server)
                 break
+            if not server.health.ok:
+                # The loop failed: /health said so and the registration is withdrawn; exit
+                # non-zero so that a supervisor restarts this process.
+                print(
+                    f"expert server {server.server_id}: unhealthy, exiting: {server.health.reason}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                break
     finally:
         print(f"expert server {server.server_id}: stopping", flush=True)
         http.stop()
         server.close()
-    return 0
+    return 0 if server.health.ok else LOOP_FAILED_EXIT

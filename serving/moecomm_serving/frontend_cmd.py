@@ -13,6 +13,7 @@ from moecomm.membership import connect_membership
 from moecomm.membership.monitor import TOKEN_ENV
 from moecomm.runtime import AttentionClient
 from moecomm.runtime.launch import DEFAULT_TTL_S
+from moecomm.runtime.registry import ClientIdInUse
 
 from moecomm_serving.config import MoEConfig
 from moecomm_serving.expert_server import set_threads
@@ -51,7 +52,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="HTTP address (loopback by default)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free one)")
     p.add_argument("--token", default="", help="token of the expert servers' control planes")
-    p.add_argument("--client-id", type=int, default=None, help="default: this process id")
+    p.add_argument(
+        "--client-id",
+        type=int,
+        default=None,
+        help="this front end's id at the expert servers (default: random; an id held by another "
+        "live front end is refused)",
+    )
     p.add_argument(
         "--encoding",
         default="f32",
@@ -96,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
             urls = [u.strip() for u in args.servers.split(",") if u.strip()]
         client = AttentionClient(
             urls,
-            args.client_id if args.client_id is not None else os.getpid(),
+            args.client_id,
             config.hidden_size,
             config.num_experts_per_tok,
             args.max_batch_tokens,
@@ -105,8 +112,13 @@ def run(args: argparse.Namespace) -> int:
             token=args.token,
             timeout=args.timeout,
         )
-        print(f"connecting to {len(urls)} expert server(s)", flush=True)
-        client.connect()
+        print(
+            f"connecting to {len(urls)} expert server(s) as client {client.client_id}", flush=True
+        )
+        try:
+            client.connect()
+        except ClientIdInUse as exc:
+            raise SystemExit(f"moecomm frontend: {exc}") from None
         if membership is not None:
             client.follow(membership, args.ttl)
         experts = client

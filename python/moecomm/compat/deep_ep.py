@@ -385,6 +385,8 @@ class Buffer:
         recv_count.copy_(lay.counts)
         if stats is not None:
             stats += lay.counts
+        for r in reqs:  # consumed into the receive buffers; only the copied metadata is kept
+            r.activations = None
         handle.layout, handle.requests = lay, reqs
 
     # ------------------------------------------------------------------ combine
@@ -465,6 +467,8 @@ class Buffer:
         combined.copy_(
             reduce_answers(parts, sent, handle.topk_idx, weights, s.hidden, self._scratch)
         )
+        for client in self._clients:  # summed out of the response slots: released
+            client.release(slot)
 
     # ------------------------------------------------------------------ lifetime, errors
     def _check_open(self) -> None:

@@ -224,6 +224,7 @@ class _Stage:
         slot = step % self.spec.num_slots
         if slot in self.acks:  # the slot's previous micro-batch must have been taken
             self.down.wait(slot, self.acks.pop(slot), timeout=self.spec.timeout_s)
+            self.down.release(slot)  # the ack is not read: the slot is ours to reuse
         n = h.shape[0]
         self.acks[slot] = self.down.send(
             slot, h.contiguous(), self.zeros_ids[:n], self.zeros_scores[:n], layer_id=step

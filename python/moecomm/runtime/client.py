@@ -10,6 +10,9 @@ double-batch overlap: the attention of batch B runs while batch A is with the ex
 from __future__ import annotations
 
 import contextlib
+import logging
+import secrets
+import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -17,13 +20,21 @@ from dataclasses import dataclass
 
 import torch
 
-from moecomm.errors import MoecommError, PeerLostError, RemoteError, TimeoutError
+from moecomm.errors import (
+    MoecommError,
+    PeerLostError,
+    PeerOfflineError,
+    RemoteError,
+    TimeoutError,
+)
 from moecomm.ops.combine import combine as combine_partials
 from moecomm.ops.dispatch import ExpertMap, pack_dispatch
 from moecomm.protocol import ResponseStatus, SlotLayout, as_encoding
-from moecomm.runtime.control import http_connect, http_disconnect
+from moecomm.runtime.control import http_connect, http_disconnect, http_health
 from moecomm.slots import DEFAULT_TIMEOUT_S, ClientChannel
 from moecomm.transport import ShmTransport, Transport
+
+log = logging.getLogger("moecomm.client")
 
 REPLICA_POLICIES = ("round_robin", "least_outstanding")
 # Fast retry (EaaS): at most this many attempts for a failed share, each on servers not tried
@@ -35,6 +46,15 @@ DEFAULT_EVICT_S = 30.0
 WAIT_SLICE_S = 0.05
 # Local expert indices at and above this are placeholders for experts with no live replica.
 _NO_LOCAL = 1 << 30
+# Default client ids are random, not the pid: in containers every front end is PID 1, and pids
+# collide across hosts. 62 bits keep them positive in every signed 64-bit field on the way.
+CLIENT_ID_BITS = 62
+# An evicted server is routed to again only once its /health answers within this long.
+HEALTH_PROBE_TIMEOUT_S = 2.0
+
+
+def random_client_id() -> int:
+    return secrets.randbits(CLIENT_ID_BITS)
 
 
 @dataclass
@@ -70,7 +90,7 @@ class AttentionClient:
     def __init__(
         self,
         servers: Sequence[str],
-        client_id: int,
+        client_id: int | None,
         hidden: int,
         topk: int,
         max_tokens: int,
@@ -92,7 +112,8 @@ class AttentionClient:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.urls = list(servers)
-        self.client_id = int(client_id)
+        # None: a random id (see CLIENT_ID_BITS); an id held by another live client is refused.
+        self.client_id = random_client_id() if client_id is None else int(client_id)
         self.layout = SlotLayout(
             max_tokens, hidden, topk, as_encoding(encoding), as_encoding(out_dtype)
         )
@@ -105,11 +126,15 @@ class AttentionClient:
         self.evict_s = evict_s
         self.transport = transport or ShmTransport()
         self.channels: list[ClientChannel | None] = []
+        self.sessions: list[str] = []  # per server: the secret of our connection
         self.hosted: list[dict[int, list[int]]] = []
         self.maps: dict[int, ExpertMap] = {}
         self.missing: dict[int, list[int]] = {}  # layer -> experts with no live replica
         self.evicted: dict[int, float] = {}  # server -> monotonic time it may come back
+        self._probing: set[int] = set()  # evicted servers whose /health is being probed
+        self._healthy: deque = deque()  # servers whose probe passed, appended by probe threads
         self.failovers = 0
+        self.reconnects = 0
         # Membership events, appended by the watcher's thread and applied by ours.
         self._events: deque = deque()
         self._registration = None
@@ -146,6 +171,7 @@ class AttentionClient:
                 self.token,
                 self.timeout,
                 transport=self.transport.name,
+                session=self.sessions[index] if index is not None else "",
             )
             ch.connect(info["server_handle"], info["doorbell_handle"])
         except Exception:
@@ -154,10 +180,15 @@ class AttentionClient:
         hosted = {int(k): v for k, v in info["hosted"].items()}
         if index is None:
             self.channels.append(ch)
+            self.sessions.append(info.get("session", ""))
             self.hosted.append(hosted)
-        else:  # a server that left and came back under the same URL
+        else:  # reconnecting, or a server that left and came back under the same URL
+            old = self.channels[index]
             self.channels[index] = ch
+            self.sessions[index] = info.get("session", "")
             self.hosted[index] = hosted
+            if old is not None:
+                old.close()
 
     def add_server(self, url: str) -> int:
         """Elastic join: connects to a new server and routes to it from the next dispatch on.
@@ -214,10 +245,54 @@ class AttentionClient:
             ch.close()
 
     def _live(self, server: int) -> bool:
-        until = self.evicted.get(server)
-        if until is not None and time.monotonic() < until:
+        return server not in self.evicted and self.channels[server] is not None
+
+    def _readmit(self) -> None:
+        """Evicted servers come back only healthy: once the eviction time passes their /health
+        (a real forward pass) is probed in the background, and they rejoin when it answers."""
+        changed = False
+        while self._healthy:
+            i = self._healthy.popleft()
+            self._probing.discard(i)
+            if i in self.evicted and self.channels[i] is not None:
+                del self.evicted[i]
+                changed = True
+        now = time.monotonic()
+        for i, until in list(self.evicted.items()):
+            if now >= until and i not in self._probing and self.channels[i] is not None:
+                self._probing.add(i)
+                threading.Thread(
+                    target=self._probe, args=(i, self.urls[i]), daemon=True, name="moecomm-probe"
+                ).start()
+        if changed:
+            self._rebuild_maps()
+
+    def _probe(self, i: int, url: str) -> None:
+        if http_health(url, HEALTH_PROBE_TIMEOUT_S):
+            self._healthy.append(i)
+        else:  # still unhealthy: wait another eviction period
+            self.evicted[i] = time.monotonic() + self.evict_s
+            self._probing.discard(i)
+
+    def _reconnect(self, i: int, why: Exception) -> bool:
+        """The server dropped our session (it marked our slots OFFLINE while alive: restarted
+        under the same URL, or it took us for lost). Connect again at once; True on success."""
+        try:
+            self._attach(self.urls[i], i)
+        except Exception as exc:  # still unreachable: it stays evicted
+            log.warning(
+                "client %d: session with %s lost (%s); reconnect failed: %s",
+                self.client_id,
+                self.urls[i],
+                why,
+                exc,
+            )
             return False
-        return self.channels[server] is not None
+        self.reconnects += 1
+        log.warning(
+            "client %d: session with %s lost (%s); reconnected", self.client_id, self.urls[i], why
+        )
+        return True
 
     def _rebuild_maps(self) -> None:
         layers = sorted({layer for h in self.hosted for layer in h})
@@ -311,6 +386,7 @@ class AttentionClient:
         if x.shape[0] > self.layout.max_tokens:
             raise ValueError(f"{x.shape[0]} tokens exceed max_tokens {self.layout.max_tokens}")
         self._apply_events()
+        self._readmit()
         emap = self._check_routable(layer_id, topk_ids)
         slot = self._take_slot()
         try:
@@ -373,10 +449,13 @@ class AttentionClient:
                     partials.append(None)
                     failed.append((pos, sent, exc))
             if failed:
-                # Retries reuse the slot: keep the answers already received.
+                # Retries reuse the slot: own the answers already received, then release it.
                 partials = [p.clone() if p is not None else None for p in partials]
+                self._release(handle)
                 for _, sent, exc in failed:
                     self.evict(sent.server, str(exc))
+                    if isinstance(exc, PeerOfflineError):
+                        self._recover_session(sent.server, exc)
                 for pos, sent, exc in failed:
                     partials[pos] = self._retry(handle, sent, exc, timeout)
             return combine_partials(
@@ -388,7 +467,22 @@ class AttentionClient:
             )
         finally:
             handle.done = True
+            self._release(handle)
             self._busy[handle.slot] = False
+
+    def _release(self, handle: DispatchHandle) -> None:
+        """Read once, own the copy: the partial results were summed (or cloned) out of the
+        response slots, which are released here and never read again for this handle."""
+        for ch in self.channels:
+            if ch is not None:
+                ch.release(handle.slot)
+
+    def _recover_session(self, i: int, exc: Exception) -> None:
+        """A live server that dropped our session gets a new one at once. A server accepts a
+        connect only while its loop is healthy, so a successful one also ends the eviction."""
+        if self._reconnect(i, exc):
+            self.evicted.pop(i, None)
+            self._rebuild_maps()
 
     def _retry(
         self, handle: DispatchHandle, failed: Sent, exc: Exception, timeout: float
@@ -415,16 +509,21 @@ class AttentionClient:
                 except (TimeoutError, PeerLostError, RemoteError) as e:
                     bad = bad or (s, e)
                     self.evict(s.server, str(e))
+                    if isinstance(e, PeerOfflineError):
+                        self._recover_session(s.server, e)
                     tried.add(s.server)
                     errors.append(f"{self.urls[s.server]}: {e}")
             if bad is None:
-                return combine_partials(
+                out = combine_partials(
                     parts,
                     [s.token_index for s in sent],
                     rows.numel(),
                     hidden=self.layout.hidden,
                     dtype=torch.float32,
                 )
+                self._release(handle)  # summed out: a further retry may reuse the slot
+                return out
+            self._release(handle)
         raise MoecommError(
             f"layer {handle.layer_id}: {MAX_ATTEMPTS} attempts on distinct replicas failed: "
             + "; ".join(errors)
@@ -449,8 +548,9 @@ class AttentionClient:
         if self._registration is not None:
             self._registration.close(deregister=True)
             self._registration = None
-        for url, ch in zip(self.urls, self.channels, strict=False):
+        for url, ch, session in zip(self.urls, self.channels, self.sessions, strict=False):
             if ch is not None:
-                http_disconnect(url, self.client_id, self.token)
+                http_disconnect(url, self.client_id, self.token, session=session)
                 ch.close()
         self.channels = []
+        self.sessions = []

@@ -17,6 +17,8 @@ from pydantic import BaseModel, Field
 
 from moecomm.errors import MoecommError
 from moecomm.protocol import SlotLayout, as_encoding
+from moecomm.runtime.health import metrics_lines
+from moecomm.runtime.registry import SESSION_BYTES, ClientIdInUse, UnknownSession
 from moecomm.runtime.server import MAX_SLOTS_PER_CLIENT, ExpertServer
 
 DEFAULT_HOST = "127.0.0.1"
@@ -51,6 +53,8 @@ class ConnectModel(BaseModel):
     token: str = Field(default="", max_length=256)
     # Clients from before the field existed spoke shm.
     transport: str = Field(default="shm", max_length=32)
+    # The secret of this client's previous session with the server, when it reconnects.
+    session: str = Field(default="", max_length=2 * SESSION_BYTES)
 
 
 class TokenModel(BaseModel):
@@ -60,6 +64,9 @@ class TokenModel(BaseModel):
 class DisconnectModel(BaseModel):
     client_id: int = Field(ge=0, lt=1 << 63)
     token: str = Field(default="", max_length=256)
+    # Set: frees the connection only if it is still this session's (a client that lost the id
+    # to its own restart must not free its successor's slots).
+    session: str | None = Field(default=None, max_length=2 * SESSION_BYTES)
 
 
 def make_app(server: ExpertServer, token: str = "") -> FastAPI:
@@ -95,7 +102,11 @@ def make_app(server: ExpertServer, token: str = "") -> FastAPI:
                 as_encoding(body.layout.out_encoding),
                 body.layout.max_response_tokens,
             )
-            return server.connect(body.client_id, body.client_handle, layout, body.num_slots)
+            return server.connect(
+                body.client_id, body.client_handle, layout, body.num_slots, body.session
+            )
+        except ClientIdInUse as exc:
+            raise HTTPException(status_code=409, detail=str(exc)) from exc
         except FileNotFoundError as exc:
             raise HTTPException(status_code=404, detail=str(exc)) from exc
         except (ValueError, MoecommError) as exc:
@@ -104,7 +115,10 @@ def make_app(server: ExpertServer, token: str = "") -> FastAPI:
     @app.post("/disconnect")
     def disconnect(body: DisconnectModel):
         authorize(body.token)
-        return {"disconnected": server.disconnect(body.client_id)}
+        try:
+            return {"disconnected": server.disconnect(body.client_id, body.session)}
+        except UnknownSession as exc:
+            raise HTTPException(status_code=409, detail=str(exc)) from exc
 
     @app.post("/drain")
     def drain(body: TokenModel):
@@ -139,28 +153,7 @@ def make_app(server: ExpertServer, token: str = "") -> FastAPI:
 
     @app.get("/metrics", response_class=PlainTextResponse)
     def metrics():
-        s = server.stats
-        sid = server.server_id
-        lines = [
-            "# TYPE moecomm_server_requests_total counter",
-            f'moecomm_server_requests_total{{server="{sid}"}} {s.requests}',
-            "# TYPE moecomm_server_rejected_total counter",
-            f'moecomm_server_rejected_total{{server="{sid}"}} {s.rejected}',
-            "# TYPE moecomm_server_tokens_total counter",
-            f'moecomm_server_tokens_total{{server="{sid}"}} {s.tokens}',
-            "# TYPE moecomm_server_batches_total counter",
-            f'moecomm_server_batches_total{{server="{sid}"}} {s.batches}',
-            "# TYPE moecomm_server_busy_seconds_total counter",
-            f'moecomm_server_busy_seconds_total{{server="{sid}"}} {s.busy_s:.6f}',
-            "# TYPE moecomm_server_clients gauge",
-            f'moecomm_server_clients{{server="{sid}"}} {server.num_clients}',
-            "# TYPE moecomm_server_expert_tokens_total counter",
-        ]
-        for (layer, expert), n in sorted(s.expert_load.items()):
-            lines.append(
-                f'moecomm_server_expert_tokens_total{{server="{sid}",layer="{layer}",'
-                f'expert="{expert}"}} {n}'
-            )
+        lines = metrics_lines(server.server_id, server.stats, server.health, server.num_clients)
         return "\n".join(lines) + "\n"
 
     return app
@@ -199,9 +192,12 @@ def http_connect(
     token: str = "",
     timeout: float = HTTP_TIMEOUT_S,
     transport: str = "shm",
+    session: str = "",
 ) -> dict:
     """Client side of the connect handshake. `transport` names where the client's response
-    slots live (the server must use the same one). Raises ConnectionError naming the server."""
+    slots live (the server must use the same one); `session` is the secret of a previous
+    connection to this server, when reconnecting. Raises ClientIdInUse when another live
+    client holds `client_id` there, ConnectionError naming the server otherwise."""
     body = {
         "client_id": client_id,
         "client_handle": client_handle,
@@ -209,21 +205,42 @@ def http_connect(
         "num_slots": num_slots,
         "token": token,
         "transport": transport,
+        "session": session,
     }
     try:
         r = httpx.post(f"{url}/connect", json=body, timeout=timeout)
     except httpx.HTTPError as exc:
         raise ConnectionError(f"connect to {url} failed: {exc}") from exc
+    if r.status_code == 409:
+        raise ClientIdInUse(f"connect to {url} refused: {_detail(r)}")
     if r.status_code != 200:
         raise ConnectionError(f"connect to {url} refused ({r.status_code}): {r.text}")
     return r.json()
 
 
+def _detail(r: httpx.Response) -> str:
+    try:
+        return str(r.json()["detail"])
+    except (ValueError, KeyError, TypeError):
+        return r.text
+
+
+def http_health(url: str, timeout: float = HTTP_TIMEOUT_S) -> bool:
+    """True when the server's /health (a real forward pass) answers 200 within `timeout`."""
+    try:
+        return httpx.get(f"{url}/health", timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def http_disconnect(
-    url: str, client_id: int, token: str = "", timeout: float = HTTP_TIMEOUT_S
+    url: str,
+    client_id: int,
+    token: str = "",
+    timeout: float = HTTP_TIMEOUT_S,
+    session: str | None = None,
 ) -> None:
+    body = {"client_id": client_id, "token": token, "session": session}
     # A server that cannot be reached is gone, and its slots went with it.
     with contextlib.suppress(httpx.HTTPError):
-        httpx.post(
-            f"{url}/disconnect", json={"client_id": client_id, "token": token}, timeout=timeout
-        )
+        httpx.post(f"{url}/disconnect", json=body, timeout=timeout)

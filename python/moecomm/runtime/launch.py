@@ -7,6 +7,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,10 @@ STOP = "stop"
 # Lease of a server registered with a membership: losses are heard about this late at most.
 DEFAULT_TTL_S = 2.0
 START_TIMEOUT_S = 120.0
+# How often a server process checks for a stop request or a failed loop.
+SUPERVISE_S = 0.2
+# Exit status of a server process whose serving loop failed (a supervisor restarts it).
+LOOP_FAILED_EXIT = 3
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,6 @@ def _serve(
     server_id: str,
     token: str,
     batching_window_s: float,
-    link_delay_s: float,
     monitor_url: str | None,
     monitor_token: str,
     ttl: float,
@@ -58,9 +62,7 @@ def _serve(
     torch.set_num_threads(1)
     all_experts = spec.experts()
     experts = {layer: {e: all_experts[layer][e] for e in ids} for layer, ids in hosted.items()}
-    server = ExpertServer(
-        experts, server_id, batching_window_s=batching_window_s, link_delay_s=link_delay_s
-    )
+    server = ExpertServer(experts, server_id, batching_window_s=batching_window_s)
     http = HttpServer(make_app(server, token))
     server.start()
     url = http.start()
@@ -69,10 +71,17 @@ def _serve(
 
         server.join_membership(connect_membership(monitor_url, monitor_token), url, ttl)
     conn.send(url)
-    with contextlib.suppress(EOFError):  # EOF: the parent died
-        conn.recv()
+    # Until the parent says stop (or dies: EOF), or the serving loop fails: then exit non-zero,
+    # as `moecomm expert-server` does, so whoever supervises the process sees it.
+    while not server.health.failed.wait(SUPERVISE_S):
+        with contextlib.suppress(EOFError, OSError):
+            if not conn.poll():
+                continue
+        break
     http.stop()
     server.close()
+    if not server.health.ok:
+        sys.exit(LOOP_FAILED_EXIT)
 
 
 @dataclass
@@ -98,7 +107,6 @@ def spawn_expert_server(
     server_id: str,
     token: str = "",
     batching_window_s: float = 0.0,
-    link_delay_s: float = 0.0,
     monitor_url: str | None = None,
     ttl: float = DEFAULT_TTL_S,
     monitor_token: str = "",
@@ -112,7 +120,6 @@ def spawn_expert_server(
         server_id,
         token,
         batching_window_s,
-        link_delay_s,
         monitor_url,
         monitor_token,
         ttl,

@@ -10,11 +10,12 @@ response and the loop goes on serving everyone else.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 
 import torch
 
@@ -23,29 +24,33 @@ from moecomm.errors import MoecommError
 from moecomm.ops.quant import dequantize
 from moecomm.protocol import ENCODING_DTYPE, ResponseStatus, SlotLayout
 from moecomm.runtime.experts import ExpertWeights, LayerExperts
+from moecomm.runtime.health import LoopHealth, ServerStats
+from moecomm.runtime.registry import ClientRegistry
 from moecomm.slots import Request, ServerChannel
-from moecomm.transport import ShmTransport, Transport, WaitStatus, reap_stale_segments
+from moecomm.transport import ShmTransport, Transport, WaitStatus
+
+log = logging.getLogger("moecomm.server")
 
 # An idle server wakes this often to check that its clients are still alive.
 IDLE_WAKE_S = 0.1
+# A busy server checks its clients' liveness this often too: under continuous load the idle
+# wake never comes, and a dead client's slots would be held for ever.
+CLIENT_CHECK_S = 0.5
 # Limits on what a client may ask for at connect time: they bound the memory one connect costs.
 MAX_SLOTS_PER_CLIENT = 16
 MAX_REGION_BYTES = 1 << 30
 
+ChannelFactory = Callable[..., ServerChannel]
 
-@dataclass
-class ServerStats:
-    requests: int = 0
-    rejected: int = 0
-    tokens: int = 0
-    batches: int = 0
-    busy_s: float = 0.0
-    # (layer, logical expert) -> token copies served
-    expert_load: dict = field(default_factory=lambda: defaultdict(int))
+__all__ = ["ExpertServer", "ServerStats"]
 
 
 class ExpertServer:
-    """Hosts `experts` = {layer: {logical expert: ExpertWeights}} (any subset of any layers)."""
+    """Hosts `experts` = {layer: {logical expert: ExpertWeights}} (any subset of any layers).
+
+    `channel_factory(transport, layout, client_id, num_slots, name=...)` builds the server end of
+    each client connection (a ServerChannel by default; benchmarks wrap it, e.g. to emulate a
+    network link)."""
 
     def __init__(
         self,
@@ -53,7 +58,7 @@ class ExpertServer:
         server_id: str = "expert-server",
         transport: Transport | None = None,
         batching_window_s: float = 0.0,
-        link_delay_s: float = 0.0,
+        channel_factory: ChannelFactory = ServerChannel,
     ):
         if not experts:
             raise ValueError("an expert server needs at least one hosted layer")
@@ -67,14 +72,12 @@ class ExpertServer:
         self.hidden = hidden.pop()
         self.transport = transport or ShmTransport()
         self.batching_window_s = batching_window_s
-        if link_delay_s < 0:
-            raise ValueError(f"link_delay_s must be >= 0, got {link_delay_s}")
-        # Benchmarks only: emulates a network link of this one-way delay (see _DelayedLink).
-        self._link = _DelayedLink(link_delay_s) if link_delay_s > 0 else None
+        self._channel_factory = channel_factory
         self.doorbell = self.transport.create_region(_C.DOORBELL_BYTES)
         self.stats = ServerStats()
-        self._channels: dict[int, ServerChannel] = {}
-        self._lock = threading.Lock()
+        self.health = LoopHealth()
+        self.clients = ClientRegistry(self.transport, server_id)
+        self._next_client_check = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.draining = False
@@ -86,12 +89,21 @@ class ExpertServer:
         return {k: list(le.logical_ids) for k, le in sorted(self.layers.items())}
 
     def connect(
-        self, client_id: int, client_handle: str, layout: SlotLayout, num_slots: int
+        self,
+        client_id: int,
+        client_handle: str,
+        layout: SlotLayout,
+        num_slots: int,
+        session: str = "",
     ) -> dict:
-        """Allocates request slots for a client and attaches to its response slots. A client
-        that connects again (it restarted) gets fresh slots."""
+        """Allocates request slots for a client and attaches to its response slots. The answer
+        carries a session secret: a later connect under the same id (the client reconnecting)
+        must present it, unless the process that held the id died. Raises ClientIdInUse when
+        another live client holds `client_id`."""
         if self.draining:
             raise MoecommError(f"{self.server_id} is draining and accepts no new clients")
+        if not self.health.ok:
+            raise MoecommError(f"{self.server_id} is unhealthy: {self.health.reason}")
         if layout.hidden != self.hidden:
             raise ValueError(f"hidden {layout.hidden} does not match this server's {self.hidden}")
         if not 1 <= num_slots <= MAX_SLOTS_PER_CLIENT:
@@ -102,19 +114,20 @@ class ExpertServer:
                 f"the slot layout needs {need} bytes per client, over the "
                 f"{MAX_REGION_BYTES}-byte limit"
             )
-        channel = ServerChannel(
-            self.transport, layout, client_id, num_slots, name=f"client {client_id}"
-        )
-        try:
-            channel.connect(client_handle)
-        except Exception:
-            channel.close()
-            raise
-        with self._lock:
-            old = self._channels.pop(client_id, None)
-            self._channels[client_id] = channel
-        if old is not None:
-            old.close()
+
+        def make_channel() -> ServerChannel:
+            channel = self._channel_factory(
+                self.transport, layout, client_id, num_slots, name=f"client {client_id}"
+            )
+            try:
+                channel.connect(client_handle)
+            except Exception:
+                channel.close()
+                raise
+            return channel
+
+        new = self.clients.admit(client_id, session, make_channel)
+        channel = new.channel
         return {
             "server_id": self.server_id,
             "server_handle": channel.handle,
@@ -124,63 +137,51 @@ class ExpertServer:
             "request_slot_bytes": layout.request_slot_bytes,
             "slot_offsets": [channel.request_ring.slot_offset(s) for s in range(num_slots)],
             "hosted": self.hosted(),
+            "session": new.secret,
         }
 
-    def disconnect(self, client_id: int) -> bool:
-        with self._lock:
-            channel = self._channels.pop(client_id, None)
-        if channel is None:
-            return False
-        channel.mark_offline()
-        channel.close()
-        return True
+    def disconnect(self, client_id: int, session: str | None = None) -> bool:
+        """Frees a client's slots; with `session`, only the connection it names."""
+        return self.clients.remove(client_id, session)
 
     @property
     def num_clients(self) -> int:
-        with self._lock:
-            return len(self._channels)
+        return len(self.clients)
 
     # ------------------------------------------------------------------ the loop
     def step(self, timeout: float = IDLE_WAKE_S) -> int:
         """One pass of the loop: serves every ready request, or sleeps up to `timeout` for one.
         Returns how many requests were answered (errors included)."""
+        if time.monotonic() >= self._next_client_check:
+            self._drop_dead_clients()
         seen = self.transport.load(self.doorbell, 0)
         ready = self._poll()
-        if self._link is not None:
-            ready = self._link.arrive(ready)
-            timeout = min(timeout, self._link.next_event_in())
         if not ready:
             status, _ = _C.wait_doorbell(self.transport, self.doorbell, seen, int(timeout * 1e9))
-            if status == WaitStatus.TIMEOUT and self._link is None:
-                self._drop_dead_clients()
+            if status == WaitStatus.TIMEOUT:
                 return 0
             ready = self._poll()
-            if self._link is not None:
-                ready = self._link.arrive(ready)
-        if ready and self.batching_window_s > 0 and self._link is None:
+        if ready and self.batching_window_s > 0:
             time.sleep(self.batching_window_s)
             ready = self._poll()
-        served = self._serve(ready)
-        if self._link is not None:
-            self._link.flush()
-        return served
+        return self._serve(ready)
 
     def _poll(self) -> list[tuple[ServerChannel, Request]]:
-        with self._lock:
-            channels = list(self._channels.values())
-        return [(ch, req) for ch in channels for req in ch.poll()]
+        return [(ch, req) for ch in self.clients.channels() for req in ch.poll()]
 
     def _drop_dead_clients(self) -> None:
-        with self._lock:
-            dead = [
-                cid
-                for cid, ch in self._channels.items()
-                if not self.transport.peer_alive(ch.client)
-            ]
-        for cid in dead:
-            self.disconnect(cid)
-        if dead:
-            reap_stale_segments()
+        self._next_client_check = time.monotonic() + CLIENT_CHECK_S
+        dropped = self.clients.drop_dead()
+        self.stats.dead_clients_dropped += len(dropped)
+        if dropped:
+            log.info("%s: dropped dead clients %s", self.server_id, dropped)
+
+    def _reject(self, ch: ServerChannel, req: Request, status: int, reason: str) -> None:
+        try:
+            ch.reject(req, status, reason)
+        except Exception:  # the client's memory is gone or broken: it is dropped as dead later
+            log.exception("%s: cannot answer client %d", self.server_id, ch.client_id)
+        self.stats.count_rejection(status)
 
     def _serve(self, ready: list[tuple[ServerChannel, Request]]) -> int:
         start = time.perf_counter()
@@ -188,17 +189,24 @@ class ExpertServer:
         for ch, req in ready:
             problem = self._check(req)
             if problem is not None:
-                status, reason = problem
-                ch.reject(req, status, reason)
-                self.stats.rejected += 1
+                self._reject(ch, req, *problem)
             else:
                 by_layer[req.layer_id].append((ch, req))
         for layer_id, items in by_layer.items():
-            self._run_layer(layer_id, items)
+            try:
+                self._run_layer(layer_id, items)
+            except Exception as exc:  # answers every request of the batch not yet answered
+                self.stats.batch_failures += 1
+                log.exception("%s: batch of layer %d failed", self.server_id, layer_id)
+                reason = f"{self.server_id} layer {layer_id}: {type(exc).__name__}: {exc}"
+                for ch, req in items:
+                    if req.activations is not None:  # not released yet
+                        self._reject(ch, req, int(ResponseStatus.SERVER_ERROR), reason)
         self.stats.busy_s += time.perf_counter() - start
         return len(ready)
 
     def _check(self, req: Request):
+        """Validates a request on the server's own copies of its fields."""
         if not req.valid:
             return int(req.code), _C.validate_reason(req.code)
         if self.draining:
@@ -223,6 +231,7 @@ class ExpertServer:
     def _run_layer(self, layer_id: int, items) -> None:
         layer = self.layers[layer_id]
         xs, ids, scores = [], [], []
+        counts = torch.zeros(layer.num_local, dtype=torch.int64)
         for _, req in items:
             x = req.activations
             if req.scales is not None:
@@ -230,29 +239,21 @@ class ExpertServer:
             xs.append(x)
             ids.append(req.expert_ids)
             scores.append(req.scores)
-        try:
-            ys = layer.forward(xs, ids, scores)
-        except Exception as exc:  # a compute failure answers every request of the batch
-            for ch, req in items:
-                ch.reject(
-                    req,
-                    int(ResponseStatus.SERVER_ERROR),
-                    f"{self.server_id} layer {layer_id}: {exc}",
-                )
-                self.stats.rejected += 1
-            return
-        self.stats.batches += 1
-        counts = torch.zeros(layer.num_local, dtype=torch.int64)
-        for (ch, req), y in zip(items, ys, strict=True):
-            y = y.to(ENCODING_DTYPE[ch.layout.out_encoding])
-            if self._link is not None:
-                self._link.send_later(ch, req, y)
-            else:
-                ch.respond(req, y)
-            self.stats.requests += 1
-            self.stats.tokens += req.num_tokens
             valid = req.expert_ids[req.expert_ids >= 0].to(torch.int64)
             counts += torch.bincount(valid, minlength=layer.num_local)
+        ys = layer.forward(xs, ids, scores)  # consumes the activation views of the slots
+        self.stats.batches += 1
+        for (ch, req), y in zip(items, ys, strict=True):
+            n = req.num_tokens
+            try:
+                ch.respond(req, y.to(ENCODING_DTYPE[ch.layout.out_encoding]))
+            except Exception as exc:  # this answer only; the batch's others go on
+                log.exception("%s: answer to client %d failed", self.server_id, ch.client_id)
+                self._reject(ch, req, int(ResponseStatus.SERVER_ERROR), f"{exc}")
+                continue
+            self.stats.requests += 1
+            self.stats.tokens += n
+        self.stats.last_served = time.monotonic()
         for local, n in enumerate(counts.tolist()):
             if n:
                 self.stats.expert_load[(layer_id, layer.logical_ids[local])] += n
@@ -269,11 +270,34 @@ class ExpertServer:
         self._thread.start()
 
     def _loop(self) -> None:
-        while not self._stop.is_set():
-            self.step(IDLE_WAKE_S)
+        try:
+            while not self._stop.is_set():
+                self.step(IDLE_WAKE_S)
+        except BaseException as exc:  # the loop must never die silently
+            log.exception("%s: the serving loop failed", self.server_id)
+            self._fail(f"serving loop failed: {type(exc).__name__}: {exc}")
+
+    def _fail(self, reason: str) -> None:
+        """Something escaped the loop: the server cannot serve any more. It says so in /health,
+        withdraws its membership registration, and tells its clients at once; a supervisor
+        (``moecomm expert-server`` exits non-zero) restarts it."""
+        self.health.fail(reason)
+        if self._registration is not None:
+            try:
+                self._registration.close(deregister=True)
+            except Exception:
+                log.exception("%s: withdrawing the registration failed", self.server_id)
+            self._registration = None
+        self.clients.close_all()
+
+    def wake(self) -> None:
+        """Wakes the loop from its doorbell sleep (it then polls every client at once)."""
+        _C.ring_doorbell(self.transport, self.doorbell)
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
+        if self._thread is not None and self.health.ok:
+            self.wake()  # a failed loop is on its way out already (its doorbell may be gone)
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
@@ -284,12 +308,7 @@ class ExpertServer:
         if self._registration is not None:
             self._registration.close(deregister=True)
         self.stop()
-        with self._lock:
-            channels = list(self._channels.values())
-            self._channels.clear()
-        for ch in channels:
-            ch.mark_offline()
-            ch.close()
+        self.clients.close_all()
         self.doorbell.close()
 
     def drain(self) -> None:
@@ -327,7 +346,10 @@ class ExpertServer:
         self.disconnect(client_id)
 
     def health_check(self) -> dict:
-        """A real forward pass through one hosted expert (not a port check)."""
+        """A real forward pass through one hosted expert (not a port check), and the state of
+        the serving loop: a server whose loop failed is not ok, with the reason."""
+        if not self.health.ok:
+            return {"ok": False, "reason": self.health.reason, **self._activity()}
         layer_id = min(self.layers)
         layer = self.layers[layer_id]
         x = torch.ones(1, self.hidden, dtype=layer.dtype)
@@ -336,49 +358,16 @@ class ExpertServer:
         (y,) = layer.forward([x], [ids], [torch.ones(1, 1)])
         ms = (time.perf_counter() - start) * 1e3
         ok = bool(torch.isfinite(y).all())
-        return {"ok": ok, "layer": layer_id, "expert": layer.logical_ids[0], "forward_ms": ms}
+        out = {"ok": ok, "layer": layer_id, "expert": layer.logical_ids[0], "forward_ms": ms}
+        if not ok:
+            out["reason"] = "the health forward pass produced non-finite values"
+        return {**out, **self._activity()}
 
-
-class _DelayedLink:
-    """Emulates a network link with a fixed one-way delay, for the overlap benchmark: a request
-    becomes visible `delay` after it was first seen, and a response is written `delay` after it
-    was computed. Requests and responses in flight overlap their delays, as on a real link."""
-
-    def __init__(self, delay_s: float):
-        self.delay = delay_s
-        self._inbound: dict[tuple, tuple[float, ServerChannel, Request]] = {}
-        self._outbound: list[tuple[float, ServerChannel, Request, torch.Tensor]] = []
-        self._answered: set[tuple] = set()
-
-    def arrive(self, ready):
-        now = time.monotonic()
-        for ch, req in ready:
-            key = (ch.client_id, req.slot, req.seq)
-            if key not in self._inbound and key not in self._answered:
-                self._inbound[key] = (now + self.delay, ch, req)
-        due = [k for k, (t, _, _) in self._inbound.items() if t <= now]
-        out = []
-        for k in due:
-            _, ch, req = self._inbound.pop(k)
-            self._answered.add(k)
-            out.append((ch, req))
-        return out
-
-    def send_later(self, ch, req, y) -> None:
-        self._outbound.append((time.monotonic() + self.delay, ch, req, y.clone()))
-
-    def flush(self) -> None:
-        now = time.monotonic()
-        keep = []
-        for item in self._outbound:
-            t, ch, req, y = item
-            if t <= now:
-                ch.respond(req, y)
-                self._answered.discard((ch.client_id, req.slot, req.seq))
-            else:
-                keep.append(item)
-        self._outbound = keep
-
-    def next_event_in(self) -> float:
-        times = [t for t, _, _ in self._inbound.values()] + [t for t, *_ in self._outbound]
-        return max(0.0, min(times) - time.monotonic()) if times else float("inf")
+    def _activity(self) -> dict:
+        since = self.stats.seconds_since_last_served()
+        return {
+            "batch_failures": self.stats.batch_failures,
+            "rejected": self.stats.rejected,
+            "dead_clients_dropped": self.stats.dead_clients_dropped,
+            "seconds_since_last_served": None if since is None else round(since, 3),
+        }
