@@ -5,7 +5,7 @@
     compute on 2 server processes + combine, through
     shared-memory slots. Ratio = disaggregated throughput / monolithic throughput.
 (b) Overlap: a 4-layer step over two micro-batches with an emulated link delay (default 1 ms
-    each way, emulated by the servers) and an emulated attention of about the same cost.
+    each way, emulated by bench/delayed_link.py) and an emulated attention of about the same cost.
     Sequential: attention, dispatch, combine for A, then for B. Overlapped: the attention of B
     runs while A is with the experts. Both runs must give identical outputs.
 
@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Stats, format_table, time_calls, write_json
+from delayed_link import spawn_delayed_server
 from moecomm.runtime import AttentionClient
 from moecomm.runtime.experts import LayerExperts
 from moecomm.runtime.launch import ModelSpec, spawn_expert_server
@@ -147,8 +148,8 @@ def overlap_experiment(delay_s: float, iters: int, tokens: int) -> dict:
     spec = OVERLAP_SPEC
     h0, h1 = halves(spec)
     servers = [
-        spawn_expert_server(spec, h0, "s0", link_delay_s=delay_s),
-        spawn_expert_server(spec, h1, "s1", link_delay_s=delay_s),
+        spawn_delayed_server(spec, h0, "s0", delay_s),
+        spawn_delayed_server(spec, h1, "s1", delay_s),
     ]
     try:
         c = make_client(servers, 2, spec)
