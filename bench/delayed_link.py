@@ -29,11 +29,9 @@ microseconds (a header scan, or one memcpy of an answer).
 
 from __future__ import annotations
 
-import contextlib
 import heapq
 import itertools
 import logging
-import multiprocessing as mp
 import threading
 import time
 from collections.abc import Callable
@@ -41,14 +39,16 @@ from collections.abc import Callable
 import torch
 from moecomm.protocol import ENCODING_DTYPE
 from moecomm.runtime.control import HttpServer, make_app
-from moecomm.runtime.launch import START_TIMEOUT_S, ModelSpec, ServerProcess
+from moecomm.runtime.launch import (
+    ModelSpec,
+    ServerProcess,
+    start_server_process,
+    wait_for_stop,
+)
 from moecomm.runtime.server import ExpertServer
 from moecomm.slots import Request, ServerChannel
 
 log = logging.getLogger("bench.delayed_link")
-
-# How often the server process checks for a stop request or a failed loop (as launch.py).
-SUPERVISE_S = 0.2
 
 
 class DelayedLink:
@@ -219,12 +219,7 @@ def _serve(conn, spec: ModelSpec, hosted: dict, server_id: str, delay_s: float) 
     http = HttpServer(make_app(server))
     server.start()
     conn.send(http.start())
-    # Until the parent says stop (or dies: EOF), or the serving loop fails.
-    while not server.health.failed.wait(SUPERVISE_S):
-        with contextlib.suppress(EOFError, OSError):
-            if not conn.poll():
-                continue
-        break
+    wait_for_stop(conn, server)
     http.stop()
     link.close()  # first: its timer thread must not ring the doorbell of a closed server
     server.close()
@@ -234,20 +229,4 @@ def spawn_delayed_server(
     spec: ModelSpec, hosted: dict[int, list[int]], server_id: str, delay_s: float
 ) -> ServerProcess:
     """An expert server process whose clients are `delay_s` away (each way)."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    p = ctx.Process(target=_serve, args=(child, spec, hosted, server_id, delay_s), daemon=True)
-    p.start()
-    child.close()
-    if not parent.poll(START_TIMEOUT_S):
-        p.kill()
-        p.join()
-        raise RuntimeError(f"expert server {server_id} did not start in {START_TIMEOUT_S} s")
-    try:
-        url = parent.recv()
-    except EOFError:
-        p.join(START_TIMEOUT_S)
-        raise RuntimeError(
-            f"expert server {server_id} exited during start-up (exit code {p.exitcode})"
-        ) from None
-    return ServerProcess(p, parent, url, server_id)
+    return start_server_process(_serve, (spec, hosted, server_id, delay_s), server_id)

@@ -14,6 +14,7 @@ import torch
 from moecomm.runtime import AttentionClient
 from moecomm.runtime.launch import ModelSpec, spawn_expert_server
 from moecomm.runtime.registry import ClientIdInUse
+from proc_helpers import read_line
 
 SPEC = ModelSpec(num_layers=1, num_experts=4, hidden=32, intermediate=16, seed=2)
 TOPK = 2
@@ -115,16 +116,6 @@ def test_a_client_whose_session_was_dropped_reconnects_on_its_own_and_logs_it(se
         assert not c.evicted, "a server that took the reconnect is healthy"
     finally:
         c.close()
-
-
-def read_line(proc, prefix: str, deadline: float) -> str:
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if line.startswith(prefix):
-            return line.strip()
-    raise AssertionError(f"no line starting with {prefix!r}")
 
 
 @pytest.mark.timeout(300)

@@ -25,6 +25,20 @@ def poison_on(monkeypatch):
     monkeypatch.setattr(slots, "POISON_SLOTS", True)
 
 
+@pytest.fixture
+def pair(transport):
+    """A server end and a client end of one connection with one slot, connected."""
+    server = ServerChannel(transport, LAYOUT, 1, 1)
+    client = ClientChannel(transport, LAYOUT, 1, 1)
+    try:
+        client.connect(server.handle)
+        server.connect(client.handle)
+        yield server, client
+    finally:
+        server.close()
+        client.close()
+
+
 def request(n: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, HIDDEN, generator=g)
@@ -71,88 +85,60 @@ def test_a_server_serves_slots_reused_at_once_with_sizes_changing_every_step(tra
         client.close()
 
 
-def test_a_request_keeps_what_was_validated_when_the_client_rewrites_its_slot(transport):
+def test_a_request_keeps_what_was_validated_when_the_client_rewrites_its_slot(pair):
     """The server's ids and scores are copies: a client that rewrites its slot after the server
     took the request cannot slip unvalidated ids in."""
-    server = ServerChannel(transport, LAYOUT, 1, 1)
-    client = ClientChannel(transport, LAYOUT, 1, 1)
-    try:
-        client.connect(server.handle)
-        server.connect(client.handle)
-        x, ids, w = request(4, 1)
-        client.send(0, x, ids, w)
-        (req,) = server.poll()
-        client.send(0, x, torch.full_like(ids, 1 << 20), w * 2)  # a rewrite, valid or not
-        assert torch.equal(req.expert_ids, ids) and torch.equal(req.scores, w)
-    finally:
-        server.close()
-        client.close()
+    server, client = pair
+    x, ids, w = request(4, 1)
+    client.send(0, x, ids, w)
+    (req,) = server.poll()
+    client.send(0, x, torch.full_like(ids, 1 << 20), w * 2)  # a rewrite, valid or not
+    assert torch.equal(req.expert_ids, ids) and torch.equal(req.scores, w)
 
 
-def test_a_released_request_slot_is_poisoned_before_the_client_sees_the_answer(transport):
-    server = ServerChannel(transport, LAYOUT, 1, 1)
-    client = ClientChannel(transport, LAYOUT, 1, 1)
-    try:
-        client.connect(server.handle)
-        server.connect(client.handle)
-        x, ids, w = request(3, 2)
-        seq = client.send(0, x, ids, w)
-        (req,) = server.poll()
-        views = slots.RegionViews(server.region)
-        off = server.request_ring.slot_offset(0) + _C.PAYLOAD_OFFSET
-        server.respond(req, x)
-        assert req.activations is None  # the view is dropped with the release
-        acts = views.get(off, (3, HIDDEN), torch.float32)
-        assert bool(torch.isnan(acts).all()), "activations were not poisoned"
-        raw = views.bytes[off : off + server.request_ring.slot_bytes - _C.PAYLOAD_OFFSET]
-        assert (raw.view(torch.int32) == POISON_ID).sum() == ids.numel()
-        assert torch.equal(client.wait(0, seq, timeout=5.0).activations, x)
-    finally:
-        server.close()
-        client.close()
+def test_a_released_request_slot_is_poisoned_before_the_client_sees_the_answer(pair):
+    server, client = pair
+    x, ids, w = request(3, 2)
+    seq = client.send(0, x, ids, w)
+    (req,) = server.poll()
+    views = slots.RegionViews(server.region)
+    off = server.request_ring.slot_offset(0) + _C.PAYLOAD_OFFSET
+    server.respond(req, x)
+    assert req.activations is None  # the view is dropped with the release
+    acts = views.get(off, (3, HIDDEN), torch.float32)
+    assert bool(torch.isnan(acts).all()), "activations were not poisoned"
+    raw = views.bytes[off : off + server.request_ring.slot_bytes - _C.PAYLOAD_OFFSET]
+    assert (raw.view(torch.int32) == POISON_ID).sum() == ids.numel()
+    assert torch.equal(client.wait(0, seq, timeout=5.0).activations, x)
 
 
-def test_a_released_response_slot_reads_as_nan(transport):
-    server = ServerChannel(transport, LAYOUT, 1, 1)
-    client = ClientChannel(transport, LAYOUT, 1, 1)
-    try:
-        client.connect(server.handle)
-        server.connect(client.handle)
-        x, ids, w = request(2, 3)
-        seq = client.send(0, x, ids, w)
-        (req,) = server.poll()
-        server.respond(req, x)
-        resp = client.wait(0, seq, timeout=5.0)
-        assert torch.equal(resp.activations, x)
-        client.release(0)
-        assert bool(torch.isnan(resp.activations).all()), "a late read would go unnoticed"
-    finally:
-        server.close()
-        client.close()
+def test_a_released_response_slot_reads_as_nan(pair):
+    server, client = pair
+    x, ids, w = request(2, 3)
+    seq = client.send(0, x, ids, w)
+    (req,) = server.poll()
+    server.respond(req, x)
+    resp = client.wait(0, seq, timeout=5.0)
+    assert torch.equal(resp.activations, x)
+    client.release(0)
+    assert bool(torch.isnan(resp.activations).all()), "a late read would go unnoticed"
 
 
-def test_poisoning_spares_a_newer_request_the_client_already_wrote(transport):
+def test_poisoning_spares_a_newer_request_the_client_already_wrote(pair):
     """A client that gave up on a request may reuse its slot before the server answers the old
     one: the late release must neither wipe nor poison the newer request."""
-    server = ServerChannel(transport, LAYOUT, 1, 1)
-    client = ClientChannel(transport, LAYOUT, 1, 1)
-    try:
-        client.connect(server.handle)
-        server.connect(client.handle)
-        x, ids, w = request(2, 4)
-        client.send(0, x, ids, w)
-        (old,) = server.poll()
-        x2, ids2, w2 = request(5, 5)
-        seq2 = client.send(0, x2, ids2, w2)
-        server.respond(old, torch.zeros(2, HIDDEN))  # late answer: dropped by its sequence
-        (new,) = server.poll()
-        assert new.seq == seq2 and torch.equal(new.expert_ids, ids2)
-        assert torch.equal(new.activations, x2)
-        server.respond(new, x2)
-        assert torch.equal(client.wait(0, seq2, timeout=5.0).activations, x2)
-    finally:
-        server.close()
-        client.close()
+    server, client = pair
+    x, ids, w = request(2, 4)
+    client.send(0, x, ids, w)
+    (old,) = server.poll()
+    x2, ids2, w2 = request(5, 5)
+    seq2 = client.send(0, x2, ids2, w2)
+    server.respond(old, torch.zeros(2, HIDDEN))  # late answer: dropped by its sequence
+    (new,) = server.poll()
+    assert new.seq == seq2 and torch.equal(new.expert_ids, ids2)
+    assert torch.equal(new.activations, x2)
+    server.respond(new, x2)
+    assert torch.equal(client.wait(0, seq2, timeout=5.0).activations, x2)
 
 
 def test_poison_mode_is_on_in_the_test_suite():

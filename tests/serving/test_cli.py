@@ -7,6 +7,7 @@ import time
 import httpx
 import pytest
 from moecomm_serving.expert_server import parse_ids
+from proc_helpers import read_line
 
 CLI = [sys.executable, "-m", "moecomm_serving.cli"]
 START_S = 120.0
@@ -30,16 +31,6 @@ def test_parse_ids():
         parse_ids("3-9", 8, "--experts")
     with pytest.raises(SystemExit, match="cannot parse"):
         parse_ids("a-b", 8, "--experts")
-
-
-def read_line(proc, prefix, deadline):
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if line.startswith(prefix):
-            return line.strip()
-    raise AssertionError(f"no line starting with {prefix!r}")
 
 
 @pytest.mark.timeout(300)

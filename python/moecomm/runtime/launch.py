@@ -71,17 +71,22 @@ def _serve(
 
         server.join_membership(connect_membership(monitor_url, monitor_token), url, ttl)
     conn.send(url)
-    # Until the parent says stop (or dies: EOF), or the serving loop fails: then exit non-zero,
-    # as `moecomm expert-server` does, so whoever supervises the process sees it.
+    wait_for_stop(conn, server)
+    http.stop()
+    server.close()
+    if not server.health.ok:
+        sys.exit(LOOP_FAILED_EXIT)
+
+
+def wait_for_stop(conn, server: ExpertServer) -> None:
+    """In a server process: returns when the parent says stop (or dies: EOF on `conn`), or when
+    the serving loop fails; the caller then exits non-zero (LOOP_FAILED_EXIT), as `moecomm
+    expert-server` does, so whoever supervises the process sees it."""
     while not server.health.failed.wait(SUPERVISE_S):
         with contextlib.suppress(EOFError, OSError):
             if not conn.poll():
                 continue
         break
-    http.stop()
-    server.close()
-    if not server.health.ok:
-        sys.exit(LOOP_FAILED_EXIT)
 
 
 @dataclass
@@ -111,10 +116,7 @@ def spawn_expert_server(
     ttl: float = DEFAULT_TTL_S,
     monitor_token: str = "",
 ) -> ServerProcess:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
     args = (
-        child,
         spec,
         hosted,
         server_id,
@@ -124,7 +126,15 @@ def spawn_expert_server(
         monitor_token,
         ttl,
     )
-    p = ctx.Process(target=_serve, args=args, daemon=True)
+    return start_server_process(_serve, args, server_id)
+
+
+def start_server_process(target, args: tuple, server_id: str) -> ServerProcess:
+    """Spawns a server process running `target(conn, *args)` and waits for the control-plane
+    URL it sends on `conn` once it serves (see wait_for_stop for the rest of the protocol)."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=target, args=(child, *args), daemon=True)
     p.start()
     child.close()
     if not parent.poll(START_TIMEOUT_S):
