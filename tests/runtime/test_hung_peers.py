@@ -120,3 +120,31 @@ def test_a_stopped_then_killed_client_never_blocks_the_server(reaper):
         assert 'moecomm_server_loop_failed{server="busy"} 0' in metrics
     finally:
         c.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_client_starts_while_a_replica_is_stopped_and_takes_it_in_once_it_answers(reaper):
+    servers = [reaper.server(spawn_expert_server(SPEC, ALL, f"late{i}")) for i in range(2)]
+    stop_process(servers[1].process.pid)
+    c = client([s.url for s in servers])  # the stopped one cannot answer its connect
+    try:
+        assert c.channels[1] is None and 1 in c.evicted
+        want = [c.combine(c.dispatch(*batch(seed), 0)) for seed in range(4)]
+        os.kill(servers[1].process.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        seed = 0
+        while served_tokens(servers[1].url) == 0:
+            assert time.monotonic() < deadline, "the server that came back was never connected"
+            assert torch.equal(c.combine(c.dispatch(*batch(seed % 4), 0)), want[seed % 4])
+            seed += 1
+            time.sleep(0.05)
+        assert c.channels[1] is not None and not c.evicted
+    finally:
+        c.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_refused_connect_is_an_error_not_a_server_left_out(reaper):
+    server = reaper.server(spawn_expert_server(SPEC, ALL, "auth", token="right"))
+    with pytest.raises(ConnectionError, match="refused"):
+        client([server.url])

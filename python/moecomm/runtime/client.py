@@ -30,7 +30,12 @@ from moecomm.errors import (
 from moecomm.ops.combine import combine as combine_partials
 from moecomm.ops.dispatch import ExpertMap, pack_dispatch
 from moecomm.protocol import ResponseStatus, SlotLayout, as_encoding
-from moecomm.runtime.control import http_connect, http_disconnect, http_health
+from moecomm.runtime.control import (
+    ServerUnreachable,
+    http_connect,
+    http_disconnect,
+    http_health,
+)
 from moecomm.slots import DEFAULT_TIMEOUT_S, ClientChannel
 from moecomm.transport import ShmTransport, Transport
 
@@ -132,6 +137,7 @@ class AttentionClient:
         self.missing: dict[int, list[int]] = {}  # layer -> experts with no live replica
         self.evicted: dict[int, float] = {}  # server -> monotonic time it may come back
         self._probing: set[int] = set()  # evicted servers whose /health is being probed
+        self._unattached: set[int] = set()  # servers unreachable at connect, not attached yet
         self._healthy: deque = deque()  # servers whose probe passed, appended by probe threads
         self.failovers = 0
         self.reconnects = 0
@@ -146,16 +152,34 @@ class AttentionClient:
 
     # ------------------------------------------------------------------ connect, expert maps
     def connect(self) -> None:
-        """Connect handshake with every server; builds the expert map of every layer."""
+        """Connect handshake with every server; builds the expert map of every layer.
+
+        A server that cannot be reached (down, stopped) is left out and connected to later, once
+        its /health answers, as long as every expert it would serve has another live replica;
+        a server that refuses the connect (bad token, id in use, wrong layout) is an error."""
+        unreachable = []
         try:
-            for url in self.urls:
-                self._attach(url)
+            for i, url in enumerate(self.urls):
+                try:
+                    self._attach(url)
+                except ServerUnreachable as exc:
+                    self.channels.append(None)
+                    self.sessions.append("")
+                    self.hosted.append({})
+                    self._unattached.add(i)
+                    self.evicted[i] = time.monotonic()  # probe at the first dispatch
+                    unreachable.append(f"{url}: {exc}")
+            if len(unreachable) == len(self.urls):
+                raise ServerUnreachable("no expert server answered: " + "; ".join(unreachable))
+            self._rebuild_maps()
+            if self.missing:
+                gone = f" (unreachable: {'; '.join(unreachable)})" if unreachable else ""
+                raise MoecommError(f"experts without any server: {self.missing}{gone}")
         except Exception:
             self.close()
             raise
-        self._rebuild_maps()
-        if self.missing:
-            raise MoecommError(f"experts without any server: {self.missing}")
+        for why in unreachable:
+            log.warning("client %d: left out for now, %s", self.client_id, why)
 
     def _attach(self, url: str, index: int | None = None) -> None:
         ch = ClientChannel(
@@ -187,6 +211,7 @@ class AttentionClient:
             self.channels[index] = ch
             self.sessions[index] = info.get("session", "")
             self.hosted[index] = hosted
+            self._unattached.discard(index)
             if old is not None:
                 old.close()
 
@@ -254,18 +279,34 @@ class AttentionClient:
         while self._healthy:
             i = self._healthy.popleft()
             self._probing.discard(i)
+            if i in self._unattached and not self._attach_late(i):
+                continue
             if i in self.evicted and self.channels[i] is not None:
                 del self.evicted[i]
                 changed = True
         now = time.monotonic()
         for i, until in list(self.evicted.items()):
-            if now >= until and i not in self._probing and self.channels[i] is not None:
+            known = self.channels[i] is not None or i in self._unattached
+            if now >= until and i not in self._probing and known:
                 self._probing.add(i)
                 threading.Thread(
                     target=self._probe, args=(i, self.urls[i]), daemon=True, name="moecomm-probe"
                 ).start()
         if changed:
             self._rebuild_maps()
+
+    def _attach_late(self, i: int) -> bool:
+        """Connects to a server that was unreachable at connect(), now that it answers."""
+        try:
+            self._attach(self.urls[i], i)
+        except (ConnectionError, MoecommError) as exc:
+            self.evicted[i] = time.monotonic() + self.evict_s
+            log.warning(
+                "client %d: %s still cannot be connected: %s", self.client_id, self.urls[i], exc
+            )
+            return False
+        log.info("client %d: connected to %s", self.client_id, self.urls[i])
+        return True
 
     def _probe(self, i: int, url: str) -> None:
         if http_health(url, HEALTH_PROBE_TIMEOUT_S):

@@ -36,6 +36,11 @@ TRANSPORT_NAMES = ("shm", "cuda_ipc")
 HTTP_TIMEOUT_S = 10.0
 
 
+class ServerUnreachable(ConnectionError):
+    """No answer from a server's control plane (down, stopped, wrong address), as opposed to
+    an answer that refuses the request."""
+
+
 class LayoutModel(BaseModel):
     max_tokens: int = Field(ge=1, le=MAX_TOKENS_LIMIT)
     hidden: int = Field(ge=1, le=MAX_HIDDEN)
@@ -210,7 +215,7 @@ def http_connect(
     try:
         r = httpx.post(f"{url}/connect", json=body, timeout=timeout)
     except httpx.HTTPError as exc:
-        raise ConnectionError(f"connect to {url} failed: {exc}") from exc
+        raise ServerUnreachable(f"connect to {url} failed: {exc}") from exc
     if r.status_code == 409:
         raise ClientIdInUse(f"connect to {url} refused: {_detail(r)}")
     if r.status_code != 200:
