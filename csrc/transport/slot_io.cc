@@ -77,10 +77,10 @@ void poison_request(Transport& t, Region& local, const SlotRing& ring, uint32_t 
   const bool sized = h.magic == protocol::kMagic && protocol::encoding_known(h.encoding) &&
                      h.num_tokens <= ring.config.max_tokens && h.hidden == ring.config.hidden &&
                      h.topk <= ring.config.topk;
-  const PayloadLayout p =
-      sized ? protocol::request_payload_layout(h.num_tokens, h.hidden, h.topk,
-                                               static_cast<Encoding>(h.encoding))
-            : PayloadLayout{};
+  const PayloadLayout p = sized
+                              ? protocol::request_payload_layout(h.num_tokens, h.hidden, h.topk,
+                                                                 static_cast<Encoding>(h.encoding))
+                              : PayloadLayout{};
   const uint64_t base = off + kPayloadOffset;
   if (!sized || p.total > capacity) {
     fill_poison(t, local, base, capacity);  // sizes unknown: the whole payload area

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
-import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -30,12 +29,7 @@ from moecomm.errors import (
 from moecomm.ops.combine import combine as combine_partials
 from moecomm.ops.dispatch import ExpertMap, pack_dispatch
 from moecomm.protocol import ResponseStatus, SlotLayout, as_encoding
-from moecomm.runtime.control import (
-    ServerUnreachable,
-    http_connect,
-    http_disconnect,
-    http_health,
-)
+from moecomm.runtime.server_pool import ServerPool
 from moecomm.slots import DEFAULT_TIMEOUT_S, ClientChannel
 from moecomm.transport import ShmTransport, Transport
 
@@ -49,13 +43,9 @@ MAX_ATTEMPTS = 3
 DEFAULT_EVICT_S = 30.0
 # A combine that follows a membership re-checks for loss events this often while it waits.
 WAIT_SLICE_S = 0.05
-# Local expert indices at and above this are placeholders for experts with no live replica.
-_NO_LOCAL = 1 << 30
 # Default client ids are random, not the pid: in containers every front end is PID 1, and pids
 # collide across hosts. 62 bits keep them positive in every signed 64-bit field on the way.
 CLIENT_ID_BITS = 62
-# An evicted server is routed to again only once its /health answers within this long.
-HEALTH_PROBE_TIMEOUT_S = 2.0
 
 
 def random_client_id() -> int:
@@ -116,7 +106,6 @@ class AttentionClient:
             )
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-        self.urls = list(servers)
         # None: a random id (see CLIENT_ID_BITS); an id held by another live client is refused.
         self.client_id = random_client_id() if client_id is None else int(client_id)
         self.layout = SlotLayout(
@@ -129,18 +118,17 @@ class AttentionClient:
         self.timeout = timeout
         self.replica_policy = replica_policy
         self.evict_s = evict_s
-        self.transport = transport or ShmTransport()
-        self.channels: list[ClientChannel | None] = []
-        self.sessions: list[str] = []  # per server: the secret of our connection
-        self.hosted: list[dict[int, list[int]]] = []
-        self.maps: dict[int, ExpertMap] = {}
-        self.missing: dict[int, list[int]] = {}  # layer -> experts with no live replica
-        self.evicted: dict[int, float] = {}  # server -> monotonic time it may come back
-        self._probing: set[int] = set()  # evicted servers whose /health is being probed
-        self._unattached: set[int] = set()  # servers unreachable at connect, not attached yet
-        self._healthy: deque = deque()  # servers whose probe passed, appended by probe threads
+        self.pool = ServerPool(
+            list(servers),
+            self.client_id,
+            self.layout,
+            num_slots,
+            token,
+            timeout,
+            transport or ShmTransport(),
+            evict_s,
+        )
         self.failovers = 0
-        self.reconnects = 0
         # Membership events, appended by the watcher's thread and applied by ours.
         self._events: deque = deque()
         self._registration = None
@@ -148,93 +136,45 @@ class AttentionClient:
         self._busy = [False] * num_slots
         self._next_slot = 0
         self._rr = 0
-        self.outstanding = [0] * len(self.urls)  # tokens in flight per server
 
-    # ------------------------------------------------------------------ connect, expert maps
+    # ------------------------------------------------------------------ servers, expert maps
     def connect(self) -> None:
         """Connect handshake with every server; builds the expert map of every layer.
 
         A server that cannot be reached (down, stopped) is left out and connected to later, once
         its /health answers, as long as every expert it would serve has another live replica;
         a server that refuses the connect (bad token, id in use, wrong layout) is an error."""
-        unreachable = []
         try:
-            for i, url in enumerate(self.urls):
-                try:
-                    self._attach(url)
-                except ServerUnreachable as exc:
-                    self.channels.append(None)
-                    self.sessions.append("")
-                    self.hosted.append({})
-                    self._unattached.add(i)
-                    self.evicted[i] = time.monotonic()  # probe at the first dispatch
-                    unreachable.append(f"{url}: {exc}")
-            if len(unreachable) == len(self.urls):
-                raise ServerUnreachable("no expert server answered: " + "; ".join(unreachable))
-            self._rebuild_maps()
-            if self.missing:
-                gone = f" (unreachable: {'; '.join(unreachable)})" if unreachable else ""
-                raise MoecommError(f"experts without any server: {self.missing}{gone}")
+            self.pool.connect_all()
         except Exception:
             self.close()
             raise
-        for why in unreachable:
-            log.warning("client %d: left out for now, %s", self.client_id, why)
-
-    def _attach(self, url: str, index: int | None = None) -> None:
-        ch = ClientChannel(
-            self.transport, self.layout, self.client_id, self.num_slots, name=f"server {url}"
-        )
-        try:
-            info = http_connect(
-                url,
-                self.client_id,
-                ch.handle,
-                self.layout,
-                self.num_slots,
-                self.token,
-                self.timeout,
-                transport=self.transport.name,
-                session=self.sessions[index] if index is not None else "",
-            )
-            ch.connect(info["server_handle"], info["doorbell_handle"])
-        except Exception:
-            ch.close()
-            raise
-        hosted = {int(k): v for k, v in info["hosted"].items()}
-        if index is None:
-            self.channels.append(ch)
-            self.sessions.append(info.get("session", ""))
-            self.hosted.append(hosted)
-        else:  # reconnecting, or a server that left and came back under the same URL
-            old = self.channels[index]
-            self.channels[index] = ch
-            self.sessions[index] = info.get("session", "")
-            self.hosted[index] = hosted
-            self._unattached.discard(index)
-            if old is not None:
-                old.close()
 
     def add_server(self, url: str) -> int:
         """Elastic join: connects to a new server and routes to it from the next dispatch on.
         Returns its index. A known URL is re-admitted (eviction lifted) instead."""
-        if url in self.urls:
-            i = self.urls.index(url)
-            self.evicted.pop(i, None)
-            if self.channels[i] is None:
-                self._attach(url, i)
-            self._rebuild_maps()
-            return i
-        self.urls.append(url)
-        self.outstanding.append(0)
-        try:
-            self._attach(url)
-        except Exception:
-            self.urls.pop()
-            self.outstanding.pop()
-            raise
-        self._rebuild_maps()
-        return len(self.urls) - 1
+        return self.pool.add(url)
+
+    def remove_server(self, url: str) -> None:
+        """A server left (monitor event or drain): stop routing to it for good."""
+        self.pool.remove(url)
+
+    def evict(self, server: int, reason: str = "") -> None:
+        """Takes `server` out of every expert map for `evict_s` seconds, and then until its
+        /health passes (probed in the background)."""
+        self.pool.evict(server, reason)
+
+    # The pool's state, read by callers and tests.
+    urls = property(lambda self: self.pool.urls)
+    channels = property(lambda self: self.pool.channels)
+    sessions = property(lambda self: self.pool.sessions)
+    hosted = property(lambda self: self.pool.hosted)
+    maps = property(lambda self: self.pool.maps)
+    missing = property(lambda self: self.pool.missing)
+    evicted = property(lambda self: self.pool.evicted)
+    outstanding = property(lambda self: self.pool.outstanding)
+    reconnects = property(lambda self: self.pool.reconnects)
+    transport = property(lambda self: self.pool.transport)
 
     def follow(self, membership, ttl: float) -> None:
         """Registers this client (role "client") with a lease of `ttl` and follows the
@@ -259,108 +199,6 @@ class AttentionClient:
                 # Not reachable yet: its next event or a later join retries.
                 with contextlib.suppress(ConnectionError, MoecommError):
                     self.add_server(url)
-
-    def remove_server(self, url: str) -> None:
-        """A server left (monitor event or drain): stop routing to it for good."""
-        i = self.urls.index(url)
-        ch = self.channels[i]
-        self.channels[i] = None
-        self._rebuild_maps()
-        if ch is not None:
-            ch.close()
-
-    def _live(self, server: int) -> bool:
-        return server not in self.evicted and self.channels[server] is not None
-
-    def _readmit(self) -> None:
-        """Evicted servers come back only healthy: once the eviction time passes their /health
-        (a real forward pass) is probed in the background, and they rejoin when it answers."""
-        changed = False
-        while self._healthy:
-            i = self._healthy.popleft()
-            self._probing.discard(i)
-            if i in self._unattached and not self._attach_late(i):
-                continue
-            if i in self.evicted and self.channels[i] is not None:
-                del self.evicted[i]
-                changed = True
-        now = time.monotonic()
-        for i, until in list(self.evicted.items()):
-            known = self.channels[i] is not None or i in self._unattached
-            if now >= until and i not in self._probing and known:
-                self._probing.add(i)
-                threading.Thread(
-                    target=self._probe, args=(i, self.urls[i]), daemon=True, name="moecomm-probe"
-                ).start()
-        if changed:
-            self._rebuild_maps()
-
-    def _attach_late(self, i: int) -> bool:
-        """Connects to a server that was unreachable at connect(), now that it answers."""
-        try:
-            self._attach(self.urls[i], i)
-        except (ConnectionError, MoecommError) as exc:
-            self.evicted[i] = time.monotonic() + self.evict_s
-            log.warning(
-                "client %d: %s still cannot be connected: %s", self.client_id, self.urls[i], exc
-            )
-            return False
-        log.info("client %d: connected to %s", self.client_id, self.urls[i])
-        return True
-
-    def _probe(self, i: int, url: str) -> None:
-        if http_health(url, HEALTH_PROBE_TIMEOUT_S):
-            self._healthy.append(i)
-        else:  # still unhealthy: wait another eviction period
-            self.evicted[i] = time.monotonic() + self.evict_s
-            self._probing.discard(i)
-
-    def _reconnect(self, i: int, why: Exception) -> bool:
-        """The server dropped our session (it marked our slots OFFLINE while alive: restarted
-        under the same URL, or it took us for lost). Connect again at once; True on success."""
-        try:
-            self._attach(self.urls[i], i)
-        except Exception as exc:  # still unreachable: it stays evicted
-            log.warning(
-                "client %d: session with %s lost (%s); reconnect failed: %s",
-                self.client_id,
-                self.urls[i],
-                why,
-                exc,
-            )
-            return False
-        self.reconnects += 1
-        log.warning(
-            "client %d: session with %s lost (%s); reconnected", self.client_id, self.urls[i], why
-        )
-        return True
-
-    def _rebuild_maps(self) -> None:
-        layers = sorted({layer for h in self.hosted for layer in h})
-        maps, missing = {}, {}
-        for layer in layers:
-            replicas: dict[int, list[tuple[int, int]]] = {}
-            num_experts = 0
-            for server, h in enumerate(self.hosted):
-                ids = h.get(layer, [])
-                num_experts = max([num_experts, *(e + 1 for e in ids)])
-                if not self._live(server):
-                    continue
-                for local, expert in enumerate(ids):
-                    replicas.setdefault(expert, []).append((server, local))
-            lost = [e for e in range(num_experts) if e not in replicas]
-            if lost:
-                missing[layer] = lost
-            # Experts with no live replica keep a placeholder entry (a local index no server
-            # has) that is never routed to: dispatch refuses such experts by name first.
-            table = [replicas.get(e, [(0, _NO_LOCAL + e)]) for e in range(num_experts)]
-            maps[layer] = ExpertMap(table, num_servers=len(self.urls))
-        self.maps, self.missing = maps, missing
-
-    def evict(self, server: int, reason: str = "") -> None:
-        """Takes `server` out of every expert map for `evict_s` seconds."""
-        self.evicted[server] = time.monotonic() + self.evict_s
-        self._rebuild_maps()
 
     # ------------------------------------------------------------------ data path
     def _replicas(self, emap: ExpertMap) -> torch.Tensor:
@@ -427,7 +265,7 @@ class AttentionClient:
         if x.shape[0] > self.layout.max_tokens:
             raise ValueError(f"{x.shape[0]} tokens exceed max_tokens {self.layout.max_tokens}")
         self._apply_events()
-        self._readmit()
+        self.pool.readmit()
         emap = self._check_routable(layer_id, topk_ids)
         slot = self._take_slot()
         try:
@@ -496,7 +334,7 @@ class AttentionClient:
                 for _, sent, exc in failed:
                     self.evict(sent.server, str(exc))
                     if isinstance(exc, PeerOfflineError):
-                        self._recover_session(sent.server, exc)
+                        self.pool.recover_session(sent.server, exc)
                 for pos, sent, exc in failed:
                     partials[pos] = self._retry(handle, sent, exc, timeout)
             return combine_partials(
@@ -517,13 +355,6 @@ class AttentionClient:
         for ch in self.channels:
             if ch is not None:
                 ch.release(handle.slot)
-
-    def _recover_session(self, i: int, exc: Exception) -> None:
-        """A live server that dropped our session gets a new one at once. A server accepts a
-        connect only while its loop is healthy, so a successful one also ends the eviction."""
-        if self._reconnect(i, exc):
-            self.evicted.pop(i, None)
-            self._rebuild_maps()
 
     def _retry(
         self, handle: DispatchHandle, failed: Sent, exc: Exception, timeout: float
@@ -551,7 +382,7 @@ class AttentionClient:
                     bad = bad or (s, e)
                     self.evict(s.server, str(e))
                     if isinstance(e, PeerOfflineError):
-                        self._recover_session(s.server, e)
+                        self.pool.recover_session(s.server, e)
                     tried.add(s.server)
                     errors.append(f"{self.urls[s.server]}: {e}")
             if bad is None:
@@ -589,9 +420,4 @@ class AttentionClient:
         if self._registration is not None:
             self._registration.close(deregister=True)
             self._registration = None
-        for url, ch, session in zip(self.urls, self.channels, self.sessions, strict=False):
-            if ch is not None:
-                http_disconnect(url, self.client_id, self.token, session=session)
-                ch.close()
-        self.channels = []
-        self.sessions = []
+        self.pool.close()

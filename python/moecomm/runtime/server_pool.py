@@ -1,0 +1,251 @@
+"""The expert servers an attention client talks to: one connection (channel, session secret,
+hosted experts) per server URL, the expert map of every layer over the live ones, and who is
+out for now — evicted after a failure and readmitted only once its /health passes, left out at
+connect because it did not answer, or dropped its session and reconnected."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+
+from moecomm.errors import MoecommError
+from moecomm.ops.dispatch import ExpertMap
+from moecomm.protocol import SlotLayout
+from moecomm.runtime.control import ServerUnreachable, http_connect, http_disconnect, http_health
+from moecomm.slots import ClientChannel
+from moecomm.transport import Transport
+
+log = logging.getLogger("moecomm.client")
+
+# An evicted server is routed to again only once its /health answers within this long.
+HEALTH_PROBE_TIMEOUT_S = 2.0
+# Local expert indices at and above this are placeholders for experts with no live replica.
+_NO_LOCAL = 1 << 30
+
+
+class ServerPool:
+    def __init__(
+        self,
+        urls: list[str],
+        client_id: int,
+        layout: SlotLayout,
+        num_slots: int,
+        token: str,
+        timeout: float,
+        transport: Transport,
+        evict_s: float,
+    ):
+        self.urls = list(urls)
+        self.client_id = client_id
+        self.layout = layout
+        self.num_slots = num_slots
+        self.token = token
+        self.timeout = timeout
+        self.transport = transport
+        self.evict_s = evict_s
+        self.channels: list[ClientChannel | None] = []
+        self.sessions: list[str] = []  # per server: the secret of our connection
+        self.hosted: list[dict[int, list[int]]] = []
+        self.maps: dict[int, ExpertMap] = {}
+        self.missing: dict[int, list[int]] = {}  # layer -> experts with no live replica
+        self.evicted: dict[int, float] = {}  # server -> monotonic time it may come back
+        self._probing: set[int] = set()  # evicted servers whose /health is being probed
+        self._unattached: set[int] = set()  # servers unreachable at connect, not attached yet
+        self._healthy: deque = deque()  # servers whose probe passed, appended by probe threads
+        self.outstanding = [0] * len(self.urls)  # tokens in flight per server
+        self.reconnects = 0
+
+    def connect_all(self) -> None:
+        """See AttentionClient.connect."""
+        unreachable = []
+        for i, url in enumerate(self.urls):
+            try:
+                self.attach(url)
+            except ServerUnreachable as exc:
+                self.channels.append(None)
+                self.sessions.append("")
+                self.hosted.append({})
+                self._unattached.add(i)
+                self.evicted[i] = time.monotonic()  # probe at the first dispatch
+                unreachable.append(f"{url}: {exc}")
+        if len(unreachable) == len(self.urls):
+            raise ServerUnreachable("no expert server answered: " + "; ".join(unreachable))
+        self.rebuild_maps()
+        if self.missing:
+            gone = f" (unreachable: {'; '.join(unreachable)})" if unreachable else ""
+            raise MoecommError(f"experts without any server: {self.missing}{gone}")
+        for why in unreachable:
+            log.warning("client %d: left out for now, %s", self.client_id, why)
+
+    def attach(self, url: str, index: int | None = None) -> None:
+        ch = ClientChannel(
+            self.transport, self.layout, self.client_id, self.num_slots, name=f"server {url}"
+        )
+        try:
+            info = http_connect(
+                url,
+                self.client_id,
+                ch.handle,
+                self.layout,
+                self.num_slots,
+                self.token,
+                self.timeout,
+                transport=self.transport.name,
+                session=self.sessions[index] if index is not None else "",
+            )
+            ch.connect(info["server_handle"], info["doorbell_handle"])
+        except Exception:
+            ch.close()
+            raise
+        hosted = {int(k): v for k, v in info["hosted"].items()}
+        if index is None:
+            self.channels.append(ch)
+            self.sessions.append(info.get("session", ""))
+            self.hosted.append(hosted)
+        else:  # reconnecting, or a server that left and came back under the same URL
+            old = self.channels[index]
+            self.channels[index] = ch
+            self.sessions[index] = info.get("session", "")
+            self.hosted[index] = hosted
+            self._unattached.discard(index)
+            if old is not None:
+                old.close()
+
+    def add(self, url: str) -> int:
+        """Connects to a new server (or re-admits a known URL); returns its index."""
+        if url in self.urls:
+            i = self.urls.index(url)
+            self.evicted.pop(i, None)
+            if self.channels[i] is None:
+                self.attach(url, i)
+            self.rebuild_maps()
+            return i
+        self.urls.append(url)
+        self.outstanding.append(0)
+        try:
+            self.attach(url)
+        except Exception:
+            self.urls.pop()
+            self.outstanding.pop()
+            raise
+        self.rebuild_maps()
+        return len(self.urls) - 1
+
+    def remove(self, url: str) -> None:
+        i = self.urls.index(url)
+        ch = self.channels[i]
+        self.channels[i] = None
+        self.rebuild_maps()
+        if ch is not None:
+            ch.close()
+
+    def live(self, server: int) -> bool:
+        return server not in self.evicted and self.channels[server] is not None
+
+    def readmit(self) -> None:
+        """Evicted servers come back only healthy: once the eviction time passes their /health
+        (a real forward pass) is probed in the background, and they rejoin when it answers."""
+        changed = False
+        while self._healthy:
+            i = self._healthy.popleft()
+            self._probing.discard(i)
+            if i in self._unattached and not self._attach_late(i):
+                continue
+            if i in self.evicted and self.channels[i] is not None:
+                del self.evicted[i]
+                changed = True
+        now = time.monotonic()
+        for i, until in list(self.evicted.items()):
+            known = self.channels[i] is not None or i in self._unattached
+            if now >= until and i not in self._probing and known:
+                self._probing.add(i)
+                threading.Thread(
+                    target=self._probe, args=(i, self.urls[i]), daemon=True, name="moecomm-probe"
+                ).start()
+        if changed:
+            self.rebuild_maps()
+
+    def _attach_late(self, i: int) -> bool:
+        """Connects to a server that was unreachable at connect(), now that it answers."""
+        try:
+            self.attach(self.urls[i], i)
+        except (ConnectionError, MoecommError) as exc:
+            self.evicted[i] = time.monotonic() + self.evict_s
+            log.warning(
+                "client %d: %s still cannot be connected: %s", self.client_id, self.urls[i], exc
+            )
+            return False
+        log.info("client %d: connected to %s", self.client_id, self.urls[i])
+        return True
+
+    def _probe(self, i: int, url: str) -> None:
+        if http_health(url, HEALTH_PROBE_TIMEOUT_S):
+            self._healthy.append(i)
+        else:  # still unhealthy: wait another eviction period
+            self.evicted[i] = time.monotonic() + self.evict_s
+            self._probing.discard(i)
+
+    def _reconnect(self, i: int, why: Exception) -> bool:
+        """The server dropped our session (it marked our slots OFFLINE while alive: restarted
+        under the same URL, or it took us for lost). Connect again at once; True on success."""
+        try:
+            self.attach(self.urls[i], i)
+        except Exception as exc:  # still unreachable: it stays evicted
+            log.warning(
+                "client %d: session with %s lost (%s); reconnect failed: %s",
+                self.client_id,
+                self.urls[i],
+                why,
+                exc,
+            )
+            return False
+        self.reconnects += 1
+        log.warning(
+            "client %d: session with %s lost (%s); reconnected", self.client_id, self.urls[i], why
+        )
+        return True
+
+    def rebuild_maps(self) -> None:
+        layers = sorted({layer for h in self.hosted for layer in h})
+        maps, missing = {}, {}
+        for layer in layers:
+            replicas: dict[int, list[tuple[int, int]]] = {}
+            num_experts = 0
+            for server, h in enumerate(self.hosted):
+                ids = h.get(layer, [])
+                num_experts = max([num_experts, *(e + 1 for e in ids)])
+                if not self.live(server):
+                    continue
+                for local, expert in enumerate(ids):
+                    replicas.setdefault(expert, []).append((server, local))
+            lost = [e for e in range(num_experts) if e not in replicas]
+            if lost:
+                missing[layer] = lost
+            # Experts with no live replica keep a placeholder entry (a local index no server
+            # has) that is never routed to: dispatch refuses such experts by name first.
+            table = [replicas.get(e, [(0, _NO_LOCAL + e)]) for e in range(num_experts)]
+            maps[layer] = ExpertMap(table, num_servers=len(self.urls))
+        self.maps, self.missing = maps, missing
+
+    def evict(self, server: int, reason: str = "") -> None:
+        """Takes `server` out of every expert map for `evict_s` seconds, and then until its
+        /health passes."""
+        self.evicted[server] = time.monotonic() + self.evict_s
+        self.rebuild_maps()
+
+    def recover_session(self, i: int, exc: Exception) -> None:
+        """A live server that dropped our session gets a new one at once. A server accepts a
+        connect only while its loop is healthy, so a successful one also ends the eviction."""
+        if self._reconnect(i, exc):
+            self.evicted.pop(i, None)
+            self.rebuild_maps()
+
+    def close(self) -> None:
+        for url, ch, session in zip(self.urls, self.channels, self.sessions, strict=False):
+            if ch is not None:
+                http_disconnect(url, self.client_id, self.token, session=session)
+                ch.close()
+        self.channels = []
+        self.sessions = []
