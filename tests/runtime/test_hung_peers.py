@@ -148,3 +148,14 @@ def test_a_refused_connect_is_an_error_not_a_server_left_out(reaper):
     server = reaper.server(spawn_expert_server(SPEC, ALL, "auth", token="right"))
     with pytest.raises(ConnectionError, match="refused"):
         client([server.url])
+
+
+@pytest.mark.timeout(120)
+def test_close_does_not_wait_long_on_a_stopped_server(reaper):
+    servers = [reaper.server(spawn_expert_server(SPEC, ALL, f"close{i}")) for i in range(2)]
+    c = client([s.url for s in servers])
+    stop_process(servers[0].process.pid)
+    start = time.monotonic()
+    c.close()
+    assert time.monotonic() - start < 2 * DEADLINE_S
+    os.kill(servers[0].process.pid, signal.SIGCONT)

@@ -245,7 +245,10 @@ class ServerPool:
     def close(self) -> None:
         for url, ch, session in zip(self.urls, self.channels, self.sessions, strict=False):
             if ch is not None:
-                http_disconnect(url, self.client_id, self.token, session=session)
+                # The client's own deadline: a stopped server must not hold close() for long.
+                http_disconnect(
+                    url, self.client_id, self.token, timeout=self.timeout, session=session
+                )
                 ch.close()
         self.channels = []
         self.sessions = []
