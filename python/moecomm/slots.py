@@ -269,6 +269,8 @@ class ClientChannel(_Channel):
         """Gives response `slot` back once every answer read from it was copied or consumed:
         the `activations` of its Response must not be read after this (poison mode overwrites
         them). A slot is released before the next request is sent into it."""
+        if not self.response_ring.poison:  # nothing to write: keep the hot path free of it
+            return
         _C.release_response(self.transport, self.region, self.response_ring, slot, self._held[slot])
         self._held[slot] = 0
 

@@ -113,11 +113,7 @@ class AttentionClient:
         )
         self.encoding = self.layout.encoding
         self.out_dtype = out_dtype
-        self.num_slots = num_slots
-        self.token = token
-        self.timeout = timeout
         self.replica_policy = replica_policy
-        self.evict_s = evict_s
         self.pool = ServerPool(
             list(servers),
             self.client_id,
@@ -164,7 +160,11 @@ class AttentionClient:
         /health passes (probed in the background)."""
         self.pool.evict(server, reason)
 
-    # The pool's state, read by callers and tests.
+    # Connection settings and server state live in the pool, once.
+    num_slots = property(lambda self: self.pool.num_slots)
+    token = property(lambda self: self.pool.token)
+    timeout = property(lambda self: self.pool.timeout)
+    evict_s = property(lambda self: self.pool.evict_s)
     urls = property(lambda self: self.pool.urls)
     channels = property(lambda self: self.pool.channels)
     sessions = property(lambda self: self.pool.sessions)
@@ -349,10 +349,12 @@ class AttentionClient:
             self._release(handle)
             self._busy[handle.slot] = False
 
-    def _release(self, handle: DispatchHandle) -> None:
+    def _release(self, handle: DispatchHandle, sent: list[Sent] | None = None) -> None:
         """Read once, own the copy: the partial results were summed (or cloned) out of the
-        response slots, which are released here and never read again for this handle."""
-        for ch in self.channels:
+        response slots of the servers contacted (`sent`, by default the dispatch's), which are
+        released here and never read again for this handle."""
+        for server in {s.server for s in (handle.sent if sent is None else sent)}:
+            ch = self.channels[server]
             if ch is not None:
                 ch.release(handle.slot)
 
@@ -393,9 +395,9 @@ class AttentionClient:
                     hidden=self.layout.hidden,
                     dtype=torch.float32,
                 )
-                self._release(handle)  # summed out: a further retry may reuse the slot
+                self._release(handle, sent)  # summed out: a further retry may reuse the slot
                 return out
-            self._release(handle)
+            self._release(handle, sent)
         raise MoecommError(
             f"layer {handle.layer_id}: {MAX_ATTEMPTS} attempts on distinct replicas failed: "
             + "; ".join(errors)
