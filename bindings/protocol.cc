@@ -68,7 +68,8 @@ void register_protocol(py::module_& m) {
       .value("UNKNOWN_LAYER", ResponseStatus::kUnknownLayer)
       .value("UNKNOWN_EXPERT", ResponseStatus::kUnknownExpert)
       .value("SERVER_ERROR", ResponseStatus::kServerError)
-      .value("DRAINING", ResponseStatus::kDraining);
+      .value("DRAINING", ResponseStatus::kDraining)
+      .value("STALE_MAP", ResponseStatus::kStaleMap);
   py::enum_<ValidateCode>(m, "ValidateCode")
       .value("OK", ValidateCode::kOk)
       .value("SLOT_TOO_SMALL", ValidateCode::kSlotTooSmall)

@@ -63,7 +63,7 @@ def cases(draw):
             st.one_of(
                 st.just(0),
                 st.integers(-(2**31), 2**31 - 1),
-                st.sampled_from([1, 16, 17, 99, 100, 103, 104]),
+                st.sampled_from([1, 16, 17, 99, 100, 103, 104, 105]),
             )
         ),
         "reserved0": draw(st.one_of(st.just(0), U32)),

@@ -79,9 +79,12 @@ enum class ResponseStatus : int32_t {
   kUnknownExpert = 101,
   kServerError = 102,
   kDraining = 103,
+  // The request named a local expert index the server no longer hosts: the client's expert map
+  // is older than the server's placement. Not a failure: refresh the map and re-send.
+  kStaleMap = 104,
 };
 constexpr int32_t kFirstServerStatus = 100;
-constexpr int32_t kLastServerStatus = 103;
+constexpr int32_t kLastServerStatus = 104;
 
 struct alignas(8) SlotHeader {
   uint32_t magic;

@@ -136,8 +136,13 @@ def run(args: argparse.Namespace, ready: threading.Event | None = None) -> int:
             f"{time.perf_counter() - start:.1f} s",
             flush=True,
         )
+    dtype = getattr(torch, args.dtype)
     server = ExpertServer(
-        hosted, args.id or "expert-server", batching_window_s=args.batching_window_ms / 1e3
+        hosted,
+        args.id or "expert-server",
+        batching_window_s=args.batching_window_ms / 1e3,
+        # Live re-placement may ask for any expert of the checkpoint (moecomm rebalance).
+        weight_source=lambda layer, e: ckpt.read_experts({layer: [e]}, dtype)[layer][e],
     )
     http = HttpServer(make_app(server, args.token), args.host, args.port)
     stop, drain = threading.Event(), threading.Event()

@@ -46,6 +46,9 @@ WAIT_SLICE_S = 0.05
 # Default client ids are random, not the pid: in containers every front end is PID 1, and pids
 # collide across hosts. 62 bits keep them positive in every signed 64-bit field on the way.
 CLIENT_ID_BITS = 62
+# Answers after which a request is re-sent elsewhere instead of failing the dispatch: the server
+# drains, or our expert map is older than its placement (re-read, then re-sent).
+_RESEND_STATUSES = (int(ResponseStatus.DRAINING), int(ResponseStatus.STALE_MAP))
 
 
 def random_client_id() -> int:
@@ -266,6 +269,7 @@ class AttentionClient:
             raise ValueError(f"{x.shape[0]} tokens exceed max_tokens {self.layout.max_tokens}")
         self._apply_events()
         self.pool.readmit()
+        self.pool.refresh_placement()  # a re-placement takes effect between micro-batches
         emap = self._check_routable(layer_id, topk_ids)
         slot = self._take_slot()
         try:
@@ -319,7 +323,7 @@ class AttentionClient:
                 try:
                     partials.append(self._wait(handle, sent, timeout))
                 except (TimeoutError, PeerLostError, RemoteError) as exc:
-                    if isinstance(exc, RemoteError) and exc.status != int(ResponseStatus.DRAINING):
+                    if isinstance(exc, RemoteError) and exc.status not in _RESEND_STATUSES:
                         raise type(exc)(
                             exc.status,
                             exc.reason,
@@ -332,9 +336,7 @@ class AttentionClient:
                 partials = [p.clone() if p is not None else None for p in partials]
                 self._release(handle)
                 for _, sent, exc in failed:
-                    self.evict(sent.server, str(exc))
-                    if isinstance(exc, PeerOfflineError):
-                        self.pool.recover_session(sent.server, exc)
+                    self._after_failure(sent.server, exc)
                 for pos, sent, exc in failed:
                     partials[pos] = self._retry(handle, sent, exc, timeout)
             return combine_partials(
@@ -348,6 +350,17 @@ class AttentionClient:
             handle.done = True
             self._release(handle)
             self._busy[handle.slot] = False
+
+    def _after_failure(self, server: int, exc: Exception) -> None:
+        """A stale map is no failure of the server: re-read its table and keep routing to it.
+        Anything else takes the server out until it is healthy again."""
+        stale = isinstance(exc, RemoteError) and exc.status == int(ResponseStatus.STALE_MAP)
+        if stale and self.pool.fetch_placement(server):
+            self.pool.rebuild_maps()
+            return
+        self.evict(server, str(exc))
+        if isinstance(exc, PeerOfflineError):
+            self.pool.recover_session(server, exc)
 
     def _release(self, handle: DispatchHandle, sent: list[Sent] | None = None) -> None:
         """Read once, own the copy: the partial results were summed (or cloned) out of the
@@ -382,9 +395,7 @@ class AttentionClient:
                     parts.append(self._wait(handle, s, timeout))
                 except (TimeoutError, PeerLostError, RemoteError) as e:
                     bad = bad or (s, e)
-                    self.evict(s.server, str(e))
-                    if isinstance(e, PeerOfflineError):
-                        self.pool.recover_session(s.server, e)
+                    self._after_failure(s.server, e)
                     tried.add(s.server)
                     errors.append(f"{self.urls[s.server]}: {e}")
             if bad is None:

@@ -20,6 +20,8 @@ from moecomm.protocol import SlotLayout, as_encoding
 from moecomm.runtime.health import metrics_lines
 from moecomm.runtime.registry import SESSION_BYTES, ClientIdInUse, UnknownSession
 from moecomm.runtime.server import MAX_SLOTS_PER_CLIENT, ExpertServer
+from moecomm.runtime.server_placement import ExpertHosted
+from moecomm.runtime.weights import pull_from_peer
 
 DEFAULT_HOST = "127.0.0.1"
 # Bounds on connect fields: generous for real models, small enough that a bad request cannot
@@ -63,6 +65,23 @@ class ConnectModel(BaseModel):
 
 
 class TokenModel(BaseModel):
+    token: str = Field(default="", max_length=256)
+
+
+class ExpertModel(BaseModel):
+    layer: int = Field(ge=0, lt=1 << 20)
+    expert: int = Field(ge=0, lt=1 << 20)
+    token: str = Field(default="", max_length=256)
+
+
+class LoadModel(ExpertModel):
+    # "checkpoint": the server's own weight source; "peer": pulled from the server at `peer`.
+    source: str = Field(default="checkpoint", pattern="^(checkpoint|peer)$")
+    peer: str = Field(default="", max_length=512)
+
+
+class ReleaseModel(BaseModel):
+    export_id: str = Field(max_length=64)
     token: str = Field(default="", max_length=256)
 
 
@@ -144,17 +163,61 @@ def make_app(server: ExpertServer, token: str = "") -> FastAPI:
         }
 
     @app.get("/experts")
-    def experts():
-        load = [
+    def experts(client_id: int | None = None, load: bool = True):
+        """The placement table (local index -> expert, -1: do not use) with its epoch and the
+        per-expert load. A client that passes its id acks the epoch (see ServerPlacement)."""
+        counts = [
             {"layer": layer, "expert": expert, "tokens": n}
             for (layer, expert), n in sorted(server.stats.expert_load.items())
+            if load
         ]
-        return {
-            "server_id": server.server_id,
-            "hidden": server.hidden,
-            "layers": server.hosted(),
-            "load": load,
-        }
+        table = server.placement.describe(client_id)
+        return {"server_id": server.server_id, "hidden": server.hidden, **table, "load": counts}
+
+    @app.post("/experts/load")
+    def load_expert(body: LoadModel):
+        """Hosts one more expert, its weights read from the checkpoint or pulled from a peer
+        over the transport; clients route to it from their next dispatch."""
+        authorize(body.token)
+        start = time.perf_counter()
+        try:
+            weights = None
+            if body.source == "peer":
+                if not body.peer.startswith(("http://", "https://")):
+                    raise ValueError(f"source=peer needs the peer's control URL, got {body.peer!r}")
+                weights = pull_from_peer(
+                    server.transport, body.peer, body.layer, body.expert, token, HTTP_TIMEOUT_S
+                )
+            out = server.load_expert(body.layer, body.expert, weights)
+        except ExpertHosted as exc:
+            raise HTTPException(status_code=409, detail=str(exc)) from exc
+        except (ValueError, KeyError, RuntimeError, OSError, MoecommError, httpx.HTTPError) as exc:
+            raise HTTPException(status_code=400, detail=f"{type(exc).__name__}: {exc}") from exc
+        return {**out, "source": body.source, "seconds": time.perf_counter() - start}
+
+    @app.post("/experts/unload")
+    def unload_expert(body: ExpertModel):
+        """Stops publishing one expert; it is freed once no client can route to it."""
+        authorize(body.token)
+        try:
+            return server.unload_expert(body.layer, body.expert)
+        except KeyError as exc:
+            raise HTTPException(status_code=404, detail=str(exc)) from exc
+
+    @app.post("/experts/export")
+    def export_expert(body: ExpertModel):
+        authorize(body.token)
+        try:
+            return server.export_expert(body.layer, body.expert)
+        except KeyError as exc:
+            raise HTTPException(status_code=404, detail=str(exc)) from exc
+        except RuntimeError as exc:
+            raise HTTPException(status_code=503, detail=str(exc)) from exc
+
+    @app.post("/experts/export/release")
+    def release_export(body: ReleaseModel):
+        authorize(body.token)
+        return {"released": server.exports.release(body.export_id)}
 
     @app.get("/metrics", response_class=PlainTextResponse)
     def metrics():
@@ -228,6 +291,19 @@ def _detail(r: httpx.Response) -> str:
         return str(r.json()["detail"])
     except (ValueError, KeyError, TypeError):
         return r.text
+
+
+def http_placement(url: str, client_id: int, timeout: float = HTTP_TIMEOUT_S) -> dict:
+    """A server's placement table and epoch, fetched by a client (which acks the epoch)."""
+    try:
+        r = httpx.get(
+            f"{url}/experts", params={"client_id": client_id, "load": False}, timeout=timeout
+        )
+    except httpx.HTTPError as exc:
+        raise ServerUnreachable(f"placement of {url}: {exc}") from exc
+    if r.status_code != 200:
+        raise ConnectionError(f"placement of {url} refused ({r.status_code}): {r.text}")
+    return r.json()
 
 
 def http_health(url: str, timeout: float = HTTP_TIMEOUT_S) -> bool:

@@ -49,32 +49,98 @@ class ExpertWeights:
 
 
 class LayerExperts:
-    """The experts of one layer that a server hosts. Local index i is logical expert
-    ``logical_ids[i]``; ids are sorted so every server numbers its experts the same way."""
+    """The experts of one layer that a server hosts; immutable (a placement change builds a new
+    one and swaps it in between batches).
 
-    def __init__(self, layer_id: int, experts: Mapping[int, ExpertWeights]):
-        if not experts:
-            raise ValueError(f"layer {layer_id}: a hosted layer needs at least one expert")
+    Local index i is logical expert ``slots[i]``, or -1: a retired index. Indices are never
+    reused and never renumbered, so a client whose expert map is older than a placement change
+    still names the same expert by the same index, or one that is gone (and is told so: stale
+    map), never another one. Initially the ids are sorted, so every server numbers the experts
+    it starts with the same way. Weights are stored compactly (retired experts take no memory);
+    ``rows`` maps local indices to storage rows."""
+
+    def __init__(
+        self,
+        layer_id: int,
+        experts: Mapping[int, ExpertWeights],
+        slots: list[int] | None = None,
+    ):
         self.layer_id = int(layer_id)
-        self.logical_ids = sorted(int(e) for e in experts)
-        if self.logical_ids[0] < 0:
+        slots = sorted(int(e) for e in experts) if slots is None else [int(e) for e in slots]
+        live = [e for e in slots if e >= 0]
+        if not live:
+            raise ValueError(f"layer {layer_id}: a hosted layer needs at least one expert")
+        if len(set(live)) != len(live) or set(live) != {int(e) for e in experts}:
+            raise ValueError(f"layer {layer_id}: local slots {slots} disagree with the experts")
+        if min(slots) < -1:
             raise ValueError(f"layer {layer_id}: logical expert ids must be >= 0")
-        ws = [experts[e] for e in self.logical_ids]
+        self.slots = slots
+        ws = [experts[e] for e in live]
         shapes = {(w.hidden, w.intermediate, w.w1.dtype) for w in ws}
         if len(shapes) != 1:
             raise ValueError(f"layer {layer_id}: experts differ in shape or dtype: {shapes}")
         self.hidden, self.intermediate, self.dtype = shapes.pop()
         self.w13 = stack_gate_up(torch.stack([w.w1 for w in ws]), torch.stack([w.w3 for w in ws]))
         self.w2 = torch.stack([w.w2 for w in ws]).contiguous()
+        row = {e: r for r, e in enumerate(live)}
+        self.rows = torch.tensor([row.get(e, -1) for e in slots], dtype=torch.int32)
+        self.contiguous = live == slots and live == list(range(len(live)))
+
+    @property
+    def logical_ids(self) -> list[int]:
+        """The logical experts hosted, in local-index order."""
+        return [e for e in self.slots if e >= 0]
 
     @property
     def num_local(self) -> int:
-        return len(self.logical_ids)
+        """Size of the local index space (retired indices included)."""
+        return len(self.slots)
+
+    def local_of(self, expert: int) -> int | None:
+        return self.slots.index(expert) if expert in self.slots else None
+
+    def weights(self, expert: int) -> ExpertWeights:
+        """A hosted expert's weights (views of the stacked storage)."""
+        local = self.local_of(expert)
+        if local is None:
+            raise KeyError(f"layer {self.layer_id} hosts no expert {expert}")
+        r = int(self.rows[local])
+        return ExpertWeights(
+            self.w13[r, : self.intermediate], self.w13[r, self.intermediate :], self.w2[r]
+        )
+
+    def with_expert(self, expert: int, w: ExpertWeights) -> LayerExperts:
+        """This layer plus `expert` at a new local index (appended)."""
+        if self.local_of(expert) is not None:
+            raise ValueError(f"layer {self.layer_id} already hosts expert {expert}")
+        experts = {e: self.weights(e) for e in self.logical_ids}
+        experts[int(expert)] = w
+        return LayerExperts(self.layer_id, experts, [*self.slots, int(expert)])
+
+    def without_expert(self, expert: int) -> LayerExperts | None:
+        """This layer with `expert`'s index retired; None when it was the last expert."""
+        local = self.local_of(expert)
+        if local is None:
+            raise KeyError(f"layer {self.layer_id} hosts no expert {expert}")
+        experts = {e: self.weights(e) for e in self.logical_ids if e != expert}
+        if not experts:
+            return None
+        slots = list(self.slots)
+        slots[local] = -1
+        return LayerExperts(self.layer_id, experts, slots)
 
     def forward(self, xs, ids, scores) -> list[torch.Tensor]:
-        """Server step for this layer: y_b = Σ_k score · expert_{ids[b]}(x_b), in float32."""
+        """Server step for this layer: y_b = Σ_k score · expert_{ids[b]}(x_b), in float32.
+        `ids` are local indices of live experts (or -1); the caller checked them."""
         xs = [x if x.dtype == self.dtype else x.to(self.dtype) for x in xs]
+        if not self.contiguous:
+            ids = [torch.where(i >= 0, self.rows[i.clamp(min=0).long()], -1) for i in ids]
         return expert_forward(xs, ids, scores, self.w13, self.w2)
+
+    def nbytes(self, expert: int | None = None) -> int:
+        """Weight bytes of one expert (or of every hosted one)."""
+        one = (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size()
+        return one * (len(self.logical_ids) if expert is None else 1)
 
 
 def random_experts(

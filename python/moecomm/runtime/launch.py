@@ -62,7 +62,13 @@ def _serve(
     torch.set_num_threads(1)
     all_experts = spec.experts()
     experts = {layer: {e: all_experts[layer][e] for e in ids} for layer, ids in hosted.items()}
-    server = ExpertServer(experts, server_id, batching_window_s=batching_window_s)
+    server = ExpertServer(
+        experts,
+        server_id,
+        batching_window_s=batching_window_s,
+        # The seed is this process's checkpoint: any expert can be loaded later.
+        weight_source=lambda layer, e: all_experts[layer][e],
+    )
     http = HttpServer(make_app(server, token))
     server.start()
     url = http.start()

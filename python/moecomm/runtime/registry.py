@@ -45,6 +45,10 @@ class ClientRegistry:
         with self._lock:
             return len(self._sessions)
 
+    def ids(self) -> list[int]:
+        with self._lock:
+            return list(self._sessions)
+
     def channels(self) -> list[ServerChannel]:
         with self._lock:
             return [s.channel for s in self._sessions.values()]

@@ -26,6 +26,8 @@ from moecomm.protocol import ENCODING_DTYPE, ResponseStatus, SlotLayout
 from moecomm.runtime.experts import ExpertWeights, LayerExperts
 from moecomm.runtime.health import LoopHealth, ServerStats
 from moecomm.runtime.registry import ClientRegistry
+from moecomm.runtime.server_placement import ServerPlacement
+from moecomm.runtime.weights import WeightExports
 from moecomm.slots import Request, ServerChannel
 from moecomm.transport import ShmTransport, Transport, WaitStatus
 
@@ -41,6 +43,9 @@ MAX_SLOTS_PER_CLIENT = 16
 MAX_REGION_BYTES = 1 << 30
 
 ChannelFactory = Callable[..., ServerChannel]
+# (layer, expert) -> that expert's weights: where a server loads experts it is asked to host
+# (a checkpoint reader, or a seeded generator in tests and benchmarks).
+WeightSource = Callable[[int, int], ExpertWeights]
 
 __all__ = ["ExpertServer", "ServerStats"]
 
@@ -50,7 +55,8 @@ class ExpertServer:
 
     `channel_factory(transport, layout, client_id, num_slots, name=...)` builds the server end of
     each client connection (a ServerChannel by default; benchmarks wrap it, e.g. to emulate a
-    network link)."""
+    network link). `weight_source(layer, expert)` reads an expert's weights when the server is
+    asked to host one it does not have (live re-placement; see ServerPlacement)."""
 
     def __init__(
         self,
@@ -59,6 +65,7 @@ class ExpertServer:
         transport: Transport | None = None,
         batching_window_s: float = 0.0,
         channel_factory: ChannelFactory = ServerChannel,
+        weight_source: WeightSource | None = None,
     ):
         if not experts:
             raise ValueError("an expert server needs at least one hosted layer")
@@ -83,10 +90,20 @@ class ExpertServer:
         self.draining = False
         self._registration = None  # membership registration (see join_membership)
         self._watcher = None
+        self.weight_source = weight_source
+        self.exports = WeightExports(self.transport)
+        self.placement = ServerPlacement(
+            self.layers,
+            self.hidden,
+            self.transport,
+            self.clients,
+            on_change=self._publish_membership,
+        )
 
     # ------------------------------------------------------------------ membership of clients
     def hosted(self) -> dict[int, list[int]]:
-        return {k: list(le.logical_ids) for k, le in sorted(self.layers.items())}
+        """{layer: logical expert of each local index}, -1 for an index clients must not use."""
+        return self.placement.published()
 
     def connect(
         self,
@@ -128,6 +145,7 @@ class ExpertServer:
 
         new = self.clients.admit(client_id, session, make_channel)
         channel = new.channel
+        table = self.placement.describe(client_id)
         return {
             "server_id": self.server_id,
             "server_handle": channel.handle,
@@ -136,7 +154,9 @@ class ExpertServer:
             "num_slots": num_slots,
             "request_slot_bytes": layout.request_slot_bytes,
             "slot_offsets": [channel.request_ring.slot_offset(s) for s in range(num_slots)],
-            "hosted": self.hosted(),
+            "hosted": table["layers"],
+            "placement_epoch": table["epoch"],
+            "placement_handle": self.placement.region.handle,
             "session": new.secret,
         }
 
@@ -155,16 +175,25 @@ class ExpertServer:
         if time.monotonic() >= self._next_client_check:
             self._drop_dead_clients()
         seen = self.transport.load(self.doorbell, 0)
+        # Every request signalled before `polled` is answered by the end of this pass: a
+        # pending expert drop waits for a pass that started after its clients' acks.
+        polled = time.monotonic()
         ready = self._poll()
         if not ready:
             status, _ = _C.wait_doorbell(self.transport, self.doorbell, seen, int(timeout * 1e9))
             if status == WaitStatus.TIMEOUT:
+                self.placement.served_through = polled
                 return 0
+            polled = time.monotonic()
             ready = self._poll()
         if ready and self.batching_window_s > 0:
             time.sleep(self.batching_window_s)
+            polled = time.monotonic()
             ready = self._poll()
-        return self._serve(ready)
+        with self.placement.lock:  # a placement change waits for the batch
+            n = self._serve(ready)
+        self.placement.served_through = polled
+        return n
 
     def _poll(self) -> list[tuple[ServerChannel, Request]]:
         return [(ch, req) for ch in self.clients.channels() for req in ch.poll()]
@@ -211,6 +240,12 @@ class ExpertServer:
             return int(req.code), _C.validate_reason(req.code)
         if self.draining:
             return int(ResponseStatus.DRAINING), f"{self.server_id} is draining"
+        if self.placement.is_stale(req.layer_id, req.expert_ids):
+            return (
+                int(ResponseStatus.STALE_MAP),
+                f"{self.server_id} layer {req.layer_id}: the request names an expert this "
+                f"server no longer hosts (its placement is at epoch {self.placement.epoch})",
+            )
         layer = self.layers.get(req.layer_id)
         if layer is None:
             return (
@@ -256,7 +291,7 @@ class ExpertServer:
         self.stats.last_served = time.monotonic()
         for local, n in enumerate(counts.tolist()):
             if n:
-                self.stats.expert_load[(layer_id, layer.logical_ids[local])] += n
+                self.stats.expert_load[(layer_id, layer.slots[local])] += n
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -303,6 +338,8 @@ class ExpertServer:
             self._thread = None
 
     def close(self) -> None:
+        self.placement.close()
+        self.exports.close()
         if self._watcher is not None:
             self._watcher.close()
         if self._registration is not None:
@@ -325,16 +362,54 @@ class ExpertServer:
         lease of `ttl`, and frees the slots of any client the membership reports lost."""
         from moecomm.membership import Member
 
-        member = Member(
-            "server",
-            self.server_id,
-            {"control": control_url},
-            {layer: list(ids) for layer, ids in self.hosted().items()},
-        )
+        member = Member("server", self.server_id, {"control": control_url}, self.hosted_ids())
         self._registration = membership.register(member, ttl)
         self._watcher = membership.watch(
             role="client", callback=self._on_client_event, initial=False
         )
+
+    def hosted_ids(self) -> dict[int, list[int]]:
+        """{layer: the experts clients may route here} (no local indices)."""
+        return self.placement.hosted_ids()
+
+    def _publish_membership(self) -> None:
+        """After a placement change: the membership record lists what this server hosts now."""
+        reg = self._registration
+        if reg is None:
+            return
+        try:
+            reg.update(replace(reg.member, experts=self.hosted_ids()))
+        except Exception:  # the clients learn the table from the doorbell epoch anyway
+            log.exception("%s: publishing the placement to the membership failed", self.server_id)
+
+    # ------------------------------------------------------------------ placement changes
+    def load_expert(self, layer_id: int, expert: int, weights: ExpertWeights | None = None) -> dict:
+        """Starts hosting `expert` of `layer_id` (weights given, or read from the weight
+        source); clients route to it once they see the new epoch. Returns bytes and seconds."""
+        if self.draining or not self.health.ok:
+            raise MoecommError(f"{self.server_id} is draining or unhealthy: it loads nothing")
+        start = time.perf_counter()
+        if weights is None:
+            if self.weight_source is None:
+                raise MoecommError(
+                    f"{self.server_id} has no checkpoint to load experts from; pull the "
+                    "weights from a peer instead"
+                )
+            weights = self.weight_source(layer_id, expert)
+        out = self.placement.add(layer_id, expert, weights)
+        nbytes = sum(t.numel() * t.element_size() for t in (weights.w1, weights.w3, weights.w2))
+        return {**out, "bytes": nbytes, "seconds": time.perf_counter() - start}
+
+    def unload_expert(self, layer_id: int, expert: int) -> dict:
+        """Stops publishing `expert`; it is freed once no client can route to it any more."""
+        return self.placement.unload(layer_id, expert)
+
+    def export_expert(self, layer_id: int, expert: int) -> dict:
+        """Copies a hosted expert into a transport region a peer can read (see weights.py)."""
+        layer = self.layers.get(layer_id)
+        if layer is None or layer.local_of(expert) is None:
+            raise KeyError(f"{self.server_id} hosts no expert {expert} of layer {layer_id}")
+        return self.exports.export(layer.weights(expert))
 
     def _on_client_event(self, event) -> None:
         if event.kind != "loss":

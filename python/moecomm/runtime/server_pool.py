@@ -13,7 +13,14 @@ from collections import deque
 from moecomm.errors import MoecommError
 from moecomm.ops.dispatch import ExpertMap
 from moecomm.protocol import SlotLayout
-from moecomm.runtime.control import ServerUnreachable, http_connect, http_disconnect, http_health
+from moecomm.runtime.control import (
+    ServerUnreachable,
+    http_connect,
+    http_disconnect,
+    http_health,
+    http_placement,
+)
+from moecomm.runtime.server_placement import EPOCH_OFFSET
 from moecomm.slots import ClientChannel
 from moecomm.transport import Transport
 
@@ -47,7 +54,9 @@ class ServerPool:
         self.evict_s = evict_s
         self.channels: list[ClientChannel | None] = []
         self.sessions: list[str] = []  # per server: the secret of our connection
-        self.hosted: list[dict[int, list[int]]] = []
+        self.hosted: list[dict[int, list[int]]] = []  # per server: local index -> expert or -1
+        self.epochs: list[int] = []  # per server: the placement epoch `hosted` is from
+        self.epoch_words: list = []  # per server: its epoch region, mapped (None: not known)
         self.maps: dict[int, ExpertMap] = {}
         self.missing: dict[int, list[int]] = {}  # layer -> experts with no live replica
         self.evicted: dict[int, float] = {}  # server -> monotonic time it may come back
@@ -67,6 +76,8 @@ class ServerPool:
                 self.channels.append(None)
                 self.sessions.append("")
                 self.hosted.append({})
+                self.epochs.append(0)
+                self.epoch_words.append(None)
                 self._unattached.add(i)
                 self.evicted[i] = time.monotonic()  # probe at the first dispatch
                 unreachable.append(f"{url}: {exc}")
@@ -96,19 +107,29 @@ class ServerPool:
                 session=self.sessions[index] if index is not None else "",
             )
             ch.connect(info["server_handle"], info["doorbell_handle"])
+            # Servers from before live re-placement have no epoch word: their table is fixed.
+            handle = info.get("placement_handle")
+            word = self.transport.attach(handle) if handle else None
         except Exception:
             ch.close()
             raise
         hosted = {int(k): v for k, v in info["hosted"].items()}
+        epoch = int(info.get("placement_epoch", 0))
         if index is None:
             self.channels.append(ch)
             self.sessions.append(info.get("session", ""))
             self.hosted.append(hosted)
+            self.epochs.append(epoch)
+            self.epoch_words.append(word)
         else:  # reconnecting, or a server that left and came back under the same URL
             old = self.channels[index]
             self.channels[index] = ch
             self.sessions[index] = info.get("session", "")
             self.hosted[index] = hosted
+            self.epochs[index] = epoch
+            old_word, self.epoch_words[index] = self.epoch_words[index], word
+            if old_word is not None:
+                old_word.close()
             self._unattached.discard(index)
             if old is not None:
                 old.close()
@@ -207,6 +228,31 @@ class ServerPool:
         )
         return True
 
+    def refresh_placement(self) -> None:
+        """Between two micro-batches: a server whose placement epoch (a word of its doorbell
+        line, one load) moved on since our table is asked for its new table, and the expert
+        maps are rebuilt once. A server that does not answer keeps its old table (if it is
+        gone, failover takes it out)."""
+        changed = False
+        for i, word in enumerate(self.epoch_words):
+            if word is None or not self.live(i):
+                continue
+            if self.transport.load(word, EPOCH_OFFSET) != self.epochs[i]:
+                changed |= self.fetch_placement(i)
+        if changed:
+            self.rebuild_maps()
+
+    def fetch_placement(self, i: int) -> bool:
+        """Reads server `i`'s table (acking its epoch); True when it answered."""
+        try:
+            info = http_placement(self.urls[i], self.client_id, self.timeout)
+        except ConnectionError as exc:
+            log.warning("client %d: placement of %s: %s", self.client_id, self.urls[i], exc)
+            return False
+        self.hosted[i] = {int(k): v for k, v in info["layers"].items()}
+        self.epochs[i] = int(info["epoch"])
+        return True
+
     def rebuild_maps(self) -> None:
         layers = sorted({layer for h in self.hosted for layer in h})
         maps, missing = {}, {}
@@ -219,7 +265,8 @@ class ServerPool:
                 if not self.live(server):
                     continue
                 for local, expert in enumerate(ids):
-                    replicas.setdefault(expert, []).append((server, local))
+                    if expert >= 0:  # -1: an index retired or leaving, never routed to
+                        replicas.setdefault(expert, []).append((server, local))
             lost = [e for e in range(num_experts) if e not in replicas]
             if lost:
                 missing[layer] = lost
@@ -250,5 +297,10 @@ class ServerPool:
                     url, self.client_id, self.token, timeout=self.timeout, session=session
                 )
                 ch.close()
+        for word in self.epoch_words:
+            if word is not None:
+                word.close()
         self.channels = []
         self.sessions = []
+        self.epochs = []
+        self.epoch_words = []

@@ -1,0 +1,391 @@
+"""Live expert re-placement: read the serving expert servers' loads, compute a low-movement
+placement (``moecomm.eplb.rebalance_incremental``) and apply it while they serve.
+
+Safe order: every replica to add is loaded first (weights pulled from a peer that hosts the
+expert, or read from the server's own checkpoint), published, and only then are the replicas
+that leave marked as leaving. A leaving replica is still served; the server frees it once every
+client has picked up the new table (docs/placement.md). So at every moment each expert has a
+published replica, and no client request is ever lost to a move.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import httpx
+import numpy as np
+import torch
+
+from moecomm.eplb import combine_windows, rebalance_incremental
+from moecomm.runtime.control import HTTP_TIMEOUT_S
+
+log = logging.getLogger("moecomm.placement")
+
+WEIGHT_SOURCES = ("peer", "checkpoint")
+# Load windows kept for the placement decision, oldest first (combine_windows weighs recent
+# windows more): one window of a bursty load should not move experts on its own.
+DEFAULT_WINDOWS = 4
+# Fewer tokens than this in the combined windows say nothing about the load: no re-placement.
+MIN_WINDOW_TOKENS = 256
+# How long apply() waits for the servers to free the replicas that left (every client must
+# first pick up the new table; an idle client is waited for at most the server's drop grace).
+CONVERGE_TIMEOUT_S = 30.0
+CONVERGE_POLL_S = 0.05
+# Loads may take long on a real checkpoint (a DeepSeek-V3 expert is 44 MB); the HTTP deadline of
+# a load is this multiple of the controller's.
+LOAD_TIMEOUT_FACTOR = 6
+
+
+@dataclass(frozen=True)
+class Move:
+    layer: int
+    expert: int
+    server: str  # control URL of the server that loads or drops the replica
+    action: str  # "load" | "drop"
+
+
+@dataclass
+class ServerView:
+    """What GET /experts said about one server."""
+
+    url: str
+    server_id: str
+    epoch: int
+    layers: dict[int, list[int]]  # local index -> logical expert, -1 where none
+    leaving: dict[int, list[int]]
+    load: dict[tuple[int, int], int]  # (layer, expert) -> tokens served since start
+
+    def live(self, layer: int) -> set[int]:
+        return {e for e in self.layers.get(layer, []) if e >= 0}
+
+    @classmethod
+    def from_json(cls, url: str, body: dict) -> ServerView:
+        return cls(
+            url,
+            body["server_id"],
+            int(body.get("epoch", 0)),
+            {int(k): list(v) for k, v in body["layers"].items()},
+            {int(k): list(v) for k, v in body.get("leaving", {}).items()},
+            {(int(r["layer"]), int(r["expert"])): int(r["tokens"]) for r in body["load"]},
+        )
+
+
+@dataclass
+class RebalanceReport:
+    """One pass of the controller. Imbalance is max/mean tokens per server, averaged over
+    layers, of the window's loads spread over each placement (replicas share an expert's load
+    equally, as the clients' round robin does)."""
+
+    started: float
+    window_tokens: int = 0
+    servers: int = 0
+    imbalance_before: float = 1.0
+    imbalance_after: float = 1.0
+    moves: list[Move] = field(default_factory=list)
+    replicas_loaded: int = 0
+    replicas_dropped: int = 0
+    bytes_moved: int = 0
+    load_seconds: list[float] = field(default_factory=list)
+    sources: dict[str, int] = field(default_factory=dict)
+    apply_seconds: float = 0.0
+    converge_seconds: float = 0.0
+    skipped: str = ""
+    errors: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["moves"] = [asdict(m) for m in self.moves]
+        return out
+
+
+def _imbalance(placement: dict[int, list[set[int]]], weights: dict[int, np.ndarray]) -> float:
+    """Mean over layers of max/mean server load; each expert's load split over its replicas."""
+    ratios = []
+    for layer, sets in placement.items():
+        w = weights[layer]
+        count = np.zeros(len(w))
+        for s in sets:
+            for e in s:
+                count[e] += 1
+        per_replica = np.divide(w, count, out=np.zeros(len(w)), where=count > 0)
+        loads = np.array([sum(per_replica[e] for e in s) for s in sets])
+        ratios.append(float(loads.max() / loads.mean()) if loads.mean() > 0 else 1.0)
+    return float(np.mean(ratios)) if ratios else 1.0
+
+
+class PlacementController:
+    """Re-places experts over live expert servers. `servers` is a list of control URLs or a
+    callable returning the current ones (a front end passes its client's live servers).
+
+    weights_from: "peer" pulls a replica's weights from a server that hosts it (over the
+    transport), falling back to the target's checkpoint; "checkpoint" reads the checkpoint
+    first and falls back to a peer."""
+
+    def __init__(
+        self,
+        servers: Sequence[str] | Callable[[], Sequence[str]],
+        token: str = "",
+        *,
+        weights_from: str = "peer",
+        num_groups: int = 1,
+        min_gain: float = 0.05,
+        windows: int = DEFAULT_WINDOWS,
+        min_tokens: int = MIN_WINDOW_TOKENS,
+        timeout: float = HTTP_TIMEOUT_S,
+        converge_timeout: float = CONVERGE_TIMEOUT_S,
+    ):
+        if weights_from not in WEIGHT_SOURCES:
+            raise ValueError(f"weights_from must be one of {WEIGHT_SOURCES}, got {weights_from!r}")
+        self._servers = servers if callable(servers) else (lambda s=list(servers): s)
+        self.token = token
+        self.weights_from = weights_from
+        self.num_groups = num_groups
+        self.min_gain = min_gain
+        self.min_tokens = min_tokens
+        self.timeout = timeout
+        self.converge_timeout = converge_timeout
+        self._windows: deque[dict[tuple[int, int], int]] = deque(maxlen=windows)
+        self._last: dict[str, tuple[str, dict[tuple[int, int], int]]] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.reports: list[RebalanceReport] = []
+
+    # ------------------------------------------------------------------ reading the servers
+    def snapshot(self) -> list[ServerView]:
+        """GET /experts of every server; one that does not answer is left out of this pass."""
+        views = []
+        for url in list(self._servers()):
+            try:
+                r = httpx.get(f"{url}/experts", timeout=self.timeout)
+                r.raise_for_status()
+                views.append(ServerView.from_json(url, r.json()))
+            except (httpx.HTTPError, KeyError, ValueError, TypeError) as exc:
+                log.warning("placement: %s left out of this pass: %s", url, exc)
+        return views
+
+    def _window(self, views: list[ServerView]) -> dict[tuple[int, int], int]:
+        """Tokens per (layer, expert) served since the previous snapshot, over all servers."""
+        total: dict[tuple[int, int], int] = {}
+        for v in views:
+            prev_id, prev = self._last.get(v.url, ("", {}))
+            same = prev_id == v.server_id
+            for key, n in v.load.items():
+                # A restarted server counts from zero again: take its whole count.
+                base = prev.get(key, 0) if same and prev.get(key, 0) <= n else 0
+                total[key] = total.get(key, 0) + n - base
+            self._last[v.url] = (v.server_id, dict(v.load))
+        return total
+
+    def _weights(self, layers: list[int], num_experts: dict[int, int]) -> dict[int, np.ndarray]:
+        out = {}
+        for layer in layers:
+            stack = np.zeros((len(self._windows), num_experts[layer]))
+            for i, w in enumerate(self._windows):
+                for (lay, e), n in w.items():
+                    if lay == layer and e < num_experts[layer]:
+                        stack[i, e] = n
+            out[layer] = combine_windows(stack[:, None, :])[0].numpy()
+        return out
+
+    # ------------------------------------------------------------------ planning
+    def plan(self, views: list[ServerView], weights: dict[int, np.ndarray]):
+        """(moves, placement before, placement after) for the layers in `weights`. Layers are
+        placed over the servers that host them today, grouped so one rebalance call covers all
+        layers with the same server set."""
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for layer in sorted(weights):
+            hosts = tuple(i for i, v in enumerate(views) if v.live(layer))
+            if hosts:
+                groups.setdefault(hosts, []).append(layer)
+        moves: list[Move] = []
+        before: dict[int, list[set[int]]] = {}
+        after: dict[int, list[set[int]]] = {}
+        for hosts, layers in groups.items():
+            num_experts = len(weights[layers[0]])
+            same = [la for la in layers if len(weights[la]) == num_experts]
+            n = len(hosts)
+            # Slots per server: what the fullest server holds today, and enough for every
+            # expert to have a replica (servers left after a loss take the orphans).
+            slots = max(len(views[h].live(la)) for h in hosts for la in same)
+            slots = max(slots, -(-num_experts // n))
+            prev = np.zeros((len(same), n * slots), dtype=np.int64)
+            for row, layer in enumerate(same):
+                for g, h in enumerate(hosts):
+                    have = sorted(views[h].live(layer))
+                    # Padding repeats the server's own experts: no move comes from it.
+                    prev[row, g * slots : (g + 1) * slots] = [
+                        have[i % len(have)] for i in range(slots)
+                    ]
+            weight = np.stack([weights[la] for la in same])
+            new = rebalance_incremental(
+                torch.from_numpy(prev),
+                torch.from_numpy(weight),
+                n * slots,
+                self.num_groups,
+                1,
+                n,
+                min_gain=self.min_gain,
+            )[0].numpy()
+            for row, layer in enumerate(same):
+                before[layer] = [views[h].live(layer) for h in hosts]
+                after[layer] = [set(new[row, g * slots : (g + 1) * slots]) for g in range(n)]
+                for g, h in enumerate(hosts):
+                    old_set, new_set = before[layer][g], after[layer][g]
+                    url = views[h].url
+                    moves += [Move(layer, int(e), url, "load") for e in sorted(new_set - old_set)]
+                    moves += [Move(layer, int(e), url, "drop") for e in sorted(old_set - new_set)]
+        return moves, before, after
+
+    # ------------------------------------------------------------------ applying
+    def _post(self, url: str, route: str, body: dict, timeout: float) -> dict:
+        r = httpx.post(f"{url}{route}", json={**body, "token": self.token}, timeout=timeout)
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}{route} refused ({r.status_code}): {r.text[:300]}")
+        return r.json()
+
+    def _load(self, move: Move, views: list[ServerView], report: RebalanceReport) -> bool:
+        peers = [v.url for v in views if v.url != move.server and move.expert in v.live(move.layer)]
+        order = [("peer", p) for p in peers[:1]] + [("checkpoint", "")]
+        if self.weights_from == "checkpoint":
+            order.reverse()
+        errors = []
+        for source, peer in order:
+            body = {"layer": move.layer, "expert": move.expert, "source": source, "peer": peer}
+            try:
+                out = self._post(
+                    move.server, "/experts/load", body, self.timeout * LOAD_TIMEOUT_FACTOR
+                )
+            except (httpx.HTTPError, RuntimeError) as exc:
+                errors.append(f"{source}: {exc}")
+                continue
+            report.replicas_loaded += 1
+            report.bytes_moved += int(out["bytes"])
+            report.load_seconds.append(float(out["seconds"]))
+            report.sources[source] = report.sources.get(source, 0) + 1
+            return True
+        report.errors.append(
+            f"load of layer {move.layer} expert {move.expert} on {move.server} failed: "
+            + "; ".join(errors)
+        )
+        return False
+
+    def apply(self, moves: list[Move], views: list[ServerView], report: RebalanceReport) -> None:
+        """Loads first, then drops; a drop happens only while another live replica remains."""
+        start = time.monotonic()
+        loaded = [m for m in moves if m.action == "load" and self._load(m, views, report)]
+        drops = [m for m in moves if m.action == "drop"]
+        if drops:
+            fresh = self.snapshot()  # what is live now that the loads are done
+            holders = {}
+            for v in fresh:
+                for layer in {m.layer for m in drops}:
+                    for e in v.live(layer):
+                        holders.setdefault((layer, e), set()).add(v.url)
+            for m in drops:
+                left = holders.get((m.layer, m.expert), set()) - {m.server}
+                if not left:
+                    report.errors.append(
+                        f"drop of layer {m.layer} expert {m.expert} on {m.server} skipped: "
+                        "it would leave the expert without a replica"
+                    )
+                    continue
+                try:
+                    self._post(
+                        m.server,
+                        "/experts/unload",
+                        {"layer": m.layer, "expert": m.expert},
+                        self.timeout,
+                    )
+                except (httpx.HTTPError, RuntimeError) as exc:
+                    report.errors.append(f"drop on {m.server} failed: {exc}")
+                    continue
+                holders[(m.layer, m.expert)].discard(m.server)
+                report.replicas_dropped += 1
+        report.apply_seconds = time.monotonic() - start
+        if loaded or report.replicas_dropped:
+            report.converge_seconds = report.apply_seconds + self._wait_dropped()
+
+    def _wait_dropped(self) -> float:
+        """Waits until no server still holds a leaving replica; returns how long it took."""
+        start = time.monotonic()
+        while time.monotonic() - start < self.converge_timeout:
+            if not any(any(v.leaving.values()) for v in self.snapshot()):
+                break
+            time.sleep(CONVERGE_POLL_S)
+        return time.monotonic() - start
+
+    # ------------------------------------------------------------------ one pass, or a loop
+    def rebalance(self) -> RebalanceReport:
+        """Reads loads, plans and applies one re-placement; returns what it did."""
+        report = RebalanceReport(started=time.time())
+        views = self.snapshot()
+        report.servers = len(views)
+        if not views:
+            report.skipped = "no expert server answered"
+            return self._done(report)
+        self._windows.append(self._window(views))
+        num_experts: dict[int, int] = {}
+        for v in views:
+            for layer, ids in v.layers.items():
+                top = max([*ids, *v.leaving.get(layer, []), -1]) + 1
+                num_experts[layer] = max(num_experts.get(layer, 0), top)
+        report.window_tokens = sum(sum(w.values()) for w in self._windows)
+        if report.window_tokens < self.min_tokens:
+            report.skipped = f"{report.window_tokens} tokens in the load window"
+            return self._done(report)
+        weights = self._weights(sorted(num_experts), num_experts)
+        moves, before, after = self.plan(views, weights)
+        report.imbalance_before = _imbalance(before, weights)
+        report.imbalance_after = _imbalance(after, weights)
+        report.moves = moves
+        if not moves:
+            report.skipped = "the placement is already balanced"
+            return self._done(report)
+        self.apply(moves, views, report)
+        return self._done(report)
+
+    def _done(self, report: RebalanceReport) -> RebalanceReport:
+        self.reports.append(report)
+        if report.moves or report.errors:
+            log.info(
+                "placement: %d moves (%d loaded, %d dropped, %.1f MB) imbalance %.3f -> %.3f, "
+                "%.2f s%s",
+                len(report.moves),
+                report.replicas_loaded,
+                report.replicas_dropped,
+                report.bytes_moved / 1e6,
+                report.imbalance_before,
+                report.imbalance_after,
+                report.converge_seconds,
+                f"; errors: {report.errors}" if report.errors else "",
+            )
+        return report
+
+    def start(self, interval_s: float) -> None:
+        """Re-places every `interval_s` seconds in a background thread until stop()."""
+        if interval_s <= 0:
+            raise ValueError(f"the re-placement interval must be > 0, got {interval_s}")
+        if self._thread is not None:
+            raise RuntimeError("the placement controller is already running")
+        self._stop.clear()
+
+        def loop() -> None:
+            while not self._stop.wait(interval_s):
+                try:
+                    self.rebalance()
+                except Exception:  # a failed pass is logged; the next one tries again
+                    log.exception("placement: re-placement pass failed")
+
+        self._thread = threading.Thread(target=loop, name="moecomm-placement", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None

@@ -1,0 +1,224 @@
+"""The expert server's table of hosted experts as it changes while serving.
+
+A placement change never renumbers: a new expert gets a new local index, a dropped one leaves a
+retired index behind (LayerExperts). Every change bumps the server's placement epoch, a word in a
+one-line region of the server that every client maps at connect; clients read it at each
+dispatch (one load per server), and on a change
+fetch the table (GET /experts?client_id=...), which tells the server they have it (an ack).
+
+Dropping an expert has two steps. Unload marks it *leaving*: it disappears from the published
+table, so clients stop routing to it, but it is still served. It is freed only once every
+connected client has acked the epoch that announced it and the loop has polled every slot
+since (requests written before the ack are then answered), or, for clients that stay idle,
+after DROP_GRACE_S. A client that still names the retired index gets STALE_MAP and re-sends on
+a fresh table: late, never lost, never computed by the wrong expert.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from moecomm import _C
+from moecomm.runtime.experts import ExpertWeights, LayerExperts
+from moecomm.runtime.registry import ClientRegistry
+from moecomm.transport import Region, SignalOp, Transport
+
+log = logging.getLogger("moecomm.server")
+
+# A leaving expert is freed this long after it was unloaded even if some connected client never
+# picked up the new table (it is idle: it routes nothing). A late request gets STALE_MAP.
+DROP_GRACE_S = 2.0
+# How often a pending drop re-checks its clients' acks.
+DROP_POLL_S = 0.02
+# The epoch region is one signal line; the word sits at its start.
+EPOCH_REGION_BYTES = _C.DOORBELL_BYTES
+EPOCH_OFFSET = 0
+
+
+class ExpertHosted(ValueError):
+    """The server already hosts (and publishes) this expert."""
+
+
+class ServerPlacement:
+    def __init__(
+        self,
+        layers: dict[int, LayerExperts],
+        hidden: int,
+        transport: Transport,
+        clients: ClientRegistry,
+        on_change: Callable[[], None] = lambda: None,
+    ):
+        self.layers = layers  # the server's dict: swapped entries, never mutated objects
+        self.hidden = hidden
+        self.transport = transport
+        # The epoch word: a signal line of its own (word operations are line-aligned).
+        self.region: Region = transport.create_region(EPOCH_REGION_BYTES)
+        self.clients = clients
+        self.on_change = on_change
+        # Held by the serving loop while it checks and serves a batch: a table swap happens
+        # between two batches, never under one.
+        self.lock = threading.Lock()
+        # One placement change at a time (loads can be slow; they build outside `lock`).
+        self._mutate = threading.Lock()
+        self.epoch = 1
+        self.leaving: dict[tuple[int, int], int] = {}  # (layer, expert) -> epoch it left at
+        self.retired_layers: set[int] = set()
+        self._acks: dict[int, tuple[int, float]] = {}  # client -> (epoch, when)
+        # Poll start of the last loop pass that served everything it found.
+        self.served_through = 0.0
+        self._stop = threading.Event()
+        self._publish_epoch()
+
+    # ------------------------------------------------------------------ reading
+    def published(self) -> dict[int, list[int]]:
+        """{layer: logical expert per local index}, -1 where retired or leaving."""
+        return {
+            layer: [-1 if e < 0 or (layer, e) in self.leaving else e for e in le.slots]
+            for layer, le in sorted(self.layers.items())
+        }
+
+    def hosted_ids(self) -> dict[int, list[int]]:
+        """{layer: the experts clients may route here}, for membership records."""
+        return {layer: sorted(e for e in ids if e >= 0) for layer, ids in self.published().items()}
+
+    def describe(self, client_id: int | None = None) -> dict:
+        """The table and its epoch, read together; a client reading it acks that epoch."""
+        with self.lock:
+            out = {"epoch": self.epoch, "layers": self.published(), "leaving": self._leaving()}
+        if client_id is not None:
+            self.ack(client_id, out["epoch"])
+        return out
+
+    def _leaving(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for layer, e in sorted(self.leaving):
+            out.setdefault(layer, []).append(e)
+        return out
+
+    def ack(self, client_id: int, epoch: int) -> None:
+        prev = self._acks.get(client_id)
+        if prev is None or prev[0] < epoch:
+            self._acks[client_id] = (epoch, time.monotonic())
+
+    def is_stale(self, layer_id: int, ids) -> bool:
+        """True when a request names a retired index (or a layer no longer hosted): its client's
+        table is older than ours."""
+        layer = self.layers.get(layer_id)
+        if layer is None:
+            return layer_id in self.retired_layers
+        if layer.contiguous:
+            return False
+        used = ids[ids >= 0].long()
+        return bool((layer.rows[used] < 0).any()) if used.numel() else False
+
+    # ------------------------------------------------------------------ changing
+    def _publish_epoch(self) -> None:
+        self.transport.signal(self.region, EPOCH_OFFSET, self.epoch, SignalOp.SET)
+
+    def _swap(self, layer_id: int, new: LayerExperts | None) -> None:
+        """Under `lock`: installs a layer's new table and announces it."""
+        if new is None:
+            self.layers.pop(layer_id, None)
+            self.retired_layers.add(layer_id)
+        else:
+            self.layers[layer_id] = new
+            self.retired_layers.discard(layer_id)
+        self.epoch += 1
+        self._publish_epoch()
+
+    def add(self, layer_id: int, expert: int, w: ExpertWeights) -> dict:
+        """Hosts `expert` of `layer_id` from now on (a new local index). An expert that is
+        leaving is simply kept; one already published raises ExpertHosted."""
+        if expert < 0:
+            raise ValueError(f"expert ids are >= 0, got {expert}")
+        if w.hidden != self.hidden:
+            raise ValueError(f"expert hidden {w.hidden} does not match this server's {self.hidden}")
+        with self._mutate:
+            current = self.layers.get(layer_id)
+            if current is not None and current.local_of(expert) is not None:
+                if (layer_id, expert) not in self.leaving:
+                    raise ExpertHosted(f"layer {layer_id} expert {expert} is already hosted")
+                with self.lock:
+                    del self.leaving[(layer_id, expert)]
+                    self.epoch += 1
+                    self._publish_epoch()
+                self.on_change()
+                return {"epoch": self.epoch, "kept": True}
+            if current is None:
+                new = LayerExperts(layer_id, {expert: w})
+            else:
+                if w.w1.dtype != current.dtype:
+                    w = ExpertWeights(*(t.to(current.dtype) for t in (w.w1, w.w3, w.w2)))
+                if w.intermediate != current.intermediate:
+                    raise ValueError(
+                        f"expert intermediate {w.intermediate} does not match layer "
+                        f"{layer_id}'s {current.intermediate}"
+                    )
+                new = current.with_expert(expert, w)
+            with self.lock:
+                self._swap(layer_id, new)
+        self.on_change()
+        return {"epoch": self.epoch, "kept": False}
+
+    def unload(self, layer_id: int, expert: int) -> dict:
+        """Marks `expert` leaving; it is freed once no client can route to it any more."""
+        with self._mutate:
+            current = self.layers.get(layer_id)
+            if current is None or current.local_of(expert) is None:
+                raise KeyError(f"layer {layer_id} expert {expert} is not hosted here")
+            if (layer_id, expert) in self.leaving:
+                return {"epoch": self.epoch, "leaving": True}
+            with self.lock:
+                self.epoch += 1
+                self.leaving[(layer_id, expert)] = self.epoch
+                self._publish_epoch()
+            epoch = self.epoch
+        self.on_change()
+        threading.Thread(
+            target=self._drop_when_released,
+            args=(layer_id, expert, epoch, time.monotonic()),
+            name="moecomm-drop",
+            daemon=True,
+        ).start()
+        return {"epoch": epoch, "leaving": True}
+
+    def _all_acked_at(self, epoch: int, since: float) -> float | None:
+        """When the last connected client acked `epoch` (None: some have not)."""
+        latest = since
+        for cid in self.clients.ids():
+            got = self._acks.get(cid)
+            if got is None or got[0] < epoch:
+                return None
+            latest = max(latest, got[1])
+        return latest
+
+    def _drop_when_released(self, layer_id: int, expert: int, epoch: int, marked: float) -> None:
+        while not self._stop.is_set():
+            acked = self._all_acked_at(epoch, marked)
+            if acked is None and time.monotonic() >= marked + DROP_GRACE_S:
+                acked = marked + DROP_GRACE_S
+            if acked is not None and self.served_through > acked:
+                break
+            self._stop.wait(DROP_POLL_S)
+        else:
+            return
+        with self._mutate:
+            if self.leaving.get((layer_id, expert)) != epoch:
+                return  # loaded again meanwhile: it stays
+            current = self.layers[layer_id]
+            new = current.without_expert(expert)
+            with self.lock:
+                del self.leaving[(layer_id, expert)]
+                self._swap(layer_id, new)
+        log.info("dropped layer %d expert %d (epoch %d)", layer_id, expert, self.epoch)
+        self.on_change()
+
+    def forget(self, client_id: int) -> None:
+        self._acks.pop(client_id, None)
+
+    def close(self) -> None:
+        self._stop.set()
+        self.region.close()

@@ -1,0 +1,124 @@
+"""Expert weights moved between servers over the transport (for live re-placement).
+
+The server that hosts an expert exports a copy into a region of its transport (w1 | w3 | w2,
+contiguous) and answers the region's handle; the server that loads the expert attaches the region,
+copies the weights out and tells the exporter to release it. Over shm that is one memcpy on the
+same host; over a network transport the same exchange becomes a one-sided READ of registered
+memory, with no weights in the HTTP messages. An export nobody releases (the reader died) is
+freed after EXPORT_TTL_S.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import threading
+import time
+
+import httpx
+import torch
+
+from moecomm.runtime.experts import ExpertWeights
+from moecomm.transport import Region, Transport, region_bytes_view, view
+
+# An export is freed this long after it was made even if its reader never released it.
+EXPORT_TTL_S = 60.0
+# At most this many exports live at once: each holds a copy of an expert.
+MAX_EXPORTS = 64
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class WeightExports:
+    """The exporting side: regions holding copies of hosted experts until their reader is done."""
+
+    def __init__(self, transport: Transport):
+        self.transport = transport
+        self._lock = threading.Lock()
+        self._live: dict[str, tuple[Region, float]] = {}
+
+    def export(self, w: ExpertWeights) -> dict:
+        parts = (w.w1, w.w3, w.w2)
+        nbytes = sum(t.numel() * t.element_size() for t in parts)
+        with self._lock:
+            self._expire()
+            if len(self._live) >= MAX_EXPORTS:
+                raise RuntimeError(f"{MAX_EXPORTS} weight exports are already waiting for readers")
+        region = self.transport.create_region(nbytes)
+        raw, offset = region_bytes_view(region), 0
+        for t in parts:
+            dst = view(raw, offset, tuple(t.shape), t.dtype)
+            dst.copy_(t)
+            offset += t.numel() * t.element_size()
+        export_id = secrets.token_hex(8)
+        with self._lock:
+            self._live[export_id] = (region, time.monotonic() + EXPORT_TTL_S)
+        return {
+            "export_id": export_id,
+            "handle": region.handle,
+            "dtype": _dtype_name(w.w1.dtype),
+            "intermediate": w.intermediate,
+            "hidden": w.hidden,
+            "bytes": nbytes,
+        }
+
+    def release(self, export_id: str) -> bool:
+        with self._lock:
+            entry = self._live.pop(export_id, None)
+        if entry is not None:
+            entry[0].close()
+        return entry is not None
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for key in [k for k, (_, until) in self._live.items() if until <= now]:
+            self._live.pop(key)[0].close()
+
+    def close(self) -> None:
+        with self._lock:
+            live, self._live = self._live, {}
+        for region, _ in live.values():
+            region.close()
+
+
+def read_export(transport: Transport, info: dict) -> ExpertWeights:
+    """Attaches an exported region and copies the expert out (the region can go right after)."""
+    dtype = _DTYPES.get(str(info["dtype"]))
+    if dtype is None:
+        raise ValueError(f"exported weights have an unknown dtype {info['dtype']!r}")
+    i, h = int(info["intermediate"]), int(info["hidden"])
+    if i <= 0 or h <= 0:
+        raise ValueError(f"exported weights have a bad shape: intermediate {i}, hidden {h}")
+    region = transport.attach(str(info["handle"]))
+    try:
+        raw = region_bytes_view(region)
+        item = torch.empty((), dtype=dtype).element_size()
+        # view() checks every part against the region's size: no read past it.
+        w1 = view(raw, 0, (i, h), dtype).clone()
+        w3 = view(raw, i * h * item, (i, h), dtype).clone()
+        w2 = view(raw, 2 * i * h * item, (h, i), dtype).clone()
+        del raw
+    finally:
+        region.close()
+    return ExpertWeights(w1, w3, w2)
+
+
+def pull_from_peer(
+    transport: Transport, peer_url: str, layer: int, expert: int, token: str, timeout: float
+) -> ExpertWeights:
+    """Asks the server at `peer_url` to export (layer, expert) and reads it over `transport`."""
+    body = {"layer": layer, "expert": expert, "token": token}
+    r = httpx.post(f"{peer_url}/experts/export", json=body, timeout=timeout)
+    if r.status_code != 200:
+        raise RuntimeError(f"{peer_url} cannot export layer {layer} expert {expert}: {r.text}")
+    info = r.json()
+    try:
+        return read_export(transport, info)
+    finally:
+        release = {"export_id": info.get("export_id", ""), "token": token}
+        # A release that does not arrive is freed by the exporter after EXPORT_TTL_S.
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.post(f"{peer_url}/experts/export/release", json=release, timeout=timeout)
