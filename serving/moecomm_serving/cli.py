@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moecomm_serving import demo, expert_server, frontend_cmd, loadgen
+from moecomm_serving import demo, expert_server, frontend_cmd, loadgen, rebalance_cmd
 
 DESCRIPTION = """moecomm: serve Mixture-of-Experts models with the experts in separate services.
 
@@ -13,6 +13,7 @@ subcommands:
   monitor         the embedded membership monitor (heartbeats, joins, losses)
   expert-server   host experts of a checkpoint behind the slot protocol and an HTTP control plane
   frontend        the attention side: the model with its KV cache behind the OpenAI API
+  rebalance       re-place experts on running expert servers from their measured load
   demo            monitor + two expert servers + a front end on the tiny model, a few prompts
   bench           a load generator against any OpenAI-compatible endpoint
   tiny            write the tiny random checkpoint used by the demo and the tests
@@ -72,6 +73,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     frontend_cmd.add_arguments(fe)
     fe.set_defaults(func=frontend_cmd.run)
+    rb = sub.add_parser(
+        "rebalance",
+        help="re-place experts on running servers from their load",
+        description="Read the per-expert load of running expert servers, compute a placement "
+        "that moves few replicas (EPLB, incremental) and apply it while they serve: new "
+        "replicas are loaded first, then the old ones dropped once no client routes to them.",
+    )
+    rebalance_cmd.add_arguments(rb)
+    rb.set_defaults(func=rebalance_cmd.run)
     dm = sub.add_parser(
         "demo",
         help="the whole system on the tiny model",

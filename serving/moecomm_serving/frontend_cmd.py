@@ -13,12 +13,14 @@ from moecomm.membership import connect_membership
 from moecomm.membership.monitor import TOKEN_ENV
 from moecomm.runtime import AttentionClient
 from moecomm.runtime.launch import DEFAULT_TTL_S
+from moecomm.runtime.placement import PlacementController
 from moecomm.runtime.registry import ClientIdInUse
 
 from moecomm_serving.config import MoEConfig
 from moecomm_serving.expert_server import set_threads
 from moecomm_serving.frontend import make_frontend_app, start_frontend
 from moecomm_serving.model import LOCAL, load_model
+from moecomm_serving.rebalance_cmd import add_controller_arguments, summary
 from moecomm_serving.tokenizer import load_tokenizer
 
 # How often the foreground thread checks for a stop request.
@@ -77,6 +79,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="per-request deadline of an expert round trip (s)",
     )
     p.add_argument("--ttl", type=float, default=DEFAULT_TTL_S, help="membership lease (s)")
+    p.add_argument(
+        "--eplb-interval",
+        type=float,
+        default=0.0,
+        help="re-place experts on the expert servers from their measured load every this many "
+        "seconds, while serving (default 0: off); see `moecomm rebalance` for the settings",
+    )
+    add_controller_arguments(p, prefix="eplb-")
 
 
 def _servers_from(membership) -> list[str]:
@@ -85,6 +95,30 @@ def _servers_from(membership) -> list[str]:
         for m in membership.list_members("server")
         if "control" in m.endpoints and m.metadata.get("draining") != "1"
     ]
+
+
+def start_placement(args: argparse.Namespace, client) -> PlacementController | None:
+    """--eplb-interval: a placement controller over the servers this front end routes to."""
+    if args.eplb_interval <= 0:
+        return None
+    if client is None:
+        raise SystemExit("--eplb-interval needs expert servers (--servers or --monitor)")
+
+    def live() -> list[str]:  # the client's servers as of now (membership joins included)
+        urls, channels = list(client.urls), list(client.channels)
+        return [u for u, ch in zip(urls, channels, strict=False) if ch is not None]
+
+    controller = PlacementController(
+        live,
+        args.token,
+        weights_from=args.eplb_weights_from,
+        min_gain=args.eplb_min_gain,
+        min_tokens=args.eplb_min_tokens,
+        on_report=lambda r: r.skipped or print(f"frontend: {summary(r)}", flush=True),
+    )
+    controller.start(args.eplb_interval)
+    print(f"frontend: re-placing experts every {args.eplb_interval:g} s", flush=True)
+    return controller
 
 
 def run(args: argparse.Namespace) -> int:
@@ -132,11 +166,14 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     http = start_frontend(app, args.host, args.port)
     print(f"frontend {name} listening on {http.url}", flush=True)
+    controller = start_placement(args, client)
     try:
         while not stop.wait(WAKE_S):
             pass
     finally:
         print("frontend: stopping", flush=True)
+        if controller is not None:
+            controller.stop()
         http.stop()  # before the client: in-flight steps still need their expert servers
         if client is not None:
             client.close()

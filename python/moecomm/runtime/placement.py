@@ -138,6 +138,7 @@ class PlacementController:
         min_tokens: int = MIN_WINDOW_TOKENS,
         timeout: float = HTTP_TIMEOUT_S,
         converge_timeout: float = CONVERGE_TIMEOUT_S,
+        on_report: Callable[[RebalanceReport], None] | None = None,
     ):
         if weights_from not in WEIGHT_SOURCES:
             raise ValueError(f"weights_from must be one of {WEIGHT_SOURCES}, got {weights_from!r}")
@@ -149,6 +150,7 @@ class PlacementController:
         self.min_tokens = min_tokens
         self.timeout = timeout
         self.converge_timeout = converge_timeout
+        self.on_report = on_report
         self._windows: deque[dict[tuple[int, int], int]] = deque(maxlen=windows)
         self._last: dict[str, tuple[str, dict[tuple[int, int], int]]] = {}
         self._stop = threading.Event()
@@ -351,6 +353,8 @@ class PlacementController:
 
     def _done(self, report: RebalanceReport) -> RebalanceReport:
         self.reports.append(report)
+        if self.on_report is not None:
+            self.on_report(report)
         if report.moves or report.errors:
             log.info(
                 "placement: %d moves (%d loaded, %d dropped, %.1f MB) imbalance %.3f -> %.3f, "

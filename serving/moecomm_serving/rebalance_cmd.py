@@ -1,0 +1,122 @@
+"""`moecomm rebalance`: re-place experts on running expert servers from their measured load
+(once, or every --interval seconds), and `--eplb-interval` of `moecomm frontend`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import threading
+
+from moecomm.membership import connect_membership
+from moecomm.membership.monitor import TOKEN_ENV
+from moecomm.runtime.placement import (
+    MIN_WINDOW_TOKENS,
+    WEIGHT_SOURCES,
+    PlacementController,
+    RebalanceReport,
+)
+
+# A layer is re-placed only if its heaviest server drops by this fraction (5%): smaller gains
+# are within the noise of a few seconds of load and not worth moving weights for.
+DEFAULT_MIN_GAIN = 0.05
+
+
+def add_controller_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
+    """The placement settings shared by `moecomm rebalance` and `moecomm frontend`."""
+    p.add_argument(
+        f"--{prefix}weights-from",
+        default="peer",
+        choices=WEIGHT_SOURCES,
+        help="where a server gets the weights of an expert it is given: pulled from a server "
+        "that hosts it (over the transport), or read from its checkpoint; the other is the "
+        "fallback",
+    )
+    p.add_argument(
+        f"--{prefix}min-gain",
+        type=float,
+        default=DEFAULT_MIN_GAIN,
+        help="re-place a layer only if its heaviest server's load drops by this fraction",
+    )
+    p.add_argument(
+        f"--{prefix}min-tokens",
+        type=int,
+        default=MIN_WINDOW_TOKENS,
+        help="tokens the load window must hold before anything moves",
+    )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--servers", help="expert server control URLs, comma-separated")
+    where.add_argument(
+        "--monitor", help="the membership the servers registered with (http://... or etcd://...)"
+    )
+    p.add_argument("--token", default="", help="token of the expert servers' control planes")
+    p.add_argument(
+        "--interval",
+        type=float,
+        default=0.0,
+        help="re-place every this many seconds until Ctrl-C (default: once, now). One pass "
+        "reads the load since the previous pass: the first pass of a fresh controller sees the "
+        "servers' whole history",
+    )
+    add_controller_arguments(p)
+    p.add_argument("--json", action="store_true", help="print each pass as one JSON line")
+
+
+def server_list(args: argparse.Namespace):
+    """A callable giving the live servers' URLs (re-read from the membership every pass)."""
+    if args.servers:
+        urls = [u.strip() for u in args.servers.split(",") if u.strip()]
+        return lambda: urls
+    membership = connect_membership(args.monitor, os.environ.get(TOKEN_ENV, ""))
+
+    def live() -> list[str]:
+        return [
+            m.endpoints["control"]
+            for m in membership.list_members("server")
+            if "control" in m.endpoints and m.metadata.get("draining") != "1"
+        ]
+
+    return live
+
+
+def summary(r: RebalanceReport) -> str:
+    if r.skipped:
+        return f"rebalance: nothing moved ({r.skipped})"
+    text = (
+        f"rebalance: {len(r.moves)} moves over {r.servers} servers: {r.replicas_loaded} "
+        f"loaded ({r.bytes_moved / 1e6:.2f} MB, {r.sources}), {r.replicas_dropped} dropped; "
+        f"imbalance {r.imbalance_before:.3f} -> {r.imbalance_after:.3f}; "
+        f"converged in {r.converge_seconds:.2f} s"
+    )
+    return text + (f"; errors: {'; '.join(r.errors)}" if r.errors else "")
+
+
+def run(args: argparse.Namespace) -> int:
+    controller = PlacementController(
+        server_list(args),
+        args.token,
+        weights_from=args.weights_from,
+        min_gain=args.min_gain,
+        min_tokens=args.min_tokens,
+    )
+
+    def report(r: RebalanceReport) -> None:
+        print(json.dumps(r.to_dict()) if args.json else summary(r), flush=True)
+
+    if args.interval <= 0:
+        r = controller.rebalance()
+        report(r)
+        return 1 if r.errors else 0
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(args.interval):
+        try:
+            report(controller.rebalance())
+        except Exception as exc:  # one failed pass; the next one tries again
+            print(f"rebalance: pass failed: {type(exc).__name__}: {exc}", flush=True)
+    return 0
