@@ -9,11 +9,15 @@ import time
 import httpx
 import pytest
 import torch
+from moecomm.errors import RemoteError
 from moecomm.ops.dispatch import pack_dispatch
+from moecomm.protocol import ResponseStatus, SlotLayout
 from moecomm.runtime import AttentionClient
 from moecomm.runtime.experts import LayerExperts
 from moecomm.runtime.launch import ModelSpec, spawn_expert_server
 from moecomm.runtime.placement import PlacementController
+from moecomm.runtime.server import ExpertServer
+from moecomm.slots import ClientChannel
 
 SPEC = ModelSpec(num_layers=2, num_experts=12, hidden=64, intermediate=32, seed=5)
 TOKEN = "t0ken"
@@ -258,3 +262,39 @@ def test_drop_waits_for_every_client_to_stop_routing(servers):
     assert not errors, errors
     assert all(c.failovers == 0 for c in clients)
     assert took < 2.0  # acked by both busy clients: no need to wait out the idle grace
+
+
+def test_retired_and_unknown_indices_are_told_apart_in_process():
+    """A retired index is STALE_MAP, an index past the table UNKNOWN_EXPERT; an added expert
+    is served at a new index and the health check uses a live one."""
+    experts = SPEC.experts()[0]
+    server = ExpertServer({0: {e: experts[e] for e in (0, 1, 2)}}, "inproc")
+    layout = SlotLayout(8, SPEC.hidden, 1, "f32", "f32")
+    ch = ClientChannel(server.transport, layout, 5, 1)
+    try:
+        info = server.connect(5, ch.handle, layout, 1)
+        ch.connect(info["server_handle"], info["doorbell_handle"])
+        server.unload_expert(0, 0)
+        deadline = time.monotonic() + 10
+        while server.placement.leaving:  # the client never fetches: the idle grace applies
+            assert time.monotonic() < deadline
+            server.step(0.05)
+        server.load_expert(0, 7, experts[7])
+        assert server.hosted() == {0: [-1, 1, 2, 7]}
+        assert server.health_check()["ok"] and server.health_check()["expert"] == 1
+        x = torch.randn(2, SPEC.hidden)
+        for local, status in ((0, ResponseStatus.STALE_MAP), (9, ResponseStatus.UNKNOWN_EXPERT)):
+            seq = ch.send(0, x, torch.full((2, 1), local, dtype=torch.int32), torch.ones(2, 1))
+            server.step(0.05)
+            with pytest.raises(RemoteError) as info:
+                ch.wait(0, seq, 5.0)
+            assert info.value.status == int(status)
+            ch.release(0)
+        seq = ch.send(0, x, torch.full((2, 1), 3, dtype=torch.int32), torch.ones(2, 1))
+        server.step(0.05)
+        y = ch.wait(0, seq, 5.0).activations.clone()
+        ids = torch.full((2, 1), 7, dtype=torch.int32)
+        assert torch.equal(y, monolith(x, ids, torch.ones(2, 1), 0))
+    finally:
+        ch.close()
+        server.close()

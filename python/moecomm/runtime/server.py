@@ -428,7 +428,7 @@ class ExpertServer:
         layer_id = min(self.layers)
         layer = self.layers[layer_id]
         x = torch.ones(1, self.hidden, dtype=layer.dtype)
-        ids = torch.zeros(1, 1, dtype=torch.int32)
+        ids = torch.full((1, 1), layer.local_of(layer.logical_ids[0]), dtype=torch.int32)
         start = time.perf_counter()
         (y,) = layer.forward([x], [ids], [torch.ones(1, 1)])
         ms = (time.perf_counter() - start) * 1e3

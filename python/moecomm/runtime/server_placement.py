@@ -99,6 +99,8 @@ class ServerPlacement:
         return out
 
     def ack(self, client_id: int, epoch: int) -> None:
+        if client_id not in self.clients.ids():
+            return  # only connected clients are waited for (and the table stays bounded)
         prev = self._acks.get(client_id)
         if prev is None or prev[0] < epoch:
             self._acks[client_id] = (epoch, time.monotonic())
@@ -111,7 +113,8 @@ class ServerPlacement:
             return layer_id in self.retired_layers
         if layer.contiguous:
             return False
-        used = ids[ids >= 0].long()
+        # Indices past the table are not stale (indices only grow): the bounds check names them.
+        used = ids[(ids >= 0) & (ids < layer.num_local)].long()
         return bool((layer.rows[used] < 0).any()) if used.numel() else False
 
     # ------------------------------------------------------------------ changing
