@@ -298,3 +298,36 @@ def test_retired_and_unknown_indices_are_told_apart_in_process():
     finally:
         ch.close()
         server.close()
+
+
+@pytest.mark.timeout(180)
+def test_experts_of_a_lost_server_get_new_homes():
+    """Experts 6-11 live only on a server that is killed: the next pass loads them on the
+    survivor from its checkpoint, and a client routes to them again without losing a request."""
+    procs = [
+        spawn_expert_server(SPEC, {0: list(range(6))}, "h0", TOKEN),
+        spawn_expert_server(SPEC, {0: list(range(6, 12))}, "h1", TOKEN),
+    ]
+    c = None
+    try:
+        urls = [p.url for p in procs]
+        controller = PlacementController(urls, TOKEN, min_tokens=0, min_gain=0.0)
+        assert controller.rebalance().skipped  # both alive and idle: nothing to do
+        c = make_client(procs)
+        procs[1].process.kill()
+        procs[1].process.join(10)
+        report = controller.rebalance()
+        assert report.servers == 1 and report.replicas_loaded == 6, report
+        assert report.sources == {"checkpoint": 6} and not report.errors
+        g = torch.Generator().manual_seed(3)
+        for _ in range(4):  # some dispatches pick the dead replica first: re-sent, not lost
+            x = torch.randn(8, SPEC.hidden, generator=g)
+            ids = torch.randint(0, 12, (8, TOPK), generator=g).to(torch.int32)
+            w = torch.rand(8, TOPK, generator=g)
+            y = c.combine(c.dispatch(x, ids, w, 0))
+            torch.testing.assert_close(y, monolith(x, ids, w, 0), rtol=1e-5, atol=1e-6)
+    finally:
+        if c is not None:
+            c.close()
+        for p in procs:
+            p.stop()

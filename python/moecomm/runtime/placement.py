@@ -156,6 +156,7 @@ class PlacementController:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.reports: list[RebalanceReport] = []
+        self._num_experts: dict[int, int] = {}  # layer -> experts seen in any pass
 
     # ------------------------------------------------------------------ reading the servers
     def snapshot(self) -> list[ServerView]:
@@ -331,7 +332,9 @@ class PlacementController:
             report.skipped = "no expert server answered"
             return self._done(report)
         self._windows.append(self._window(views))
-        num_experts: dict[int, int] = {}
+        # Remembered across passes: after a server is lost, experts it alone held are still
+        # part of the layer, and the plan gives them new homes (loaded from the checkpoint).
+        num_experts = self._num_experts
         for v in views:
             for layer, ids in v.layers.items():
                 top = max([*ids, *v.leaving.get(layer, []), -1]) + 1
