@@ -62,7 +62,8 @@ void register_protocol(py::module_& m) {
       .value("FP8_E4M3_B128", Encoding::kFP8E4M3B128);
   py::enum_<MessageKind>(m, "MessageKind")
       .value("REQUEST", MessageKind::kRequest)
-      .value("RESPONSE", MessageKind::kResponse);
+      .value("RESPONSE", MessageKind::kResponse)
+      .value("STAGE", MessageKind::kStage);
   py::enum_<ResponseStatus>(m, "ResponseStatus")
       .value("OK", ResponseStatus::kOk)
       .value("UNKNOWN_LAYER", ResponseStatus::kUnknownLayer)
@@ -172,10 +173,11 @@ void register_protocol(py::module_& m) {
 
   py::class_<Expectation>(m, "Expectation")
       .def(py::init([](MessageKind kind, const SlotConfig& c, uint64_t slot_bytes,
-                       uint64_t client_id,
-                       uint64_t seq) { return Expectation{kind, c, slot_bytes, client_id, seq}; }),
+                       uint64_t client_id, uint64_t seq, bool stage_ack) {
+             return Expectation{kind, c, slot_bytes, client_id, seq, stage_ack};
+           }),
            py::arg("kind"), py::arg("config"), py::arg("slot_bytes"), py::arg("client_id"),
-           py::arg("seq"));
+           py::arg("seq"), py::arg("stage_ack") = false);
 
   m.def("validate_header",
         [](const SlotHeader& h, const Expectation& e) { return validate_header(h, e); });

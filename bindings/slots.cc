@@ -135,6 +135,37 @@ void register_slots(py::module_& m) {
         py::arg("slot"), py::arg("seq"), py::call_guard<py::gil_scoped_release>());
 
   m.def(
+      "send_stage",
+      [](Transport& t, Region& receiver, const SlotRing& ring, uint32_t slot, uint64_t client_id,
+         uint64_t seq, uint32_t tag, uint32_t chunk, uint32_t num_chunks, Encoding encoding,
+         uintptr_t bytes, uint64_t num_bytes, std::shared_ptr<Region> doorbell, bool wake) {
+        StageChunk c{tag, chunk, num_chunks, encoding, ptr<void>(bytes), num_bytes};
+        send_stage(t, receiver, ring, slot, client_id, seq, c, doorbell.get(), wake);
+      },
+      py::arg("transport"), py::arg("receiver"), py::arg("ring"), py::arg("slot"),
+      py::arg("client_id"), py::arg("seq"), py::arg("tag"), py::arg("chunk"), py::arg("num_chunks"),
+      py::arg("encoding"), py::arg("bytes"), py::arg("num_bytes"), py::arg("doorbell") = nullptr,
+      py::arg("wake") = true, py::call_guard<py::gil_scoped_release>());
+
+  m.def("poll_stage", &poll_stage, py::arg("transport"), py::arg("local"), py::arg("ring"),
+        py::arg("client_id"), py::call_guard<py::gil_scoped_release>());
+
+  m.def("send_stage_ack", &send_stage_ack, py::arg("transport"), py::arg("local"),
+        py::arg("data_ring"), py::arg("sender"), py::arg("ack_ring"), py::arg("slot"),
+        py::arg("client_id"), py::arg("seq"), py::arg("chunk"), py::arg("status"),
+        py::arg("reason"), py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "wait_stage_ack",
+      [](Transport& t, Region& local, const SlotRing& ring, uint32_t slot, uint64_t client_id,
+         uint64_t seq, int64_t timeout_ns, std::shared_ptr<Region> peer) {
+        return wait_stage_ack(t, local, ring, slot, client_id, seq, timeout_ns, peer.get());
+      },
+      py::arg("transport"), py::arg("local"), py::arg("ring"), py::arg("slot"),
+      py::arg("client_id"), py::arg("seq"), py::arg("timeout_ns"), py::arg("peer") = nullptr,
+      py::call_guard<py::gil_scoped_release>());
+
+  m.def(
       "wait_response",
       [](Transport& t, Region& local, const SlotRing& ring, uint32_t slot, uint64_t client_id,
          uint64_t seq, int64_t timeout_ns, std::shared_ptr<Region> peer) {

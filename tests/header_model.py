@@ -68,6 +68,7 @@ def validate(
     slot_bytes: int,
     client_id: int,
     seq: int,
+    stage_ack: bool = False,
 ) -> ValidateCode:
     V = ValidateCode
     if slot_bytes < PAYLOAD_OFFSET:
@@ -84,6 +85,8 @@ def validate(
         return V.CLIENT_MISMATCH
     if h["seq"] != seq:
         return V.SEQ_MISMATCH
+    if kind == MessageKind.STAGE:
+        return validate_stage(h, hidden, slot_bytes, stage_ack)
     request = kind == MessageKind.REQUEST
     st = h["status"]
     status_ok = st == 0 if request else (0 <= st < NUM_CODES or st in SERVER_STATUSES)
@@ -112,6 +115,43 @@ def validate(
     if total > capacity:
         return V.PAYLOAD_EXCEEDS_SLOT
     return V.OK
+
+
+def validate_stage(h: dict, hidden: int, slot_bytes: int, ack: bool) -> ValidateCode:
+    """A stage chunk (1..capacity opaque bytes, chunk index < chunk count) or its ack (no
+    payload; a refusal carries its reason)."""
+    V = ValidateCode
+    capacity = slot_bytes - PAYLOAD_OFFSET
+    st = h["status"]
+    if ack:
+        if not (0 <= st < NUM_CODES or st in SERVER_STATUSES):
+            return V.BAD_STATUS
+        if st != 0:
+            return V.PAYLOAD_EXCEEDS_SLOT if h["payload_bytes"] > capacity else V.OK
+    elif st != 0:
+        return V.BAD_STATUS
+    if h["encoding"] not in ELEM or h["encoding"] in QUANTIZED:
+        return V.BAD_ENCODING
+    if h["hidden"] != hidden:
+        return V.HIDDEN_MISMATCH
+    if h["topk"] == 0 or h["num_tokens"] >= h["topk"]:
+        return V.BAD_TOPK
+    if (h["payload_bytes"] != 0) if ack else (h["payload_bytes"] == 0):
+        return V.PAYLOAD_SIZE_MISMATCH
+    if h["payload_bytes"] > capacity:
+        return V.PAYLOAD_EXCEEDS_SLOT
+    return V.OK
+
+
+def valid_stage(chunk=0, count=2, nbytes=100, hidden=96, client_id=7, seq=11) -> dict:
+    return {
+        **valid_request(hidden=hidden, client_id=client_id, seq=seq),
+        "kind": int(MessageKind.STAGE),
+        "encoding": int(Encoding.F32),
+        "num_tokens": chunk,
+        "topk": count,
+        "payload_bytes": nbytes,
+    }
 
 
 def valid_request(

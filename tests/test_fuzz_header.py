@@ -30,16 +30,21 @@ def cases(draw):
     topk = draw(st.integers(1, 9))
     enc = draw(st.integers(1, 6))
     out_enc = draw(st.integers(1, 3))
-    kind = draw(st.sampled_from([MessageKind.REQUEST, MessageKind.RESPONSE]))
+    kind = draw(st.sampled_from([MessageKind.REQUEST, MessageKind.RESPONSE, MessageKind.STAGE]))
+    stage_ack = kind == MessageKind.STAGE and draw(st.booleans())
     cfg = SlotConfig(max_tokens, hidden, topk, _C.Encoding(enc), _C.Encoding(out_enc))
-    full = cfg.request_slot_bytes if kind == MessageKind.REQUEST else cfg.response_slot_bytes
+    data_ring = kind == MessageKind.REQUEST or (kind == MessageKind.STAGE and not stage_ack)
+    full = cfg.request_slot_bytes if data_ring else cfg.response_slot_bytes
     slot_bytes = draw(st.one_of(st.just(full), st.integers(0, full + 64)))
     client, seq = draw(U64), draw(st.integers(0, 2**56 - 1))
-    t = draw(near(max(1, max_tokens // 2), 0, 2**32 - 1))
-    k = draw(near(topk if kind == MessageKind.REQUEST else 0, 0, 2**32 - 1))
+    stage = kind == MessageKind.STAGE  # num_tokens / topk are chunk index / chunk count
+    t = draw(near(0 if stage else max(1, max_tokens // 2), 0, 2**32 - 1))
+    k = draw(near({MessageKind.REQUEST: topk, MessageKind.STAGE: 2}.get(kind, 0), 0, 2**32 - 1))
     henc = draw(near(enc if kind == MessageKind.REQUEST else out_enc, 0, 255))
     h_hidden = draw(near(hidden, 0, 2**32 - 1))
-    if henc in (1, 2, 3, 4, 5, 6) and t <= 2**20 and h_hidden <= 2**20 and k <= 64:
+    if kind == MessageKind.STAGE:  # a chunk of opaque bytes: any size up to the slot
+        total = 0 if stage_ack else draw(st.integers(0, full))
+    elif henc in (1, 2, 3, 4, 5, 6) and t <= 2**20 and h_hidden <= 2**20 and k <= 64:
         total = (
             request_total(t, h_hidden, k, henc)
             if kind == MessageKind.REQUEST
@@ -69,7 +74,7 @@ def cases(draw):
         "reserved0": draw(st.one_of(st.just(0), U32)),
         "reserved1": draw(st.one_of(st.just(0), U64)),
     }
-    return cfg, kind, slot_bytes, client, seq, fields
+    return cfg, kind, slot_bytes, client, seq, fields, stage_ack
 
 
 @settings(
@@ -80,13 +85,15 @@ def cases(draw):
 )
 @given(cases())
 def test_validation_matches_model_and_stays_in_bounds(case):
-    cfg, kind, slot_bytes, client, seq, fields = case
+    cfg, kind, slot_bytes, client, seq, fields, stage_ack = case
     raw = pack(**fields)
-    e = Expectation(kind, cfg, slot_bytes, client, seq)
+    e = Expectation(kind, cfg, slot_bytes, client, seq, stage_ack)
     image = (bytes(64) + raw + bytes(max(0, slot_bytes - 128)))[:slot_bytes]
     guarded = _C.validate_slot_guarded(image, e)
     direct = validate_header(SlotHeader.from_bytes(raw), e)
-    model = validate(fields, kind, cfg.max_tokens, cfg.hidden, cfg.topk, slot_bytes, client, seq)
+    model = validate(
+        fields, kind, cfg.max_tokens, cfg.hidden, cfg.topk, slot_bytes, client, seq, stage_ack
+    )
     assert guarded == model
     if slot_bytes >= 128:
         assert direct == model

@@ -17,6 +17,12 @@ constexpr uint16_t kVersion = 1;
 enum class MessageKind : uint8_t {
   kRequest = 1,
   kResponse = 2,
+  // Pipeline stage to stage (activations, KV blocks): one chunk of an opaque byte package, and
+  // in the sender's ack ring a header-only acknowledgement of that chunk. Fields reused:
+  // layer_id = the package's tag (a step, a layer), num_tokens = chunk index, topk = chunk
+  // count, encoding = element type of the package; payload_bytes = this chunk's bytes (0 in an
+  // ack, a reason string in a refusal).
+  kStage = 3,
 };
 
 // Activation encodings. Zero is deliberately invalid so that never-written memory is rejected.

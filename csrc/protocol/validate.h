@@ -81,11 +81,38 @@ struct Expectation {
   uint64_t slot_bytes = 0;  // bytes actually available from the start of the slot
   uint64_t client_id = 0;
   uint64_t seq = 0;  // from the signal word the reader acquired
+  // kStage only: the header is an acknowledgement in the sender's ack ring, not a chunk.
+  bool stage_ack = false;
 };
 
 MC_HOST_DEVICE inline bool response_status_known(int32_t s) {
   return s == 0 || (s > 0 && s < kNumValidateCodes) ||
          (s >= kFirstServerStatus && s <= kLastServerStatus);
+}
+
+// The kind-specific part of a stage header (see MessageKind::kStage); the common fields are
+// checked by validate_header. A chunk carries 1..capacity bytes; an ack carries none, a refusal
+// only its reason. Quantized encodings are refused: a package has no per-token scales.
+MC_HOST_DEVICE inline ValidateCode validate_stage(const SlotHeader& h, const Expectation& e) {
+  const uint64_t capacity = e.slot_bytes - kPayloadOffset;
+  if (e.stage_ack) {
+    if (!response_status_known(h.status)) return ValidateCode::kBadStatus;
+    if (h.status != 0) {
+      return h.payload_bytes > capacity ? ValidateCode::kPayloadExceedsSlot : ValidateCode::kOk;
+    }
+  } else if (h.status != 0) {
+    return ValidateCode::kBadStatus;
+  }
+  if (!encoding_known(h.encoding) || encoding_quantized(static_cast<Encoding>(h.encoding))) {
+    return ValidateCode::kBadEncoding;
+  }
+  if (h.hidden != e.config.hidden) return ValidateCode::kHiddenMismatch;
+  if (h.topk == 0 || h.num_tokens >= h.topk) return ValidateCode::kBadTopk;
+  if (e.stage_ack ? h.payload_bytes != 0 : h.payload_bytes == 0) {
+    return ValidateCode::kPayloadSizeMismatch;
+  }
+  if (h.payload_bytes > capacity) return ValidateCode::kPayloadExceedsSlot;
+  return ValidateCode::kOk;
 }
 
 // Checks a header copy. `h` must have been copied from a slot of at least kPayloadOffset bytes;
@@ -98,6 +125,7 @@ MC_HOST_DEVICE inline ValidateCode validate_header(const SlotHeader& h, const Ex
   if (h.reserved0 != 0 || h.reserved1 != 0) return ValidateCode::kReservedNonzero;
   if (h.client_id != e.client_id) return ValidateCode::kClientMismatch;
   if (h.seq != e.seq) return ValidateCode::kSeqMismatch;
+  if (e.kind == MessageKind::kStage) return validate_stage(h, e);
   const bool request = e.kind == MessageKind::kRequest;
   if (request ? h.status != 0 : !response_status_known(h.status)) return ValidateCode::kBadStatus;
 

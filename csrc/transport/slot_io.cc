@@ -74,6 +74,12 @@ void poison_request(Transport& t, Region& local, const SlotRing& ring, uint32_t 
   SlotHeader h{};
   t.read(local, off + kHeaderOffset, &h, sizeof(h));
   const uint64_t capacity = ring.slot_bytes() - kPayloadOffset;
+  if (h.magic == protocol::kMagic && h.kind == static_cast<uint8_t>(MessageKind::kStage)) {
+    // A stage chunk is opaque bytes: poison what it declared (at most the slot).
+    fill_poison(t, local, off + kPayloadOffset, std::min(h.payload_bytes, capacity));
+    fill_poison(t, local, off + kHeaderOffset, sizeof(SlotHeader));
+    return;
+  }
   const bool sized = h.magic == protocol::kMagic && protocol::encoding_known(h.encoding) &&
                      h.num_tokens <= ring.config.max_tokens && h.hidden == ring.config.hidden &&
                      h.topk <= ring.config.topk;
@@ -197,13 +203,16 @@ void ring_doorbell(Transport& t, Region& doorbell) {
   t.signal(doorbell, kDoorbellOffset, 1, SignalOp::kAdd);
 }
 
-std::vector<Incoming> poll_requests(Transport& t, Region& local, const SlotRing& ring,
-                                    uint64_t client_id) {
-  MC_CHECK(ring.request, "poll_requests reads a request ring");
+namespace {
+
+// Every slot of a request-shaped ring in REQUEST_READY, header copied and validated as `kind`.
+std::vector<Incoming> poll_ready(Transport& t, Region& local, const SlotRing& ring,
+                                 uint64_t client_id, MessageKind kind) {
+  MC_CHECK(ring.request, "polling reads a request ring");
   ring.check(local, 0);
   std::vector<Incoming> ready;
   protocol::Expectation e;
-  e.kind = MessageKind::kRequest;
+  e.kind = kind;
   e.config = ring.config;
   e.slot_bytes = ring.slot_bytes();
   e.client_id = client_id;
@@ -217,7 +226,7 @@ std::vector<Incoming> poll_requests(Transport& t, Region& local, const SlotRing&
     e.seq = in.seq;
     in.code = read_header(t, local, off, e, &in.header);
     in.payload_offset = off + kPayloadOffset;
-    if (in.code == ValidateCode::kOk) {
+    if (in.code == ValidateCode::kOk && kind == MessageKind::kRequest) {
       in.layout =
           protocol::request_payload_layout(in.header.num_tokens, in.header.hidden, in.header.topk,
                                            static_cast<Encoding>(in.header.encoding));
@@ -225,6 +234,63 @@ std::vector<Incoming> poll_requests(Transport& t, Region& local, const SlotRing&
     ready.push_back(in);
   }
   return ready;
+}
+
+}  // namespace
+
+std::vector<Incoming> poll_requests(Transport& t, Region& local, const SlotRing& ring,
+                                    uint64_t client_id) {
+  return poll_ready(t, local, ring, client_id, MessageKind::kRequest);
+}
+
+std::vector<Incoming> poll_stage(Transport& t, Region& local, const SlotRing& ring,
+                                 uint64_t client_id) {
+  return poll_ready(t, local, ring, client_id, MessageKind::kStage);
+}
+
+void send_stage(Transport& t, Region& receiver, const SlotRing& ring, uint32_t slot,
+                uint64_t client_id, uint64_t seq, const StageChunk& c, Region* doorbell,
+                bool wake) {
+  MC_CHECK(ring.request, "stage chunks go into the receiver's data (request-shaped) ring");
+  ring.check(receiver, slot);
+  check_seq(seq);
+  MC_CHECK(protocol::encoding_known(static_cast<uint8_t>(c.encoding)) &&
+               !protocol::encoding_quantized(c.encoding),
+           "a stage package needs an unquantized encoding, got ", static_cast<int>(c.encoding));
+  MC_CHECK(c.num_chunks >= 1 && c.chunk < c.num_chunks, "chunk ", c.chunk, " of ", c.num_chunks);
+  MC_CHECK(c.bytes != nullptr && c.num_bytes >= 1, "a stage chunk carries at least one byte");
+  const uint64_t capacity = ring.slot_bytes() - kPayloadOffset;
+  MC_CHECK(c.num_bytes <= capacity, "stage chunk of ", c.num_bytes,
+           " bytes does not fit the slot (", capacity, " bytes)");
+  const uint64_t off = ring.slot_offset(slot);
+  t.put(receiver, off + kPayloadOffset, c.bytes, c.num_bytes);
+  const SlotHeader h = make_header(MessageKind::kStage, ring.config, c.tag, c.chunk, c.num_chunks,
+                                   c.encoding, c.num_bytes, client_id, seq, 0);
+  t.put(receiver, off + kHeaderOffset, &h, sizeof(h));
+  t.signal(receiver, off + kSignalOffset, make_signal(SlotState::kRequestReady, seq),
+           SignalOp::kSet);
+  if (wake) ring_doorbell(t, doorbell != nullptr ? *doorbell : receiver);
+}
+
+void send_stage_ack(Transport& t, Region& local, const SlotRing& data_ring, Region& sender,
+                    const SlotRing& ack_ring, uint32_t slot, uint64_t client_id, uint64_t seq,
+                    const SlotHeader& chunk, int32_t status, const std::string& reason) {
+  data_ring.check(local, slot);
+  ack_ring.check(sender, slot);
+  check_seq(seq);
+  MC_CHECK(!ack_ring.request, "stage acks go into the sender's ack (response-shaped) ring");
+  MC_CHECK(protocol::response_status_known(status), "unknown ack status ", status);
+  uint64_t n = 0;
+  if (status != 0) {
+    n = std::min<uint64_t>(reason.size(), ack_ring.slot_bytes() - kPayloadOffset);
+    t.put(sender, ack_ring.slot_offset(slot) + kPayloadOffset, reason.data(), n);
+  }
+  // The ack echoes the chunk's numbering (the sender's check that it is the right chunk's).
+  const SlotHeader h =
+      make_header(MessageKind::kStage, ack_ring.config, chunk.layer_id, chunk.num_tokens,
+                  chunk.topk == 0 ? 1 : chunk.topk, static_cast<Encoding>(chunk.encoding), n,
+                  client_id, seq, status);
+  finish_response(t, local, data_ring, sender, ack_ring, slot, seq, h);
 }
 
 transport::WaitResult wait_doorbell(Transport& t, Region& local, uint64_t seen, int64_t timeout_ns,
@@ -288,9 +354,14 @@ void mark_offline(Transport& t, Region& local, const SlotRing& ring, uint32_t sl
            SignalOp::kSet);
 }
 
-Outcome wait_response(Transport& t, Region& local, const SlotRing& ring, uint32_t slot,
-                      uint64_t client_id, uint64_t seq, int64_t timeout_ns, const Region* peer) {
-  MC_CHECK(!ring.request, "wait_response reads a response ring");
+namespace {
+
+// Waits for RESPONSE_READY|seq in `slot` of a response-shaped ring and validates the header as
+// a response (or, with `stage`, as a stage ack).
+Outcome wait_answer(Transport& t, Region& local, const SlotRing& ring, uint32_t slot,
+                    uint64_t client_id, uint64_t seq, int64_t timeout_ns, const Region* peer,
+                    bool stage) {
+  MC_CHECK(!ring.request, "answers are read from a response ring");
   ring.check(local, slot);
   const uint64_t off = ring.slot_offset(slot);
   const int64_t deadline = timeout_ns < 0 ? INT64_MAX : now_ns() + timeout_ns;
@@ -324,14 +395,27 @@ Outcome wait_response(Transport& t, Region& local, const SlotRing& ring, uint32_
   }
   out.word = t.load(local, off + kSignalOffset);
   protocol::Expectation e;
-  e.kind = MessageKind::kResponse;
+  e.kind = stage ? MessageKind::kStage : MessageKind::kResponse;
   e.config = ring.config;
   e.slot_bytes = ring.slot_bytes();
   e.client_id = client_id;
   e.seq = seq;
+  e.stage_ack = stage;
   out.code = read_header(t, local, off, e, &out.header);
   out.payload_offset = off + kPayloadOffset;
   return out;
+}
+
+}  // namespace
+
+Outcome wait_response(Transport& t, Region& local, const SlotRing& ring, uint32_t slot,
+                      uint64_t client_id, uint64_t seq, int64_t timeout_ns, const Region* peer) {
+  return wait_answer(t, local, ring, slot, client_id, seq, timeout_ns, peer, false);
+}
+
+Outcome wait_stage_ack(Transport& t, Region& local, const SlotRing& ring, uint32_t slot,
+                       uint64_t client_id, uint64_t seq, int64_t timeout_ns, const Region* peer) {
+  return wait_answer(t, local, ring, slot, client_id, seq, timeout_ns, peer, true);
 }
 
 }  // namespace moecomm::slots

@@ -112,6 +112,35 @@ void release_response(Transport& t, Region& local, const SlotRing& ring, uint32_
 // Server: marks `slot` of its own request region OFFLINE (its client is gone).
 void mark_offline(Transport& t, Region& local, const SlotRing& ring, uint32_t slot, uint64_t seq);
 
+// One chunk of a stage package (MessageKind::kStage) as the sender hands it over.
+struct StageChunk {
+  uint32_t tag = 0;         // the package's tag: a step, a layer
+  uint32_t chunk = 0;       // index of this chunk in the package
+  uint32_t num_chunks = 1;  // chunks in the package
+  Encoding encoding = Encoding::kF32;
+  const void* bytes = nullptr;
+  uint64_t num_bytes = 0;  // 1 .. the slot's payload capacity
+};
+
+// Stage sender: writes `c` into `slot` of the receiver's data ring (a request-shaped ring in the
+// receiver's memory) and signals REQUEST_READY|seq, then rings `doorbell` (or the receiver's
+// region) unless `wake` is false. Throws, before writing, when the chunk does not fit.
+void send_stage(Transport& t, Region& receiver, const SlotRing& ring, uint32_t slot,
+                uint64_t client_id, uint64_t seq, const StageChunk& c, Region* doorbell = nullptr,
+                bool wake = true);
+
+// Stage receiver: every slot of its data ring holding a chunk, header copied and validated as a
+// stage chunk (a request or anything else there is refused with kBadKind).
+std::vector<Incoming> poll_stage(Transport& t, Region& local, const SlotRing& ring,
+                                 uint64_t client_id);
+
+// Stage receiver: acknowledges the chunk `chunk` (its validated header) read from `slot` once it
+// was copied out: releases the data slot, then writes a header-only ack (status 0) or a refusal
+// (status != 0 with `reason`) into the sender's ack ring and signals RESPONSE_READY|seq.
+void send_stage_ack(Transport& t, Region& local, const SlotRing& data_ring, Region& sender,
+                    const SlotRing& ack_ring, uint32_t slot, uint64_t client_id, uint64_t seq,
+                    const SlotHeader& chunk, int32_t status, const std::string& reason);
+
 struct Outcome {
   WaitStatus status = WaitStatus::kOk;
   bool offline = false;  // the peer marked the slot OFFLINE instead of answering
@@ -126,5 +155,10 @@ struct Outcome {
 // Answers carrying an older sequence number are dropped (counted in stale_dropped).
 Outcome wait_response(Transport& t, Region& local, const SlotRing& ring, uint32_t slot,
                       uint64_t client_id, uint64_t seq, int64_t timeout_ns, const Region* peer);
+
+// Stage sender: waits for the ack of chunk `seq` in `slot` of its own ack ring (as
+// wait_response, the header validated as a stage ack).
+Outcome wait_stage_ack(Transport& t, Region& local, const SlotRing& ring, uint32_t slot,
+                       uint64_t client_id, uint64_t seq, int64_t timeout_ns, const Region* peer);
 
 }  // namespace moecomm::slots

@@ -88,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start the monitor, two expert servers and a front end as processes on a "
         "tiny random checkpoint, send a few prompts, print completions and metrics, shut down.",
     )
+    dm.add_argument(
+        "--stages",
+        type=int,
+        default=1,
+        help="pipeline stages of the front end (2: the model split over two stage processes, "
+        "each calling the expert servers)",
+    )
     dm.set_defaults(func=demo.run)
     bn = sub.add_parser(
         "bench",

@@ -1,7 +1,9 @@
 """`moecomm demo` (what `make demo` runs): the whole system on the tiny checkpoint, as separate
 processes on 127.0.0.1 — the embedded monitor, two expert servers (experts 0-11 and 4-15, so
 4-11 have a replica) and a front end that finds them through the monitor — then a few prompts
-through the OpenAI API, a metrics summary, and a clean shutdown (also on Ctrl-C)."""
+through the OpenAI API, a metrics summary, and a clean shutdown (also on Ctrl-C). With
+``--stages 2`` the front end splits the model over two pipeline stage processes, each calling
+the expert servers through its own client."""
 
 from __future__ import annotations
 
@@ -166,7 +168,14 @@ def run(args: argparse.Namespace) -> int:
                 )
                 server_urls.append(line.split(" listening on ")[1].split(": layers")[0])
                 say(f"   {line}")
-            say("4. starting the front end (finds the servers through the monitor)")
+            stages = args.stages
+            if stages > 1:
+                say(
+                    f"4. starting the front end: {stages} pipeline stages, each a client of "
+                    "the servers"
+                )
+            else:
+                say("4. starting the front end (finds the servers through the monitor)")
             line = procs.start(
                 "frontend",
                 [
@@ -180,6 +189,8 @@ def run(args: argparse.Namespace) -> int:
                     *ONE_THREAD,
                     "--port",
                     "0",
+                    "--stages",
+                    str(stages),
                 ],
                 "frontend",
             )

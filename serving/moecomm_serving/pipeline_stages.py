@@ -3,8 +3,11 @@
 :class:`ModelStage` is the :class:`moecomm.pipeline.stage.StageCompute` of one stage: it loads
 the weights of every layer it may own (``preload``), runs whichever contiguous range it owns at
 the moment, keeps a :class:`SequenceKV` per sequence holding only the owned layers, and exports /
-imports one layer's caches when the layer map moves that layer. :func:`model_pipeline` builds a
-:class:`moecomm.pipeline.driver.Pipeline` over a checkpoint directory.
+imports one layer's caches when the layer map moves that layer. Its MoE layers run their
+experts in-process, or on expert servers through the stage's own
+:class:`moecomm.runtime.AttentionClient` (every stage process connects one; all share the
+servers). :func:`model_pipeline` builds a :class:`moecomm.pipeline.driver.Pipeline` over a
+checkpoint directory.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from moecomm.protocol import SlotLayout
 from moecomm_serving.config import MoEConfig
 from moecomm_serving.generate import SamplingParams, sample_next
 from moecomm_serving.kvcache import ForwardBatch, LayerKV, SequenceKV
-from moecomm_serving.model import load_model
+from moecomm_serving.model import LOCAL, load_model
+from moecomm_serving.remote_experts import RemoteExperts, connect_experts
 
 # Tokens per micro-batch the activation slots are sized for: a few prompts' prefill at once.
 DEFAULT_MAX_TOKENS = 512
@@ -38,8 +42,26 @@ class ModelStage:
         owned: range,
         dtype: torch.dtype | None,
         sampling: SamplingParams | None = None,
+        remote: RemoteExperts | None = None,
+        max_tokens: int = 0,
+        client_id: int | None = None,
+        return_logits: bool = False,
     ):
-        self.model = load_model(path, layers=preload, dtype=dtype)
+        # A driver that samples itself (the front end's engine, with per-request parameters)
+        # takes the logits of each sequence's last row instead of a token.
+        self.return_logits = return_logits
+        self.client = None
+        if remote is not None:
+            c = MoEConfig.from_file(path)
+            self.client = connect_experts(
+                remote, c.hidden_size, c.num_experts_per_tok, max_tokens, client_id, dtype
+            )
+        try:
+            experts = LOCAL if self.client is None else self.client
+            self.model = load_model(path, experts=experts, layers=preload, dtype=dtype)
+        except BaseException:
+            self.close()
+            raise
         # Greedy by default; otherwise every sequence draws from its own generator seeded by
         # (params.seed + sequence id), so its tokens do not depend on the micro-batch it is in.
         self.sampling = sampling or SamplingParams()
@@ -83,8 +105,12 @@ class ModelStage:
         m = self.model
         return m.block(layer).forward(h, self.batch, m.rope, m.experts)
 
-    def sample(self, h: torch.Tensor) -> list[int]:
+    def sample(self, h: torch.Tensor):
         logits = self.model.logits(h.index_select(0, self.batch.last_rows()))
+        if self.return_logits:
+            # numpy pickles by value over the control pipe; a tensor would travel as a
+            # shared-memory handle tied to this process's lifetime.
+            return logits.numpy()
         params = self.sampling
         if params.greedy:
             return [int(t) for t in torch.argmax(logits, dim=-1)]
@@ -95,24 +121,23 @@ class ModelStage:
             out.append(sample_next(logits[row], params, self.generators[sid]))
         return out
 
-    def export_kv(self, layer: int) -> dict[int, tuple]:
+    def export_kv(self, layer: int) -> dict[str, torch.Tensor]:
         out = {}
         for sid, seq in self.seqs.items():
             kv = seq.pop_layer(layer)
             n = kv.length
-            # numpy arrays pickle by value; torch tensors would travel as shared-memory handles
-            # tied to this process's lifetime.
-            out[sid] = (kv.k[:, :n].numpy().copy(), kv.v[:, :n].numpy().copy())
+            out[f"{sid}.k"] = kv.k[:, :n].contiguous().cpu()
+            out[f"{sid}.v"] = kv.v[:, :n].contiguous().cpu()
         return out
 
-    def import_kv(self, layer: int, package: dict[int, tuple]) -> None:
+    def import_kv(self, layer: int, package: dict[str, torch.Tensor]) -> None:
         m = self.model
-        for sid, (k, v) in package.items():
+        for sid in {int(name.split(".")[0]) for name in package}:
             seq = self.seqs.get(sid)
             if seq is None:
                 continue  # finished (freed here) after the source exported it
             kv = LayerKV(*self.kv_shape, m.dtype, m.device)
-            kv.append(torch.from_numpy(k), torch.from_numpy(v))
+            kv.append(package[f"{sid}.k"], package[f"{sid}.v"])
             seq.put_layer(layer, kv)
 
     def free(self, seq_ids: Sequence[int]) -> None:
@@ -120,17 +145,28 @@ class ModelStage:
             self.seqs.pop(sid, None)
             self.generators.pop(sid, None)
 
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
 
 def _make_stage(
     path: str,
     dtype_name: str | None,
     sampling: SamplingParams | None,
+    remote: RemoteExperts | None,
+    max_tokens: int,
+    client_id: int | None,
+    return_logits: bool,
     index: int,
     preload: range,
     owned: range,
 ):
     dtype = getattr(torch, dtype_name) if dtype_name else None
-    return ModelStage(path, preload, owned, dtype, sampling)
+    # One attention client per stage process: ids must differ, so a given base id is offset.
+    cid = None if client_id is None else client_id + index
+    return ModelStage(path, preload, owned, dtype, sampling, remote, max_tokens, cid, return_logits)
 
 
 def model_pipeline(
@@ -143,13 +179,19 @@ def model_pipeline(
     max_tokens: int = DEFAULT_MAX_TOKENS,
     timeout_s: float | None = None,
     sampling: SamplingParams | None = None,
+    remote: RemoteExperts | None = None,
+    client_id: int | None = None,
+    return_logits: bool = False,
 ) -> Pipeline:
     """Spawns `num_stages` stage processes over the checkpoint at `path`.
 
     `k_max` (default: as many as the last stage can give) bounds the layers the scheduler may
     move, and so what each upstream stage preloads; `num_slots` (default: one per stage) is
     the number of micro-batches in flight; `sampling` (default greedy) is how the last stage
-    picks tokens (temperature / top-p with per-sequence seeds, as ``generate`` does).
+    picks tokens (temperature / top-p with per-sequence seeds, as ``generate`` does);
+    `remote` (default: in-process experts) names the expert servers every stage's MoE layers
+    call, each stage through its own attention client (ids `client_id + stage`, random by
+    default); `return_logits` makes the last stage return logits rows instead of tokens.
     """
     if dtype not in _ENCODINGS:
         raise ValueError(f"dtype must be one of {sorted(map(str, _ENCODINGS))}, got {dtype}")
@@ -157,7 +199,16 @@ def model_pipeline(
     n = config.num_hidden_layers
     k_max = max_moves(n, num_stages) if k_max is None else k_max
     layout = SlotLayout(max_tokens, config.hidden_size, 1, _ENCODINGS[dtype], _ENCODINGS[dtype])
-    factory = functools.partial(_make_stage, str(path), str(dtype).removeprefix("torch."), sampling)
+    factory = functools.partial(
+        _make_stage,
+        str(path),
+        str(dtype).removeprefix("torch."),
+        sampling,
+        remote,
+        max_tokens,
+        client_id,
+        return_logits,
+    )
     kwargs = {} if timeout_s is None else {"timeout_s": timeout_s}
     return Pipeline(
         factory, n, num_stages, layout, k_max, initial_k, num_slots or num_stages, **kwargs

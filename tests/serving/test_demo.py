@@ -38,6 +38,26 @@ def test_demo_runs_and_shuts_down_cleanly():
 
 
 @pytest.mark.timeout(300)
+def test_demo_with_two_pipeline_stages():
+    """`moecomm demo --stages 2`: the front end's model runs in two stage processes, each a
+    client of both expert servers (token equality with the single-process model is
+    tests/frontend/test_frontend_pipeline.py's)."""
+    out = subprocess.run(
+        [*CLI, "demo", "--stages", "2"], capture_output=True, text=True, timeout=280
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    text = out.stdout
+    assert "demo OK" in text and "pipeline stages ready: layers 0-1 | 2-3" in text
+    assert "'status': 'ok'" in text
+    assert text.count(" -> ") == 3  # three completions
+    for ln in text.splitlines():  # both servers did expert work for the stages
+        if ln.strip().startswith("expert server") and "served" in ln:
+            assert int(ln.split("served ")[1].split()[0]) > 0
+    for name in ("frontend", "expert-server-1", "expert-server-0", "monitor"):
+        assert f"stopped {name} (exit 0)" in text
+
+
+@pytest.mark.timeout(300)
 def test_ctrl_c_stops_every_process():
     p = subprocess.Popen([*CLI, "demo"], stdout=subprocess.PIPE, text=True)
     kids = []

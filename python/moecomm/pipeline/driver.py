@@ -22,6 +22,7 @@ from moecomm.pipeline.predictor import LatencyPredictor
 from moecomm.pipeline.scheduler import BubbleScheduler, stage_ranges
 from moecomm.pipeline.stage import STEP_TIMEOUT_S, StageSpec, stage_main
 from moecomm.protocol import SlotLayout
+from moecomm.stage_channel import stage_layout
 from moecomm.transport import reap_stale_segments
 
 # Loading a stage's weights in a fresh interpreter (torch import included) on a busy machine.
@@ -51,7 +52,8 @@ class Pipeline:
     Args:
         factory: picklable ``(index, preload, owned) -> StageCompute``, called in each child.
         num_layers, num_stages: pipeline shape.
-        layout: the activation slot layout (``hidden``, ``max_tokens`` per micro-batch).
+        layout: the activation slot layout (``hidden``, ``max_tokens`` per micro-batch and
+            the encoding of the hidden states); every stage channel is sized from it.
         k_max: most layers the scheduler may move off the last stage; stages preload the
             weights of every layer they can receive up to that.
         initial_k: the layer map at start (0: uniform).
@@ -70,7 +72,8 @@ class Pipeline:
         timeout_s: float = STEP_TIMEOUT_S,
     ):
         self.num_layers, self.num_stages = num_layers, num_stages
-        self.layout, self.num_slots, self.timeout_s = layout, num_slots, timeout_s
+        self.num_slots, self.timeout_s = num_slots, timeout_s
+        self.layout = stage_layout(layout.max_tokens, layout.hidden, layout.encoding)
         self.ranges = tuple(stage_ranges(num_layers, num_stages, initial_k))
         self.k = initial_k  # layers moved off the last stage in the current map
         stage_ranges(num_layers, num_stages, k_max)  # validates k_max
@@ -78,7 +81,6 @@ class Pipeline:
             raise ValueError(f"initial_k must be in [0, k_max = {k_max}], got {initial_k}")
         self.preloads = [_preload(num_layers, num_stages, k_max, i) for i in range(num_stages)]
         ctx = mp.get_context("spawn")
-        self.inboxes = [ctx.Queue() for _ in range(num_stages)]
         self.procs, self.conns = [], []
         self.next_step = 0
         self.inflight: deque[int] = deque()
@@ -92,12 +94,12 @@ class Pipeline:
                     num_stages,
                     self.ranges,
                     self.preloads[i],
-                    layout.to_dict(),
+                    self.layout.to_dict(),
                     num_slots,
                     factory,
                     timeout_s,
                 )
-                p = ctx.Process(target=stage_main, args=(spec, child, self.inboxes), daemon=True)
+                p = ctx.Process(target=stage_main, args=(spec, child), daemon=True)
                 p.start()
                 child.close()
                 self.procs.append(p)
@@ -109,11 +111,14 @@ class Pipeline:
 
     # ------------------------------------------------------------------ set-up / tear-down
     def _connect(self) -> None:
+        # ready = (_, doorbell, {(kind, src): receiver handle}, {(kind, dst): sender handle})
         ready = [self._expect(i, "ready", START_TIMEOUT_S) for i in range(self.num_stages)]
         for i, conn in enumerate(self.conns):
-            down = ready[i + 1][1] if i + 1 < self.num_stages else None
-            up = ready[i - 1][2] if i > 0 else None
-            conn.send(("connect", down, up))
+            to_receivers = {
+                (kind, dst): (ready[dst][2][(kind, i)], ready[dst][1]) for kind, dst in ready[i][3]
+            }
+            to_senders = {(kind, src): ready[src][3][(kind, i)] for kind, src in ready[i][2]}
+            conn.send(("connect", to_receivers, to_senders))
         for i in range(self.num_stages):
             self._expect(i, "connected", START_TIMEOUT_S)
 
@@ -168,7 +173,7 @@ class Pipeline:
         raise err
 
     def close(self) -> None:
-        """Stops every stage (asks, then kills after a deadline) and releases the queues."""
+        """Stops every stage (asks, then kills after a deadline) and reaps their segments."""
         if self.closed:
             return
         self.closed = True
@@ -180,9 +185,6 @@ class Pipeline:
             if p.is_alive():
                 os.kill(p.pid, signal.SIGKILL)
                 p.join(self.timeout_s / 4)
-        for q in self.inboxes:
-            q.cancel_join_thread()
-            q.close()
         for p in self.procs:
             reap_stale_segments(p.pid)
 
@@ -292,7 +294,8 @@ class DecodeRun:
     steps: int = 0
 
 
-def _feed(predictor: LatencyPredictor, profiles: list[tuple]) -> None:
+def feed_profiles(predictor: LatencyPredictor, profiles: list[tuple]) -> None:
+    """Adds the layer and sampling times the stages profiled to `predictor`."""
     for prof in profiles:
         _, _, num_new, lengths, layer_times, *rest = prof
         for t in layer_times:
@@ -372,7 +375,7 @@ def run_decode(
             pipe.free(finished)
         profiles = pipe.drain_profiles()  # drained either way: they would pile up
         if predictor is not None:
-            _feed(predictor, profiles)
+            feed_profiles(predictor, profiles)
             results += 1
             if results >= WARMUP_RESULTS and (not predictor.ready or results % REFIT_EVERY == 0):
                 with contextlib.suppress(ValueError):  # too few samples yet

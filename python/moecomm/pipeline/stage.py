@@ -2,45 +2,57 @@
 states downstream through the slot transport, and migrates KV caches when the layer map changes.
 
 The stage is generic over a :class:`StageCompute` built in the child by a picklable factory
-(the model-specific part lives with the model, e.g. ``moecomm_serving.pipeline_stages``).
+(the model-specific part lives with the model, e.g. ``moecomm_serving.pipeline_stages``; there a
+stage's MoE layers may call expert servers through its own ``AttentionClient``).
 
 Channels:
 - control: a duplex pipe to the driver. The driver sends commands in order (``step``,
   ``remap``, ``free``, ``stop``); the stage answers with profiles, results (last stage) and
   errors. Every stage sees every command, so all agree on step order and layer maps.
-- activations: stage b is the *client* of stage b+1 (ClientChannel / ServerChannel over shm);
-  micro-batch ``step`` travels in slot ``step % num_slots`` with ``layer_id = step``, and the
-  downstream stage's response (an echo) is the acknowledgement that frees the slot.
-- KV: one ``multiprocessing`` queue per stage (its inbox). A layer's cache is sent the moment the
-  source finishes that layer in the last step under the old map; the destination computes its
-  other layers and blocks only when it reaches the migrated one.
+- activations: a stage channel (``moecomm.stage_channel``, message kind STAGE) from stage b to
+  b+1; micro-batch ``step`` is the package tagged ``step``, acknowledged by a header-only ack.
+- KV: a stage channel from every stage to every other; a layer's cache is one package tagged
+  with the layer, chunked to the slot size. It is sent the moment the source finishes that
+  layer in the last step under the old map; the destination computes its other layers and
+  blocks only when it reaches the migrated one.
+
+All channels into a stage share one doorbell (:class:`~moecomm.stage_channel.StageInbox`): while
+it waits for anything, a stage takes and acknowledges whatever arrived, so a sender blocked on a
+full channel always makes progress. Nothing goes through a multiprocessing queue, so the same
+code runs across hosts once the transport does.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import queue
+import signal
+import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import safetensors.torch
 import torch
 
 from moecomm.errors import PeerLostError
 from moecomm.protocol import SlotLayout
-from moecomm.slots import ClientChannel, ServerChannel
+from moecomm.stage_channel import StageInbox, StageReceiver, StageSender, as_tensor
 from moecomm.transport import ShmTransport
 
 # A micro-batch or a migrated KV cache that has not arrived within this long means a peer is
 # stuck or gone; generous because two cores are shared by all stages and other tenants.
 STEP_TIMEOUT_S = 60.0
+# Exit status of a stage whose driver vanished (no traceback: that is not the stage's fault).
+DRIVER_GONE_EXIT = 2
 # How often an idle stage checks that its driver still exists.
 IDLE_POLL_S = 0.5
-# Bounded waits inside a step, so the stage can notice a dead driver while waiting.
-WAIT_SLICE_S = 0.5
+# Slots of each KV channel: a package larger than this many slots waits for the receiver's acks
+# (which it gives whenever it waits for anything), so two keep the copy streaming.
+KV_SLOTS = 2
+ACT, KV = "act", "kv"
 
 
 class StageCompute(Protocol):
@@ -58,17 +70,22 @@ class StageCompute(Protocol):
     def layer(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         """Runs one owned layer over the micro-batch's packed hidden states."""
 
-    def sample(self, h: torch.Tensor) -> list[int]:
-        """Last stage: the next token of every sequence of the micro-batch."""
+    def sample(self, h: torch.Tensor):
+        """Last stage: the next token of every sequence of the micro-batch (or, for a driver
+        that samples itself, a picklable ``[B, vocab]`` array of their logits)."""
 
-    def export_kv(self, layer: int) -> object:
-        """Removes and returns (picklable) every sequence's cache of `layer`."""
+    def export_kv(self, layer: int) -> dict[str, torch.Tensor]:
+        """Removes and returns every sequence's cache of `layer` as named CPU tensors (they
+        travel as a safetensors package: data only, nothing executable)."""
 
-    def import_kv(self, layer: int, package: object) -> None:
+    def import_kv(self, layer: int, package: dict[str, torch.Tensor]) -> None:
         """Adopts the caches of `layer` exported by another stage."""
 
     def free(self, seq_ids: Sequence[int]) -> None:
         """Forgets finished sequences."""
+
+    def close(self) -> None:
+        """Releases what the compute holds outside the process (expert-server connections)."""
 
 
 @dataclass(frozen=True)
@@ -79,7 +96,7 @@ class StageSpec:
     num_stages: int
     ranges: tuple[range, ...]  # initial layer map of the whole pipeline
     preload: range  # layers whose weights this stage loads (any it may be given)
-    layout: dict  # SlotLayout.to_dict() of the activation slots
+    layout: dict  # SlotLayout.to_dict() of every stage channel (stage_channel.stage_layout)
     num_slots: int
     factory: Callable[[int, range, range], StageCompute]  # (index, preload, owned) -> compute
     timeout_s: float = STEP_TIMEOUT_S
@@ -94,37 +111,60 @@ class StageSpec:
 
 
 class _Stage:
-    def __init__(self, spec: StageSpec, conn, inboxes: list):
-        self.spec, self.conn, self.inboxes = spec, conn, inboxes
+    def __init__(self, spec: StageSpec, conn):
+        self.spec, self.conn = spec, conn
         self.ranges = spec.ranges
         self.own = spec.ranges[spec.index]
-        self.compute = spec.factory(spec.index, spec.preload, self.own)
         self.pending: dict[int, tuple[range, ...]] = {}  # effective step -> layer map
-        self.stash: dict[int, torch.Tensor] = {}  # step -> hidden states that arrived early
-        self.kv_stash: dict[int, object] = {}  # layer -> package that arrived early
-        self.awaiting: set[int] = set()  # layers owned now whose cache has not arrived yet
-        self.acks: dict[int, int] = {}  # slot -> seq of the request not yet acknowledged
-        layout = SlotLayout.from_dict(spec.layout)
-        self.zeros_ids = torch.zeros(layout.max_tokens, layout.topk, dtype=torch.int32)
-        self.zeros_scores = torch.zeros(layout.max_tokens, layout.topk, dtype=torch.float32)
+        self.awaiting: dict[int, int] = {}  # layer owned now whose cache is on its way -> source
+        self.layout = SlotLayout.from_dict(spec.layout)
+        self.compute = None  # built last: its start-up (weights, expert servers) is the slow part
         t = ShmTransport()
-        self.up = None if spec.first else ServerChannel(t, layout, spec.index - 1, spec.num_slots)
-        self.down = None if spec.last else ClientChannel(t, layout, spec.index, spec.num_slots)
+        self.inbox = StageInbox(t)
+        self.senders: dict[tuple[str, int], StageSender] = {}
+        self.receivers: dict[tuple[str, int], StageReceiver] = {}
+        me, n = spec.index, spec.num_stages
+        # The sender's index is the connection's client id: both ends know it.
+        for kind, dst, slots in self._links(me, n):
+            self.senders[(kind, dst)] = StageSender(t, self.layout, me, slots, f"{kind}->{dst}")
+        for kind, src, slots in self._links_in(me, n):
+            r = StageReceiver(t, self.layout, src, slots, f"{kind}<-{src}")
+            self.receivers[(kind, src)] = r
+            self.inbox.add((kind, src), r)
+        self.compute = spec.factory(spec.index, spec.preload, self.own)
+
+    def _links(self, me: int, n: int):
+        """(kind, destination, slots) of every channel this stage sends on."""
+        if me + 1 < n:
+            yield ACT, me + 1, self.spec.num_slots
+        for dst in range(n):
+            if dst != me:
+                yield KV, dst, KV_SLOTS
+
+    def _links_in(self, me: int, n: int):
+        if me > 0:
+            yield ACT, me - 1, self.spec.num_slots
+        for src in range(n):
+            if src != me:
+                yield KV, src, KV_SLOTS
 
     # ------------------------------------------------------------------ set-up
     def handshake(self) -> None:
         self.conn.send(
             (
                 "ready",
-                self.up.handle if self.up else None,
-                self.down.handle if self.down else None,
+                self.inbox.doorbell_handle,
+                {key: r.handle for key, r in self.receivers.items()},
+                {key: s.handle for key, s in self.senders.items()},
             )
         )
-        _, downstream_server, upstream_client = self._recv("connect")
-        if self.down is not None:
-            self.down.connect(downstream_server)
-        if self.up is not None:
-            self.up.connect(upstream_client)
+        # For each of our senders: (receiver handle, doorbell) at its destination; for each of
+        # our receivers: the sender handle at its source.
+        _, to_receivers, to_senders = self._recv("connect")
+        for key, sender in self.senders.items():
+            sender.connect(*to_receivers[key])
+        for key, receiver in self.receivers.items():
+            receiver.connect(to_senders[key])
         self.conn.send(("connected",))
 
     def _recv(self, kind: str):
@@ -170,7 +210,8 @@ class _Stage:
         if self.spec.first:
             h = self.compute.embed(torch.as_tensor(tokens, dtype=torch.int64))
         else:
-            h = self._receive(step)
+            enc, data = self.inbox.take((ACT, self.spec.index - 1), step, self.spec.timeout_s)
+            h = as_tensor(enc, data, self.layout.hidden)
         lengths = [p + n for p, n in zip(past, num_new, strict=True)]
         layer_times, clock = [], time.perf_counter
         for i in self.own:
@@ -181,15 +222,14 @@ class _Stage:
             layer_times.append(clock() - t0)
             if i in outgoing:
                 # Sent now, not at the end of the step: the receiver may already be waiting.
-                package = self.compute.export_kv(i)
-                self.inboxes[outgoing[i]].put((i, step, package))
+                self._send_kv(i, outgoing[i])
         if self.spec.last:
             t0 = clock()
             out = self.compute.sample(h)
             t_sample = clock() - t0
             self.conn.send(("result", step, out, (num_new, lengths, layer_times, t_sample)))
         else:
-            self._send(step, h)
+            self.senders[(ACT, self.spec.index + 1)].send(step, h, self.spec.timeout_s)
             self.conn.send(("profile", step, (num_new, lengths, layer_times)))
 
     def _apply_map(self, ranges: tuple[range, ...]) -> None:
@@ -199,75 +239,52 @@ class _Stage:
                 f"stage {self.spec.index}: layer map gives it {new_own}, but only "
                 f"{self.spec.preload} is preloaded"
             )
-        self.awaiting |= set(new_own) - set(self.own)
+        old_owner = {i: s for s, r in enumerate(self.ranges) for i in r}
+        for i in set(new_own) - set(self.own):
+            self.awaiting[i] = old_owner[i]
         self.ranges, self.own = ranges, new_own
         self.compute.set_layers(new_own)
 
-    # ------------------------------------------------------------------ activations
-    def _receive(self, step: int) -> torch.Tensor:
-        deadline = time.monotonic() + self.spec.timeout_s
-        while step not in self.stash:
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"stage {self.spec.index}: step {step} did not arrive from stage "
-                    f"{self.spec.index - 1} within {self.spec.timeout_s} s"
-                )
-            for req in self.up.wait(timeout=WAIT_SLICE_S):
-                if not req.valid:
-                    raise RuntimeError(f"stage {self.spec.index}: invalid activation header")
-                # Copy out before acknowledging: the ack hands the slot back to the sender.
-                self.stash[req.layer_id] = req.activations.clone()
-                self.up.respond(req, req.activations)
-        return self.stash.pop(step)
-
-    def _send(self, step: int, h: torch.Tensor) -> None:
-        slot = step % self.spec.num_slots
-        if slot in self.acks:  # the slot's previous micro-batch must have been taken
-            self.down.wait(slot, self.acks.pop(slot), timeout=self.spec.timeout_s)
-            self.down.release(slot)  # the ack is not read: the slot is ours to reuse
-        n = h.shape[0]
-        self.acks[slot] = self.down.send(
-            slot, h.contiguous(), self.zeros_ids[:n], self.zeros_scores[:n], layer_id=step
-        )
-
     # ------------------------------------------------------------------ KV migration
+    def _send_kv(self, layer: int, dst: int) -> None:
+        tensors = {k: v.contiguous() for k, v in self.compute.export_kv(layer).items()}
+        blob = bytearray(safetensors.torch.save(tensors))
+        package = torch.frombuffer(blob, dtype=torch.uint8)
+        self.senders[(KV, dst)].send(layer, package, self.spec.timeout_s)
+
     def _wait_kv(self, layer: int) -> None:
-        deadline = time.monotonic() + self.spec.timeout_s
-        inbox = self.inboxes[self.spec.index]
-        while layer not in self.kv_stash:
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"stage {self.spec.index}: the KV cache of layer {layer} did not arrive "
-                    f"within {self.spec.timeout_s} s"
-                )
-            with contextlib.suppress(queue.Empty):
-                got_layer, _, package = inbox.get(timeout=WAIT_SLICE_S)
-                self.kv_stash[got_layer] = package
-        self.compute.import_kv(layer, self.kv_stash.pop(layer))
-        self.awaiting.discard(layer)
+        src = self.awaiting.pop(layer)
+        _, data = self.inbox.take((KV, src), layer, self.spec.timeout_s)
+        self.compute.import_kv(layer, safetensors.torch.load(data.numpy().tobytes()))
 
     def close(self) -> None:
-        for ch in (self.up, self.down):
-            if ch is not None:
-                ch.close()
+        if self.compute is not None:
+            self.compute.close()
+        for s in self.senders.values():
+            s.close()
+        self.inbox.close()
 
 
-def stage_main(spec: StageSpec, conn, inboxes: list) -> None:
+def stage_main(spec: StageSpec, conn) -> None:
     """Child-process entry point. Any failure is reported to the driver, then re-raised (the
     process exits non-zero, which the driver also sees)."""
     torch.set_num_threads(1)  # stages share the host's cores; one thread each
-    for q in inboxes:
-        # A stage that stops with a package nobody reads must not block on flushing it.
-        q.cancel_join_thread()
+    # Ctrl-C in a terminal reaches the whole process group: the driver decides when stages
+    # stop (and they stop on their own when it dies).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     stage = None
     try:
-        stage = _Stage(spec, conn, inboxes)
+        stage = _Stage(spec, conn)
         stage.handshake()
         stage.run()
     except PeerLostError as e:
         with contextlib.suppress(OSError):
             conn.send(("error", spec.index, f"peer lost: {e}"))
         raise
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        # The driver's pipe broke (it was killed with its front end): nobody is left to tell
+        # or to serve.
+        sys.exit(DRIVER_GONE_EXIT)
     except BaseException:
         with contextlib.suppress(OSError):
             conn.send(("error", spec.index, traceback.format_exc()))

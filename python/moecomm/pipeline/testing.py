@@ -120,16 +120,22 @@ class FakeStage:
             rows.append(t)
         return [int(h[r, 0]) for r in rows]
 
-    def export_kv(self, layer: int) -> dict[int, list[int]]:
-        out = {sid: layers.pop(layer) for sid, layers in self.kv.items()}
+    def export_kv(self, layer: int) -> dict[str, torch.Tensor]:
+        out = {
+            str(sid): torch.tensor(layers.pop(layer), dtype=torch.int64)
+            for sid, layers in self.kv.items()
+        }
         self._log("export", layer=layer, step=self.step)
         return out
 
-    def import_kv(self, layer: int, package: dict[int, list[int]]) -> None:
+    def import_kv(self, layer: int, package: dict[str, torch.Tensor]) -> None:
         for sid, seen in package.items():
-            if sid in self.kv:
-                self.kv[sid][layer] = seen
+            if int(sid) in self.kv:
+                self.kv[int(sid)][layer] = seen.tolist()
         self._log("import", layer=layer, step=self.step)
+
+    def close(self) -> None:
+        pass  # holds nothing outside the process
 
     def free(self, seq_ids: Sequence[int]) -> None:
         for sid in seq_ids:

@@ -1,0 +1,355 @@
+"""Stage-to-stage channels: byte packages (activations, KV blocks) between pipeline stages over
+the slot protocol, in their own message kind (``MessageKind.STAGE``).
+
+A :class:`StageSender` writes chunks into the receiver's data ring (in the receiver's memory)
+and owns a small ack ring; a :class:`StageReceiver` owns the data ring, copies each chunk out
+(read once, own the copy) and answers with a header-only ack, which frees the slot. A package
+larger than one slot travels as several chunks (``chunk / num_chunks`` in the header); with
+``num_slots`` slots, that many chunks are in flight before the sender waits for an ack.
+
+Every wait has a deadline; a dead peer raises :class:`~moecomm.errors.PeerLostError`, a stuck one
+TimeoutError. Several receivers of one process may share a doorbell (:class:`StageInbox`), so
+the process sleeps on one word whichever peer sends next.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from moecomm import _C
+from moecomm.errors import PeerLostError, PeerOfflineError, ProtocolError, RemoteError
+from moecomm.errors import TimeoutError as MoecommTimeout
+from moecomm.protocol import (
+    ENCODING_DTYPE,
+    PAYLOAD_OFFSET,
+    Encoding,
+    SlotLayout,
+    ValidateCode,
+    validate_reason,
+)
+from moecomm.slots import DEFAULT_NUM_SLOTS, DEFAULT_TIMEOUT_S, POISON_SLOTS, _ns
+from moecomm.transport import Region, RegionViews, Transport, WaitStatus, reap_stale_segments
+
+_ENCODING_OF_DTYPE = {d: e for e, d in ENCODING_DTYPE.items() if not _C.encoding_quantized(e)}
+_DTYPE_OF_CODE = {int(e): d for e, d in ENCODING_DTYPE.items()}
+_ENC_OF_CODE = {int(e): e for e in ENCODING_DTYPE}
+# A stage ack carries no payload; its ring only needs room for a refusal's reason string, so it
+# is sized for one row (the layout's minimum error payload covers the reason).
+_ACK_ROWS = 1
+
+
+def stage_layout(max_bytes_rows: int, hidden: int, encoding: Encoding | str) -> SlotLayout:
+    """The layout of a stage channel whose chunks hold `max_bytes_rows` rows of `hidden`
+    elements (one micro-batch of activations fits one chunk)."""
+    return SlotLayout(max_bytes_rows, hidden, 1, encoding, encoding, _ACK_ROWS)
+
+
+def _rings(layout: SlotLayout, num_slots: int):
+    if num_slots < 1:
+        raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+    data = _C.SlotRing(layout.config, num_slots, True, POISON_SLOTS)
+    ack = _C.SlotRing(layout.config, num_slots, False, POISON_SLOTS)
+    return data, ack
+
+
+@dataclass
+class Chunk:
+    """One chunk taken from a data slot; `data` is the receiver's own copy."""
+
+    tag: int
+    index: int
+    count: int
+    encoding: Encoding
+    data: torch.Tensor  # uint8 [payload_bytes]
+
+
+class StageSender:
+    """The sending end: acks in our memory, chunks written into the receiver's data ring."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        layout: SlotLayout,
+        client_id: int,
+        num_slots: int = DEFAULT_NUM_SLOTS,
+        name: str = "stage",
+    ):
+        self.transport, self.layout, self.client_id, self.name = transport, layout, client_id, name
+        self.num_slots = num_slots
+        self.data_ring, self.ack_ring = _rings(layout, num_slots)
+        self.capacity = self.data_ring.slot_bytes - PAYLOAD_OFFSET
+        self.region: Region = transport.create_region(self.ack_ring.region_bytes)
+        self._bytes = RegionViews(self.region).bytes
+        self.receiver: Region | None = None
+        self.doorbell: Region | None = None
+        self._seq = 1  # 0 is the sequence of the zero-filled (IDLE) slot
+        self._next_slot = 0
+        self._pending: dict[int, tuple[int, int, int]] = {}  # slot -> (seq, tag, chunk)
+
+    @property
+    def handle(self) -> str:
+        return self.region.handle
+
+    def connect(self, receiver_handle: str, doorbell_handle: str | None = None) -> None:
+        receiver = self.transport.attach(receiver_handle)
+        if receiver.size < self.data_ring.region_bytes:
+            raise ProtocolError(
+                f"{self.name}: the receiver's region holds {receiver.size} bytes, the stage "
+                f"layout needs {self.data_ring.region_bytes}"
+            )
+        self.doorbell = self.transport.attach(doorbell_handle) if doorbell_handle else None
+        self.receiver = receiver
+
+    def send(
+        self,
+        tag: int,
+        data: torch.Tensor,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        encoding: Encoding | None = None,
+    ) -> int:
+        """Sends the bytes of `data` (a contiguous CPU tensor) as package `tag`; returns its
+        chunk count. Returns once every chunk is written, not acknowledged (see flush())."""
+        if self.receiver is None:
+            raise RuntimeError(f"{self.name}: send before connect")
+        if not isinstance(data, torch.Tensor) or data.device.type != "cpu":
+            raise TypeError(f"{self.name}: data must be a CPU torch.Tensor")
+        if encoding is None:
+            encoding = _ENCODING_OF_DTYPE.get(data.dtype, self.layout.encoding)
+        raw = data.contiguous().reshape(-1).view(torch.uint8)
+        n = raw.numel()
+        if n == 0:
+            raise ValueError(f"{self.name}: package {tag} is empty")
+        count = -(-n // self.capacity)
+        deadline = time.monotonic() + timeout
+        for i in range(count):
+            piece = raw[i * self.capacity : (i + 1) * self.capacity]
+            slot = self._take_slot(deadline)
+            seq = self._seq
+            _C.send_stage(
+                self.transport,
+                self.receiver,
+                self.data_ring,
+                slot,
+                self.client_id,
+                seq,
+                tag,
+                i,
+                count,
+                encoding,
+                piece.data_ptr(),
+                piece.numel(),
+                self.doorbell,
+                True,
+            )
+            self._seq += 1
+            self._pending[slot] = (seq, tag, i)
+        return count
+
+    def flush(self, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        """Waits until every chunk sent was acknowledged."""
+        deadline = time.monotonic() + timeout
+        for slot in list(self._pending):
+            self._wait_ack(slot, deadline)
+
+    def _take_slot(self, deadline: float) -> int:
+        slot = self._next_slot
+        self._next_slot = (slot + 1) % self.num_slots
+        if slot in self._pending:  # its previous chunk must have been taken first
+            self._wait_ack(slot, deadline)
+        return slot
+
+    def _wait_ack(self, slot: int, deadline: float) -> None:
+        seq, tag, chunk = self._pending.pop(slot)
+        remaining = max(0.0, deadline - time.monotonic())
+        out = _C.wait_stage_ack(
+            self.transport,
+            self.region,
+            self.ack_ring,
+            slot,
+            self.client_id,
+            seq,
+            _ns(remaining),
+            self.receiver,
+        )
+        where = f"{self.name} slot {slot} (package {tag} chunk {chunk}): "
+        if out.status == WaitStatus.TIMEOUT:
+            raise MoecommTimeout(f"{where}no acknowledgement within the deadline")
+        if out.status == WaitStatus.PEER_LOST:
+            reap_stale_segments()
+            raise PeerLostError(f"{where}the receiving process died ({self.receiver.describe()})")
+        if out.offline:
+            raise PeerOfflineError(f"{where}the receiver marked the slot OFFLINE")
+        if out.code != ValidateCode.OK:
+            raise ProtocolError(f"{where}invalid acknowledgement: {validate_reason(out.code)}")
+        h = out.header
+        # Read once: the reason (if any) is copied before the release below.
+        reason = bytes(
+            self._bytes[out.payload_offset : out.payload_offset + h.payload_bytes].tolist()
+        ).decode("utf-8", "replace")
+        _C.release_response(self.transport, self.region, self.ack_ring, slot, h.payload_bytes)
+        if h.status != 0:
+            raise RemoteError(h.status, reason, where)
+        if (h.layer_id, h.num_tokens) != (tag, chunk):
+            raise ProtocolError(f"{where}acknowledged package {h.layer_id} chunk {h.num_tokens}")
+
+    def close(self) -> None:
+        self.region.close()
+
+
+class StageReceiver:
+    """The receiving end: the data ring in our memory, acks written into the sender's."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        layout: SlotLayout,
+        client_id: int,
+        num_slots: int = DEFAULT_NUM_SLOTS,
+        name: str = "stage",
+    ):
+        self.transport, self.layout, self.client_id, self.name = transport, layout, client_id, name
+        self.data_ring, self.ack_ring = _rings(layout, num_slots)
+        self.region: Region = transport.create_region(self.data_ring.region_bytes)
+        self._views = RegionViews(self.region)
+        self.sender: Region | None = None
+
+    @property
+    def handle(self) -> str:
+        return self.region.handle
+
+    def connect(self, sender_handle: str) -> None:
+        sender = self.transport.attach(sender_handle)
+        if sender.size < self.ack_ring.region_bytes:
+            raise ProtocolError(
+                f"{self.name}: the sender's region holds {sender.size} bytes, the stage layout "
+                f"needs {self.ack_ring.region_bytes}"
+            )
+        self.sender = sender
+
+    def poll(self) -> list[Chunk]:
+        """Every chunk waiting in the data ring, copied out and acknowledged. A chunk whose
+        header does not validate is refused (the sender gets the reason) and raises."""
+        out = []
+        for inc in _C.poll_stage(self.transport, self.region, self.data_ring, self.client_id):
+            h = inc.header
+            if inc.code != ValidateCode.OK:
+                reason = validate_reason(inc.code)
+                _C.send_stage_ack(
+                    self.transport,
+                    self.region,
+                    self.data_ring,
+                    self.sender,
+                    self.ack_ring,
+                    inc.slot,
+                    self.client_id,
+                    inc.seq,
+                    h,
+                    int(inc.code),
+                    reason,
+                )
+                raise ProtocolError(f"{self.name}: refused a stage message: {reason}")
+            data = self._views.get(inc.payload_offset, (h.payload_bytes,), torch.uint8).clone()
+            enc = _ENC_OF_CODE[h.encoding]
+            _C.send_stage_ack(
+                self.transport,
+                self.region,
+                self.data_ring,
+                self.sender,
+                self.ack_ring,
+                inc.slot,
+                self.client_id,
+                inc.seq,
+                h,
+                0,
+                "",
+            )
+            out.append(Chunk(h.layer_id, h.num_tokens, h.topk, enc, data))
+        return out
+
+    def peer_alive(self) -> bool:
+        return self.sender is None or self.transport.peer_alive(self.sender)
+
+    def close(self) -> None:
+        self.region.close()
+
+
+class StageInbox:
+    """The receivers of one process, sleeping on one shared doorbell, with the packages they
+    reassemble. Senders connect with ``doorbell_handle=inbox.doorbell_handle``."""
+
+    def __init__(self, transport: Transport):
+        self.transport = transport
+        self.doorbell: Region = transport.create_region(_C.DOORBELL_BYTES)
+        self.receivers: dict[object, StageReceiver] = {}
+        self._parts: dict[tuple[object, int], list] = {}  # (source, tag) -> chunks so far
+        self.ready: dict[tuple[object, int], tuple[Encoding, torch.Tensor]] = {}
+
+    @property
+    def doorbell_handle(self) -> str:
+        return self.doorbell.handle
+
+    def add(self, source: object, receiver: StageReceiver) -> None:
+        self.receivers[source] = receiver
+
+    def pump(self, timeout: float) -> bool:
+        """Takes every chunk that arrived, sleeping up to `timeout` for the first one; returns
+        whether a package completed. Raises PeerLostError when a sender process died."""
+        seen = self.transport.load(self.doorbell, 0)
+        if self._take():
+            return True
+        status, _ = _C.wait_doorbell(self.transport, self.doorbell, seen, _ns(timeout), None)
+        if status != WaitStatus.OK:  # timed out: a peer that died never rings again
+            for source, r in self.receivers.items():
+                if not r.peer_alive():
+                    reap_stale_segments()
+                    raise PeerLostError(f"stage inbox: the sender {source!r} died")
+        return self._take()
+
+    def _take(self) -> bool:
+        completed = False
+        for source, r in self.receivers.items():
+            for c in r.poll():
+                parts = self._parts.setdefault((source, c.tag), [None] * c.count)
+                if len(parts) != c.count or parts[c.index] is not None:
+                    raise ProtocolError(
+                        f"stage inbox: package {c.tag} from {source!r}: chunk {c.index} of "
+                        f"{c.count} does not fit the chunks received so far"
+                    )
+                parts[c.index] = c
+                if all(p is not None for p in parts):
+                    del self._parts[(source, c.tag)]
+                    data = torch.cat([p.data for p in parts]) if len(parts) > 1 else parts[0].data
+                    self.ready[(source, c.tag)] = (c.encoding, data)
+                    completed = True
+        return completed
+
+    def take(self, source: object, tag: int, timeout: float) -> tuple[Encoding, torch.Tensor]:
+        """Waits for package `tag` from `source`; returns (encoding, bytes)."""
+        deadline = time.monotonic() + timeout
+        while (source, tag) not in self.ready:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise MoecommTimeout(
+                    f"stage inbox: package {tag} from {source!r} did not arrive within "
+                    f"{timeout:.3f} s"
+                )
+            self.pump(min(remaining, INBOX_SLICE_S))
+        return self.ready.pop((source, tag))
+
+    def close(self) -> None:
+        for r in self.receivers.values():
+            r.close()
+        self.doorbell.close()
+
+
+# Longest sleep on the shared doorbell before a caller re-checks its deadline and the senders'
+# liveness (a dead sender never rings).
+INBOX_SLICE_S = 0.5
+
+
+def as_tensor(encoding: Encoding, data: torch.Tensor, hidden: int) -> torch.Tensor:
+    """Activation rows ``[T, hidden]`` from a package's bytes."""
+    return data.view(_DTYPE_OF_CODE[int(encoding)]).view(-1, hidden)

@@ -1,0 +1,82 @@
+"""Where a process's MoE layers find their experts when they run on expert servers: the servers
+by URL, or the ones registered with a membership monitor (followed as they join and leave).
+:func:`connect_experts` gives a connected :class:`moecomm.runtime.AttentionClient` — the
+front end has one, and every pipeline stage process its own."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from moecomm.membership import connect_membership
+from moecomm.membership.monitor import TOKEN_ENV
+from moecomm.runtime import AttentionClient
+from moecomm.runtime.launch import DEFAULT_TTL_S
+
+# Per-request deadline of an expert round trip by default, as `moecomm frontend --timeout`.
+DEFAULT_EXPERT_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class RemoteExperts:
+    """Picklable: how to reach the expert servers (exactly one of `servers` and `monitor`)."""
+
+    servers: tuple[str, ...] = ()
+    monitor: str | None = None
+    token: str = ""  # of the expert servers' control planes
+    timeout: float = DEFAULT_EXPERT_TIMEOUT_S
+    encoding: str = "f32"
+    ttl: float = DEFAULT_TTL_S
+
+    def __post_init__(self):
+        if bool(self.servers) == bool(self.monitor):
+            raise ValueError("give expert servers either by URL or through a monitor, not both")
+
+
+def server_urls(membership) -> list[str]:
+    """Control URLs of the servers registered with `membership` that are not draining."""
+    return [
+        m.endpoints["control"]
+        for m in membership.list_members("server")
+        if "control" in m.endpoints and m.metadata.get("draining") != "1"
+    ]
+
+
+def connect_experts(
+    remote: RemoteExperts,
+    hidden: int,
+    topk: int,
+    max_tokens: int,
+    client_id: int | None = None,
+    out_dtype: torch.dtype = torch.float32,
+) -> AttentionClient:
+    """A connected client of the servers `remote` names; it follows the monitor when given.
+    The membership monitor's token comes from the environment, as for every CLI process."""
+    membership = None
+    if remote.monitor:
+        membership = connect_membership(remote.monitor, os.environ.get(TOKEN_ENV, ""))
+        urls = server_urls(membership)
+        if not urls:
+            raise RuntimeError(f"no expert server is registered with {remote.monitor}")
+    else:
+        urls = list(remote.servers)
+    client = AttentionClient(
+        urls,
+        client_id,
+        hidden,
+        topk,
+        max_tokens,
+        encoding=remote.encoding,
+        out_dtype=out_dtype,
+        token=remote.token,
+        timeout=remote.timeout,
+    )
+    try:
+        client.connect()
+        if membership is not None:
+            client.follow(membership, remote.ttl)
+    except BaseException:
+        client.close()
+        raise
+    return client
