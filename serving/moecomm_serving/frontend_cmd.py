@@ -13,14 +13,18 @@ from moecomm.membership import connect_membership
 from moecomm.membership.monitor import TOKEN_ENV
 from moecomm.runtime import AttentionClient
 from moecomm.runtime.launch import DEFAULT_TTL_S
-from moecomm.runtime.placement import PlacementController
 from moecomm.runtime.registry import ClientIdInUse
 
 from moecomm_serving.config import MoEConfig
 from moecomm_serving.expert_server import set_threads
 from moecomm_serving.frontend import make_frontend_app, start_frontend
+from moecomm_serving.frontend_pipeline import run_pipelined
 from moecomm_serving.model import LOCAL, load_model
-from moecomm_serving.rebalance_cmd import add_controller_arguments, summary
+from moecomm_serving.rebalance_cmd import (
+    add_controller_arguments,
+    check_placement_args,
+    start_placement,
+)
 from moecomm_serving.tokenizer import load_tokenizer
 
 # How often the foreground thread checks for a stop request.
@@ -80,6 +84,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--ttl", type=float, default=DEFAULT_TTL_S, help="membership lease (s)")
     p.add_argument(
+        "--stages",
+        type=int,
+        default=1,
+        help="pipeline stages: N > 1 splits the model's layers over N stage processes, each "
+        "calling the expert servers through its own client, with DynaPipe layer redistribution "
+        "(default 1: the whole model in this process)",
+    )
+    p.add_argument(
         "--eplb-interval",
         type=float,
         default=0.0,
@@ -97,31 +109,12 @@ def _servers_from(membership) -> list[str]:
     ]
 
 
-def start_placement(args: argparse.Namespace, client) -> PlacementController | None:
-    """--eplb-interval: a placement controller over the servers this front end routes to."""
-    if args.eplb_interval <= 0:
-        return None
-    if client is None:
-        raise SystemExit("--eplb-interval needs expert servers (--servers or --monitor)")
-
-    def live() -> list[str]:  # the client's servers as of now (membership joins included)
-        urls, channels = list(client.urls), list(client.channels)
-        return [u for u, ch in zip(urls, channels, strict=False) if ch is not None]
-
-    controller = PlacementController(
-        live,
-        args.token,
-        weights_from=args.eplb_weights_from,
-        min_gain=args.eplb_min_gain,
-        min_tokens=args.eplb_min_tokens,
-        on_report=lambda r: r.skipped or print(f"frontend: {summary(r)}", flush=True),
-    )
-    controller.start(args.eplb_interval)
-    print(f"frontend: re-placing experts every {args.eplb_interval:g} s", flush=True)
-    return controller
-
-
 def run(args: argparse.Namespace) -> int:
+    if args.stages < 1:
+        raise SystemExit(f"moecomm frontend: --stages must be >= 1, got {args.stages}")
+    check_placement_args(args)
+    if args.stages > 1:
+        return run_pipelined(args)
     set_threads(args)
     config = MoEConfig.from_file(args.checkpoint)
     client = membership = None
@@ -166,7 +159,13 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     http = start_frontend(app, args.host, args.port)
     print(f"frontend {name} listening on {http.url}", flush=True)
-    controller = start_placement(args, client)
+    controller = None
+    if client is not None:
+        controller = start_placement(args, client.live_urls)
+    elif args.eplb_interval > 0:
+        raise SystemExit(
+            "moecomm frontend: --eplb-interval needs expert servers, not --local-experts"
+        )
     try:
         while not stop.wait(WAKE_S):
             pass

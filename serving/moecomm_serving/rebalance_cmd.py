@@ -95,6 +95,32 @@ def summary(r: RebalanceReport) -> str:
     return text + (f"; errors: {'; '.join(r.errors)}" if r.errors else "")
 
 
+def check_placement_args(args: argparse.Namespace) -> None:
+    if args.eplb_interval > 0 and args.local_experts:
+        raise SystemExit(
+            "moecomm frontend: --eplb-interval needs expert servers (--servers or "
+            "--monitor), not --local-experts"
+        )
+
+
+def start_placement(args: argparse.Namespace, servers) -> PlacementController | None:
+    """`moecomm frontend --eplb-interval`: a placement controller over `servers()` (the front
+    end's live servers, or those its flags name) in a background thread; None when off."""
+    if args.eplb_interval <= 0:
+        return None
+    controller = PlacementController(
+        servers,
+        args.token,
+        weights_from=args.eplb_weights_from,
+        min_gain=args.eplb_min_gain,
+        min_tokens=args.eplb_min_tokens,
+        on_report=lambda r: r.skipped or print(f"frontend: {summary(r)}", flush=True),
+    )
+    controller.start(args.eplb_interval)
+    print(f"frontend: re-placing experts every {args.eplb_interval:g} s", flush=True)
+    return controller
+
+
 def run(args: argparse.Namespace) -> int:
     controller = PlacementController(
         server_list(args),

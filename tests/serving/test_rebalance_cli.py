@@ -39,7 +39,10 @@ def lines_of(proc) -> queue.Queue:
 
 
 @pytest.mark.timeout(400)
-def test_frontend_eplb_interval_moves_experts_while_serving(mixtral_dir):
+@pytest.mark.parametrize("stages", [1, 2])
+def test_frontend_eplb_interval_moves_experts_while_serving(mixtral_dir, stages):
+    """With --stages 2 the experts are called from two stage processes, each with its own
+    client: both pick up every new table."""
     procs = []
     try:
         deadline = time.monotonic() + START_S
@@ -73,6 +76,8 @@ def test_frontend_eplb_interval_moves_experts_while_serving(mixtral_dir):
                 "1",
                 "--eplb-min-tokens",
                 "16",
+                "--stages",
+                str(stages),
                 *ONE_THREAD,
             ],
             stdout=subprocess.PIPE,
@@ -103,6 +108,8 @@ def test_frontend_eplb_interval_moves_experts_while_serving(mixtral_dir):
         r = httpx.post(f"{fe_url}/v1/completions", json=BODY, timeout=120)
         assert r.json()["choices"][0]["token_ids"] == tokens
         # One pass of `moecomm rebalance` from the outside: a JSON report, exit 0.
+        if stages > 1:
+            return
         rb = subprocess.run(
             [*CLI, "rebalance", "--servers", ",".join(urls), "--json", "--min-tokens", "1"],
             capture_output=True,

@@ -158,6 +158,12 @@ class AttentionClient:
         """A server left (monitor event or drain): stop routing to it for good."""
         self.pool.remove(url)
 
+    def live_urls(self) -> list[str]:
+        """The servers this client is connected to now (safe to call from another thread: a
+        placement controller reads it)."""
+        urls, channels = list(self.urls), list(self.channels)
+        return [u for u, ch in zip(urls, channels, strict=False) if ch is not None]
+
     def evict(self, server: int, reason: str = "") -> None:
         """Takes `server` out of every expert map for `evict_s` seconds, and then until its
         /health passes (probed in the background)."""

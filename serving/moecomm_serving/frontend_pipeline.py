@@ -1,0 +1,87 @@
+"""`moecomm frontend --stages N` (N > 1): the model split into N pipeline stage processes, each
+calling the expert servers through its own attention client (or running its experts in-process
+with --local-experts), behind the same OpenAI API as the single-process front end."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import threading
+
+import torch
+
+from moecomm_serving.config import MoEConfig
+from moecomm_serving.expert_server import set_threads
+from moecomm_serving.frontend import make_frontend_app, start_frontend
+from moecomm_serving.pipeline_model import PipelinedModel
+from moecomm_serving.pipeline_stages import model_pipeline
+from moecomm_serving.rebalance_cmd import server_list, start_placement
+from moecomm_serving.remote_experts import RemoteExperts
+from moecomm_serving.tokenizer import load_tokenizer
+
+# How often the foreground thread checks for a stop request.
+WAKE_S = 0.2
+
+
+def run_pipelined(args: argparse.Namespace) -> int:
+    if args.eplb_interval > 0 and args.local_experts:
+        raise SystemExit(
+            "moecomm frontend: --eplb-interval needs expert servers, not --local-experts"
+        )
+    set_threads(args)
+    config = MoEConfig.from_file(args.checkpoint)
+    if config.num_hidden_layers < args.stages:
+        raise SystemExit(
+            f"moecomm frontend: {args.stages} stages need at least as many layers, the model "
+            f"has {config.num_hidden_layers}"
+        )
+    remote = None
+    if not args.local_experts:
+        urls = [] if args.monitor else args.servers.split(",")
+        remote = RemoteExperts(
+            servers=tuple(u.strip() for u in urls if u.strip()),
+            monitor=args.monitor,
+            token=args.token,
+            timeout=args.timeout,
+            encoding=args.encoding,
+            ttl=args.ttl,
+        )
+    where = "in-process experts" if remote is None else "expert servers"
+    print(f"starting {args.stages} pipeline stages over {where}", flush=True)
+    pipe = model_pipeline(
+        args.checkpoint,
+        args.stages,
+        dtype=torch.float32,
+        max_tokens=args.max_batch_tokens,
+        remote=remote,
+        client_id=args.client_id,
+        return_logits=True,
+    )
+    model = PipelinedModel(pipe, config)
+    http = controller = None
+    try:
+        tokenizer = load_tokenizer(args.checkpoint, config)
+        name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
+        app = make_frontend_app(model, tokenizer, name, args.max_batch_tokens)
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        http = start_frontend(app, args.host, args.port)
+        ranges = " | ".join(f"{r.start}-{r.stop - 1}" for r in pipe.ranges)
+        print(f"pipeline stages ready: layers {ranges}", flush=True)
+        # The last line of the start-up, in the single-process front end's format (the demo
+        # and scripts read the URL from it).
+        print(f"frontend {name} listening on {http.url}", flush=True)
+        # The stages' clients share the servers: the controller reads them from the flags.
+        controller = start_placement(args, server_list(args))
+        while not stop.wait(WAKE_S):
+            pass
+    finally:
+        print("frontend: stopping", flush=True)
+        if controller is not None:
+            controller.stop()
+        if http is not None:
+            http.stop()  # before the stages: in-flight steps still need them
+        model.close()
+    return 0
