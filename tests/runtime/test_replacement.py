@@ -13,6 +13,7 @@ from moecomm.errors import RemoteError
 from moecomm.ops.dispatch import pack_dispatch
 from moecomm.protocol import ResponseStatus, SlotLayout
 from moecomm.runtime import AttentionClient
+from moecomm.runtime.control import HttpServer, make_app
 from moecomm.runtime.experts import LayerExperts
 from moecomm.runtime.launch import ModelSpec, spawn_expert_server
 from moecomm.runtime.placement import PlacementController
@@ -331,3 +332,43 @@ def test_experts_of_a_lost_server_get_new_homes():
             c.close()
         for p in procs:
             p.stop()
+
+
+def test_round_robin_rotates_replicas_per_layer_when_layers_interleave():
+    """A model calls its layers in turn: with two layers and two replicas, a counter shared by
+    the layers would send every layer-0 token to one replica and every layer-1 token to the
+    other."""
+    experts = SPEC.experts()
+    servers, https = [], []
+    c = None
+    try:
+        for name in ("rr0", "rr1"):
+            s = ExpertServer({la: {e: experts[la][e] for e in range(4)} for la in (0, 1)}, name)
+            s.start()
+            https.append(HttpServer(make_app(s)))
+            servers.append((s, https[-1].start()))
+        c = AttentionClient(
+            [u for _, u in servers],
+            None,
+            SPEC.hidden,
+            1,
+            8,
+            encoding="f32",
+            out_dtype=torch.float32,
+        )
+        c.connect()
+        x, ids, w = (
+            torch.ones(2, SPEC.hidden),
+            torch.zeros(2, 1, dtype=torch.int32),
+            torch.ones(2, 1),
+        )
+        for step in range(8):
+            c.combine(c.dispatch(x, ids, w, step % 2))
+        for s, _ in servers:
+            assert s.stats.expert_load[(0, 0)] == 4 and s.stats.expert_load[(1, 0)] == 4
+    finally:
+        if c is not None:
+            c.close()
+        for (s, _), h in zip(servers, https, strict=True):
+            h.stop()
+            s.close()

@@ -134,7 +134,10 @@ class AttentionClient:
         self._watcher = None
         self._busy = [False] * num_slots
         self._next_slot = 0
-        self._rr = 0
+        # Round-robin position per layer: one shared counter would advance by the number of
+        # layers between two calls of a layer, and with an even layer count a layer whose
+        # experts have two replicas would always pick the same one.
+        self._rr: dict[int, int] = {}
 
     # ------------------------------------------------------------------ servers, expert maps
     def connect(self) -> None:
@@ -210,10 +213,10 @@ class AttentionClient:
                     self.add_server(url)
 
     # ------------------------------------------------------------------ data path
-    def _replicas(self, emap: ExpertMap) -> torch.Tensor:
+    def _replicas(self, emap: ExpertMap, layer_id: int) -> torch.Tensor:
         if self.replica_policy == "round_robin":
-            self._rr += 1
-            return (self._rr + torch.arange(emap.num_experts)) % emap.num_replicas
+            rr = self._rr[layer_id] = self._rr.get(layer_id, 0) + 1
+            return (rr + torch.arange(emap.num_experts)) % emap.num_replicas
         # least outstanding: for every expert, the replica whose server has the fewest tokens
         # in flight (ties to the lower replica ordinal, so the choice is deterministic).
         load = torch.tensor(self.outstanding, dtype=torch.int64)
@@ -238,7 +241,7 @@ class AttentionClient:
         return emap
 
     def _send(self, slot: int, layer_id: int, x, topk_ids, topk_weights, emap) -> tuple:
-        replica = self._replicas(emap)
+        replica = self._replicas(emap, layer_id)
         batches = pack_dispatch(
             x, topk_ids, topk_weights, emap, encoding=self.encoding, replica=replica
         )
