@@ -25,6 +25,7 @@ from moecomm_serving.rebalance_cmd import (
     check_placement_args,
     start_placement,
 )
+from moecomm_serving.remote_experts import server_urls
 from moecomm_serving.tokenizer import load_tokenizer
 
 # How often the foreground thread checks for a stop request.
@@ -101,14 +102,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_controller_arguments(p, prefix="eplb-")
 
 
-def _servers_from(membership) -> list[str]:
-    return [
-        m.endpoints["control"]
-        for m in membership.list_members("server")
-        if "control" in m.endpoints and m.metadata.get("draining") != "1"
-    ]
-
-
 def run(args: argparse.Namespace) -> int:
     if args.stages < 1:
         raise SystemExit(f"moecomm frontend: --stages must be >= 1, got {args.stages}")
@@ -123,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         if args.monitor:
             membership = connect_membership(args.monitor, os.environ.get(TOKEN_ENV, ""))
-            urls = _servers_from(membership)
+            urls = server_urls(membership)
             if not urls:
                 raise SystemExit(f"no expert server is registered with {args.monitor}")
         else:

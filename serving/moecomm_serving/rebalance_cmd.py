@@ -18,6 +18,8 @@ from moecomm.runtime.placement import (
     RebalanceReport,
 )
 
+from moecomm_serving.remote_experts import server_urls
+
 # A layer is re-placed only if its heaviest server drops by this fraction (5%): smaller gains
 # are within the noise of a few seconds of load and not worth moving weights for.
 DEFAULT_MIN_GAIN = 0.05
@@ -72,15 +74,7 @@ def server_list(args: argparse.Namespace):
         urls = [u.strip() for u in args.servers.split(",") if u.strip()]
         return lambda: urls
     membership = connect_membership(args.monitor, os.environ.get(TOKEN_ENV, ""))
-
-    def live() -> list[str]:
-        return [
-            m.endpoints["control"]
-            for m in membership.list_members("server")
-            if "control" in m.endpoints and m.metadata.get("draining") != "1"
-        ]
-
-    return live
+    return lambda: server_urls(membership)
 
 
 def summary(r: RebalanceReport) -> str:
