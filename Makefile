@@ -25,7 +25,8 @@ $(DEPS_STAMP): pyproject.toml | $(PY)
 	$(PIP) install -q "scikit-build-core>=0.10" "pybind11>=2.12" ninja \
 		"pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "pyzmq>=25" \
 		"ruff>=0.6" "clang-format>=18" triton "fastapi>=0.110" "uvicorn>=0.29" "httpx>=0.27" \
-		"safetensors>=0.4" matplotlib
+		"safetensors>=0.4" matplotlib "tokenizers>=0.22,<0.24" "jinja2>=3.1" "openai>=1.40" \
+		transformers==5.18.0
 	# GPU data path: NVSHMEM headers + device library for the build (the CUDA 13 wheel matches the
 	# machine's nvcc 13; use nvidia-nvshmem-cu12 with a CUDA 12 toolkit) and cuda-python for
 	# device discovery and IPC handles. Both install and import without a GPU.

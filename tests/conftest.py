@@ -16,6 +16,12 @@ import pytest
 import torch
 from membership_procs import MONITOR_TOKEN, EtcdProcess, MonitorProcess, etcd_binary
 
+# Triton reads TRITON_INTERPRET when it is first imported, and modules collected before
+# tests/ops (transformers, imported by the tokenizer and parity tests) import it: without a
+# device the interpreter is the only way the kernels run, so choose it before anything else.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Fuzz and round-trip counts: CI defaults, raised for long runs with MOECOMM_LONG=1.
 LONG = os.environ.get("MOECOMM_LONG") == "1"
 

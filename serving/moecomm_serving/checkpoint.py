@@ -19,7 +19,10 @@ Names (``{i}`` layer, ``{e}`` expert):
   ``model.layers.{i}.mlp.experts.{e}.{gate_proj,up_proj,down_proj}.weight``, and with a shared
   expert ``model.layers.{i}.mlp.shared_expert.{gate_proj,up_proj,down_proj}.weight`` and
   ``model.layers.{i}.mlp.shared_expert_gate.weight``; dense layers
-  ``model.layers.{i}.mlp.{gate_proj,up_proj,down_proj}.weight``.
+  ``model.layers.{i}.mlp.{gate_proj,up_proj,down_proj}.weight``;
+- Qwen3-MoE: the Qwen2-MoE names without shared expert, plus
+  ``model.layers.{i}.self_attn.{q,k}_norm.weight`` and, with ``attention_bias``, biases on
+  q/k/v/o.
 """
 
 from __future__ import annotations
@@ -103,6 +106,11 @@ def layer_names(config: MoEConfig, layer: int) -> dict[str, tuple[int, ...]]:
         names[f"{p}.self_attn.q_proj.bias"] = (q_out,)
         names[f"{p}.self_attn.k_proj.bias"] = (kv_out,)
         names[f"{p}.self_attn.v_proj.bias"] = (kv_out,)
+    if config.o_proj_bias:
+        names[f"{p}.self_attn.o_proj.bias"] = (h,)
+    if config.qk_norm:
+        names[f"{p}.self_attn.q_norm.weight"] = (d,)
+        names[f"{p}.self_attn.k_norm.weight"] = (d,)
     if not config.is_sparse(layer):
         names.update(_swiglu(f"{p}.mlp", config.dense_intermediate_size, h))
         return names

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from moecomm_serving import demo, expert_server, frontend_cmd, loadgen, rebalance_cmd
@@ -23,7 +24,7 @@ subcommands:
 def _tiny(args: argparse.Namespace) -> int:
     from moecomm_serving.tiny import main as tiny_main
 
-    tiny_main(["--out", args.out, "--layout", args.layout, "--seed", str(args.seed)])
+    tiny_main(["--out", args.out, "--arch", args.arch, "--seed", str(args.seed)])
     return 0
 
 
@@ -95,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="pipeline stages of the front end (2: the model split over two stage processes, "
         "each calling the expert servers)",
     )
+    dm.add_argument(
+        "--arch",
+        default="mixtral",
+        choices=["mixtral", "qwen2_moe", "qwen3_moe"],
+        help="model family of the tiny checkpoint",
+    )
     dm.set_defaults(func=demo.run)
     bn = sub.add_parser(
         "bench",
@@ -110,15 +117,34 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write the tiny random MoE checkpoint (fixed seed).",
     )
     tiny.add_argument("--out", required=True)
-    tiny.add_argument("--layout", default="mixtral", choices=["mixtral", "qwen2_moe"])
+    tiny.add_argument(
+        "--arch",
+        "--layout",
+        dest="arch",
+        default="mixtral",
+        choices=["mixtral", "qwen2_moe", "qwen3_moe"],
+        help="model family (--layout is its older name)",
+    )
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_tiny)
     return p
 
 
+# Set to 1 to see the traceback of a checkpoint or file error instead of its one-line message.
+TRACEBACK_ENV = "MOECOMM_TRACEBACK"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (OSError, ValueError) as exc:
+        # A missing or malformed checkpoint (config, weights, tokenizer, chat template) or an
+        # unwritable path: the message names the file, a traceback would only hide it.
+        if os.environ.get(TRACEBACK_ENV) == "1":
+            raise
+        print(f"moecomm {args.command}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -9,11 +9,18 @@ Two layouts of the same architecture family are understood:
   ``norm_topk_prob``, an optional shared expert (``shared_expert_intermediate_size``) and dense
   layers (``mlp_only_layers``, ``decoder_sparse_step``) whose MLP width is ``intermediate_size``;
   q/k/v projections carry biases.
+- ``qwen3_moe`` (Qwen3-MoE): the Qwen2-MoE keys without a shared expert, plus a per-head RMSNorm
+  of q and k (``q_norm``, ``k_norm``) before RoPE; ``attention_bias`` puts a bias on q/k/v/o.
+
+transformers 5 writes the expert count of the Qwen families as ``num_local_experts`` and the rope
+as ``rope_parameters``; 4.x wrote ``num_experts`` and ``rope_theta`` / ``rope_scaling``. Both
+are read (see :mod:`moecomm_serving.rope` for the rope types).
 
 Keys that only matter for training (dropout, aux-loss coefficients, router jitter) are ignored.
-Keys that would change what inference computes and that this model does not implement (RoPE
-scaling, sliding-window attention, activations other than SiLU, quantized weights) raise
-:class:`UnsupportedConfigError` naming the key, rather than silently computing something else.
+Keys that would change what inference computes and that this model does not implement (rope
+types other than default/linear/yarn, sliding-window attention, activations other than SiLU,
+quantized weights) raise :class:`UnsupportedConfigError` naming the key, rather than silently
+computing something else.
 """
 
 from __future__ import annotations
@@ -23,14 +30,24 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from moecomm_serving.rope import RopeConfig, UnsupportedRopeError, read_rope
+
 MIXTRAL = "mixtral"
 QWEN2_MOE = "qwen2_moe"
-SUPPORTED_MODEL_TYPES = (MIXTRAL, QWEN2_MOE)
+QWEN3_MOE = "qwen3_moe"
+SUPPORTED_MODEL_TYPES = (MIXTRAL, QWEN2_MOE, QWEN3_MOE)
+QWEN_FAMILIES = (QWEN2_MOE, QWEN3_MOE)
 
 # HF defaults used when a key is absent (the values of transformers' config classes).
 DEFAULT_RMS_NORM_EPS = 1e-5  # MixtralConfig default; Qwen2MoeConfig uses 1e-6 (set below)
 DEFAULT_ROPE_THETA = 1e6  # MixtralConfig default rope_theta
 DEFAULT_MAX_POSITIONS = 4096 * 32  # MixtralConfig default max_position_embeddings
+# Qwen2MoeConfig / Qwen3MoeConfig defaults.
+QWEN_RMS_NORM_EPS = 1e-6
+QWEN_ROPE_THETA = 10000.0
+QWEN_MAX_POSITIONS = 32768
+# Frozen, so one shared default is safe.
+MIXTRAL_DEFAULT_ROPE = RopeConfig(theta=DEFAULT_ROPE_THETA)
 
 
 class UnsupportedConfigError(ValueError):
@@ -57,11 +74,13 @@ class MoEConfig:
     moe_intermediate_size: int
     norm_topk_prob: bool = True
     attention_bias: bool = False
+    o_proj_bias: bool = False
+    qk_norm: bool = False
     shared_expert_intermediate_size: int = 0
     dense_intermediate_size: int = 0
     sparse_layers: tuple[int, ...] = ()
     rms_norm_eps: float = DEFAULT_RMS_NORM_EPS
-    rope_theta: float = DEFAULT_ROPE_THETA
+    rope: RopeConfig = MIXTRAL_DEFAULT_ROPE
     max_position_embeddings: int = DEFAULT_MAX_POSITIONS
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
@@ -130,6 +149,10 @@ class MoEConfig:
         hidden = get("hidden_size")
         heads = get("num_attention_heads")
         layers = get("num_hidden_layers")
+        qwen = model_type in QWEN_FAMILIES
+        max_positions = d.get(
+            "max_position_embeddings", QWEN_MAX_POSITIONS if qwen else DEFAULT_MAX_POSITIONS
+        )
         common = {
             "model_type": model_type,
             "vocab_size": get("vocab_size"),
@@ -139,8 +162,8 @@ class MoEConfig:
             "num_key_value_heads": d.get("num_key_value_heads") or heads,
             "head_dim": d.get("head_dim") or _head_dim(hidden, heads),
             "num_experts_per_tok": get("num_experts_per_tok"),
-            "rope_theta": float(d.get("rope_theta", DEFAULT_ROPE_THETA)),
-            "max_position_embeddings": d.get("max_position_embeddings", DEFAULT_MAX_POSITIONS),
+            "rope": _rope(d, QWEN_ROPE_THETA if qwen else DEFAULT_ROPE_THETA, max_positions),
+            "max_position_embeddings": max_positions,
             "tie_word_embeddings": bool(d.get("tie_word_embeddings", False)),
             "bos_token_id": d.get("bos_token_id"),
             "eos_token_id": _first_eos(d.get("eos_token_id")),
@@ -158,7 +181,10 @@ class MoEConfig:
                 rms_norm_eps=float(d.get("rms_norm_eps", DEFAULT_RMS_NORM_EPS)),
                 **common,
             )
-        num_experts = get("num_experts")
+        # transformers 5 saves the Qwen expert count under its attribute-map name.
+        num_experts = d.get("num_experts", d.get("num_local_experts"))
+        if num_experts is None:
+            raise ValueError(f"config: required key 'num_experts' is missing ({model_type})")
         step = d.get("decoder_sparse_step", 1)
         mlp_only = set(d.get("mlp_only_layers") or [])
         sparse = tuple(
@@ -166,16 +192,25 @@ class MoEConfig:
             for i in range(layers)
             if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0
         )
+        if model_type == QWEN2_MOE:
+            # Qwen2-MoE's q/k/v projections always carry a bias (o_proj never does).
+            bias = {"attention_bias": bool(d.get("qkv_bias", True))}
+            shared = int(d.get("shared_expert_intermediate_size") or 0)
+        else:
+            # Qwen3-MoE: one attention_bias flag for q/k/v/o, per-head q/k norms, no shared
+            # expert.
+            qwen3_bias = bool(d.get("attention_bias", False))
+            bias = {"attention_bias": qwen3_bias, "o_proj_bias": qwen3_bias, "qk_norm": True}
+            shared = 0
         return cls(
             num_experts=num_experts,
             moe_intermediate_size=get("moe_intermediate_size"),
             norm_topk_prob=bool(d.get("norm_topk_prob", False)),
-            # Qwen2-MoE's q/k/v projections always carry a bias (o_proj never does).
-            attention_bias=bool(d.get("qkv_bias", True)),
-            shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0),
+            shared_expert_intermediate_size=shared,
             dense_intermediate_size=int(d.get("intermediate_size") or 0),
             sparse_layers=sparse,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(d.get("rms_norm_eps", QWEN_RMS_NORM_EPS)),
+            **bias,
             **common,
         )
 
@@ -206,6 +241,13 @@ def _getter(d: dict[str, Any]):
     return get
 
 
+def _rope(d: dict[str, Any], default_theta: float, max_positions: int) -> RopeConfig:
+    try:
+        return read_rope(d, default_theta, max_positions)
+    except UnsupportedRopeError as exc:
+        raise UnsupportedConfigError(str(exc)) from None
+
+
 def _head_dim(hidden: int, heads: int) -> int:
     if hidden % heads:
         raise ValueError(
@@ -226,10 +268,7 @@ def _reject_unsupported(d: dict[str, Any]) -> None:
     act = d.get("hidden_act", "silu")
     if act != "silu":
         raise UnsupportedConfigError(f"config: hidden_act {act!r} is not supported (only 'silu')")
-    scaling = d.get("rope_scaling")
-    if scaling and (scaling.get("rope_type") or scaling.get("type")) != "default":
-        raise UnsupportedConfigError(f"config: rope_scaling {scaling} is not supported")
-    if d.get("model_type") == QWEN2_MOE and d.get("use_sliding_window"):
+    if d.get("model_type") in QWEN_FAMILIES and d.get("use_sliding_window"):
         raise UnsupportedConfigError("config: use_sliding_window=true is not supported")
     if d.get("model_type") == MIXTRAL and d.get("sliding_window") is not None:
         window, max_pos = d["sliding_window"], d.get("max_position_embeddings", 0)
@@ -238,6 +277,10 @@ def _reject_unsupported(d: dict[str, Any]) -> None:
                 f"config: sliding_window={window} (< max_position_embeddings {max_pos}) is not "
                 "supported; only full causal attention is implemented"
             )
+    # transformers 5 lists each layer's attention kind; only full attention is implemented.
+    kinds = sorted(set(d.get("layer_types") or ()) - {"full_attention"})
+    if kinds:
+        raise UnsupportedConfigError(f"config: layer_types {kinds} are not supported")
     if d.get("quantization_config"):
         raise UnsupportedConfigError(
             "config: quantized checkpoints (quantization_config) are not supported"

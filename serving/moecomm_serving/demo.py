@@ -142,8 +142,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="moecomm-demo-") as tmp:
             ckpt = os.path.join(tmp, "tiny")
-            say("1. writing the tiny checkpoint (4 layers, 16 experts, top-2, hidden 256)")
-            subprocess.run([*CLI, "tiny", "--out", ckpt], check=True, timeout=START_TIMEOUT_S)
+            arch = getattr(args, "arch", "mixtral")
+            say(f"1. writing the tiny {arch} checkpoint (4 layers, 16 experts, hidden 256)")
+            subprocess.run(
+                [*CLI, "tiny", "--out", ckpt, "--arch", arch], check=True, timeout=START_TIMEOUT_S
+            )
             say("2. starting the membership monitor")
             monitor = procs.start("monitor", ["monitor"], "http://")
             say(f"   monitor at {monitor}")

@@ -4,8 +4,10 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming or no
 ``GET /v1/models``, ``GET /health`` (a real one-token forward through the engine, experts
 included) and ``GET /metrics`` (Prometheus text). See docs/frontend.md.
 
-Each request is checked on the event loop (bad JSON, unknown model, unsupported parameters,
-prompt too long -> 4xx before anything is queued), then handed to the :class:`Engine`, whose
+Each request's body is read up to a size limit (413 beyond), then parsed, tokenized and checked
+in a worker thread, so a huge prompt never stalls the event loop (bad JSON, unknown model,
+unsupported parameters, prompt too long -> 4xx in OpenAI's error shape before anything is
+queued; every other failure is a 500 in the same shape), then handed to the :class:`Engine`, whose
 thread feeds the request's events back into an asyncio queue. A streaming response sends one
 SSE chunk per generated token; if the engine fails the request half-way, the stream ends with an
 ``{"error": ...}`` event and no ``[DONE]`` (the request is not retried: the client has seen
@@ -44,6 +46,9 @@ DISCONNECT_POLL_S = 1.0
 DEADLINE_GRACE_S = 5.0
 # The health probe is one greedy token; it must answer well within a load balancer's timeout.
 HEALTH_TIMEOUT_S = 30.0
+# The largest request body accepted (413 beyond): a prompt of a 128k-token context as token ids
+# is ~1 MiB of JSON; 8 MiB leaves room for long chats without letting one request pin memory.
+DEFAULT_MAX_BODY_BYTES = 8 << 20
 
 
 class _Tracker:
@@ -115,9 +120,11 @@ class Frontend:
         max_model_len: int | None = None,
         request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
         batch_wait_s: float = 0.0,
-        chat_template: oa.ChatTemplate = oa.default_chat_template,
+        chat_template: oa.ChatTemplate | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ):
         self.model, self.tok, self.model_name = model, tokenizer, model_name
+        self.max_body_bytes = max_body_bytes
         # An AttentionClient's slots hold at most layout.max_tokens rows per dispatch, and one
         # engine step dispatches all of its tokens at once.
         cap = getattr(getattr(model.experts, "layout", None), "max_tokens", None)
@@ -130,7 +137,11 @@ class Frontend:
         self.max_model_len = limit if max_model_len is None else min(max_model_len, limit)
         self.request_timeout_s = request_timeout_s
         self.chat_template = chat_template
-        self.engine = Engine(model, max_batch_tokens, max_num_seqs, batch_wait_s=batch_wait_s)
+        # every EOS id the checkpoint's generation config lists ends a request
+        eos_ids = getattr(tokenizer, "eos_ids", None) or None
+        self.engine = Engine(
+            model, max_batch_tokens, max_num_seqs, batch_wait_s=batch_wait_s, eos_token_id=eos_ids
+        )
         backend = model.experts
         self.metrics = ServingMetrics(
             queue_depth=lambda: self.engine.queue_depth,
@@ -179,8 +190,25 @@ class Frontend:
 
     def chat_input(self, req: oa.ChatRequest) -> tuple[list[int], int]:
         self._check_model(req.model)
-        ids = self.tok.encode(self.chat_template(req.messages))
+        own = getattr(self.tok, "chat_template", None)
+        if self.chat_template is None and own is not None:
+            # as transformers' apply_chat_template: the template writes its own special tokens
+            messages = [m.template_dict() for m in req.messages]
+            try:
+                text = own.render(messages, add_generation_prompt=True)
+            except ValueError as exc:
+                raise oa.ApiError(400, str(exc), "messages") from None
+            ids = self.tok.encode(text, add_bos=False)
+        else:
+            ids = self.tok.encode((self.chat_template or oa.default_chat_template)(req.messages))
         return ids, self._check_prompt(ids, req.max_completion_tokens or req.max_tokens)
+
+    def parse(self, raw: bytes, chat: bool):
+        """Body -> (request, prompt ids, completion budget); run off the event loop, since
+        parsing and tokenizing a long prompt takes a while."""
+        body = oa.parse_request(raw, oa.ChatRequest if chat else oa.CompletionRequest)
+        ids, max_tokens = self.chat_input(body) if chat else self.completion_input(body)
+        return body, ids, max_tokens
 
     # ------------------------------------------------------------------ running a request
     def submit(self, ids: list[int], params: SamplingParams, priority: bool = False, timeout=None):
@@ -225,9 +253,8 @@ class Frontend:
 
     async def complete(self, http: Request, chat: bool) -> JSONResponse | StreamingResponse:
         arrival = time.monotonic()
-        schema = oa.ChatRequest if chat else oa.CompletionRequest
-        body = oa.parse_request(await http.body(), schema)
-        ids, max_tokens = self.chat_input(body) if chat else self.completion_input(body)
+        raw = await oa.read_body(http, self.max_body_bytes)
+        body, ids, max_tokens = await asyncio.to_thread(self.parse, raw, chat)
         stops = body.stop_strings()
         params = body.sampling(max_tokens)
         req, queue = self.submit(ids, params)
@@ -303,6 +330,10 @@ class Frontend:
                 u = oa.usage(n_prompt, len(tracker.tokens))
                 yield oa.sse(oa.envelope(rid, self.model_name, [], chat, True, u))
             yield oa.sse("[DONE]")
+        except Exception as exc:  # e.g. a token the tokenizer cannot decode
+            # the headers are sent: an error event, never a cut connection
+            outcome = "error"
+            yield oa.sse(oa.ApiError(500, f"generation failed: {exc}").body())
         finally:
             req.cancel()
             tracker.done(outcome, n_prompt)
@@ -334,11 +365,15 @@ def make_frontend_app(
     max_model_len: int | None = None,
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
     batch_wait_s: float = 0.0,
-    chat_template: oa.ChatTemplate = oa.default_chat_template,
+    chat_template: oa.ChatTemplate | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """The FastAPI app; its engine thread starts and stops with the app's lifespan.
 
     ``app.state.frontend`` holds the :class:`Frontend` (``.engine.stats``, ``.metrics``).
+    `chat_template`: a function of the messages; None uses the tokenizer's own template (the
+    checkpoint's, as transformers renders it) or else :func:`openai_api.default_chat_template`.
+    Requests stop on every id of ``tokenizer.eos_ids``; bodies over `max_body_bytes` get a 413.
     """
     fe = Frontend(
         model,
@@ -350,6 +385,7 @@ def make_frontend_app(
         request_timeout_s,
         batch_wait_s,
         chat_template,
+        max_body_bytes,
     )
 
     @contextlib.asynccontextmanager
@@ -361,9 +397,7 @@ def make_frontend_app(
     app = FastAPI(title="moecomm", lifespan=lifespan)
     app.state.frontend = fe
 
-    @app.exception_handler(oa.ApiError)
-    async def _api_error(request: Request, exc: oa.ApiError):
-        return JSONResponse(exc.body(), exc.status)
+    oa.install_error_handlers(app)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -110,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
         return run_pipelined(args)
     set_threads(args)
     config = MoEConfig.from_file(args.checkpoint)
+    # before connecting anywhere: a tokenizer that does not fit the model is refused at once
+    tokenizer = load_tokenizer(args.checkpoint, config)
     client = membership = None
     if args.local_experts:
         experts = LOCAL
@@ -144,7 +146,6 @@ def run(args: argparse.Namespace) -> int:
         experts = client
     print(f"loading {args.checkpoint}", flush=True)
     model = load_model(args.checkpoint, experts=experts, dtype=torch.float32)
-    tokenizer = load_tokenizer(args.checkpoint, config)
     name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
     app = make_frontend_app(model, tokenizer, name, args.max_batch_tokens)
     stop = threading.Event()

@@ -89,7 +89,7 @@ class Generation:
         model: MoETransformer,
         prompt: Sequence[int],
         params: SamplingParams = DEFAULT_PARAMS,
-        eos_token_id: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
     ):
         if len(prompt) == 0:
             raise ValueError("every prompt needs at least one token")
@@ -102,7 +102,8 @@ class Generation:
         eos = model.config.eos_token_id if eos_token_id is None else eos_token_id
         self.stop_ids = set(params.stop_token_ids)
         if eos is not None and not params.ignore_eos:
-            self.stop_ids.add(int(eos))
+            # a checkpoint may end generation on several ids (generation_config.json's list)
+            self.stop_ids.update(int(e) for e in ([eos] if isinstance(eos, int) else eos))
 
     @property
     def finished(self) -> bool:
@@ -135,7 +136,7 @@ def generate(
     model: MoETransformer,
     prompts: Sequence[Sequence[int]],
     params: SamplingParams | Sequence[SamplingParams] = DEFAULT_PARAMS,
-    eos_token_id: int | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
 ) -> list[Generation]:
     """Generates for several prompts of different lengths at once.
 
@@ -173,7 +174,9 @@ def main(argv: list[str] | None = None) -> None:
     tok = load_tokenizer(args.model, model.config)
     params = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.seed)
     for text, g in zip(
-        args.prompt, generate(model, [tok.encode(t) for t in args.prompt], params), strict=True
+        args.prompt,
+        generate(model, [tok.encode(t) for t in args.prompt], params, tok.eos_ids or None),
+        strict=True,
     ):
         print(f"{text!r} -> {tok.decode(g.tokens)!r} ({len(g.tokens)} tokens, {g.finish_reason})")
 

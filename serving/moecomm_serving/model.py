@@ -1,10 +1,11 @@
-"""The reference MoE transformer (Mixtral / Qwen2-MoE family), inference only.
+"""The reference MoE transformer (Mixtral / Qwen2-MoE / Qwen3-MoE families), inference only.
 
 A decoder layer is ``h += o_proj(attn(rope(q), rope(k), v))`` over the RMS-normed input, then
 ``h += moe(rms_norm(h))``. Attention is grouped-query with a per-sequence KV cache; the MoE block
 routes every token to its top-k experts (softmax over all experts, top-k, optionally
 renormalized) through an :class:`~moecomm_serving.backends.ExpertsBackend`, and adds the
-Qwen2-MoE shared expert when the checkpoint has one. Layers listed as dense in the config use a
+Qwen2-MoE shared expert when the checkpoint has one; Qwen3-MoE RMS-normalizes each q/k head
+before the rotation. Layers listed as dense in the config use a
 plain SwiGLU MLP instead.
 
 All tokens of a forward are packed into ``[T, H]`` rows (no padding): projections, norms and the
@@ -25,6 +26,7 @@ from moecomm_serving.backends import ExpertsBackend, LocalExperts
 from moecomm_serving.checkpoint import Checkpoint, expert_names, global_names, layer_names
 from moecomm_serving.config import MoEConfig
 from moecomm_serving.kvcache import ForwardBatch, SequenceKV
+from moecomm_serving.rope import Rotary
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -32,21 +34,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
-
-
-class Rotary:
-    """RoPE in the HF "rotate half" convention (the layout of HF q/k projection weights)."""
-
-    def __init__(self, head_dim: int, theta: float, device):
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        self.inv_freq = (1.0 / (theta**exponents)).to(device)
-
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x ``[T, heads, D]``, positions ``[T]`` -> x rotated by each token's position."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -80,8 +67,11 @@ class DecoderLayer:
         q = _linear(x, w["self_attn.q_proj.weight"], w.get("self_attn.q_proj.bias"))
         k = _linear(x, w["self_attn.k_proj.weight"], w.get("self_attn.k_proj.bias"))
         v = _linear(x, w["self_attn.v_proj.weight"], w.get("self_attn.v_proj.bias"))
-        q = rope(q.view(t, c.num_attention_heads, d), batch.positions)
-        k = rope(k.view(t, c.num_key_value_heads, d), batch.positions)
+        q, k = q.view(t, c.num_attention_heads, d), k.view(t, c.num_key_value_heads, d)
+        if c.qk_norm:  # Qwen3: RMSNorm over each head's dimensions, before the rotation
+            q = rms_norm(q, w["self_attn.q_norm.weight"], c.rms_norm_eps)
+            k = rms_norm(k, w["self_attn.k_norm.weight"], c.rms_norm_eps)
+        q, k = rope(q, batch.positions), rope(k, batch.positions)
         v = v.view(t, c.num_key_value_heads, d)
         out = torch.empty_like(q)
         for cache, start, n, past in zip(
@@ -92,7 +82,8 @@ class DecoderLayer:
                 k[rows].transpose(0, 1), v[rows].transpose(0, 1)
             )
             out[rows] = self._attend(q[rows], keys, values, past)
-        return h + _linear(out.reshape(t, -1), w["self_attn.o_proj.weight"])
+        o_bias = w.get("self_attn.o_proj.bias")
+        return h + _linear(out.reshape(t, -1), w["self_attn.o_proj.weight"], o_bias)
 
     def _attend(self, q, keys, values, past: int) -> torch.Tensor:
         """q ``[n, Hq, D]`` against the cache ``[Hkv, L, D]``; query i sits at ``past + i``."""
@@ -187,7 +178,7 @@ class MoETransformer:
             )
         self.dtype, self.device = kinds.pop()
         self.experts = experts
-        self.rope = Rotary(config.head_dim, config.rope_theta, self.device)
+        self.rope = Rotary(config.head_dim, config.rope, self.device)
         self.blocks = []
         for i in self.layers:
             prefix = f"model.layers.{i}."

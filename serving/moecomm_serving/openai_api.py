@@ -13,7 +13,11 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moecomm_serving.generate import SamplingParams
 
@@ -32,7 +36,12 @@ class ApiError(Exception):
         self.status, self.message, self.param = status, message, param
 
     def body(self) -> dict:
-        kind = {404: "not_found_error", 503: "service_unavailable", 504: "timeout"}
+        kind = {
+            404: "not_found_error",
+            413: "request_too_large",
+            503: "service_unavailable",
+            504: "timeout",
+        }
         etype = "invalid_request_error" if self.status < 500 else "server_error"
         return {
             "error": {
@@ -140,6 +149,13 @@ class ChatMessage(BaseModel):
             return self.content
         return "".join(p.text for p in self.content)
 
+    def template_dict(self) -> dict:
+        """The message as a chat template reads it: ``role`` and ``content`` text."""
+        out = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -169,6 +185,8 @@ def parse_request(raw: bytes, schema: type[_Common]) -> Any:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    except RecursionError:  # the parser recurses once per nesting level
+        raise ApiError(400, "request body is nested too deeply") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"request body must be a JSON object, got {type(data).__name__}")
     try:
@@ -232,3 +250,44 @@ def sse(data: dict | str) -> bytes:
     """One server-sent event (``data: ...`` and a blank line)."""
     payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
     return f"data: {payload}\n\n".encode()
+
+
+async def read_body(http: Request, limit: int) -> bytes:
+    """The request body, or :class:`ApiError` 413 once it exceeds `limit` bytes (checked on the
+    declared Content-Length first, then while reading, so an oversized body is never held)."""
+    declared = http.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise ApiError(400, f"invalid Content-Length {declared!r}")
+        if int(declared) > limit:
+            raise ApiError(413, f"request body of {declared} bytes exceeds the limit of {limit}")
+    chunks, size = [], 0
+    async for chunk in http.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error leaves in OpenAI's body shape: refused requests, unknown routes and methods
+    (Starlette's 404 / 405), and any unexpected failure (500)."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return JSONResponse(exc.body(), exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        err = ApiError(exc.status_code, str(exc.detail))
+        return JSONResponse(err.body(), exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        return JSONResponse(ApiError(400, str(exc.errors())).body(), 400)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):
+        err = ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
+        return JSONResponse(err.body(), 500)

@@ -114,7 +114,8 @@ class Engine:
         max_queue: most requests waiting for admission; beyond it :meth:`submit` raises.
         batch_wait_s: when the engine is idle and a request arrives, wait this long for others
             before the first step, so a burst shares its prefill forward (0: start at once).
-        eos_token_id: end-of-sequence id (the model config's by default).
+        eos_token_id: end-of-sequence id, or every id that ends a sequence (the model config's by
+            default).
     """
 
     def __init__(
@@ -124,7 +125,7 @@ class Engine:
         max_num_seqs: int = 64,
         max_queue: int = DEFAULT_MAX_QUEUE,
         batch_wait_s: float = 0.0,
-        eos_token_id: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
     ):
         if max_batch_tokens < 1 or max_num_seqs < 1 or max_queue < 1:
             raise ValueError(

@@ -1,6 +1,7 @@
 """A tiny random checkpoint in HF layout, for the demo and the tests (nothing is downloaded).
 
-``python -m moecomm_serving.tiny --out DIR [--layout mixtral|qwen2_moe] [--seed 0]``
+``python -m moecomm_serving.tiny --out DIR [--arch mixtral|qwen2_moe|qwen3_moe] [--seed 0]``
+(``--layout`` is an older name of ``--arch``).
 
 The weights are random but deterministic (one generator, tensors drawn in sorted-name order),
 scaled so activations keep unit size through the layers and the logits of different tokens are
@@ -16,7 +17,7 @@ import re
 import torch
 
 from moecomm_serving.checkpoint import expected_tensors, save_checkpoint
-from moecomm_serving.config import MIXTRAL, QWEN2_MOE, MoEConfig
+from moecomm_serving.config import MIXTRAL, QWEN2_MOE, QWEN3_MOE, MoEConfig
 from moecomm_serving.tokenizer import BYTE_VOCAB_SIZE, ByteTokenizer
 
 DEFAULT_SEED = 0
@@ -69,7 +70,35 @@ TINY_QWEN2_MOE = {
     "tie_word_embeddings": False,
     "torch_dtype": "float32",
 }
-LAYOUTS = {MIXTRAL: TINY_MIXTRAL, QWEN2_MOE: TINY_QWEN2_MOE}
+# Qwen3-MoE: per-head q/k norms, no shared expert, renormalized top-k and a dense layer; the
+# q/k/v/o biases (attention_bias) are tested with an override.
+TINY_QWEN3_MOE = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": QWEN3_MOE,
+    "vocab_size": BYTE_VOCAB_SIZE,
+    "hidden_size": 256,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [2],
+    "attention_bias": False,
+    "hidden_act": "silu",
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "use_sliding_window": False,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+}
+LAYOUTS = {MIXTRAL: TINY_MIXTRAL, QWEN2_MOE: TINY_QWEN2_MOE, QWEN3_MOE: TINY_QWEN3_MOE}
+ARCHS = tuple(sorted(LAYOUTS))
 # Shards of at most this many bytes, so the tiny checkpoint exercises multi-file loading and
 # the index file like a real one.
 SHARD_BYTES = 16 << 20
@@ -137,11 +166,11 @@ def write_tiny(
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="directory to write")
-    p.add_argument("--layout", default=MIXTRAL, choices=sorted(LAYOUTS))
+    p.add_argument("--arch", "--layout", dest="arch", default=MIXTRAL, choices=ARCHS)
     p.add_argument("--seed", type=int, default=DEFAULT_SEED)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = p.parse_args(argv)
-    config = write_tiny(args.out, args.layout, args.seed, getattr(torch, args.dtype))
+    config = write_tiny(args.out, args.arch, args.seed, getattr(torch, args.dtype))
     print(
         f"wrote a tiny {config.model_type} checkpoint to {args.out}: {config.num_hidden_layers} "
         f"layers, {config.num_experts} experts, top-{config.num_experts_per_tok}, "

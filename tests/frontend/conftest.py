@@ -45,12 +45,13 @@ class Served:
 
 @pytest.fixture(scope="session")
 def serve(tok):
-    """Factory: ``serve(model, **make_frontend_app kwargs)``; stopped at the end of the session."""
+    """Factory: ``serve(model, tokenizer=None, **make_frontend_app kwargs)`` (the tiny byte
+    tokenizer by default); stopped at the end of the session."""
     running = []
 
-    def start(model, **kwargs):
+    def start(model, tokenizer=None, **kwargs):
         kwargs.setdefault("max_batch_tokens", MAX_BATCH_TOKENS)
-        s = Served(make_frontend_app(model, tok, MODEL_NAME, **kwargs))
+        s = Served(make_frontend_app(model, tokenizer or tok, MODEL_NAME, **kwargs))
         running.append(s)
         return s
 

@@ -71,8 +71,8 @@ def forward(cfg: MoEConfig, t: dict, ids: list[int]) -> torch.Tensor:
                 y = y + t[f"{p}.self_attn.{name}.bias"]
             return y.view(n, heads, d)
 
-        q = rope(proj("q_proj", cfg.num_attention_heads), pos, cfg.rope_theta)
-        k = rope(proj("k_proj", cfg.num_key_value_heads), pos, cfg.rope_theta)
+        q = rope(proj("q_proj", cfg.num_attention_heads), pos, cfg.rope.theta)
+        k = rope(proj("k_proj", cfg.num_key_value_heads), pos, cfg.rope.theta)
         v = proj("v_proj", cfg.num_key_value_heads)
         k = k.repeat_interleave(cfg.num_kv_groups, dim=1)
         v = v.repeat_interleave(cfg.num_kv_groups, dim=1)

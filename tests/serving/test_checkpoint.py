@@ -151,7 +151,11 @@ class _NoExperts:
     [
         ("model_type", "llama", "model_type 'llama' is not supported"),
         ("hidden_act", "gelu", "hidden_act 'gelu'"),
-        ("rope_scaling", {"type": "yarn", "factor": 4.0}, "rope_scaling"),
+        ("rope_scaling", {"type": "llama3", "factor": 8.0}, "rope_type 'llama3'"),
+        ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0}, "rope_type 'dynamic'"),
+        ("rope_scaling", {"type": "linear", "factor": 2.0, "low_freq_factor": 1}, "low_freq"),
+        ("partial_rotary_factor", 0.5, "partial_rotary_factor"),
+        ("layer_types", ["full_attention", "sliding_attention"], "sliding_attention"),
         ("sliding_window", 16, "sliding_window=16"),
         ("quantization_config", {"quant_method": "gptq"}, "quantized"),
     ],

@@ -6,6 +6,7 @@ import time
 
 import httpx
 import pytest
+from moecomm_serving.config import MoEConfig
 from moecomm_serving.expert_server import parse_ids
 from proc_helpers import read_line
 
@@ -82,3 +83,15 @@ def test_monitor_and_expert_server_from_the_command_line(tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
+
+
+@pytest.mark.parametrize(("flag", "arch"), [("--arch", "qwen3_moe"), ("--layout", "qwen2_moe")])
+def test_tiny_writes_the_chosen_family(tmp_path, flag, arch):
+    """`moecomm tiny --arch A` writes a checkpoint of family A; `--layout` is its old name."""
+    ckpt = tmp_path / "tiny"
+    out = subprocess.run(
+        [*CLI, "tiny", "--out", str(ckpt), flag, arch], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"tiny {arch} checkpoint" in out.stdout
+    assert MoEConfig.from_file(ckpt).model_type == arch

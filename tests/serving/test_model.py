@@ -9,7 +9,8 @@ from model_reference import moe as reference_moe
 from moecomm_serving.backends import LocalExperts, run_experts
 from moecomm_serving.checkpoint import Checkpoint, expert_names
 from moecomm_serving.kvcache import INITIAL_CAPACITY
-from moecomm_serving.model import MoETransformer, Rotary, load_model, stage_tensor_names
+from moecomm_serving.model import MoETransformer, load_model, stage_tensor_names
+from moecomm_serving.rope import RopeConfig, Rotary
 from moecomm_serving.tiny import write_tiny
 
 # Float32 throughout; differences come from summation order only (packed vs. per-sequence
@@ -100,7 +101,7 @@ def test_cache_grows_past_initial_capacity(mixtral):
 
 
 def test_rope_scores_depend_only_on_relative_position():
-    rope = Rotary(32, 10000.0, "cpu")
+    rope = Rotary(32, RopeConfig(theta=10000.0), "cpu")
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(1, 1, 32, generator=g), torch.randn(1, 1, 32, generator=g)
 
