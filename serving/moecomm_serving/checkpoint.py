@@ -22,7 +22,12 @@ Names (``{i}`` layer, ``{e}`` expert):
   ``model.layers.{i}.mlp.{gate_proj,up_proj,down_proj}.weight``;
 - Qwen3-MoE: the Qwen2-MoE names without shared expert, plus
   ``model.layers.{i}.self_attn.{q,k}_norm.weight`` and, with ``attention_bias``, biases on
-  q/k/v/o.
+  q/k/v/o;
+- DeepSeek-V3: attention ``self_attn.{q_a_proj,q_a_layernorm,q_b_proj}.weight`` (or
+  ``self_attn.q_proj.weight`` without ``q_lora_rank``),
+  ``self_attn.{kv_a_proj_with_mqa,kv_a_layernorm,kv_b_proj,o_proj}.weight`` (with
+  ``attention_bias``, biases on q_a/kv_a/o); the Qwen2-MoE expert, router and dense names plus
+  ``mlp.gate.e_score_correction_bias`` and ``mlp.shared_experts.{gate,up,down}_proj.weight``.
 """
 
 from __future__ import annotations
@@ -91,6 +96,8 @@ def _swiglu(prefix: str, inter: int, hidden: int) -> dict[str, tuple[int, ...]]:
 
 def layer_names(config: MoEConfig, layer: int) -> dict[str, tuple[int, ...]]:
     """Non-expert tensors of one decoder layer (attention, norms, router, dense/shared MLP)."""
+    if config.mla is not None:
+        return _mla_layer_names(config, layer)
     h, d = config.hidden_size, config.head_dim
     q_out, kv_out = config.num_attention_heads * d, config.num_key_value_heads * d
     p = f"model.layers.{layer}"
@@ -118,6 +125,40 @@ def layer_names(config: MoEConfig, layer: int) -> dict[str, tuple[int, ...]]:
     if config.shared_expert_intermediate_size:
         names.update(_swiglu(f"{p}.mlp.shared_expert", config.shared_expert_intermediate_size, h))
         names[f"{p}.mlp.shared_expert_gate.weight"] = (1, h)
+    return names
+
+
+def _mla_layer_names(config: MoEConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """DeepSeek-V3's layer: latent attention, then a dense MLP or router + shared experts."""
+    m, h, heads = config.mla, config.hidden_size, config.num_attention_heads
+    p = f"model.layers.{layer}"
+    a = f"{p}.self_attn"
+    names = {
+        f"{p}.input_layernorm.weight": (h,),
+        f"{p}.post_attention_layernorm.weight": (h,),
+        f"{a}.kv_a_proj_with_mqa.weight": (m.kv_lora_rank + m.qk_rope_head_dim, h),
+        f"{a}.kv_a_layernorm.weight": (m.kv_lora_rank,),
+        f"{a}.kv_b_proj.weight": (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+        f"{a}.o_proj.weight": (h, heads * m.v_head_dim),
+    }
+    if m.q_lora_rank is None:
+        names[f"{a}.q_proj.weight"] = (heads * m.qk_head_dim, h)
+    else:
+        names[f"{a}.q_a_proj.weight"] = (m.q_lora_rank, h)
+        names[f"{a}.q_a_layernorm.weight"] = (m.q_lora_rank,)
+        names[f"{a}.q_b_proj.weight"] = (heads * m.qk_head_dim, m.q_lora_rank)
+    if config.attention_bias:
+        if m.q_lora_rank is not None:
+            names[f"{a}.q_a_proj.bias"] = (m.q_lora_rank,)
+        names[f"{a}.kv_a_proj_with_mqa.bias"] = (m.kv_lora_rank + m.qk_rope_head_dim,)
+        names[f"{a}.o_proj.bias"] = (h,)
+    if not config.is_sparse(layer):
+        names.update(_swiglu(f"{p}.mlp", config.dense_intermediate_size, h))
+        return names
+    names[expert_names(config).router(layer)] = (config.num_experts, h)
+    names[f"{p}.mlp.gate.e_score_correction_bias"] = (config.num_experts,)
+    if config.shared_expert_intermediate_size:
+        names.update(_swiglu(f"{p}.mlp.shared_experts", config.shared_expert_intermediate_size, h))
     return names
 
 

@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     dm.add_argument(
         "--arch",
         default="mixtral",
-        choices=["mixtral", "qwen2_moe", "qwen3_moe"],
+        choices=["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"],
         help="model family of the tiny checkpoint",
     )
     dm.set_defaults(func=demo.run)
@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--layout",
         dest="arch",
         default="mixtral",
-        choices=["mixtral", "qwen2_moe", "qwen3_moe"],
+        choices=["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"],
         help="model family (--layout is its older name)",
     )
     tiny.add_argument("--seed", type=int, default=0)

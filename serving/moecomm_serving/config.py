@@ -11,6 +11,10 @@ Two layouts of the same architecture family are understood:
   q/k/v projections carry biases.
 - ``qwen3_moe`` (Qwen3-MoE): the Qwen2-MoE keys without a shared expert, plus a per-head RMSNorm
   of q and k (``q_norm``, ``k_norm``) before RoPE; ``attention_bias`` puts a bias on q/k/v/o.
+- ``deepseek_v3`` (DeepSeek-V3): multi-head latent attention (:class:`MLAConfig`), dense first
+  layers (``first_k_dense_replace``), ``n_shared_experts`` ungated shared experts, sigmoid
+  routing with ``e_score_correction_bias``, group-limited top-k (``n_group``, ``topk_group``)
+  and ``routed_scaling_factor`` (see :mod:`moecomm_serving.deepseek`).
 
 transformers 5 writes the expert count of the Qwen families as ``num_local_experts`` and the rope
 as ``rope_parameters``; 4.x wrote ``num_experts`` and ``rope_theta`` / ``rope_scaling``. Both
@@ -35,7 +39,8 @@ from moecomm_serving.rope import RopeConfig, UnsupportedRopeError, read_rope
 MIXTRAL = "mixtral"
 QWEN2_MOE = "qwen2_moe"
 QWEN3_MOE = "qwen3_moe"
-SUPPORTED_MODEL_TYPES = (MIXTRAL, QWEN2_MOE, QWEN3_MOE)
+DEEPSEEK_V3 = "deepseek_v3"
+SUPPORTED_MODEL_TYPES = (MIXTRAL, QWEN2_MOE, QWEN3_MOE, DEEPSEEK_V3)
 QWEN_FAMILIES = (QWEN2_MOE, QWEN3_MOE)
 
 # HF defaults used when a key is absent (the values of transformers' config classes).
@@ -46,12 +51,54 @@ DEFAULT_MAX_POSITIONS = 4096 * 32  # MixtralConfig default max_position_embeddin
 QWEN_RMS_NORM_EPS = 1e-6
 QWEN_ROPE_THETA = 10000.0
 QWEN_MAX_POSITIONS = 32768
+# DeepseekV3Config defaults (an absent key means these, as in transformers).
+DEEPSEEK_MAX_POSITIONS = 4096
+DEEPSEEK_ROPE_THETA = 10000.0
+DEEPSEEK_DEFAULTS = {
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_shared_experts": 1,
+    "routed_scaling_factor": 2.5,
+    "n_group": 8,
+    "topk_group": 4,
+    "first_k_dense_replace": 3,
+    "norm_topk_prob": True,
+    "rope_interleave": True,
+}
 # Frozen, so one shared default is safe.
 MIXTRAL_DEFAULT_ROPE = RopeConfig(theta=DEFAULT_ROPE_THETA)
 
 
 class UnsupportedConfigError(ValueError):
     """The checkpoint asks for an architecture feature this model does not implement."""
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """DeepSeek-V3's attention and routing parameters (absent for the other families).
+
+    Each head's query/key is ``qk_nope_head_dim`` unrotated dimensions followed by
+    ``qk_rope_head_dim`` rotated ones (one rotated key shared by all heads); keys and values are
+    decompressed from a ``kv_lora_rank`` latent. ``q_lora_rank`` None means a plain ``q_proj``.
+    """
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True
+    n_shared_experts: int = 0
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -87,6 +134,7 @@ class MoEConfig:
     eos_token_id: int | None = None
     pad_token_id: int | None = None
     torch_dtype: str = "float32"
+    mla: MLAConfig | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
@@ -122,6 +170,8 @@ class MoEConfig:
             raise ValueError(
                 f"config: sparse layer ids {bad} outside [0, {self.num_hidden_layers})"
             )
+        if self.mla is not None:
+            _check_mla(self.mla, self.num_experts, self.num_experts_per_tok)
         dense = [i for i in range(self.num_hidden_layers) if i not in self.sparse_layers]
         if dense and self.dense_intermediate_size <= 0:
             raise ValueError(f"config: dense layers {dense} need a positive intermediate_size")
@@ -150,6 +200,8 @@ class MoEConfig:
         heads = get("num_attention_heads")
         layers = get("num_hidden_layers")
         qwen = model_type in QWEN_FAMILIES
+        if model_type == DEEPSEEK_V3:
+            return _deepseek(cls, d, get)
         max_positions = d.get(
             "max_position_embeddings", QWEN_MAX_POSITIONS if qwen else DEFAULT_MAX_POSITIONS
         )
@@ -230,6 +282,92 @@ class MoEConfig:
         return cls.from_dict(d)
 
 
+def _deepseek(cls, d: dict[str, Any], get) -> MoEConfig:
+    """A DeepSeek-V3 config; ``head_dim`` is the rotated width (what RoPE turns)."""
+    layers, heads = get("num_hidden_layers"), get("num_attention_heads")
+    max_positions = d.get("max_position_embeddings", DEEPSEEK_MAX_POSITIONS)
+    # transformers 5 may write the routed-expert count under its attribute-map name.
+    num_experts = d.get("n_routed_experts", d.get("num_local_experts"))
+    if num_experts is None:
+        raise ValueError("config: required key 'n_routed_experts' is missing (deepseek_v3)")
+    kv_heads = d.get("num_key_value_heads") or heads
+    if kv_heads != heads:
+        # MLA decompresses one key/value per query head; transformers' grouped repeat would
+        # not even fit shapes, so a different count is a malformed config.
+        raise UnsupportedConfigError(
+            f"config: num_key_value_heads {kv_heads} != num_attention_heads {heads} "
+            "is not supported for deepseek_v3"
+        )
+    given, d = d, {**DEEPSEEK_DEFAULTS, **d}
+    mla = MLAConfig(
+        q_lora_rank=d["q_lora_rank"],
+        kv_lora_rank=d["kv_lora_rank"],
+        qk_nope_head_dim=d["qk_nope_head_dim"],
+        qk_rope_head_dim=d["qk_rope_head_dim"],
+        v_head_dim=d["v_head_dim"],
+        rope_interleave=bool(d["rope_interleave"]),
+        n_shared_experts=int(d["n_shared_experts"] or 0),
+        routed_scaling_factor=float(d["routed_scaling_factor"]),
+        n_group=d["n_group"],
+        topk_group=d["topk_group"],
+    )
+    first_dense = int(d["first_k_dense_replace"] or 0)
+    moe_inter = get("moe_intermediate_size")
+    return cls(
+        model_type=DEEPSEEK_V3,
+        vocab_size=get("vocab_size"),
+        hidden_size=get("hidden_size"),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=mla.qk_rope_head_dim,
+        num_experts=num_experts,
+        num_experts_per_tok=get("num_experts_per_tok"),
+        moe_intermediate_size=moe_inter,
+        norm_topk_prob=bool(d["norm_topk_prob"]),
+        attention_bias=bool(d.get("attention_bias", False)),
+        o_proj_bias=bool(d.get("attention_bias", False)),
+        shared_expert_intermediate_size=moe_inter * mla.n_shared_experts,
+        dense_intermediate_size=int(d.get("intermediate_size") or 0),
+        sparse_layers=tuple(range(first_dense, layers)),
+        rms_norm_eps=float(d.get("rms_norm_eps", QWEN_RMS_NORM_EPS)),
+        rope=_rope(d, DEEPSEEK_ROPE_THETA, max_positions),
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_id=_first_eos(d.get("eos_token_id")),
+        pad_token_id=d.get("pad_token_id"),
+        torch_dtype=d.get("torch_dtype") or d.get("dtype") or "float32",
+        mla=mla,
+        raw=dict(given),
+    )
+
+
+def _check_mla(m: MLAConfig, num_experts: int, top_k: int) -> None:
+    dims = (
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "n_group",
+        "topk_group",
+    )
+    for name in (*dims, *(("q_lora_rank",) if m.q_lora_rank is not None else ())):
+        v = getattr(m, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"config: {name} must be a positive integer, got {v!r}")
+    if num_experts % m.n_group:
+        raise ValueError(f"config: n_routed_experts {num_experts} not divisible by n_group")
+    per_group = num_experts // m.n_group
+    # A group's score is the sum of its two best experts, and the chosen groups must hold at
+    # least top-k experts.
+    if per_group < 2 or not 0 < m.topk_group <= m.n_group or m.topk_group * per_group < top_k:
+        raise ValueError(
+            f"config: n_group {m.n_group} / topk_group {m.topk_group} cannot select top-{top_k} "
+            f"of {num_experts} experts"
+        )
+
+
 def _getter(d: dict[str, Any]):
     def get(key: str) -> Any:
         if key not in d:
@@ -281,6 +419,11 @@ def _reject_unsupported(d: dict[str, Any]) -> None:
     kinds = sorted(set(d.get("layer_types") or ()) - {"full_attention"})
     if kinds:
         raise UnsupportedConfigError(f"config: layer_types {kinds} are not supported")
+    if d.get("model_type") == DEEPSEEK_V3:
+        # The original DeepSeek config names its router; only the V3 one is implemented.
+        for key, implemented in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+            if d.get(key, implemented) != implemented:
+                raise UnsupportedConfigError(f"config: {key} {d[key]!r} is not supported")
     if d.get("quantization_config"):
         raise UnsupportedConfigError(
             "config: quantized checkpoints (quantization_config) are not supported"

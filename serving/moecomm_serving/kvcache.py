@@ -20,11 +20,19 @@ INITIAL_CAPACITY = 64
 
 
 class LayerKV:
-    """Keys and values of one layer of one sequence: ``[kv_heads, capacity, head_dim]`` each."""
+    """Keys and values of one layer of one sequence: ``[kv_heads, capacity, head_dim]`` each.
 
-    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device):
+    `v_dim` gives the values another width: DeepSeek's MLA caches its compressed latent in
+    ``k`` and its rotated key in ``v`` (one "head" of each, see :mod:`moecomm_serving.deepseek`).
+    """
+
+    def __init__(
+        self, kv_heads: int, head_dim: int, dtype: torch.dtype, device, v_dim: int | None = None
+    ):
         self.k = torch.empty(kv_heads, INITIAL_CAPACITY, head_dim, dtype=dtype, device=device)
-        self.v = torch.empty_like(self.k)
+        self.v = torch.empty(
+            kv_heads, INITIAL_CAPACITY, v_dim or head_dim, dtype=dtype, device=device
+        )
         self.length = 0
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,7 +44,7 @@ class LayerKV:
             while cap < need:
                 cap *= 2
             grown_k = self.k.new_empty(self.k.shape[0], cap, self.k.shape[2])
-            grown_v = torch.empty_like(grown_k)
+            grown_v = self.v.new_empty(self.v.shape[0], cap, self.v.shape[2])
             grown_k[:, : self.length] = self.k[:, : self.length]
             grown_v[:, : self.length] = self.v[:, : self.length]
             self.k, self.v = grown_k, grown_v
@@ -55,8 +63,16 @@ class LayerKV:
 class SequenceKV:
     """One sequence's KV cache over a set of layers."""
 
-    def __init__(self, layers: Iterable[int], kv_heads: int, head_dim: int, dtype, device):
-        self.layers = {int(i): LayerKV(kv_heads, head_dim, dtype, device) for i in layers}
+    def __init__(
+        self,
+        layers: Iterable[int],
+        kv_heads: int,
+        head_dim: int,
+        dtype,
+        device,
+        v_dim: int | None = None,
+    ):
+        self.layers = {int(i): LayerKV(kv_heads, head_dim, dtype, device, v_dim) for i in layers}
         if not self.layers:
             raise ValueError("a sequence cache needs at least one layer")
 

@@ -1,4 +1,4 @@
-"""The reference MoE transformer (Mixtral / Qwen2-MoE / Qwen3-MoE families), inference only.
+"""The reference MoE transformer (Mixtral / Qwen2-MoE / Qwen3-MoE / DeepSeek-V3), inference only.
 
 A decoder layer is ``h += o_proj(attn(rope(q), rope(k), v))`` over the RMS-normed input, then
 ``h += moe(rms_norm(h))``. Attention is grouped-query with a per-sequence KV cache; the MoE block
@@ -6,7 +6,8 @@ routes every token to its top-k experts (softmax over all experts, top-k, option
 renormalized) through an :class:`~moecomm_serving.backends.ExpertsBackend`, and adds the
 Qwen2-MoE shared expert when the checkpoint has one; Qwen3-MoE RMS-normalizes each q/k head
 before the rotation. Layers listed as dense in the config use a
-plain SwiGLU MLP instead.
+plain SwiGLU MLP instead. DeepSeek-V3's layer (latent attention, grouped sigmoid router, shared
+experts) subclasses :class:`DecoderLayer` in :mod:`moecomm_serving.deepseek`.
 
 All tokens of a forward are packed into ``[T, H]`` rows (no padding): projections, norms and the
 MoE block see one matrix, exactly what is dispatched to expert servers; attention alone loops
@@ -183,7 +184,7 @@ class MoETransformer:
         for i in self.layers:
             prefix = f"model.layers.{i}."
             own = {n[len(prefix) :]: t for n, t in tensors.items() if n.startswith(prefix)}
-            self.blocks.append(DecoderLayer(config, i, own))
+            self.blocks.append(_layer_class(config)(config, i, own))
         self.embed_tokens = tensors.get("model.embed_tokens.weight")
         self.norm = tensors.get("model.norm.weight")
         self.lm_head = tensors.get("lm_head.weight", self.embed_tokens if self.has_head else None)
@@ -197,10 +198,22 @@ class MoETransformer:
         return self.blocks[layer - self.layers.start]
 
     # ------------------------------------------------------------------ caches and batches
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        """``(heads, key width, value width)`` of a layer's cache per token.
+
+        DeepSeek's MLA caches one latent (``kv_lora_rank``) and one rotated key
+        (``qk_rope_head_dim``) per token, in the key and value slots of a one-head cache.
+        """
+        c = self.config
+        if c.mla is not None:
+            return 1, c.mla.kv_lora_rank, c.mla.qk_rope_head_dim
+        return c.num_key_value_heads, c.head_dim, c.head_dim
+
     def new_sequence(self) -> SequenceKV:
         """An empty KV cache for one sequence over this model's layers."""
-        c = self.config
-        return SequenceKV(self.layers, c.num_key_value_heads, c.head_dim, self.dtype, self.device)
+        heads, k_dim, v_dim = self.kv_shape
+        return SequenceKV(self.layers, heads, k_dim, self.dtype, self.device, v_dim)
 
     def prepare(self, caches: Sequence[SequenceKV], num_new: Sequence[int]) -> ForwardBatch:
         """The packed layout of a forward that adds `num_new[j]` tokens to sequence j."""
@@ -273,6 +286,14 @@ class MoETransformer:
         if not all_logits:
             h = h.index_select(0, batch.last_rows())
         return self.logits(h)
+
+
+def _layer_class(config: MoEConfig) -> type[DecoderLayer]:
+    if config.mla is None:
+        return DecoderLayer
+    from moecomm_serving.deepseek import DeepseekLayer  # imports this module: import here
+
+    return DeepseekLayer
 
 
 def stage_tensor_names(config: MoEConfig, layers: range) -> list[str]:

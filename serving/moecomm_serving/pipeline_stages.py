@@ -66,8 +66,7 @@ class ModelStage:
         # (params.seed + sequence id), so its tokens do not depend on the micro-batch it is in.
         self.sampling = sampling or SamplingParams()
         self.generators: dict[int, torch.Generator | None] = {}
-        c = self.model.config
-        self.kv_shape = (c.num_key_value_heads, c.head_dim)
+        self.kv_shape = self.model.kv_shape  # (heads, key width, value width)
         self.owned = owned
         self.seqs: dict[int, SequenceKV] = {}
         self.batch: ForwardBatch | None = None
@@ -77,7 +76,8 @@ class ModelStage:
 
     def _new_sequence(self) -> SequenceKV:
         m = self.model
-        return SequenceKV(self.owned, *self.kv_shape, m.dtype, m.device)
+        heads, k_dim, v_dim = self.kv_shape
+        return SequenceKV(self.owned, heads, k_dim, m.dtype, m.device, v_dim)
 
     def begin(self, seq_ids: Sequence[int], past: Sequence[int], num_new: Sequence[int]) -> None:
         # ForwardBatch.build reads each cache's length, which is undefined while a migrated
@@ -136,7 +136,8 @@ class ModelStage:
             seq = self.seqs.get(sid)
             if seq is None:
                 continue  # finished (freed here) after the source exported it
-            kv = LayerKV(*self.kv_shape, m.dtype, m.device)
+            heads, k_dim, v_dim = self.kv_shape
+            kv = LayerKV(heads, k_dim, m.dtype, m.device, v_dim)
             kv.append(package[f"{sid}.k"], package[f"{sid}.v"])
             seq.put_layer(layer, kv)
 

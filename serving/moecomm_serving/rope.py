@@ -119,7 +119,8 @@ def read_rope(d: dict[str, Any], default_theta: float, max_positions: int) -> Ro
     )
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction ``0.1 · mscale · ln(scale) + 1`` (1 without scaling)."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
@@ -135,11 +136,11 @@ def inv_freq_and_scale(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]
     scale = rope.attention_factor
     if scale is None:
         if rope.mscale and rope.mscale_all_dim:
-            scale = _yarn_mscale(rope.factor, rope.mscale) / _yarn_mscale(
+            scale = yarn_mscale(rope.factor, rope.mscale) / yarn_mscale(
                 rope.factor, rope.mscale_all_dim
             )
         else:
-            scale = _yarn_mscale(rope.factor)
+            scale = yarn_mscale(rope.factor)
 
     def correction_dim(rotations: float) -> float:
         # the dimension whose wavelength turns `rotations` times over the original context

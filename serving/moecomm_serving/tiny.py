@@ -1,6 +1,6 @@
 """A tiny random checkpoint in HF layout, for the demo and the tests (nothing is downloaded).
 
-``python -m moecomm_serving.tiny --out DIR [--arch mixtral|qwen2_moe|qwen3_moe] [--seed 0]``
+``python -m moecomm_serving.tiny --out DIR [--arch mixtral|qwen2_moe|qwen3_moe|deepseek_v3]``
 (``--layout`` is an older name of ``--arch``).
 
 The weights are random but deterministic (one generator, tensors drawn in sorted-name order),
@@ -17,7 +17,7 @@ import re
 import torch
 
 from moecomm_serving.checkpoint import expected_tensors, save_checkpoint
-from moecomm_serving.config import MIXTRAL, QWEN2_MOE, QWEN3_MOE, MoEConfig
+from moecomm_serving.config import DEEPSEEK_V3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, MoEConfig
 from moecomm_serving.tokenizer import BYTE_VOCAB_SIZE, ByteTokenizer
 
 DEFAULT_SEED = 0
@@ -97,7 +97,48 @@ TINY_QWEN3_MOE = {
     "tie_word_embeddings": False,
     "torch_dtype": "float32",
 }
-LAYOUTS = {MIXTRAL: TINY_MIXTRAL, QWEN2_MOE: TINY_QWEN2_MOE, QWEN3_MOE: TINY_QWEN3_MOE}
+# DeepSeek-V3 in miniature: latent attention with q and kv LoRA and small decoupled rope heads,
+# one dense first layer, a shared expert, 16 routed experts in 4 groups (2 eligible), top-4,
+# sigmoid scores scaled by routed_scaling_factor. 4.x layout (rope_theta, n_routed_experts).
+TINY_DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": DEEPSEEK_V3,
+    "vocab_size": BYTE_VOCAB_SIZE,
+    "hidden_size": 256,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "q_lora_rank": 64,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "rope_interleave": True,
+    "n_routed_experts": 16,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 4,
+    "n_group": 4,
+    "topk_group": 2,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "first_k_dense_replace": 1,
+    "num_nextn_predict_layers": 0,
+    "attention_bias": False,
+    "hidden_act": "silu",
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+}
+LAYOUTS = {
+    MIXTRAL: TINY_MIXTRAL,
+    QWEN2_MOE: TINY_QWEN2_MOE,
+    QWEN3_MOE: TINY_QWEN3_MOE,
+    DEEPSEEK_V3: TINY_DEEPSEEK_V3,
+}
 ARCHS = tuple(sorted(LAYOUTS))
 # Shards of at most this many bytes, so the tiny checkpoint exercises multi-file loading and
 # the index file like a real one.
@@ -107,6 +148,7 @@ SHARD_BYTES = 16 << 20
 ROUTER_STD = 4.0
 NORM_STD = 0.1  # RMSNorm weights 1 ± this: not all ones, so a wrong norm shows
 BIAS_STD = 0.1
+CORRECTION_BIAS_STD = 0.1
 
 
 def tiny_config(layout: str = MIXTRAL, overrides: dict | None = None) -> dict:
@@ -132,6 +174,9 @@ def random_tensors(
     for name, shape in sorted(expected_tensors(config).items()):
         if name.endswith("norm.weight"):
             t = 1.0 + NORM_STD * torch.randn(shape, generator=g)
+        elif name.endswith("e_score_correction_bias"):
+            # Sigmoid scores are in (0, 1): a bias of this size moves some choices, not all.
+            t = CORRECTION_BIAS_STD * torch.randn(shape, generator=g)
         elif name.endswith(".bias"):
             t = BIAS_STD * torch.randn(shape, generator=g)
         elif name == "model.embed_tokens.weight":

@@ -1,12 +1,13 @@
 """Parity with Hugging Face transformers (pinned in the test dependencies; never skipped).
 
-For every supported family, a tiny random model is written in the 4.x config layout (top-level
-``rope_theta``, ``num_experts``, float32, sharded by us) and then loaded by transformers and saved
-again with ``save_pretrained`` in bfloat16 over many shards (transformers 5's layout:
-``rope_parameters``, ``dtype``, the Qwen expert count as ``num_local_experts``). Each checkpoint
-is served by our model in process and with its experts in two real expert-server processes; the
-float32 logits of a prompt must be within 1e-4 of transformers' and the greedy tokens equal to
-transformers' own ``generate``.
+For every supported family (DeepSeek-V3 included: latent attention, grouped sigmoid routing,
+shared experts on the attention side), a tiny random model is written in the 4.x config layout
+(top-level ``rope_theta``, ``num_experts``, float32, sharded by us) and then loaded by
+transformers and saved again with ``save_pretrained`` in bfloat16 over many shards
+(transformers 5's layout: ``rope_parameters``, ``dtype``, the Qwen expert count as
+``num_local_experts``). Each checkpoint is served by our model in process and with its experts
+in two real expert-server processes; the float32 logits of a prompt must be within 1e-4 of
+transformers' and the greedy tokens equal to transformers' own ``generate``.
 """
 
 from __future__ import annotations
@@ -54,6 +55,18 @@ YARN_ROPE = {
         "mscale": 1.0,
         "mscale_all_dim": 0.707,
     }
+}
+
+# DeepSeek-V3 without q LoRA (plain q_proj), with attention biases, "rotate half" rope, no top-k
+# renormalization, two dense layers and one expert group.
+DEEPSEEK_VARIANT = {
+    "q_lora_rank": None,
+    "attention_bias": True,
+    "rope_interleave": False,
+    "norm_topk_prob": False,
+    "first_k_dense_replace": 2,
+    "n_group": 1,
+    "topk_group": 1,
 }
 
 
@@ -171,6 +184,9 @@ def check_model(model, ids: torch.Tensor, logits: torch.Tensor, tokens: list[int
         ("mixtral", {"tie_word_embeddings": True}),
         ("qwen3_moe", {"attention_bias": True, "norm_topk_prob": False}),
         ("qwen3_moe", {"decoder_sparse_step": 2, "mlp_only_layers": []}),
+        ("deepseek_v3", None),
+        ("deepseek_v3", YARN_ROPE),
+        ("deepseek_v3", DEEPSEEK_VARIANT),
     ],
 )
 @pytest.mark.parametrize("layout", ["v4", "v5"])
