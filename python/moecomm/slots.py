@@ -81,7 +81,8 @@ def _host_tensor(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple) -
     return t.contiguous()
 
 
-def _reason(region_bytes: torch.Tensor, offset: int, nbytes: int) -> str:
+def read_reason(region_bytes: torch.Tensor, offset: int, nbytes: int) -> str:
+    """The reason string of an error answer, copied out of the region."""
     return bytes(region_bytes[offset : offset + nbytes].tolist()).decode("utf-8", "replace")
 
 
@@ -258,7 +259,7 @@ class ClientChannel(_Channel):
         self._held[slot] = h.payload_bytes
         if h.status != 0:
             where = f"{self.name} slot {slot} seq {seq}: "
-            reason = _reason(self._bytes, out.payload_offset, h.payload_bytes)
+            reason = read_reason(self._bytes, out.payload_offset, h.payload_bytes)
             raise RemoteError(h.status, reason, where)
         y = self._views.get(
             out.payload_offset, (h.num_tokens, h.hidden), _DTYPE_OF_CODE[h.encoding]
@@ -275,15 +276,28 @@ class ClientChannel(_Channel):
         self._held[slot] = 0
 
     def _raise_for(self, out, slot: int, seq: int, timeout: float) -> None:
-        where = f"{self.name} slot {slot} seq {seq}: "
-        if out.status == WaitStatus.TIMEOUT:
-            raise TimeoutError(f"{where}no response within {timeout:.3f} s")
-        if out.status == WaitStatus.PEER_LOST:
-            reap_stale_segments()
-            raise PeerLostError(f"{where}the server process died ({self.server.describe()})")
-        if out.offline:
-            raise PeerOfflineError(f"{where}the server marked the slot OFFLINE")
-        raise ProtocolError(f"{where}invalid response header: {validate_reason(out.code)}")
+        raise_wait_failure(
+            out,
+            f"{self.name} slot {slot} seq {seq}: ",
+            self.server,
+            "server",
+            f"no response within {timeout:.3f} s",
+            "response header",
+        )
+
+
+def raise_wait_failure(out, where: str, peer: Region, role: str, late: str, what: str) -> None:
+    """Raises what a failed wait for an answer stands for: the deadline (`late` says which),
+    a dead `role` process, a slot it marked OFFLINE, or an invalid `what`. Shared by every
+    channel that waits for its peer's answer in its own memory."""
+    if out.status == WaitStatus.TIMEOUT:
+        raise TimeoutError(f"{where}{late}")
+    if out.status == WaitStatus.PEER_LOST:
+        reap_stale_segments()
+        raise PeerLostError(f"{where}the {role} process died ({peer.describe()})")
+    if out.offline:
+        raise PeerOfflineError(f"{where}the {role} marked the slot OFFLINE")
+    raise ProtocolError(f"{where}invalid {what}: {validate_reason(out.code)}")
 
 
 @dataclass

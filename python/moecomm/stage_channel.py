@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from moecomm import _C
-from moecomm.errors import PeerLostError, PeerOfflineError, ProtocolError, RemoteError
+from moecomm.errors import PeerLostError, ProtocolError, RemoteError
 from moecomm.errors import TimeoutError as MoecommTimeout
 from moecomm.protocol import (
     ENCODING_DTYPE,
@@ -30,7 +30,14 @@ from moecomm.protocol import (
     ValidateCode,
     validate_reason,
 )
-from moecomm.slots import DEFAULT_NUM_SLOTS, DEFAULT_TIMEOUT_S, POISON_SLOTS, _ns
+from moecomm.slots import (
+    DEFAULT_NUM_SLOTS,
+    DEFAULT_TIMEOUT_S,
+    POISON_SLOTS,
+    _ns,
+    raise_wait_failure,
+    read_reason,
+)
 from moecomm.transport import Region, RegionViews, Transport, WaitStatus, reap_stale_segments
 
 _ENCODING_OF_DTYPE = {d: e for e, d in ENCODING_DTYPE.items() if not _C.encoding_quantized(e)}
@@ -175,20 +182,18 @@ class StageSender:
             self.receiver,
         )
         where = f"{self.name} slot {slot} (package {tag} chunk {chunk}): "
-        if out.status == WaitStatus.TIMEOUT:
-            raise MoecommTimeout(f"{where}no acknowledgement within the deadline")
-        if out.status == WaitStatus.PEER_LOST:
-            reap_stale_segments()
-            raise PeerLostError(f"{where}the receiving process died ({self.receiver.describe()})")
-        if out.offline:
-            raise PeerOfflineError(f"{where}the receiver marked the slot OFFLINE")
-        if out.code != ValidateCode.OK:
-            raise ProtocolError(f"{where}invalid acknowledgement: {validate_reason(out.code)}")
+        if out.status != WaitStatus.OK or out.offline or out.code != ValidateCode.OK:
+            raise_wait_failure(
+                out,
+                where,
+                self.receiver,
+                "receiving",
+                "no acknowledgement within the deadline",
+                "acknowledgement",
+            )
         h = out.header
         # Read once: the reason (if any) is copied before the release below.
-        reason = bytes(
-            self._bytes[out.payload_offset : out.payload_offset + h.payload_bytes].tolist()
-        ).decode("utf-8", "replace")
+        reason = read_reason(self._bytes, out.payload_offset, h.payload_bytes)
         _C.release_response(self.transport, self.region, self.ack_ring, slot, h.payload_bytes)
         if h.status != 0:
             raise RemoteError(h.status, reason, where)
