@@ -31,6 +31,9 @@ $(DEPS_STAMP): pyproject.toml | $(PY)
 	# machine's nvcc 13; use nvidia-nvshmem-cu12 with a CUDA 12 toolkit) and cuda-python for
 	# device discovery and IPC handles. Both install and import without a GPU.
 	$(PIP) install -q nvidia-nvshmem-cu13 "cuda-bindings>=13,<14"
+	# The cross-host transport: NIXL over UCX (moecomm[nixl]); its UCX backend moves host memory
+	# without a GPU, which is what the network-namespace tests run on.
+	$(PIP) install -q "nixl-cu12>=1.5,<1.6"
 	touch $@
 
 $(PKG_STAMP): $(DEPS_STAMP) $(BUILD_INPUTS)

@@ -5,6 +5,7 @@ PYBIND11_MODULE(_C, m) {
   moecomm::bindings::register_errors(m);
   moecomm::bindings::register_protocol(m);
   moecomm::bindings::register_transport(m);
+  moecomm::bindings::register_nixl(m);
   moecomm::bindings::register_slots(m);
   moecomm::bindings::register_kernels_moe(m);
   moecomm::bindings::register_eplb(m);

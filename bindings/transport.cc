@@ -90,11 +90,20 @@ void register_transport(py::module_& m) {
           },
           py::arg("local"), py::arg("offset"), py::arg("op"), py::arg("value"),
           py::arg("mask") = ~uint64_t{0}, py::arg("timeout_ns"), py::arg("peer") = nullptr)
-      .def("load", &Transport::load, py::arg("local"), py::arg("offset"))
+      .def(
+          "read",
+          [](Transport& t, Region& region, uint64_t offset, uintptr_t dst, uint64_t bytes) {
+            t.read(region, offset, reinterpret_cast<void*>(dst), bytes);
+          },
+          py::arg("region"), py::arg("offset"), py::arg("dst_address"), py::arg("bytes"),
+          py::call_guard<py::gil_scoped_release>())
+      .def("load", &Transport::load, py::arg("local"), py::arg("offset"),
+           py::call_guard<py::gil_scoped_release>())
       .def("compare_exchange", &Transport::compare_exchange, py::arg("local"), py::arg("offset"),
            py::arg("expected"), py::arg("desired"))
-      .def("fence", &Transport::fence)
-      .def("peer_alive", &Transport::peer_alive, py::arg("peer"));
+      .def("fence", &Transport::fence, py::call_guard<py::gil_scoped_release>())
+      .def("peer_alive", &Transport::peer_alive, py::arg("peer"),
+           py::call_guard<py::gil_scoped_release>());
 
   py::class_<shm::ShmTransport, Transport, std::shared_ptr<shm::ShmTransport>>(m, "ShmTransport")
       .def(py::init([](int64_t spin_ns, bool reap_on_start) {

@@ -82,3 +82,20 @@ class RegionViews:
                 self._cache.clear()
             v = self._cache[key] = view(self.bytes, offset, shape, dtype)
         return v
+
+
+# What `transport=` accepts across the runtime and the CLI: one backend, or "auto" (shm with
+# peers that share this host's /dev/shm, nixl with everyone else).
+TRANSPORT_CHOICES = ("shm", "nixl", "auto")
+
+
+def make_transport(name: str, host: str | None = None) -> Transport:
+    """A new transport of backend `name` ("shm" or "nixl"). `host`: the address this process
+    serves on (nixl carries bytes over that interface)."""
+    if name == "shm":
+        return ShmTransport()
+    if name == "nixl":
+        from moecomm.nixl import NixlTransport  # optional: pip install 'moecomm[nixl]'
+
+        return NixlTransport(host=host)
+    raise ValueError(f"unknown transport {name!r}: one of shm, nixl")

@@ -16,6 +16,7 @@ from moecomm.membership.monitor import TOKEN_ENV
 from moecomm.runtime.control import DEFAULT_HOST, HttpServer, make_app
 from moecomm.runtime.launch import DEFAULT_TTL_S, LOOP_FAILED_EXIT
 from moecomm.runtime.server import ExpertServer
+from moecomm.transport import TRANSPORT_CHOICES
 
 from moecomm_serving.checkpoint import Checkpoint
 
@@ -61,6 +62,17 @@ def graceful_drain(server: ExpertServer) -> None:
         time.sleep(WAKE_S)
 
 
+def add_transport_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--transport",
+        default="auto",
+        choices=list(TRANSPORT_CHOICES),
+        help="data path to the other side: shm (one host), nixl (NIXL over UCX, across hosts; "
+        "pip install 'moecomm[nixl]') or auto (shm with peers that share this host's /dev/shm, "
+        "nixl with the others; shm only when NIXL is not installed)",
+    )
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = (p.description or "") + " SIGTERM drains gracefully; SIGINT stops at once."
     p.add_argument("--checkpoint", required=True, help="HF-layout checkpoint directory")
@@ -84,6 +96,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=DEFAULT_HOST, help="control-plane address (loopback)")
     p.add_argument("--port", type=int, default=0, help="control-plane port (0: any free)")
     p.add_argument("--token", default="", help="shared token required to connect")
+    add_transport_argument(p)
     p.add_argument(
         "--dtype",
         default="float32",
@@ -141,6 +154,8 @@ def run(args: argparse.Namespace, ready: threading.Event | None = None) -> int:
         hosted,
         args.id or "expert-server",
         batching_window_s=args.batching_window_ms / 1e3,
+        transport=args.transport,
+        host=args.host,
         # Live re-placement may ask for any expert of the checkpoint (moecomm rebalance).
         weight_source=lambda layer, e: ckpt.read_experts({layer: [e]}, dtype)[layer][e],
     )

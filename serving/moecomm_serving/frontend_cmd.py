@@ -16,7 +16,7 @@ from moecomm.runtime.launch import DEFAULT_TTL_S
 from moecomm.runtime.registry import ClientIdInUse
 
 from moecomm_serving.config import MoEConfig
-from moecomm_serving.expert_server import set_threads
+from moecomm_serving.expert_server import add_transport_argument, set_threads
 from moecomm_serving.frontend import make_frontend_app, start_frontend
 from moecomm_serving.frontend_pipeline import run_pipelined
 from moecomm_serving.model import LOCAL, load_model
@@ -59,6 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="HTTP address (loopback by default)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free one)")
     p.add_argument("--token", default="", help="token of the expert servers' control planes")
+    add_transport_argument(p)
     p.add_argument(
         "--client-id",
         type=int,
@@ -133,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
             out_dtype=torch.float32,
             token=args.token,
             timeout=args.timeout,
+            transport=args.transport,
+            host=args.host,
         )
         print(
             f"connecting to {len(urls)} expert server(s) as client {client.client_id}", flush=True

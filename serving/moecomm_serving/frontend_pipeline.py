@@ -46,6 +46,8 @@ def run_pipelined(args: argparse.Namespace) -> int:
             timeout=args.timeout,
             encoding=args.encoding,
             ttl=args.ttl,
+            transport=args.transport,
+            host=args.host,
         )
     where = "in-process experts" if remote is None else "expert servers"
     print(f"starting {args.stages} pipeline stages over {where}", flush=True)

@@ -28,6 +28,8 @@ class RemoteExperts:
     timeout: float = DEFAULT_EXPERT_TIMEOUT_S
     encoding: str = "f32"
     ttl: float = DEFAULT_TTL_S
+    transport: str = "shm"  # shm, nixl or auto (moecomm.runtime.transports)
+    host: str | None = None  # this process's address on the servers' network (nixl)
 
     def __post_init__(self):
         if bool(self.servers) == bool(self.monitor):
@@ -71,6 +73,8 @@ def connect_experts(
         out_dtype=out_dtype,
         token=remote.token,
         timeout=remote.timeout,
+        transport=remote.transport,
+        host=remote.host,
     )
     try:
         client.connect()

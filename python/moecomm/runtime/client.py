@@ -30,8 +30,9 @@ from moecomm.ops.combine import combine as combine_partials
 from moecomm.ops.dispatch import ExpertMap, pack_dispatch
 from moecomm.protocol import ResponseStatus, SlotLayout, as_encoding
 from moecomm.runtime.server_pool import ServerPool
+from moecomm.runtime.transports import TransportSet
 from moecomm.slots import DEFAULT_TIMEOUT_S, ClientChannel
-from moecomm.transport import ShmTransport, Transport
+from moecomm.transport import Transport
 
 log = logging.getLogger("moecomm.client")
 
@@ -83,7 +84,11 @@ class DispatchHandle:
 
 
 class AttentionClient:
-    """Client of a set of expert servers, reached by their control-plane URLs."""
+    """Client of a set of expert servers, reached by their control-plane URLs.
+
+    `transport`: a Transport, or "shm", "nixl" or "auto" (per server: shm when it shares this
+    host's /dev/shm, nixl otherwise; runtime/transports.py). `host`: this process's address on
+    the network the servers are reached over (nixl carries bytes over that interface)."""
 
     def __init__(
         self,
@@ -98,8 +103,9 @@ class AttentionClient:
         token: str = "",
         timeout: float = DEFAULT_TIMEOUT_S,
         replica_policy: str = "round_robin",
-        transport: Transport | None = None,
+        transport: Transport | str | None = None,
         evict_s: float = DEFAULT_EVICT_S,
+        host: str | None = None,
     ):
         if not servers:
             raise ValueError("an attention client needs at least one expert server")
@@ -124,7 +130,7 @@ class AttentionClient:
             num_slots,
             token,
             timeout,
-            transport or ShmTransport(),
+            TransportSet(transport, host),
             evict_s,
         )
         self.failovers = 0

@@ -29,12 +29,13 @@ DEFAULT_HOST = "127.0.0.1"
 MAX_TOKENS_LIMIT = 1 << 16
 MAX_HIDDEN = 1 << 16
 MAX_TOPK = 64
-# A CUDA-IPC handle string (64-byte cudaIpcMemHandle in hex, size, owner pid, device bus id) is
-# about 200 characters; shm names are far shorter.
-MAX_HANDLE_LEN = 512
-# Names a connect may ask for: the host shared-memory transport and the GPU one. A server
-# answers a client of another transport with a clear 400 instead of failing at attach time.
-TRANSPORT_NAMES = ("shm", "cuda_ipc")
+# A nixl handle carries the agent's connection info and a remote key (about 700 characters with
+# one network interface, more with several); CUDA-IPC handles are about 200, shm names far
+# shorter. The bound keeps a connect body small.
+MAX_HANDLE_LEN = 8192
+# Names a connect may ask for: the host transports and the GPU one. A server answers a client
+# of a transport it does not serve with a clear 400 instead of failing at attach time.
+TRANSPORT_NAMES = ("shm", "nixl", "cuda_ipc")
 HTTP_TIMEOUT_S = 10.0
 
 
@@ -104,12 +105,12 @@ def make_app(server: ExpertServer, token: str = "") -> FastAPI:
     @app.post("/connect")
     def connect(body: ConnectModel):
         authorize(body.token)
-        served = server.transport.name
-        if body.transport != served:
+        served = ", ".join(server.transports.names)
+        if body.transport not in server.transports.names:
             known = body.transport in TRANSPORT_NAMES
             raise HTTPException(
                 status_code=400,
-                detail=f"this server's slots live in {served!r} memory; it cannot serve a "
+                detail=f"this server serves over {served}; it cannot serve a "
                 + (
                     f"{body.transport!r} client"
                     if known
@@ -127,7 +128,12 @@ def make_app(server: ExpertServer, token: str = "") -> FastAPI:
                 body.layout.max_response_tokens,
             )
             return server.connect(
-                body.client_id, body.client_handle, layout, body.num_slots, body.session
+                body.client_id,
+                body.client_handle,
+                layout,
+                body.num_slots,
+                body.session,
+                transport=body.transport,
             )
         except ClientIdInUse as exc:
             raise HTTPException(status_code=409, detail=str(exc)) from exc
@@ -135,6 +141,12 @@ def make_app(server: ExpertServer, token: str = "") -> FastAPI:
             raise HTTPException(status_code=404, detail=str(exc)) from exc
         except (ValueError, MoecommError) as exc:
             raise HTTPException(status_code=400, detail=str(exc)) from exc
+
+    @app.get("/transports")
+    def transports():
+        """What a client needs to pick its transport (runtime/transports.py). Holds no
+        secret: the NIXL connection info travels in the token-checked connect."""
+        return server.offer()
 
     @app.post("/disconnect")
     def disconnect(body: DisconnectModel):
@@ -283,6 +295,20 @@ def http_connect(
         raise ClientIdInUse(f"connect to {url} refused: {_detail(r)}")
     if r.status_code != 200:
         raise ConnectionError(f"connect to {url} refused ({r.status_code}): {r.text}")
+    return r.json()
+
+
+def http_transports(url: str, timeout: float = HTTP_TIMEOUT_S) -> dict:
+    """What the server at `url` offers (GET /transports); a server from before the route
+    offers shm only."""
+    try:
+        r = httpx.get(f"{url}/transports", timeout=timeout)
+    except httpx.HTTPError as exc:
+        raise ServerUnreachable(f"{url}/transports failed: {exc}") from exc
+    if r.status_code == 404:
+        return {"transports": ["shm"]}
+    if r.status_code != 200:
+        raise ConnectionError(f"{url}/transports refused ({r.status_code}): {r.text}")
     return r.json()
 
 

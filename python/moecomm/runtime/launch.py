@@ -58,6 +58,7 @@ def _serve(
     monitor_url: str | None,
     monitor_token: str,
     ttl: float,
+    transport: str = "shm",
 ) -> None:
     torch.set_num_threads(1)
     all_experts = spec.experts()
@@ -68,6 +69,7 @@ def _serve(
         batching_window_s=batching_window_s,
         # The seed is this process's checkpoint: any expert can be loaded later.
         weight_source=lambda layer, e: all_experts[layer][e],
+        transport=transport,
     )
     http = HttpServer(make_app(server, token))
     server.start()
@@ -121,6 +123,7 @@ def spawn_expert_server(
     monitor_url: str | None = None,
     ttl: float = DEFAULT_TTL_S,
     monitor_token: str = "",
+    transport: str = "shm",
 ) -> ServerProcess:
     args = (
         spec,
@@ -131,6 +134,7 @@ def spawn_expert_server(
         monitor_url,
         monitor_token,
         ttl,
+        transport,
     )
     return start_server_process(_serve, args, server_id)
 

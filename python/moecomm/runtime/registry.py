@@ -36,7 +36,7 @@ class Session:
 
 class ClientRegistry:
     def __init__(self, transport: Transport, server_id: str):
-        self.transport = transport
+        self.transport = transport  # the server's primary one; each channel has its own
         self.server_id = server_id
         self._sessions: dict[int, Session] = {}
         self._lock = threading.Lock()
@@ -56,7 +56,7 @@ class ClientRegistry:
     def _may_replace(self, old: Session | None, session: str) -> bool:
         if old is None or (session and hmac.compare_digest(session, old.secret)):
             return True
-        return not self.transport.peer_alive(old.channel.client)
+        return not old.channel.transport.peer_alive(old.channel.client)
 
     def admit(self, client_id: int, session: str, make_channel: Callable[[], ServerChannel]):
         """Returns the new Session. `session` is the secret of a previous connect of this client
@@ -107,7 +107,7 @@ class ClientRegistry:
             dead = [
                 cid
                 for cid, s in self._sessions.items()
-                if not self.transport.peer_alive(s.channel.client)
+                if not s.channel.transport.peer_alive(s.channel.client)
             ]
         dropped = [cid for cid in dead if self.remove(cid)]
         if dropped:

@@ -27,9 +27,10 @@ from moecomm.runtime.experts import ExpertWeights, LayerExperts
 from moecomm.runtime.health import LoopHealth, ServerStats
 from moecomm.runtime.registry import ClientRegistry
 from moecomm.runtime.server_placement import ServerPlacement
+from moecomm.runtime.transports import ShmProbe, TransportSet, boot_id
 from moecomm.runtime.weights import WeightExports
 from moecomm.slots import Request, ServerChannel
-from moecomm.transport import ShmTransport, Transport, WaitStatus
+from moecomm.transport import Transport, WaitStatus
 
 log = logging.getLogger("moecomm.server")
 
@@ -38,6 +39,9 @@ IDLE_WAKE_S = 0.1
 # A busy server checks its clients' liveness this often too: under continuous load the idle
 # wake never comes, and a dead client's slots would be held for ever.
 CLIENT_CHECK_S = 0.5
+# With clients on several transports there is no single doorbell to sleep on: the loop polls
+# them all this often (a remote write cannot wake a sleeper anyway).
+MULTI_DOORBELL_POLL_S = 20e-6
 # Limits on what a client may ask for at connect time: they bound the memory one connect costs.
 MAX_SLOTS_PER_CLIENT = 16
 MAX_REGION_BYTES = 1 << 30
@@ -56,16 +60,21 @@ class ExpertServer:
     `channel_factory(transport, layout, client_id, num_slots, name=...)` builds the server end of
     each client connection (a ServerChannel by default; benchmarks wrap it, e.g. to emulate a
     network link). `weight_source(layer, expert)` reads an expert's weights when the server is
-    asked to host one it does not have (live re-placement; see ServerPlacement)."""
+    asked to host one it does not have (live re-placement; see ServerPlacement).
+
+    `transport`: a Transport, or "shm", "nixl" or "auto" (both: each client speaks the one it
+    negotiated, see runtime/transports.py); `host` is the address the server is reached at
+    (nixl carries bytes over that interface)."""
 
     def __init__(
         self,
         experts: Mapping[int, Mapping[int, ExpertWeights]],
         server_id: str = "expert-server",
-        transport: Transport | None = None,
+        transport: Transport | str | None = None,
         batching_window_s: float = 0.0,
         channel_factory: ChannelFactory = ServerChannel,
         weight_source: WeightSource | None = None,
+        host: str | None = None,
     ):
         if not experts:
             raise ValueError("an expert server needs at least one hosted layer")
@@ -77,10 +86,18 @@ class ExpertServer:
         if len(hidden) != 1:
             raise ValueError(f"hosted layers disagree on the hidden size: {sorted(hidden)}")
         self.hidden = hidden.pop()
-        self.transport = transport or ShmTransport()
+        self.transports = TransportSet(transport, host)
+        self.transport = self.transports.primary
         self.batching_window_s = batching_window_s
         self._channel_factory = channel_factory
-        self.doorbell = self.transport.create_region(_C.DOORBELL_BYTES)
+        # One doorbell per transport: a client rings the one in the memory it can write.
+        self.doorbells = {
+            n: self.transports.get(n).create_region(_C.DOORBELL_BYTES)
+            for n in self.transports.names
+        }
+        self.doorbell = self.doorbells[self.transport.name]
+        has_shm = "shm" in self.transports.names
+        self.shm_probe = ShmProbe(self.transports.get("shm")) if has_shm else None
         self.stats = ServerStats()
         self.health = LoopHealth()
         self.clients = ClientRegistry(self.transport, server_id)
@@ -99,11 +116,22 @@ class ExpertServer:
             self.clients,
             on_change=self._publish_membership,
         )
+        for name in self.transports.names:
+            self.placement.add_transport(self.transports.get(name))
 
     # ------------------------------------------------------------------ membership of clients
     def hosted(self) -> dict[int, list[int]]:
         """{layer: logical expert of each local index}, -1 for an index clients must not use."""
         return self.placement.published()
+
+    def offer(self) -> dict:
+        """What a client needs to pick a transport (GET /transports): the ones served here,
+        this host's boot id and the shm probe word."""
+        return {
+            "transports": list(self.transports.names),
+            "boot_id": boot_id(),
+            "shm_probe": self.shm_probe.describe() if self.shm_probe is not None else None,
+        }
 
     def connect(
         self,
@@ -112,6 +140,7 @@ class ExpertServer:
         layout: SlotLayout,
         num_slots: int,
         session: str = "",
+        transport: str | None = None,
     ) -> dict:
         """Allocates request slots for a client and attaches to its response slots. The answer
         carries a session secret: a later connect under the same id (the client reconnecting)
@@ -123,6 +152,11 @@ class ExpertServer:
             raise MoecommError(f"{self.server_id} is unhealthy: {self.health.reason}")
         if layout.hidden != self.hidden:
             raise ValueError(f"hidden {layout.hidden} does not match this server's {self.hidden}")
+        name = transport or self.transport.name
+        if name not in self.transports.names:
+            raise MoecommError(
+                f"{self.server_id} serves over {', '.join(self.transports.names)}, not {name!r}"
+            )
         if not 1 <= num_slots <= MAX_SLOTS_PER_CLIENT:
             raise ValueError(f"num_slots must be in [1, {MAX_SLOTS_PER_CLIENT}], got {num_slots}")
         need = _C.SlotRing(layout.config, num_slots, True).region_bytes
@@ -134,7 +168,7 @@ class ExpertServer:
 
         def make_channel() -> ServerChannel:
             channel = self._channel_factory(
-                self.transport, layout, client_id, num_slots, name=f"client {client_id}"
+                self.transports.get(name), layout, client_id, num_slots, name=f"client {client_id}"
             )
             try:
                 channel.connect(client_handle)
@@ -149,14 +183,14 @@ class ExpertServer:
         return {
             "server_id": self.server_id,
             "server_handle": channel.handle,
-            "transport": self.transport.name,
-            "doorbell_handle": self.doorbell.handle,
+            "transport": name,
+            "doorbell_handle": self.doorbells[name].handle,
             "num_slots": num_slots,
             "request_slot_bytes": layout.request_slot_bytes,
             "slot_offsets": [channel.request_ring.slot_offset(s) for s in range(num_slots)],
             "hosted": table["layers"],
             "placement_epoch": table["epoch"],
-            "placement_handle": self.placement.region.handle,
+            "placement_handle": self.placement.handle(name),
             "session": new.secret,
         }
 
@@ -174,14 +208,13 @@ class ExpertServer:
         Returns how many requests were answered (errors included)."""
         if time.monotonic() >= self._next_client_check:
             self._drop_dead_clients()
-        seen = self.transport.load(self.doorbell, 0)
+        seen = self._doorbell_values()
         # Every request signalled before `polled` is answered by the end of this pass: a
         # pending expert drop waits for a pass that started after its clients' acks.
         polled = time.monotonic()
         ready = self._poll()
         if not ready:
-            status, _ = _C.wait_doorbell(self.transport, self.doorbell, seen, int(timeout * 1e9))
-            if status == WaitStatus.TIMEOUT:
+            if not self._wait_doorbells(seen, timeout):
                 self.placement.served_through = polled
                 return 0
             polled = time.monotonic()
@@ -194,6 +227,24 @@ class ExpertServer:
             n = self._serve(ready)
         self.placement.served_through = polled
         return n
+
+    def _doorbell_values(self) -> dict[str, int]:
+        return {n: self.transports.get(n).load(d, 0) for n, d in self.doorbells.items()}
+
+    def _wait_doorbells(self, seen: dict[str, int], timeout: float) -> bool:
+        """Sleeps until a doorbell moves past `seen` or `timeout` passes; False on timeout."""
+        if len(self.doorbells) == 1:
+            ((name, bell),) = self.doorbells.items()
+            t = self.transports.get(name)
+            status, _ = _C.wait_doorbell(t, bell, seen[name], int(timeout * 1e9))
+            return status != WaitStatus.TIMEOUT
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._doorbell_values() != seen:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(MULTI_DOORBELL_POLL_S)
 
     def _poll(self) -> list[tuple[ServerChannel, Request]]:
         return [(ch, req) for ch in self.clients.channels() for req in ch.poll()]
@@ -327,7 +378,8 @@ class ExpertServer:
 
     def wake(self) -> None:
         """Wakes the loop from its doorbell sleep (it then polls every client at once)."""
-        _C.ring_doorbell(self.transport, self.doorbell)
+        for name, bell in self.doorbells.items():
+            _C.ring_doorbell(self.transports.get(name), bell)
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
@@ -346,7 +398,10 @@ class ExpertServer:
             self._registration.close(deregister=True)
         self.stop()
         self.clients.close_all()
-        self.doorbell.close()
+        for bell in self.doorbells.values():
+            bell.close()
+        if self.shm_probe is not None:
+            self.shm_probe.close()
 
     def drain(self) -> None:
         """Graceful drain: accept no new client, answer every request from now on with
@@ -362,7 +417,15 @@ class ExpertServer:
         lease of `ttl`, and frees the slots of any client the membership reports lost."""
         from moecomm.membership import Member
 
-        member = Member("server", self.server_id, {"control": control_url}, self.hosted_ids())
+        # What a peer needs to connect: the control URL (the handshake there carries the
+        # transport's handles) and the transports this server speaks.
+        member = Member(
+            "server",
+            self.server_id,
+            {"control": control_url},
+            self.hosted_ids(),
+            {"transports": ",".join(self.transports.names)},
+        )
         self._registration = membership.register(member, ttl)
         self._watcher = membership.watch(
             role="client", callback=self._on_client_event, initial=False

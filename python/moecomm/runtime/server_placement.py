@@ -56,6 +56,9 @@ class ServerPlacement:
         self.transport = transport
         # The epoch word: a signal line of its own (word operations are line-aligned).
         self.region: Region = transport.create_region(EPOCH_REGION_BYTES)
+        # The same word in the memory of every other transport the server offers (a client
+        # maps the one of the transport it speaks).
+        self.mirrors: dict[str, tuple[Transport, Region]] = {}
         self.clients = clients
         self.on_change = on_change
         # Held by the serving loop while it checks and serves a batch: a table swap happens
@@ -118,8 +121,24 @@ class ServerPlacement:
         return bool((layer.rows[used] < 0).any()) if used.numel() else False
 
     # ------------------------------------------------------------------ changing
+    def add_transport(self, transport: Transport) -> None:
+        """Publishes the epoch word in `transport`'s memory as well."""
+        if transport.name == self.transport.name or transport.name in self.mirrors:
+            return
+        region = transport.create_region(EPOCH_REGION_BYTES)
+        transport.signal(region, EPOCH_OFFSET, self.epoch, SignalOp.SET)
+        self.mirrors[transport.name] = (transport, region)
+
+    def handle(self, transport_name: str) -> str:
+        """The handle of the epoch word a client of `transport_name` maps."""
+        if transport_name in self.mirrors:
+            return self.mirrors[transport_name][1].handle
+        return self.region.handle
+
     def _publish_epoch(self) -> None:
         self.transport.signal(self.region, EPOCH_OFFSET, self.epoch, SignalOp.SET)
+        for t, region in self.mirrors.values():
+            t.signal(region, EPOCH_OFFSET, self.epoch, SignalOp.SET)
 
     def _swap(self, layer_id: int, new: LayerExperts | None) -> None:
         """Under `lock`: installs a layer's new table and announces it."""
@@ -225,3 +244,5 @@ class ServerPlacement:
     def close(self) -> None:
         self._stop.set()
         self.region.close()
+        for _, region in self.mirrors.values():
+            region.close()

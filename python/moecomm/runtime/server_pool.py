@@ -19,10 +19,11 @@ from moecomm.runtime.control import (
     http_disconnect,
     http_health,
     http_placement,
+    http_transports,
 )
 from moecomm.runtime.server_placement import EPOCH_OFFSET
+from moecomm.runtime.transports import TransportSet, choose
 from moecomm.slots import ClientChannel
-from moecomm.transport import Transport
 
 log = logging.getLogger("moecomm.client")
 
@@ -41,7 +42,7 @@ class ServerPool:
         num_slots: int,
         token: str,
         timeout: float,
-        transport: Transport,
+        transports: TransportSet,
         evict_s: float,
     ):
         self.urls = list(urls)
@@ -50,7 +51,8 @@ class ServerPool:
         self.num_slots = num_slots
         self.token = token
         self.timeout = timeout
-        self.transport = transport
+        self.transports = transports
+        self.transport = transports.primary
         self.evict_s = evict_s
         self.channels: list[ClientChannel | None] = []
         self.sessions: list[str] = []  # per server: the secret of our connection
@@ -91,8 +93,11 @@ class ServerPool:
             log.warning("client %d: left out for now, %s", self.client_id, why)
 
     def attach(self, url: str, index: int | None = None) -> None:
+        # Per server: shm when it provably shares our /dev/shm, else nixl (transports.py).
+        name = choose(self.transports, http_transports(url, self.timeout), url)
+        transport = self.transports.get(name)
         ch = ClientChannel(
-            self.transport, self.layout, self.client_id, self.num_slots, name=f"server {url}"
+            transport, self.layout, self.client_id, self.num_slots, name=f"server {url}"
         )
         try:
             info = http_connect(
@@ -103,13 +108,13 @@ class ServerPool:
                 self.num_slots,
                 self.token,
                 self.timeout,
-                transport=self.transport.name,
+                transport=name,
                 session=self.sessions[index] if index is not None else "",
             )
             ch.connect(info["server_handle"], info["doorbell_handle"])
             # Servers from before live re-placement have no epoch word: their table is fixed.
             handle = info.get("placement_handle")
-            word = self.transport.attach(handle) if handle else None
+            word = transport.attach(handle) if handle else None
         except Exception:
             ch.close()
             raise
@@ -237,7 +242,8 @@ class ServerPool:
         for i, word in enumerate(self.epoch_words):
             if word is None or not self.live(i):
                 continue
-            if self.transport.load(word, EPOCH_OFFSET) != self.epochs[i]:
+            # Over nixl this is a small read of the server's memory (one network round trip).
+            if self.channels[i].transport.load(word, EPOCH_OFFSET) != self.epochs[i]:
                 changed |= self.fetch_placement(i)
         if changed:
             self.rebuild_maps()

@@ -1,0 +1,113 @@
+// The nixl transport: its Engine is a Python object over NIXL's Python API (NIXL ships no C++
+// headers in its wheels). Every call into it takes the GIL; the transport never holds a lock of
+// its own across one.
+#include <pybind11/pybind11.h>
+
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/error.h"
+#include "registry.h"
+#include "transport/nixl/nixl_transport.h"
+
+namespace py = pybind11;
+
+namespace moecomm::bindings {
+
+using namespace moecomm::transport;
+using nixl::Segment;
+using nixl::XferStatus;
+
+namespace {
+
+// Forwards to a Python engine (moecomm.nixl.NixlEngine); Python errors become moecomm errors.
+class PyEngine final : public nixl::Engine {
+ public:
+  explicit PyEngine(py::object obj) : obj_(std::move(obj)) {}
+  ~PyEngine() override {
+    if (!Py_IsInitialized()) {  // interpreter gone: the object dies with it
+      obj_.release();
+      return;
+    }
+    py::gil_scoped_acquire gil;
+    obj_ = py::object();
+  }
+  std::string agent_name() override { return call<std::string>("agent_name"); }
+  std::string register_memory(uint64_t addr, uint64_t bytes) override {
+    return call<std::string>("register_memory", addr, bytes);
+  }
+  void deregister_memory(uint64_t addr, uint64_t bytes) override {
+    if (Py_IsInitialized()) call<py::object>("deregister_memory", addr, bytes);
+  }
+  std::string add_peer(const std::string& blob) override {
+    return call<std::string>("add_peer", blob);
+  }
+  void release_peer(const std::string& agent) override {
+    if (Py_IsInitialized()) call<py::object>("release_peer", agent);
+  }
+  XferStatus write(const std::string& agent, const std::vector<Segment>& segs,
+                   int64_t timeout_ns) override {
+    return xfer("write", agent, segs, timeout_ns);
+  }
+  XferStatus read(const std::string& agent, const std::vector<Segment>& segs,
+                  int64_t timeout_ns) override {
+    return xfer("read", agent, segs, timeout_ns);
+  }
+
+ private:
+  XferStatus xfer(const char* op, const std::string& agent, const std::vector<Segment>& segs,
+                  int64_t timeout_ns) {
+    py::gil_scoped_acquire gil;
+    py::list l;
+    for (const Segment& s : segs) l.append(py::make_tuple(s.local, s.remote, s.bytes));
+    return static_cast<XferStatus>(call_locked<int>(op, agent, l, timeout_ns));
+  }
+
+  template <typename R, typename... A>
+  R call(const char* fn, A&&... args) {
+    py::gil_scoped_acquire gil;
+    return call_locked<R>(fn, std::forward<A>(args)...);
+  }
+
+  template <typename R, typename... A>
+  R call_locked(const char* fn, A&&... args) {
+    try {
+      return obj_.attr(fn)(std::forward<A>(args)...).template cast<R>();
+    } catch (py::error_already_set& e) {
+      const std::string what = e.what();
+      e.restore();
+      PyErr_Clear();
+      MC_THROW(ErrorKind::kSystem, "nixl engine ", fn, ": ", what);
+    }
+  }
+
+  py::object obj_;
+};
+
+}  // namespace
+
+void register_nixl(py::module_& m) {
+  py::class_<nixl::NixlTransport, Transport, std::shared_ptr<nixl::NixlTransport>>(
+      m, "NixlTransport", py::dynamic_attr())
+      .def(py::init(
+               [](py::object engine, int64_t spin_ns, int64_t poll_ns, int64_t xfer_timeout_ns) {
+                 return std::make_shared<nixl::NixlTransport>(
+                     std::make_shared<PyEngine>(std::move(engine)),
+                     nixl::NixlOptions{spin_ns, poll_ns, xfer_timeout_ns});
+               }),
+           py::arg("engine"), py::arg("spin_ns") = nixl::kDefaultSpinNs,
+           py::arg("poll_ns") = nixl::kDefaultPollNs,
+           py::arg("xfer_timeout_ns") = nixl::kDefaultXferTimeoutNs)
+      .def_property_readonly("agent_name", &nixl::NixlTransport::agent_name)
+      .def("peers", &nixl::NixlTransport::peers)
+      .def_property_readonly("spin_ns",
+                             [](const nixl::NixlTransport& t) { return t.options().spin_ns; });
+  m.attr("NIXL_XFER_DONE") = static_cast<int>(XferStatus::kDone);
+  m.attr("NIXL_XFER_PEER_LOST") = static_cast<int>(XferStatus::kPeerLost);
+  m.attr("NIXL_XFER_TIMEOUT") = static_cast<int>(XferStatus::kTimeout);
+}
+
+}  // namespace moecomm::bindings

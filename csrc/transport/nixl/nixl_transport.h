@@ -1,0 +1,129 @@
+// Backend `nixl`: peers on other hosts, reached through a NIXL agent (UCX underneath).
+//
+// Our own regions are plain host memory registered with the agent; a peer's region is a remote
+// descriptor we can only reach through transfers. So, as on every backend, the receiver polls
+// only its own memory (no wake-up crosses the network: waits spin, then poll with short sleeps),
+// and writes to a peer are one-sided NIXL WRITEs.
+//
+// Ordering (slot_io: payload, header, signal, doorbell). NIXL gives no order between transfers,
+// but its UCX backend flushes the endpoint behind every transfer, so a transfer reported DONE has
+// landed in the target's memory. The transport therefore:
+//   put:    copies the bytes into a per-thread registered staging buffer and queues them (the
+//           caller may reuse its memory at once, as with shm);
+//   signal: writes every queued put of this thread as ONE transfer and waits for it to complete,
+//           then writes the signal word and waits for that too, so a reader that sees the word
+//           sees everything put before it; a doorbell after it lands after it;
+//   fence:  writes the queue and waits.
+// A message costs one payload transfer plus one small transfer per signal word.
+//
+// A peer's word cannot be added to (NIXL has no remote atomics), so SignalOp::kAdd on a peer's
+// word writes a value that word never held before (this transport's random tag and a counter).
+// Every kAdd in the protocol is a doorbell whose reader only compares with what it saw last.
+//
+// The NIXL agent itself is reached through `Engine`: NIXL ships no C++ headers in its wheels, so
+// the bindings implement Engine over NIXL's Python API (python/moecomm/nixl.py).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "transport/transport.h"
+
+namespace moecomm::transport::nixl {
+
+// One contiguous piece of a transfer: local (registered) address, remote address, length.
+struct Segment {
+  uint64_t local = 0;
+  uint64_t remote = 0;
+  uint64_t bytes = 0;
+};
+
+enum class XferStatus : uint8_t {
+  kDone = 0,      // complete at the target
+  kPeerLost = 1,  // the peer disconnected or its agent is unknown
+  kTimeout = 2,   // still in flight at the deadline (the peer is stopped or unreachable)
+};
+
+// The NIXL agent operations the transport needs. Implementations block until the transfer is
+// complete at the target, it failed, or `timeout_ns` passed; they must be callable from any
+// thread and never while the transport holds a lock of its own.
+class Engine {
+ public:
+  virtual ~Engine() = default;
+  virtual std::string agent_name() = 0;
+  // Registers host memory for remote access; returns the blob a peer loads to reach it (the
+  // agent's connection info and this memory's remote key, printable, no '|').
+  virtual std::string register_memory(uint64_t addr, uint64_t bytes) = 0;
+  virtual void deregister_memory(uint64_t addr, uint64_t bytes) = 0;
+  // Loads a peer's blob (adds the peer, or adds the memory to a known peer) and takes a
+  // reference on it; returns its name. Each add is undone by one release_peer; the engine
+  // disconnects from the peer when the last reference goes (it counts under its own lock, so
+  // an attach racing the last release never loses its peer).
+  virtual std::string add_peer(const std::string& blob) = 0;
+  virtual void release_peer(const std::string& agent) = 0;
+  virtual XferStatus write(const std::string& agent, const std::vector<Segment>& segs,
+                           int64_t timeout_ns) = 0;
+  virtual XferStatus read(const std::string& agent, const std::vector<Segment>& segs,
+                          int64_t timeout_ns) = 0;
+};
+
+// How long a waiter spins on its word before it polls with sleeps: a round trip over a fast
+// network lands within it; an idle waiter stops burning its core soon after.
+constexpr int64_t kDefaultSpinNs = 50'000;
+// Sleep between two polls once the spin is over: remote writes cannot wake a sleeper, so this
+// bounds the latency an idle receiver adds (a Linux sleep overshoots by its timer slack).
+constexpr int64_t kDefaultPollNs = 20'000;
+// A waiter checks its peer this often (each check is a small read across the network).
+constexpr int64_t kPeerCheckIntervalNs = 50'000'000;
+// A transfer still in flight after this long means the peer is stopped or unreachable.
+constexpr int64_t kDefaultXferTimeoutNs = 10'000'000'000;
+// A liveness probe still unanswered after this long counts as a lost peer.
+constexpr int64_t kProbeTimeoutNs = 2'000'000'000;
+// Initial per-thread staging: a decode-size request (128 x 7168 bf16) fits with room to spare.
+constexpr uint64_t kInitialStagingBytes = 4ull << 20;
+// Region handles: "nixl|<agent>|<address hex>|<bytes>|<blob>".
+constexpr char kHandleSep = '|';
+constexpr const char* kHandlePrefix = "nixl";
+
+struct NixlOptions {
+  int64_t spin_ns = kDefaultSpinNs;
+  int64_t poll_ns = kDefaultPollNs;
+  int64_t xfer_timeout_ns = kDefaultXferTimeoutNs;
+};
+
+struct Shared;  // engine, peer reference counts and staging, shared with the regions
+
+class NixlTransport final : public Transport {
+ public:
+  NixlTransport(std::shared_ptr<Engine> engine, NixlOptions options = {});
+  ~NixlTransport() override;
+  std::string name() const override { return "nixl"; }
+  std::shared_ptr<Region> create_region(uint64_t bytes) override;
+  std::shared_ptr<Region> attach(const std::string& handle) override;
+  void put(Region& dst, uint64_t offset, const void* src, uint64_t bytes) override;
+  void signal(Region& dst, uint64_t offset, uint64_t value, SignalOp op) override;
+  WaitResult wait(Region& local, uint64_t offset, const WaitPredicate& pred, int64_t timeout_ns,
+                  const Region* peer) override;
+  void read(Region& region, uint64_t offset, void* dst, uint64_t bytes) override;
+  uint64_t load(Region& local, uint64_t offset) override;
+  bool compare_exchange(Region& local, uint64_t offset, uint64_t expected,
+                        uint64_t desired) override;
+  void fence() override;
+  bool peer_alive(const Region& peer) override;
+
+  const NixlOptions& options() const { return options_; }
+  std::string agent_name() const;
+  // Peers this transport holds regions of (their agents are loaded in the NIXL agent).
+  std::vector<std::string> peers() const;
+
+ private:
+  NixlOptions options_;
+  std::shared_ptr<Shared> shared_;
+};
+
+}  // namespace moecomm::transport::nixl

@@ -1,0 +1,221 @@
+"""The `nixl` transport: the slot protocol between hosts, over NVIDIA's NIXL (UCX underneath).
+
+`NixlTransport()` is a Transport like `ShmTransport()`: regions a peer attaches to by handle,
+one-sided puts, signal words, waits with deadlines. Its regions are host memory registered with
+this process's NIXL agent; a region handle carries the agent's connection info and the
+region's remote key, so attaching to a peer's region is all it takes to reach that peer (no
+listener, no port of NIXL's own: the handles travel in moecomm's token-checked connect
+handshake). How the transport orders payload before signal word is in
+csrc/transport/nixl/nixl_transport.h; docs/transports.md says when to use it.
+
+NIXL is optional: ``pip install 'moecomm[nixl]'``. Without it, asking for the transport raises
+a MoecommError that names the extra.
+"""
+
+from __future__ import annotations
+
+import base64
+import fcntl
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+import uuid
+
+from moecomm import _C
+from moecomm.errors import MoecommError
+
+log = logging.getLogger("moecomm.nixl")
+
+INSTALL_HINT = "pip install 'moecomm[nixl]'"
+# The NIXL Python packages, by CUDA flavour; any one serves host memory.
+_NIXL_MODULES = ("nixl_cu12._api", "nixl_cu13._api", "nixl._api")
+# A transfer is spun on this long before its waiter starts yielding the GIL between checks: a
+# small write across a fast network completes within it.
+SPIN_S = 50e-6
+# SIOCGIFADDR: the IPv4 address of an interface (linux/sockios.h).
+_SIOCGIFADDR = 0x8915
+_IFNAMSIZ = 16
+
+__all__ = ["INSTALL_HINT", "NixlEngine", "NixlTransport", "available", "interface_of"]
+
+
+# NIXL logs every agent start at INFO on stdout; a server starts one per process. Its own
+# variable still overrides this.
+DEFAULT_NIXL_LOG_LEVEL = "WARN"
+
+
+def _load():
+    os.environ.setdefault("NIXL_LOG_LEVEL", DEFAULT_NIXL_LOG_LEVEL)
+    errors = []
+    for name in _NIXL_MODULES:
+        try:
+            module = __import__(name, fromlist=["nixl_agent"])
+        except ImportError as exc:
+            errors.append(f"{name}: {exc}")
+            continue
+        return module
+    raise MoecommError(
+        "the nixl transport needs NIXL, which is not installed: "
+        + INSTALL_HINT
+        + " (tried "
+        + "; ".join(errors)
+        + ")"
+    )
+
+
+def available() -> tuple[bool, str]:
+    """Whether NIXL can be imported here, and why not."""
+    try:
+        _load()
+    except MoecommError as exc:
+        return False, str(exc)
+    return True, ""
+
+
+def interface_of(addr: str) -> str | None:
+    """The network interface that holds IPv4 address `addr`, or None."""
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                raw = fcntl.ioctl(
+                    s.fileno(), _SIOCGIFADDR, struct.pack("256s", name[: _IFNAMSIZ - 1].encode())
+                )
+            except OSError:
+                continue
+        if socket.inet_ntoa(raw[20:24]) == addr:
+            return name
+    return None
+
+
+class NixlEngine:
+    """One NIXL agent with its UCX backend, as the C++ transport uses it (nixl_transport.h,
+    `Engine`): memory registration, peers by metadata blob, blocking transfers with deadlines.
+    Every method runs with the GIL held; the lock serializes the agent's bookkeeping."""
+
+    def __init__(self, name: str | None = None, host: str | None = None):
+        api = _load()
+        if host and host not in ("0.0.0.0", "") and "UCX_NET_DEVICES" not in os.environ:
+            # Carry bytes over the interface the user serves on (UCX reads this at start).
+            iface = interface_of(host)
+            if iface is None:
+                raise MoecommError(f"no network interface here holds the address {host}")
+            os.environ["UCX_NET_DEVICES"] = iface
+        # Unique across hosts: pids collide between containers, host names may too.
+        self.name = name or f"moecomm-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        sync = getattr(api, "nixl_thread_sync_t", None)
+        kwargs = {"enable_prog_thread": True, "backends": ["UCX"]}
+        if sync is not None:  # transfers come from the serving loop and the HTTP threads alike
+            kwargs["sync_mode"] = sync.NIXL_THREAD_SYNC_STRICT
+        self.agent = api.nixl_agent(self.name, api.nixl_agent_config(**kwargs))
+        if "UCX" not in self.agent.backends:
+            raise MoecommError("NIXL has no UCX backend here: the nixl transport needs it")
+        self._lock = threading.Lock()
+        self._regs: dict[int, object] = {}
+        self._peers: dict[str, int] = {}
+        self.transfers = 0
+
+    # ------------------------------------------------------------------ the Engine interface
+    def agent_name(self) -> str:
+        return self.name
+
+    def register_memory(self, addr: int, nbytes: int) -> str:
+        with self._lock:
+            descs = self.agent.register_memory([(addr, nbytes, 0, "")], "DRAM")
+            self._regs[addr] = descs
+            blob = self.agent.get_partial_agent_metadata(descs, True)
+        return base64.b64encode(blob).decode("ascii")
+
+    def deregister_memory(self, addr: int, nbytes: int) -> None:
+        with self._lock:
+            descs = self._regs.pop(addr, None)
+            if descs is not None:
+                self.agent.deregister_memory(descs)
+
+    def add_peer(self, blob: str) -> str:
+        try:
+            raw = base64.b64decode(blob.encode("ascii"), validate=True)
+        except ValueError as exc:
+            raise ValueError(f"a nixl region handle carries a malformed blob: {exc}") from None
+        with self._lock:
+            name = self.agent.add_remote_agent(raw)
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            self._peers[name] = self._peers.get(name, 0) + 1
+        return name
+
+    def release_peer(self, agent: str) -> None:
+        with self._lock:
+            n = self._peers.get(agent, 0) - 1
+            if n > 0:
+                self._peers[agent] = n
+                return
+            self._peers.pop(agent, None)
+            try:
+                self.agent.remove_remote_agent(agent)
+            except Exception as exc:  # gone already: nothing to disconnect
+                log.debug("nixl: removing %s: %s", agent, exc)
+
+    def write(self, agent: str, segs: list, timeout_ns: int) -> int:
+        return self._xfer("WRITE", agent, segs, timeout_ns)
+
+    def read(self, agent: str, segs: list, timeout_ns: int) -> int:
+        return self._xfer("READ", agent, segs, timeout_ns)
+
+    # ------------------------------------------------------------------ transfers
+    def _xfer(self, op: str, agent: str, segs: list, timeout_ns: int) -> int:
+        a = self.agent
+        deadline = time.monotonic() + timeout_ns / 1e9
+        try:
+            local = a.get_xfer_descs([(lo, n, 0) for lo, _, n in segs], "DRAM")
+            remote = a.get_xfer_descs([(r, n, 0) for _, r, n in segs], "DRAM")
+            handle = a.initialize_xfer(op, local, remote, agent)
+        except Exception as exc:  # disconnected, or its metadata is gone with it
+            log.debug("nixl: %s to %s refused: %s", op, agent, exc)
+            return _C.NIXL_XFER_PEER_LOST
+        try:
+            state = a.transfer(handle)
+            spin_until = time.monotonic() + SPIN_S
+            while state == "PROC":
+                now = time.monotonic()
+                if now >= deadline:
+                    # In flight for good: the handle cannot be released while it is posted.
+                    handle = None
+                    return _C.NIXL_XFER_TIMEOUT
+                if now >= spin_until:
+                    time.sleep(0)  # lets other Python threads run during a long transfer
+                state = a.check_xfer_state(handle)
+            self.transfers += 1
+            return _C.NIXL_XFER_DONE if state == "DONE" else _C.NIXL_XFER_PEER_LOST
+        except Exception as exc:
+            log.debug("nixl: %s to %s failed: %s", op, agent, exc)
+            return _C.NIXL_XFER_PEER_LOST
+        finally:
+            if handle is not None:
+                try:
+                    a.release_xfer_handle(handle)
+                except Exception as exc:
+                    log.debug("nixl: releasing a transfer to %s: %s", agent, exc)
+
+
+def NixlTransport(
+    host: str | None = None,
+    name: str | None = None,
+    spin_ns: int | None = None,
+    poll_ns: int | None = None,
+    xfer_timeout_s: float | None = None,
+) -> _C.NixlTransport:
+    """A nixl transport with its own NIXL agent. `host`: the address this process serves on;
+    UCX carries bytes over that interface (unless UCX_NET_DEVICES says otherwise)."""
+    engine = NixlEngine(name=name, host=host)
+    kwargs = {}
+    if spin_ns is not None:
+        kwargs["spin_ns"] = int(spin_ns)
+    if poll_ns is not None:
+        kwargs["poll_ns"] = int(poll_ns)
+    if xfer_timeout_s is not None:
+        kwargs["xfer_timeout_ns"] = int(xfer_timeout_s * 1e9)
+    t = _C.NixlTransport(engine, **kwargs)
+    t.engine = engine  # for callers that want the agent (counters, UCX queries)
+    return t

@@ -1,0 +1,148 @@
+"""Which transport each peer pair speaks (DESIGN.md, "Membership"; docs/transports.md).
+
+A process offers one or more transports (`TransportSet`): "shm", "nixl", or "auto" for both.
+A client asks a server what it offers (GET /transports) and picks per server: shm only when it
+can prove the two share a host's shared memory — the same boot id AND the server's probe word
+readable through this process's /dev/shm (two containers on one kernel share the boot id but not
+/dev/shm: probe, don't assume) — otherwise nixl. A forced choice that cannot work is a clear
+error before any slot is allocated.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+
+from moecomm.errors import MoecommError
+from moecomm.transport import (
+    TRANSPORT_CHOICES,
+    ShmTransport,
+    SignalOp,
+    Transport,
+    make_transport,
+)
+
+log = logging.getLogger("moecomm.transports")
+
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+# The probe is one signal line of shm holding a random word (never 0: a fresh region reads 0).
+PROBE_BYTES = 64
+PROBE_OFFSET = 0
+
+__all__ = ["ShmProbe", "TransportSet", "boot_id", "choose", "shm_reachable"]
+
+
+def boot_id() -> str:
+    try:
+        with open(BOOT_ID_PATH) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+class TransportSet:
+    """The transports one process offers, by name, created on first use. `spec`: a Transport
+    (that one only), or one of TRANSPORT_CHOICES. With "auto" and NIXL not installed, the set
+    offers shm alone (logged once)."""
+
+    def __init__(self, spec: str | Transport | None = "shm", host: str | None = None):
+        self.host = host
+        self._lock = threading.Lock()
+        self._made: dict[str, Transport] = {}
+        if spec is None:
+            spec = "shm"
+        if isinstance(spec, str):
+            if spec not in TRANSPORT_CHOICES:
+                raise ValueError(
+                    f"unknown transport {spec!r}: one of {', '.join(TRANSPORT_CHOICES)}"
+                )
+            self.spec = spec
+            if spec == "auto":
+                from moecomm.nixl import available
+
+                ok, why = available()
+                self.names = ["shm", "nixl"] if ok else ["shm"]
+                if not ok:
+                    log.info("transport auto: shm only (%s)", why)
+            else:
+                self.names = [spec]
+            if spec == "nixl":
+                self.get("nixl")  # fail now, with the extra's name, not at the first peer
+        else:
+            self.spec = spec.name
+            self.names = [spec.name]
+            self._made[spec.name] = spec
+
+    def get(self, name: str) -> Transport:
+        if name not in self.names:
+            raise MoecommError(
+                f"transport {name!r} is not offered here (this process offers "
+                f"{', '.join(self.names)})"
+            )
+        with self._lock:
+            t = self._made.get(name)
+            if t is None:
+                t = self._made[name] = make_transport(name, self.host)
+            return t
+
+    @property
+    def primary(self) -> Transport:
+        return self.get(self.names[0])
+
+    def made(self) -> dict[str, Transport]:
+        with self._lock:
+            return dict(self._made)
+
+
+class ShmProbe:
+    """A server's proof of where its shared memory lives: a shm word with a random value. A
+    client that reads the same value through its own /dev/shm shares it."""
+
+    def __init__(self, shm: Transport):
+        self.region = shm.create_region(PROBE_BYTES)
+        self.nonce = secrets.randbits(63) | 1
+        shm.signal(self.region, PROBE_OFFSET, self.nonce, SignalOp.SET)
+
+    def describe(self) -> dict:
+        return {"handle": self.region.handle, "nonce": str(self.nonce)}
+
+    def close(self) -> None:
+        self.region.close()
+
+
+def shm_reachable(offer: dict) -> bool:
+    """Whether a server that answered `offer` (its GET /transports) shares our shared memory."""
+    probe = offer.get("shm_probe")
+    if not probe or offer.get("boot_id") != boot_id() or not boot_id():
+        return False
+    try:
+        shm = ShmTransport(reap_on_start=False)
+        region = shm.attach(str(probe["handle"]))
+        try:
+            return shm.load(region, PROBE_OFFSET) == int(probe["nonce"])
+        finally:
+            region.close()
+    except Exception as exc:  # no such segment here: another /dev/shm
+        log.debug("shm probe failed: %s", exc)
+        return False
+
+
+def choose(mine: TransportSet, offer: dict, url: str) -> str:
+    """The transport to speak with the server at `url` that answered `offer`."""
+    theirs = [str(n) for n in offer.get("transports", ["shm"])]
+    common = [n for n in mine.names if n in theirs]
+    if not common:
+        raise MoecommError(
+            f"{url} offers transport {', '.join(theirs)}; this client speaks "
+            f"{', '.join(mine.names)} (start one of them with --transport auto or a common one)"
+        )
+    if "shm" in common:
+        if shm_reachable(offer):
+            return "shm"
+        if common == ["shm"]:
+            raise MoecommError(
+                f"{url} is not on this host's shared memory (different boot id or /dev/shm), "
+                "so shm cannot reach it: use --transport nixl (or auto) on both sides"
+            )
+    return "nixl"

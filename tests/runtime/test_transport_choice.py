@@ -1,0 +1,130 @@
+"""The runtime over the nixl transport on one host, and how each peer pair picks its transport:
+nixl end to end, `auto` picking shm only where the probe proves shared /dev/shm, forced choices
+that cannot work refused with a clear error, and the missing extra named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from moecomm.errors import MoecommError
+from moecomm.runtime import AttentionClient
+from moecomm.runtime.experts import LayerExperts
+from moecomm.runtime.launch import ModelSpec, spawn_expert_server
+from moecomm.runtime.transports import TransportSet, choose
+
+nixl_ok, nixl_why = __import__("moecomm.nixl", fromlist=["available"]).available()
+needs_nixl = pytest.mark.skipif(not nixl_ok, reason=f"NIXL is not installed: {nixl_why}")
+
+SPEC = ModelSpec(num_layers=2, num_experts=8, hidden=64, intermediate=32, seed=5)
+TOKEN = "t0ken"
+TOPK = 2
+
+
+def _client(urls, transport, **kw):
+    return AttentionClient(
+        urls,
+        None,
+        SPEC.hidden,
+        TOPK,
+        64,
+        encoding="f32",
+        out_dtype=torch.float32,
+        token=TOKEN,
+        timeout=20.0,
+        transport=transport,
+        **kw,
+    )
+
+
+def _reference(x, ids, w, layer):
+    (y,) = LayerExperts(layer, SPEC.experts()[layer]).forward([x], [ids], [w])
+    return y.float()
+
+
+def _batch(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, SPEC.hidden, generator=g)
+    ids = torch.stack([torch.randperm(SPEC.num_experts, generator=g)[:TOPK] for _ in range(n)])
+    return x, ids.to(torch.int32), torch.rand(n, TOPK, generator=g)
+
+
+@pytest.fixture(scope="module")
+def servers():
+    """s-nixl serves over nixl only, s-auto over both; both host every expert."""
+    procs = []
+    try:
+        everything = {0: list(range(8)), 1: list(range(8))}
+        if nixl_ok:
+            procs.append(spawn_expert_server(SPEC, everything, "s-nixl", TOKEN, transport="nixl"))
+            procs.append(spawn_expert_server(SPEC, everything, "s-auto", TOKEN, transport="auto"))
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+@needs_nixl
+@pytest.mark.timeout(120)
+def test_dispatch_over_nixl_matches_the_monolith_with_sizes_changing_every_step(servers):
+    client = _client([servers[0].url], "nixl")
+    client.connect()
+    try:
+        assert [ch.transport.name for ch in client.pool.channels] == ["nixl"]
+        for step in range(12):
+            n = 1 + (step * 7) % 64  # a new size every step, the largest the slot holds
+            x, ids, w = _batch(n, step)
+            layer = step % 2
+            y = client.combine(client.dispatch(x, ids, w, layer))
+            torch.testing.assert_close(y, _reference(x, ids, w, layer), rtol=1e-5, atol=1e-5)
+    finally:
+        client.close()
+
+
+@needs_nixl
+@pytest.mark.timeout(120)
+def test_auto_speaks_shm_on_one_host_and_nixl_where_only_nixl_is_offered(servers):
+    client = _client([s.url for s in servers], "auto")
+    client.connect()
+    try:
+        # s-nixl offers nixl only; s-auto offers both and its probe proves our /dev/shm.
+        assert [ch.transport.name for ch in client.pool.channels] == ["nixl", "shm"]
+        for step in range(6):
+            x, ids, w = _batch(5 + step, 100 + step)
+            y = client.combine(client.dispatch(x, ids, w, 0))
+            torch.testing.assert_close(y, _reference(x, ids, w, 0), rtol=1e-5, atol=1e-5)
+    finally:
+        client.close()
+
+
+@needs_nixl
+@pytest.mark.timeout(60)
+def test_forcing_shm_against_a_nixl_only_server_is_a_clear_error(servers):
+    client = _client([servers[0].url], "shm")
+    with pytest.raises(MoecommError, match="offers transport nixl; this client speaks shm"):
+        client.connect()
+    client.close()
+
+
+def test_auto_refuses_shm_when_the_probe_does_not_match():
+    """Same boot id but another /dev/shm (two containers on one kernel): the probe word is not
+    there, so auto must not pick shm, and a shm-only pair is refused."""
+    from moecomm.runtime.transports import boot_id
+
+    offer = {
+        "transports": ["shm"],
+        "boot_id": boot_id(),
+        "shm_probe": {"handle": "moecomm-1-1-1-deadbeef", "nonce": "12345"},
+    }
+    with pytest.raises(MoecommError, match="not on this host's shared memory"):
+        choose(TransportSet("shm"), offer, "http://x")
+    if nixl_ok:
+        assert choose(TransportSet("auto"), {**offer, "transports": ["shm", "nixl"]}, "u") == "nixl"
+
+
+def test_nixl_without_the_extra_names_it(monkeypatch):
+    import moecomm.nixl as nx
+
+    monkeypatch.setattr(nx, "_NIXL_MODULES", ("moecomm_no_such_nixl._api",))
+    with pytest.raises(MoecommError, match=r"pip install 'moecomm\[nixl\]'"):
+        TransportSet("nixl")
+    assert TransportSet("auto").names == ["shm"]  # auto falls back to shm, and says why
