@@ -92,7 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="experts to host in each of those layers, e.g. 0-7 (replicas: give "
         "the same experts to several servers)",
     )
-    p.add_argument("--id", default=None, help="server id (default: expert-server-<port>)")
+    p.add_argument("--id", default=None, help="server id (default: expert-server-<host>:<port>)")
     p.add_argument("--host", default=DEFAULT_HOST, help="control-plane address (loopback)")
     p.add_argument("--port", type=int, default=0, help="control-plane port (0: any free)")
     p.add_argument("--token", default="", help="shared token required to connect")
@@ -166,7 +166,8 @@ def run(args: argparse.Namespace, ready: threading.Event | None = None) -> int:
     server.start()
     url = http.start()
     if args.id is None:
-        server.server_id = f"expert-server-{url.rsplit(':', 1)[1]}"
+        # Unique across hosts: two machines serve on the same port.
+        server.server_id = f"expert-server-{url.split('://', 1)[1]}"
     if args.monitor:
         server.join_membership(
             connect_membership(args.monitor, os.environ.get(TOKEN_ENV, "")), url, args.ttl

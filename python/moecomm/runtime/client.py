@@ -65,6 +65,9 @@ class Sent:
     seq: int
     token_index: torch.Tensor
     pairs: torch.Tensor  # [n, K] bool
+    # Set when the send itself failed (a network transport finds a dead peer at the write):
+    # combine re-sends this share to replicas as it does for a failed wait.
+    error: Exception | None = None
 
 
 @dataclass
@@ -203,6 +206,11 @@ class AttentionClient:
         self._registration = membership.register(Member("client", str(self.client_id)), ttl)
         self._watcher = membership.watch(role="server", callback=self._events.append)
 
+    def sync_membership(self) -> None:
+        """Applies the membership events heard so far (every dispatch does this first): an
+        idle client calls it to connect to servers that joined meanwhile."""
+        self._apply_events()
+
     def _apply_events(self) -> None:
         while self._events:
             ev = self._events.popleft()
@@ -264,6 +272,11 @@ class AttentionClient:
                     scales=b.scales,
                     wake=False,
                 )
+            except (PeerLostError, TimeoutError) as exc:  # the server is gone or stopped
+                lost = type(exc)(f"server {self.urls[b.server]} layer {layer_id}: {exc}")
+                self.outstanding[b.server] += b.num_tokens
+                sent.append(Sent(b.server, -1, b.token_index, b.expert_ids >= 0, lost))
+                continue
             except MoecommError as exc:
                 raise type(exc)(f"server {self.urls[b.server]} layer {layer_id}: {exc}") from exc
             self.outstanding[b.server] += b.num_tokens
@@ -271,7 +284,9 @@ class AttentionClient:
         # Wake the servers only once every request is written: a woken server can preempt us
         # on a busy core, and the next server would then start late.
         for s in sent:
-            self.channels[s.server].ring()
+            if s.error is None:
+                with contextlib.suppress(PeerLostError, TimeoutError):  # found at the wait
+                    self.channels[s.server].ring()
         return sent, replica
 
     def dispatch(
@@ -298,6 +313,8 @@ class AttentionClient:
 
     def _wait(self, handle: DispatchHandle, sent: Sent, timeout: float) -> torch.Tensor:
         try:
+            if sent.error is not None:
+                raise sent.error
             if self._watcher is None:
                 return self._channel(sent.server).wait(handle.slot, sent.seq, timeout).activations
             # Following a membership: wait in slices so a loss event interrupts the wait.

@@ -10,7 +10,7 @@ import threading
 import time
 from collections import deque
 
-from moecomm.errors import MoecommError
+from moecomm.errors import MoecommError, PeerLostError
 from moecomm.ops.dispatch import ExpertMap
 from moecomm.protocol import SlotLayout
 from moecomm.runtime.control import (
@@ -242,8 +242,14 @@ class ServerPool:
         for i, word in enumerate(self.epoch_words):
             if word is None or not self.live(i):
                 continue
-            # Over nixl this is a small read of the server's memory (one network round trip).
-            if self.channels[i].transport.load(word, EPOCH_OFFSET) != self.epochs[i]:
+            # Over nixl this is a small read of the server's memory (one network round trip),
+            # which finds a dead server before any request is sent to it.
+            try:
+                epoch = self.channels[i].transport.load(word, EPOCH_OFFSET)
+            except (PeerLostError, TimeoutError) as exc:
+                self.evict(i, f"its placement word cannot be read: {exc}")  # rebuilds the maps
+                continue
+            if epoch != self.epochs[i]:
                 changed |= self.fetch_placement(i)
         if changed:
             self.rebuild_maps()
