@@ -61,9 +61,17 @@ def main() -> int:
                 step(model, gens)
             except Exception:
                 pool = client.pool
-                print("urls", pool.urls, "evicted", pool.evicted, "missing", pool.missing,
-                      "hosted", [{k: len(v) for k, v in h.items()} for h in pool.hosted],
-                      flush=True)
+                print(
+                    "urls",
+                    pool.urls,
+                    "evicted",
+                    pool.evicted,
+                    "missing",
+                    pool.missing,
+                    "hosted",
+                    [{k: len(v) for k, v in h.items()} for h in pool.hosted],
+                    flush=True,
+                )
                 raise
             print(f"step {i}", flush=True)
         served = {}

@@ -167,6 +167,17 @@ struct Shared {
 
 namespace {
 
+// Gives a region's pages back but keeps its address range mapped, for good. Over UCX's TCP
+// transport a remote read or write is carried out by our own progress thread with a plain memcpy
+// (deregistering revokes nothing), so a peer that still holds the handle — a server probing a
+// client that just closed the channel — would otherwise fault this process; and a range that is
+// never reused can never receive a late write meant for its previous region.
+void retire(uint8_t* base, uint64_t bytes) {
+  void* p = mmap(base, bytes, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) munmap(base, bytes);  // no way to keep it: at least free it
+}
+
 class OwnedRegion final : public Region {
  public:
   OwnedRegion(std::shared_ptr<Shared> shared, uint8_t* base, uint64_t bytes, uint64_t mapped,
@@ -183,9 +194,9 @@ class OwnedRegion final : public Region {
     }
     try {
       shared_->engine->deregister_memory(reinterpret_cast<uint64_t>(base_), mapped_);
-    } catch (...) {  // a destructor must not throw; the mapping goes anyway
+    } catch (...) {  // a destructor must not throw; the pages go anyway
     }
-    munmap(base_, mapped_);
+    retire(base_, mapped_);
   }
   uint8_t* data() override { return base_; }
   uint64_t size() const override { return bytes_; }

@@ -20,6 +20,10 @@
 // word writes a value that word never held before (this transport's random tag and a counter).
 // Every kAdd in the protocol is a doorbell whose reader only compares with what it saw last.
 //
+// A region's memory is never unmapped: when it is destroyed its pages are dropped but its
+// address range stays mapped (zero pages), because a peer may still hold its handle (see retire()
+// in the .cc).
+//
 // The NIXL agent itself is reached through `Engine`: NIXL ships no C++ headers in its wheels, so
 // the bindings implement Engine over NIXL's Python API (python/moecomm/nixl.py).
 #pragma once
