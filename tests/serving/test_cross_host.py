@@ -66,13 +66,13 @@ def server_argv(ckpt, host, monitor) -> list[str]:
         str(SERVER_PORT),
         "--transport",
         "nixl",
-        "--monitor",
-        f"http://{monitor.addr}:{MONITOR_PORT}",
-        "--ttl",
-        "1",
         "--threads",
         "1",
-    ]
+    ] + (
+        []
+        if monitor is None
+        else ["--monitor", f"http://{monitor.addr}:{MONITOR_PORT}", "--ttl", "1"]
+    )
 
 
 @pytest.mark.timeout(420)
@@ -140,3 +140,56 @@ def test_generation_across_namespaces_survives_a_kill_9_and_a_join(mixtral_dir, 
     assert set(v for v in got["transports"].values() if v is not None) == {"nixl"}
     # The newcomer served part of the second half (replicas are used in turn).
     assert got["health"][s3_url]["seconds_since_last_served"] is not None
+
+
+QUERY = """
+import json, sys, httpx
+body = {"model": "m", "prompt": sys.argv[2], "max_tokens": int(sys.argv[3]), "temperature": 0.0,
+        "ignore_eos": True, "return_token_ids": True}
+r = httpx.post(sys.argv[1] + "/v1/completions", json=body, timeout=120)
+print(json.dumps({"status": r.status_code, "body": r.json()}))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_the_frontend_cli_serves_over_nixl_from_another_namespace(mixtral_dir, mixtral, tmp_path):
+    """`moecomm expert-server --transport nixl --host A` and `moecomm frontend --transport nixl
+    --host B` in two namespaces: a greedy completion equals the in-process model's."""
+    prompt, n = "the front end is elsewhere", 8
+    with netns.Lab() as lab:
+        sh, fh = lab.add_host("srv"), lab.add_host("fe")
+        deadline = time.monotonic() + START_S
+        logs = {n: tmp_path / f"{n}.log" for n in ("srv", "fe")}
+        argv = server_argv(mixtral_dir, sh, None)
+        s = start(lab, sh, argv, logs["srv"], dict(os.environ))
+        wait_for(logs["srv"], "listening on", s, deadline)
+        fe_argv = [
+            *CLI,
+            "frontend",
+            "--checkpoint",
+            str(mixtral_dir),
+            "--servers",
+            f"http://{sh.addr}:{SERVER_PORT}",
+            "--transport",
+            "nixl",
+            "--host",
+            fh.addr,
+            "--port",
+            "8000",
+            "--model-name",
+            "m",
+            "--threads",
+            "1",
+        ]
+        f = start(lab, fh, fe_argv, logs["fe"], dict(os.environ))
+        wait_for(logs["fe"], "listening on", f, deadline)
+        rc, out, err = lab.run(
+            fh, [sys.executable, "-c", QUERY, f"http://{fh.addr}:8000", prompt, str(n)], 120
+        )
+        assert rc == 0, err[-2000:]
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["status"] == 200, got
+    tok = ByteTokenizer()
+    params = SamplingParams(max_new_tokens=n, ignore_eos=True)
+    (want,) = generate(mixtral, [tok.encode(prompt)], params)
+    assert got["body"]["choices"][0]["token_ids"] == want.tokens[-n:]
