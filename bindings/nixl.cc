@@ -23,6 +23,10 @@ using nixl::XferStatus;
 
 namespace {
 
+const char* kind_name(nixl::MemKind k) {
+  return k == nixl::MemKind::kCuda ? "cuda" : "host";
+}
+
 // Forwards to a Python engine (moecomm.nixl.NixlEngine); Python errors become moecomm errors.
 class PyEngine final : public nixl::Engine {
  public:
@@ -36,8 +40,10 @@ class PyEngine final : public nixl::Engine {
     obj_ = py::object();
   }
   std::string agent_name() override { return call<std::string>("agent_name"); }
-  std::string register_memory(uint64_t addr, uint64_t bytes) override {
-    return call<std::string>("register_memory", addr, bytes);
+  std::string register_memory(uint64_t addr, uint64_t bytes, nixl::MemKind kind,
+                              int32_t device) override {
+    return call<std::string>("register_memory", addr, bytes,
+                             kind == nixl::MemKind::kCuda ? "cuda" : "host", device);
   }
   void deregister_memory(uint64_t addr, uint64_t bytes) override {
     if (Py_IsInitialized()) call<py::object>("deregister_memory", addr, bytes);
@@ -62,7 +68,10 @@ class PyEngine final : public nixl::Engine {
                   int64_t timeout_ns) {
     py::gil_scoped_acquire gil;
     py::list l;
-    for (const Segment& s : segs) l.append(py::make_tuple(s.local, s.remote, s.bytes));
+    for (const Segment& s : segs) {
+      l.append(py::make_tuple(s.local, s.remote, s.bytes, kind_name(s.local_kind), s.local_device,
+                              kind_name(s.remote_kind), s.remote_device));
+    }
     return static_cast<XferStatus>(call_locked<int>(op, agent, l, timeout_ns));
   }
 
@@ -103,6 +112,20 @@ void register_nixl(py::module_& m) {
            py::arg("xfer_timeout_ns") = nixl::kDefaultXferTimeoutNs)
       .def_property_readonly("agent_name", &nixl::NixlTransport::agent_name)
       .def("peers", &nixl::NixlTransport::peers)
+      .def(
+          "register_external",
+          [](nixl::NixlTransport& t, uintptr_t addr, uint64_t bytes, const std::string& memory,
+             int32_t device) {
+            MC_CHECK(memory == "host" || memory == "cuda", "memory must be host or cuda, got '",
+                     memory, "'");
+            return t.register_external(
+                addr, bytes, memory == "cuda" ? nixl::MemKind::kCuda : nixl::MemKind::kHost,
+                device);
+          },
+          py::arg("address"), py::arg("bytes"), py::arg("memory") = "host", py::arg("device") = 0)
+      .def("put_region", &nixl::NixlTransport::put_region, py::arg("dst"), py::arg("offset"),
+           py::arg("src"), py::arg("src_offset"), py::arg("bytes"),
+           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("spin_ns",
                              [](const nixl::NixlTransport& t) { return t.options().spin_ns; });
   m.attr("NIXL_XFER_DONE") = static_cast<int>(XferStatus::kDone);

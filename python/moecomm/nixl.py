@@ -35,11 +35,20 @@ _NIXL_MODULES = ("nixl_cu12._api", "nixl_cu13._api", "nixl._api")
 # A transfer is spun on this long before its waiter starts yielding the GIL between checks: a
 # small write across a fast network completes within it.
 SPIN_S = 50e-6
+# NIXL's memory segment types by our memory kinds.
+_SEGMENT = {"host": "DRAM", "cuda": "VRAM"}
 # SIOCGIFADDR: the IPv4 address of an interface (linux/sockios.h).
 _SIOCGIFADDR = 0x8915
 _IFNAMSIZ = 16
 
-__all__ = ["INSTALL_HINT", "NixlEngine", "NixlTransport", "available", "interface_of"]
+__all__ = [
+    "INSTALL_HINT",
+    "NixlEngine",
+    "NixlTransport",
+    "TensorRegion",
+    "available",
+    "interface_of",
+]
 
 
 # NIXL logs every agent start at INFO on stdout; a server starts one per process. Its own
@@ -121,9 +130,10 @@ class NixlEngine:
     def agent_name(self) -> str:
         return self.name
 
-    def register_memory(self, addr: int, nbytes: int) -> str:
+    def register_memory(self, addr: int, nbytes: int, memory: str = "host", device: int = 0) -> str:
+        seg = _SEGMENT[memory]
         with self._lock:
-            descs = self.agent.register_memory([(addr, nbytes, 0, "")], "DRAM")
+            descs = self.agent.register_memory([(addr, nbytes, device, "")], seg)
             self._regs[addr] = descs
             blob = self.agent.get_partial_agent_metadata(descs, True)
         return base64.b64encode(blob).decode("ascii")
@@ -165,36 +175,47 @@ class NixlEngine:
 
     # ------------------------------------------------------------------ transfers
     def _xfer(self, op: str, agent: str, segs: list, timeout_ns: int) -> int:
+        """One NIXL transfer per pair of memory kinds (a descriptor list has one kind), all
+        posted before any is waited for."""
         a = self.agent
         deadline = time.monotonic() + timeout_ns / 1e9
+        groups: dict[tuple, list] = {}
+        for lo, r, n, lk, ld, rk, rd in segs:
+            groups.setdefault((lk, rk), []).append((lo, r, n, ld, rd))
+        handles = []
         try:
-            local = a.get_xfer_descs([(lo, n, 0) for lo, _, n in segs], "DRAM")
-            remote = a.get_xfer_descs([(r, n, 0) for _, r, n in segs], "DRAM")
-            handle = a.initialize_xfer(op, local, remote, agent)
-        except Exception as exc:  # disconnected, or its metadata is gone with it
-            log.debug("nixl: %s to %s refused: %s", op, agent, exc)
-            return _C.NIXL_XFER_PEER_LOST
-        try:
-            state = a.transfer(handle)
+            try:
+                for (lk, rk), g in groups.items():
+                    local = a.get_xfer_descs([(lo, n, ld) for lo, _, n, ld, _ in g], _SEGMENT[lk])
+                    remote = a.get_xfer_descs([(r, n, rd) for _, r, n, _, rd in g], _SEGMENT[rk])
+                    handles.append(a.initialize_xfer(op, local, remote, agent))
+            except Exception as exc:  # disconnected, or its metadata is gone with it
+                log.debug("nixl: %s to %s refused: %s", op, agent, exc)
+                return _C.NIXL_XFER_PEER_LOST
+            states = [a.transfer(h) for h in handles]
             spin_until = time.monotonic() + SPIN_S
-            while state == "PROC":
+            while any(st == "PROC" for st in states):
                 now = time.monotonic()
                 if now >= deadline:
-                    # In flight for good: the handle cannot be released while it is posted.
-                    handle = None
+                    # In flight for good: a posted handle cannot be released.
+                    handles = [h for h, st in zip(handles, states, strict=True) if st != "PROC"]
                     return _C.NIXL_XFER_TIMEOUT
                 if now >= spin_until:
                     time.sleep(0)  # lets other Python threads run during a long transfer
-                state = a.check_xfer_state(handle)
-            self.transfers += 1
-            return _C.NIXL_XFER_DONE if state == "DONE" else _C.NIXL_XFER_PEER_LOST
+                states = [
+                    st if st != "PROC" else a.check_xfer_state(h)
+                    for h, st in zip(handles, states, strict=True)
+                ]
+            self.transfers += len(handles)
+            ok = all(st == "DONE" for st in states)
+            return _C.NIXL_XFER_DONE if ok else _C.NIXL_XFER_PEER_LOST
         except Exception as exc:
             log.debug("nixl: %s to %s failed: %s", op, agent, exc)
             return _C.NIXL_XFER_PEER_LOST
         finally:
-            if handle is not None:
+            for h in handles:
                 try:
-                    a.release_xfer_handle(handle)
+                    a.release_xfer_handle(h)
                 except Exception as exc:
                     log.debug("nixl: releasing a transfer to %s: %s", agent, exc)
 
@@ -219,3 +240,26 @@ def NixlTransport(
     t = _C.NixlTransport(engine, **kwargs)
     t.engine = engine  # for callers that want the agent (counters, UCX queries)
     return t
+
+
+class TensorRegion:
+    """`tensor`'s memory (CPU or CUDA: NIXL registers DRAM and VRAM alike) as a region of a nixl
+    transport: peers attach to `handle`, and `transport.put_region(dst, offset, self.region, 0,
+    nbytes)` sends from it without a copy. Holds the tensor, which must stay in place while
+    peers may use the region; `close()` deregisters it."""
+
+    def __init__(self, transport, tensor):
+        if not tensor.is_contiguous():
+            raise ValueError("a registered tensor must be contiguous")
+        self.tensor = tensor
+        memory = "cuda" if tensor.is_cuda else "host"
+        device = (tensor.device.index or 0) if tensor.is_cuda else 0
+        self.nbytes = tensor.numel() * tensor.element_size()
+        self.region = transport.register_external(tensor.data_ptr(), self.nbytes, memory, device)
+
+    @property
+    def handle(self) -> str:
+        return self.region.handle
+
+    def close(self) -> None:
+        self.region = None  # deregistered once the transport's last reference goes

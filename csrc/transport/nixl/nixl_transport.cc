@@ -122,7 +122,7 @@ struct Shared {
     MC_CHECK_KIND(s.pending.empty(), ErrorKind::kInternal, "staging grows with puts queued");
     uint8_t* fresh = map_zeroed(want);
     try {
-      engine->register_memory(reinterpret_cast<uint64_t>(fresh), want);
+      engine->register_memory(reinterpret_cast<uint64_t>(fresh), want, MemKind::kHost, 0);
     } catch (...) {
       munmap(fresh, want);
       throw;
@@ -178,36 +178,44 @@ void retire(uint8_t* base, uint64_t bytes) {
   if (p == MAP_FAILED) munmap(base, bytes);  // no way to keep it: at least free it
 }
 
+// Our memory: mapped by the transport (create_region), or the caller's (register_external).
 class OwnedRegion final : public Region {
  public:
   OwnedRegion(std::shared_ptr<Shared> shared, uint8_t* base, uint64_t bytes, uint64_t mapped,
-              std::string handle)
+              std::string handle, MemKind kind, int32_t device, bool external)
       : shared_(std::move(shared)),
         base_(base),
         bytes_(bytes),
         mapped_(mapped),
-        handle_(std::move(handle)) {}
+        handle_(std::move(handle)),
+        kind_(kind),
+        device_(device),
+        external_(external) {}
   ~OwnedRegion() override {
     {
       std::lock_guard<std::mutex> lock(shared_->mu);
-      shared_->owned.erase(reinterpret_cast<uint64_t>(base_));
+      shared_->owned.erase(addr());
     }
     try {
-      shared_->engine->deregister_memory(reinterpret_cast<uint64_t>(base_), mapped_);
+      shared_->engine->deregister_memory(addr(), mapped_);
     } catch (...) {  // a destructor must not throw; the pages go anyway
     }
-    retire(base_, mapped_);
+    if (!external_) retire(base_, mapped_);
   }
-  uint8_t* data() override { return base_; }
+  // GPU memory has no host mapping: it is reached by transfers only.
+  uint8_t* data() override { return kind_ == MemKind::kHost ? base_ : nullptr; }
   uint64_t size() const override { return bytes_; }
   std::string handle() const override { return handle_; }
   bool owned() const override { return true; }
   void close() override { closed_ = true; }
   bool closed() const override { return closed_; }
   std::string describe() const override {
-    return "nixl region of " + shared_->agent + " at 0x" + hex(reinterpret_cast<uint64_t>(base_)) +
-           " (" + std::to_string(bytes_) + " bytes)";
+    return "nixl region of " + shared_->agent + " at 0x" + hex(addr()) + " (" +
+           std::to_string(bytes_) + " bytes" + (kind_ == MemKind::kCuda ? ", cuda" : "") + ")";
   }
+  uint64_t addr() const { return reinterpret_cast<uint64_t>(base_); }
+  MemKind kind() const { return kind_; }
+  int32_t device() const { return device_; }
 
  private:
   std::shared_ptr<Shared> shared_;
@@ -215,6 +223,9 @@ class OwnedRegion final : public Region {
   uint64_t bytes_;
   uint64_t mapped_;
   std::string handle_;
+  MemKind kind_;
+  int32_t device_;
+  bool external_;
   bool closed_ = false;
 };
 
@@ -222,13 +233,15 @@ class OwnedRegion final : public Region {
 class PeerRegion final : public Region {
  public:
   PeerRegion(std::shared_ptr<Shared> shared, std::string agent, uint64_t addr, uint64_t bytes,
-             std::string handle, std::shared_ptr<Region> alias)
+             std::string handle, std::shared_ptr<Region> alias, MemKind kind, int32_t device)
       : shared_(std::move(shared)),
         agent_(std::move(agent)),
         addr_(addr),
         bytes_(bytes),
         handle_(std::move(handle)),
-        alias_(std::move(alias)) {}
+        alias_(std::move(alias)),
+        kind_(kind),
+        device_(device) {}
   ~PeerRegion() override {
     if (alias_) return;
     {
@@ -253,6 +266,8 @@ class PeerRegion final : public Region {
   }
   const std::string& agent() const { return agent_; }
   bool is_alias() const { return alias_ != nullptr; }
+  MemKind kind() const { return kind_; }
+  int32_t device() const { return device_; }
   uint64_t addr() const { return addr_; }
 
  private:
@@ -262,6 +277,8 @@ class PeerRegion final : public Region {
   uint64_t bytes_;
   std::string handle_;
   std::shared_ptr<Region> alias_;
+  MemKind kind_;
+  int32_t device_;
   bool closed_ = false;
 };
 
@@ -323,33 +340,76 @@ std::vector<std::string> NixlTransport::peers() const {
   return out;
 }
 
-std::shared_ptr<Region> NixlTransport::create_region(uint64_t bytes) {
-  MC_CHECK(bytes > 0, "a region needs at least one byte");
-  const uint64_t mapped = page_round(bytes);
-  uint8_t* base = map_zeroed(mapped);
-  std::string blob;
-  try {
-    blob = shared_->engine->register_memory(reinterpret_cast<uint64_t>(base), mapped);
-  } catch (...) {
-    munmap(base, mapped);
-    throw;
+namespace {
+
+std::string mem_field(MemKind kind, int32_t device) {
+  return kind == MemKind::kHost ? std::string("host") : "cuda:" + std::to_string(device);
+}
+
+// Parses a handle's memory field ("host" or "cuda:N"); false when it is neither.
+bool parse_mem(const std::string& f, MemKind* kind, int32_t* device) {
+  if (f == "host") {
+    *kind = MemKind::kHost;
+    *device = 0;
+    return true;
   }
+  constexpr const char* kCuda = "cuda:";
+  if (f.rfind(kCuda, 0) != 0 || f.size() == std::strlen(kCuda)) return false;
+  const std::string digits = f.substr(std::strlen(kCuda));
+  if (digits.size() > 4 || digits.find_first_not_of("0123456789") != std::string::npos) {
+    return false;
+  }
+  *kind = MemKind::kCuda;
+  *device = std::stoi(digits);
+  return true;
+}
+
+}  // namespace
+
+std::shared_ptr<Region> NixlTransport::publish(uint8_t* base, uint64_t bytes, uint64_t mapped,
+                                               MemKind kind, int32_t device, bool external) {
+  const std::string blob =
+      shared_->engine->register_memory(reinterpret_cast<uint64_t>(base), mapped, kind, device);
   MC_CHECK_KIND(blob.find(kHandleSep) == std::string::npos, ErrorKind::kInternal,
                 "the engine's memory blob contains '", kHandleSep, "'");
   const std::string handle = std::string(kHandlePrefix) + kHandleSep + shared_->agent + kHandleSep +
                              hex(reinterpret_cast<uint64_t>(base)) + kHandleSep +
-                             std::to_string(bytes) + kHandleSep + blob;
-  auto region = std::make_shared<OwnedRegion>(shared_, base, bytes, mapped, handle);
+                             std::to_string(bytes) + kHandleSep + mem_field(kind, device) +
+                             kHandleSep + blob;
+  auto region =
+      std::make_shared<OwnedRegion>(shared_, base, bytes, mapped, handle, kind, device, external);
   std::lock_guard<std::mutex> lock(shared_->mu);
   shared_->owned[reinterpret_cast<uint64_t>(base)] = region;
   return region;
 }
 
+std::shared_ptr<Region> NixlTransport::create_region(uint64_t bytes) {
+  MC_CHECK(bytes > 0, "a region needs at least one byte");
+  const uint64_t mapped = page_round(bytes);
+  uint8_t* base = map_zeroed(mapped);
+  try {
+    return publish(base, bytes, mapped, MemKind::kHost, 0, false);
+  } catch (...) {
+    munmap(base, mapped);
+    throw;
+  }
+}
+
+std::shared_ptr<Region> NixlTransport::register_external(uint64_t addr, uint64_t bytes,
+                                                         MemKind kind, int32_t device) {
+  MC_CHECK(addr != 0 && bytes > 0, "register_external needs an address and a size");
+  MC_CHECK(device >= 0, "device must be >= 0, got ", device);
+  return publish(reinterpret_cast<uint8_t*>(addr), bytes, bytes, kind, device, true);
+}
+
 std::shared_ptr<Region> NixlTransport::attach(const std::string& handle) {
+  constexpr size_t kFields = 6;
   const std::vector<std::string> f = split(handle, kHandleSep);
-  MC_CHECK(f.size() == 5 && f[0] == kHandlePrefix && !f[1].empty() && !f[4].empty(),
+  MC_CHECK(f.size() == kFields && f[0] == kHandlePrefix && !f[1].empty() && !f[5].empty(),
            "not a nixl region handle: '", handle.substr(0, 64), "'");
   uint64_t addr = 0, bytes = 0;
+  MemKind kind = MemKind::kHost;
+  int32_t device = 0;
   try {
     size_t used = 0;
     addr = std::stoull(f[2], &used, 16);
@@ -360,6 +420,8 @@ std::shared_ptr<Region> NixlTransport::attach(const std::string& handle) {
     MC_THROW(ErrorKind::kInvalidArgument, "nixl region handle with a bad address or size: '",
              handle.substr(0, 64), "'");
   }
+  MC_CHECK(parse_mem(f[4], &kind, &device), "nixl region handle with an unknown memory '",
+           f[4].substr(0, 16), "' (host or cuda:N)");
   if (f[1] == shared_->agent) {  // our own region: reach it through its memory
     std::shared_ptr<Region> mine;
     {
@@ -369,15 +431,17 @@ std::shared_ptr<Region> NixlTransport::attach(const std::string& handle) {
     }
     MC_CHECK_KIND(mine != nullptr && mine->size() == bytes, ErrorKind::kNotFound,
                   "no region of ours at 0x", hex(addr), " with ", bytes, " bytes");
-    return std::make_shared<PeerRegion>(shared_, f[1], addr, bytes, handle, std::move(mine));
+    MC_CHECK(kind == MemKind::kHost, "attaching to our own GPU region: use its tensor");
+    return std::make_shared<PeerRegion>(shared_, f[1], addr, bytes, handle, std::move(mine), kind,
+                                        device);
   }
-  const std::string loaded = shared_->engine->add_peer(f[4]);
+  const std::string loaded = shared_->engine->add_peer(f[5]);
   MC_CHECK(loaded == f[1], "the region handle names agent ", f[1], " but its blob is ", loaded);
   {
     std::lock_guard<std::mutex> lock(shared_->mu);
     ++shared_->peer_refs[f[1]];
   }
-  return std::make_shared<PeerRegion>(shared_, f[1], addr, bytes, handle, nullptr);
+  return std::make_shared<PeerRegion>(shared_, f[1], addr, bytes, handle, nullptr, kind, device);
 }
 
 void NixlTransport::put(Region& dst, uint64_t offset, const void* src, uint64_t bytes) {
@@ -396,9 +460,29 @@ void NixlTransport::put(Region& dst, uint64_t offset, const void* src, uint64_t 
   }
   uint8_t* at = s.base + s.used;
   std::memcpy(at, src, bytes);
-  s.pending.push_back(
-      {peer.agent(), {reinterpret_cast<uint64_t>(at), peer.addr() + offset, bytes}});
+  s.pending.push_back({peer.agent(),
+                       {reinterpret_cast<uint64_t>(at), peer.addr() + offset, bytes, MemKind::kHost,
+                        0, peer.kind(), peer.device()}});
   s.used += slot;
+}
+
+void NixlTransport::put_region(Region& dst, uint64_t offset, Region& src, uint64_t src_offset,
+                               uint64_t bytes) {
+  check_range(dst, offset, bytes);
+  check_range(src, src_offset, bytes);
+  auto* from = dynamic_cast<OwnedRegion*>(&src);
+  MC_CHECK(from != nullptr, "put_region reads from a region of ours, not ", src.describe());
+  if (bytes == 0) return;
+  if (uint8_t* local = local_of(dst)) {
+    MC_CHECK(from->kind() == MemKind::kHost,
+             "a GPU region into our own memory is a local copy: ", "use the tensors");
+    std::memmove(local + offset, from->data() + src_offset, bytes);
+    return;
+  }
+  PeerRegion& peer = remote_of(dst);
+  shared_->mine().pending.push_back({peer.agent(),
+                                     {from->addr() + src_offset, peer.addr() + offset, bytes,
+                                      from->kind(), from->device(), peer.kind(), peer.device()}});
 }
 
 void NixlTransport::signal(Region& dst, uint64_t offset, uint64_t value, SignalOp op) {
@@ -413,6 +497,8 @@ void NixlTransport::signal(Region& dst, uint64_t offset, uint64_t value, SignalO
     return;
   }
   PeerRegion& peer = remote_of(dst);
+  MC_CHECK(peer.kind() == MemKind::kHost, "signal words live in host memory, not in ",
+           peer.describe());
   Staging& s = shared_->mine();
   shared_->flush(s, options_.xfer_timeout_ns);  // everything put before lands first
   if (s.base == nullptr) shared_->grow(s, 0);
@@ -468,7 +554,8 @@ void NixlTransport::read(Region& region, uint64_t offset, void* dst, uint64_t by
     uint8_t* at = s.base + kScratchBytes;
     shared_->check(
         shared_->engine->read(peer.agent(),
-                              {{reinterpret_cast<uint64_t>(at), peer.addr() + offset + done, n}},
+                              {{reinterpret_cast<uint64_t>(at), peer.addr() + offset + done, n,
+                                MemKind::kHost, 0, peer.kind(), peer.device()}},
                               options_.xfer_timeout_ns),
         peer.agent(), "read");
     std::memcpy(out + done, at, n);

@@ -40,11 +40,23 @@
 
 namespace moecomm::transport::nixl {
 
-// One contiguous piece of a transfer: local (registered) address, remote address, length.
+// Where registered memory lives. NIXL moves host and GPU memory alike; for GPU memory UCX uses
+// NVLink, RDMA (GPUDirect) or staging through the host, whatever the machine has.
+enum class MemKind : uint8_t {
+  kHost = 0,
+  kCuda = 1,
+};
+
+// One contiguous piece of a transfer: local (registered) address, remote address, length, and
+// the kind and device of each side's memory.
 struct Segment {
   uint64_t local = 0;
   uint64_t remote = 0;
   uint64_t bytes = 0;
+  MemKind local_kind = MemKind::kHost;
+  int32_t local_device = 0;
+  MemKind remote_kind = MemKind::kHost;
+  int32_t remote_device = 0;
 };
 
 enum class XferStatus : uint8_t {
@@ -62,7 +74,8 @@ class Engine {
   virtual std::string agent_name() = 0;
   // Registers host memory for remote access; returns the blob a peer loads to reach it (the
   // agent's connection info and this memory's remote key, printable, no '|').
-  virtual std::string register_memory(uint64_t addr, uint64_t bytes) = 0;
+  virtual std::string register_memory(uint64_t addr, uint64_t bytes, MemKind kind,
+                                      int32_t device) = 0;
   virtual void deregister_memory(uint64_t addr, uint64_t bytes) = 0;
   // Loads a peer's blob (adds the peer, or adds the memory to a known peer) and takes a
   // reference on it; returns its name. Each add is undone by one release_peer; the engine
@@ -90,7 +103,7 @@ constexpr int64_t kDefaultXferTimeoutNs = 10'000'000'000;
 constexpr int64_t kProbeTimeoutNs = 2'000'000'000;
 // Initial per-thread staging: a decode-size request (128 x 7168 bf16) fits with room to spare.
 constexpr uint64_t kInitialStagingBytes = 4ull << 20;
-// Region handles: "nixl|<agent>|<address hex>|<bytes>|<blob>".
+// Region handles: "nixl|<agent>|<address hex>|<bytes>|<memory: host or cuda:N>|<blob>".
 constexpr char kHandleSep = '|';
 constexpr const char* kHandlePrefix = "nixl";
 
@@ -120,12 +133,26 @@ class NixlTransport final : public Transport {
   void fence() override;
   bool peer_alive(const Region& peer) override;
 
+  // Registers memory the caller owns (a host buffer, or a CUDA allocation: kind kCuda) as a region
+  // peers can attach to. The caller keeps it alive until the region and every peer holding its
+  // handle are done with it. A CUDA region carries payload only: signal words live in host
+  // regions (the host cannot poll GPU memory).
+  std::shared_ptr<Region> register_external(uint64_t addr, uint64_t bytes, MemKind kind,
+                                            int32_t device);
+  // Zero-copy put: `bytes` at `src_offset` of our registered region `src` (host or CUDA) into a
+  // peer's region, queued like put() and ordered by the next signal. `src` must not change until
+  // that signal (or fence) returns.
+  void put_region(Region& dst, uint64_t offset, Region& src, uint64_t src_offset, uint64_t bytes);
+
   const NixlOptions& options() const { return options_; }
   std::string agent_name() const;
   // Peers this transport holds regions of (their agents are loaded in the NIXL agent).
   std::vector<std::string> peers() const;
 
  private:
+  std::shared_ptr<Region> publish(uint8_t* base, uint64_t bytes, uint64_t mapped, MemKind kind,
+                                  int32_t device, bool external);
+
   NixlOptions options_;
   std::shared_ptr<Shared> shared_;
 };
