@@ -27,10 +27,10 @@ from moecomm.runtime.experts import ExpertWeights, LayerExperts
 from moecomm.runtime.health import LoopHealth, ServerStats
 from moecomm.runtime.registry import ClientRegistry
 from moecomm.runtime.server_placement import ServerPlacement
-from moecomm.runtime.transports import ShmProbe, TransportSet, boot_id
+from moecomm.runtime.transports import Doorbells, ShmProbe, TransportSet, boot_id
 from moecomm.runtime.weights import WeightExports
 from moecomm.slots import Request, ServerChannel
-from moecomm.transport import Transport, WaitStatus
+from moecomm.transport import Transport
 
 log = logging.getLogger("moecomm.server")
 
@@ -39,9 +39,6 @@ IDLE_WAKE_S = 0.1
 # A busy server checks its clients' liveness this often too: under continuous load the idle
 # wake never comes, and a dead client's slots would be held for ever.
 CLIENT_CHECK_S = 0.5
-# With clients on several transports there is no single doorbell to sleep on: the loop polls
-# them all this often (a remote write cannot wake a sleeper anyway).
-MULTI_DOORBELL_POLL_S = 20e-6
 # Limits on what a client may ask for at connect time: they bound the memory one connect costs.
 MAX_SLOTS_PER_CLIENT = 16
 MAX_REGION_BYTES = 1 << 30
@@ -90,12 +87,8 @@ class ExpertServer:
         self.transport = self.transports.primary
         self.batching_window_s = batching_window_s
         self._channel_factory = channel_factory
-        # One doorbell per transport: a client rings the one in the memory it can write.
-        self.doorbells = {
-            n: self.transports.get(n).create_region(_C.DOORBELL_BYTES)
-            for n in self.transports.names
-        }
-        self.doorbell = self.doorbells[self.transport.name]
+        self.doorbells = Doorbells(self.transports)
+        self.doorbell = self.doorbells.bells[self.transport.name]
         has_shm = "shm" in self.transports.names
         self.shm_probe = ShmProbe(self.transports.get("shm")) if has_shm else None
         self.stats = ServerStats()
@@ -184,7 +177,7 @@ class ExpertServer:
             "server_id": self.server_id,
             "server_handle": channel.handle,
             "transport": name,
-            "doorbell_handle": self.doorbells[name].handle,
+            "doorbell_handle": self.doorbells.handle(name),
             "num_slots": num_slots,
             "request_slot_bytes": layout.request_slot_bytes,
             "slot_offsets": [channel.request_ring.slot_offset(s) for s in range(num_slots)],
@@ -208,13 +201,13 @@ class ExpertServer:
         Returns how many requests were answered (errors included)."""
         if time.monotonic() >= self._next_client_check:
             self._drop_dead_clients()
-        seen = self._doorbell_values()
+        seen = self.doorbells.values()
         # Every request signalled before `polled` is answered by the end of this pass: a
         # pending expert drop waits for a pass that started after its clients' acks.
         polled = time.monotonic()
         ready = self._poll()
         if not ready:
-            if not self._wait_doorbells(seen, timeout):
+            if not self.doorbells.wait(seen, timeout):
                 self.placement.served_through = polled
                 return 0
             polled = time.monotonic()
@@ -227,24 +220,6 @@ class ExpertServer:
             n = self._serve(ready)
         self.placement.served_through = polled
         return n
-
-    def _doorbell_values(self) -> dict[str, int]:
-        return {n: self.transports.get(n).load(d, 0) for n, d in self.doorbells.items()}
-
-    def _wait_doorbells(self, seen: dict[str, int], timeout: float) -> bool:
-        """Sleeps until a doorbell moves past `seen` or `timeout` passes; False on timeout."""
-        if len(self.doorbells) == 1:
-            ((name, bell),) = self.doorbells.items()
-            t = self.transports.get(name)
-            status, _ = _C.wait_doorbell(t, bell, seen[name], int(timeout * 1e9))
-            return status != WaitStatus.TIMEOUT
-        deadline = time.monotonic() + timeout
-        while True:
-            if self._doorbell_values() != seen:
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(MULTI_DOORBELL_POLL_S)
 
     def _poll(self) -> list[tuple[ServerChannel, Request]]:
         return [(ch, req) for ch in self.clients.channels() for req in ch.poll()]
@@ -378,8 +353,7 @@ class ExpertServer:
 
     def wake(self) -> None:
         """Wakes the loop from its doorbell sleep (it then polls every client at once)."""
-        for name, bell in self.doorbells.items():
-            _C.ring_doorbell(self.transports.get(name), bell)
+        self.doorbells.ring()
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
@@ -398,8 +372,7 @@ class ExpertServer:
             self._registration.close(deregister=True)
         self.stop()
         self.clients.close_all()
-        for bell in self.doorbells.values():
-            bell.close()
+        self.doorbells.close()
         if self.shm_probe is not None:
             self.shm_probe.close()
 

@@ -13,24 +13,30 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+import time
 
+from moecomm import _C
 from moecomm.errors import MoecommError
 from moecomm.transport import (
     TRANSPORT_CHOICES,
     ShmTransport,
     SignalOp,
     Transport,
+    WaitStatus,
     make_transport,
 )
 
 log = logging.getLogger("moecomm.transports")
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+# With clients on several transports there is no single doorbell to sleep on: a server polls
+# them all this often (a remote write cannot wake a sleeper anyway).
+MULTI_DOORBELL_POLL_S = 20e-6
 # The probe is one signal line of shm holding a random word (never 0: a fresh region reads 0).
 PROBE_BYTES = 64
 PROBE_OFFSET = 0
 
-__all__ = ["ShmProbe", "TransportSet", "boot_id", "choose", "shm_reachable"]
+__all__ = ["Doorbells", "ShmProbe", "TransportSet", "boot_id", "choose", "shm_reachable"]
 
 
 def boot_id() -> str:
@@ -93,6 +99,47 @@ class TransportSet:
     def made(self) -> dict[str, Transport]:
         with self._lock:
             return dict(self._made)
+
+
+class Doorbells:
+    """A server's doorbells, one per transport it offers: a client rings the one in the memory
+    its transport writes. With one transport the server sleeps on it (a futex for shm); with
+    several it polls them all."""
+
+    def __init__(self, transports: TransportSet):
+        self.transports = transports
+        self.bells = {
+            n: transports.get(n).create_region(_C.DOORBELL_BYTES) for n in transports.names
+        }
+
+    def handle(self, name: str) -> str:
+        return self.bells[name].handle
+
+    def values(self) -> dict[str, int]:
+        return {n: self.transports.get(n).load(b, 0) for n, b in self.bells.items()}
+
+    def wait(self, seen: dict[str, int], timeout: float) -> bool:
+        """Sleeps until a doorbell moves past `seen` or `timeout` passes; False on timeout."""
+        if len(self.bells) == 1:
+            ((name, bell),) = self.bells.items()
+            t = self.transports.get(name)
+            status, _ = _C.wait_doorbell(t, bell, seen[name], int(timeout * 1e9))
+            return status != WaitStatus.TIMEOUT
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.values() != seen:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(MULTI_DOORBELL_POLL_S)
+
+    def ring(self) -> None:
+        for name, bell in self.bells.items():
+            _C.ring_doorbell(self.transports.get(name), bell)
+
+    def close(self) -> None:
+        for bell in self.bells.values():
+            bell.close()
 
 
 class ShmProbe:
