@@ -113,7 +113,9 @@ struct NixlOptions {
   int64_t xfer_timeout_ns = kDefaultXferTimeoutNs;
 };
 
+namespace detail {
 struct Shared;  // engine, peer reference counts and staging, shared with the regions
+}  // namespace detail
 
 class NixlTransport final : public Transport {
  public:
@@ -154,7 +156,7 @@ class NixlTransport final : public Transport {
                                   int32_t device, bool external);
 
   NixlOptions options_;
-  std::shared_ptr<Shared> shared_;
+  std::shared_ptr<detail::Shared> shared_;
 };
 
 }  // namespace moecomm::transport::nixl

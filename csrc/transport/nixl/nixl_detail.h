@@ -1,0 +1,334 @@
+// Internals of the nixl transport shared by its translation units: per-thread staging, the
+// state regions share with the transport, and the two region kinds. Not part of the interface.
+#pragma once
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "common/error.h"
+#include "transport/nixl/nixl_transport.h"
+
+namespace moecomm::transport::nixl::detail {
+
+// The first bytes of every staging buffer: the source of signal words and the target of small
+// reads (loads, liveness probes), apart from the queued payload that follows them.
+constexpr uint64_t kScratchBytes = 64;
+// Queued puts start on a cache line, so a staged header is never split oddly.
+constexpr uint64_t kStageAlign = 64;
+// kAdd on a peer's word writes (tag << 32 | counter): a value no other writer can produce.
+constexpr int kTagShift = 32;
+
+inline int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+inline uint64_t page_round(uint64_t bytes) {
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  return (std::max<uint64_t>(bytes, 1) + page - 1) / page * page;
+}
+
+inline uint8_t* map_zeroed(uint64_t bytes) {
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  MC_CHECK_KIND(p != MAP_FAILED, ErrorKind::kSystem, "mmap of ", bytes,
+                " bytes failed: ", std::strerror(errno));
+  return static_cast<uint8_t*>(p);
+}
+
+inline void check_range(const Region& r, uint64_t offset, uint64_t bytes) {
+  MC_CHECK(offset <= r.size() && bytes <= r.size() - offset, "access of ", bytes,
+           " bytes at offset ", offset, " is outside ", r.describe());
+}
+
+inline void check_word(const Region& r, uint64_t offset) {
+  MC_CHECK(offset % sizeof(uint64_t) == 0, "signal word offset ", offset, " is not 8-aligned");
+  check_range(r, offset, sizeof(uint64_t));
+}
+
+inline std::string hex(uint64_t v) {
+  std::ostringstream os;
+  os << std::hex << v;
+  return os.str();
+}
+
+struct Pending {
+  std::string agent;
+  Segment seg;
+};
+
+// Registered host memory a thread stages its puts in (see the header: the caller's memory may
+// be reused as soon as put returns).
+struct Staging {
+  uint8_t* base = nullptr;
+  uint64_t capacity = 0;
+  uint64_t used = kScratchBytes;
+  std::vector<Pending> pending;
+};
+
+struct Shared {
+  std::shared_ptr<Engine> engine;
+  std::string agent;
+  uint64_t tag = 0;
+  std::atomic<uint32_t> counter{0};
+  std::mutex mu;  // guards the maps below; never held across an engine call
+  std::unordered_map<std::thread::id, std::unique_ptr<Staging>> staging;
+  std::unordered_set<std::string> lost;
+  std::unordered_map<uint64_t, std::weak_ptr<Region>> owned;  // by address: attaching to oneself
+  std::unordered_map<std::string, uint32_t> peer_refs;        // for peers(); the engine counts too
+
+  ~Shared() {
+    for (auto& [id, s] : staging) {
+      try {
+        engine->deregister_memory(reinterpret_cast<uint64_t>(s->base), s->capacity);
+      } catch (...) {  // the agent is going away with us: nothing left to undo
+      }
+      munmap(s->base, s->capacity);
+    }
+  }
+
+  Staging& mine() {
+    std::lock_guard<std::mutex> lock(mu);
+    auto& s = staging[std::this_thread::get_id()];
+    if (!s) s = std::make_unique<Staging>();
+    return *s;
+  }
+
+  bool is_lost(const std::string& peer) {
+    std::lock_guard<std::mutex> lock(mu);
+    return lost.count(peer) > 0;
+  }
+
+  void mark_lost(const std::string& peer) {
+    std::lock_guard<std::mutex> lock(mu);
+    lost.insert(peer);
+  }
+
+  // Makes `s` hold at least `bytes` of payload after its scratch (queued puts must be written
+  // before, since the old buffer goes).
+  void grow(Staging& s, uint64_t bytes) {
+    const uint64_t want = page_round(std::max(kInitialStagingBytes, kScratchBytes + bytes));
+    if (s.capacity >= want) return;
+    MC_CHECK_KIND(s.pending.empty(), ErrorKind::kInternal, "staging grows with puts queued");
+    uint8_t* fresh = map_zeroed(want);
+    try {
+      engine->register_memory(reinterpret_cast<uint64_t>(fresh), want, MemKind::kHost, 0);
+    } catch (...) {
+      munmap(fresh, want);
+      throw;
+    }
+    if (s.base != nullptr) {
+      engine->deregister_memory(reinterpret_cast<uint64_t>(s.base), s.capacity);
+      munmap(s.base, s.capacity);
+    }
+    s.base = fresh;
+    s.capacity = want;
+    s.used = kScratchBytes;
+  }
+
+  void check(XferStatus st, const std::string& peer, const char* what) {
+    if (st == XferStatus::kDone) return;
+    if (st == XferStatus::kPeerLost) {
+      mark_lost(peer);
+      MC_THROW(ErrorKind::kPeerLost, "nixl ", what, " to ", peer, " failed: the peer is gone");
+    }
+    MC_THROW(ErrorKind::kTimeout, "nixl ", what, " to ", peer,
+             " did not complete in time: the peer is stopped or unreachable");
+  }
+
+  // Writes every queued put of this thread (one transfer per peer) and waits for them.
+  void flush(Staging& s, int64_t timeout_ns) {
+    if (s.pending.empty()) return;
+    std::vector<Pending> queued;
+    queued.swap(s.pending);
+    s.used = kScratchBytes;
+    std::vector<std::string> order;
+    std::unordered_map<std::string, std::vector<Segment>> by_peer;
+    for (const Pending& p : queued) {
+      auto [it, fresh] = by_peer.try_emplace(p.agent);
+      if (fresh) order.push_back(p.agent);
+      it->second.push_back(p.seg);
+    }
+    for (const std::string& peer : order) {
+      check(engine->write(peer, by_peer[peer], timeout_ns), peer, "write");
+    }
+  }
+};
+
+// Gives a region's pages back but keeps its address range mapped, for good. Over UCX's TCP
+// transport a remote read or write is carried out by our own progress thread with a plain memcpy
+// (deregistering revokes nothing), so a peer that still holds the handle — a server probing a
+// client that just closed the channel — would otherwise fault this process; and a range that is
+// never reused can never receive a late write meant for its previous region.
+inline void retire(uint8_t* base, uint64_t bytes) {
+  void* p = mmap(base, bytes, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) munmap(base, bytes);  // no way to keep it: at least free it
+}
+
+// Our memory: mapped by the transport (create_region), or the caller's (register_external).
+class OwnedRegion final : public Region {
+ public:
+  OwnedRegion(std::shared_ptr<Shared> shared, uint8_t* base, uint64_t bytes, uint64_t mapped,
+              std::string handle, MemKind kind, int32_t device, bool external)
+      : shared_(std::move(shared)),
+        base_(base),
+        bytes_(bytes),
+        mapped_(mapped),
+        handle_(std::move(handle)),
+        kind_(kind),
+        device_(device),
+        external_(external) {}
+  ~OwnedRegion() override {
+    {
+      std::lock_guard<std::mutex> lock(shared_->mu);
+      shared_->owned.erase(addr());
+    }
+    try {
+      shared_->engine->deregister_memory(addr(), mapped_);
+    } catch (...) {  // a destructor must not throw; the pages go anyway
+    }
+    if (!external_) retire(base_, mapped_);
+  }
+  // GPU memory has no host mapping: it is reached by transfers only.
+  uint8_t* data() override { return kind_ == MemKind::kHost ? base_ : nullptr; }
+  uint64_t size() const override { return bytes_; }
+  std::string handle() const override { return handle_; }
+  bool owned() const override { return true; }
+  void close() override { closed_ = true; }
+  bool closed() const override { return closed_; }
+  std::string describe() const override {
+    return "nixl region of " + shared_->agent + " at 0x" + hex(addr()) + " (" +
+           std::to_string(bytes_) + " bytes" + (kind_ == MemKind::kCuda ? ", cuda" : "") + ")";
+  }
+  uint64_t addr() const { return reinterpret_cast<uint64_t>(base_); }
+  MemKind kind() const { return kind_; }
+  int32_t device() const { return device_; }
+
+ private:
+  std::shared_ptr<Shared> shared_;
+  uint8_t* base_;
+  uint64_t bytes_;
+  uint64_t mapped_;
+  std::string handle_;
+  MemKind kind_;
+  int32_t device_;
+  bool external_;
+  bool closed_ = false;
+};
+
+// A peer's region: reached by transfers only, unless the peer is this very transport (`alias`).
+class PeerRegion final : public Region {
+ public:
+  PeerRegion(std::shared_ptr<Shared> shared, std::string agent, uint64_t addr, uint64_t bytes,
+             std::string handle, std::shared_ptr<Region> alias, MemKind kind, int32_t device)
+      : shared_(std::move(shared)),
+        agent_(std::move(agent)),
+        addr_(addr),
+        bytes_(bytes),
+        handle_(std::move(handle)),
+        alias_(std::move(alias)),
+        kind_(kind),
+        device_(device) {}
+  ~PeerRegion() override {
+    if (alias_) return;
+    {
+      std::lock_guard<std::mutex> lock(shared_->mu);
+      auto it = shared_->peer_refs.find(agent_);
+      if (it != shared_->peer_refs.end() && --it->second == 0) shared_->peer_refs.erase(it);
+    }
+    try {
+      shared_->engine->release_peer(agent_);
+    } catch (...) {  // the peer is gone already; nothing to disconnect from
+    }
+  }
+  uint8_t* data() override { return alias_ ? alias_->data() : nullptr; }
+  uint64_t size() const override { return bytes_; }
+  std::string handle() const override { return handle_; }
+  bool owned() const override { return false; }
+  void close() override { closed_ = true; }
+  bool closed() const override { return closed_; }
+  std::string describe() const override {
+    return "nixl region of " + agent_ + " at 0x" + hex(addr_) + " (" + std::to_string(bytes_) +
+           " bytes)";
+  }
+  const std::string& agent() const { return agent_; }
+  bool is_alias() const { return alias_ != nullptr; }
+  MemKind kind() const { return kind_; }
+  int32_t device() const { return device_; }
+  uint64_t addr() const { return addr_; }
+
+ private:
+  std::shared_ptr<Shared> shared_;
+  std::string agent_;
+  uint64_t addr_;
+  uint64_t bytes_;
+  std::string handle_;
+  std::shared_ptr<Region> alias_;
+  MemKind kind_;
+  int32_t device_;
+  bool closed_ = false;
+};
+
+// Local memory of `r` (ours, or a peer that is ourselves), or nullptr for a remote region.
+inline uint8_t* local_of(Region& r) {
+  return r.data();
+}
+
+inline PeerRegion& remote_of(Region& r) {
+  auto* p = dynamic_cast<PeerRegion*>(&r);
+  MC_CHECK(p != nullptr, r.describe(), " does not belong to the nixl transport");
+  return *p;
+}
+
+inline std::atomic_ref<uint64_t> word_at(uint8_t* base, uint64_t offset) {
+  return std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(base + offset));
+}
+
+inline std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  for (size_t i = 0; i <= s.size(); ++i) {
+    if (i == s.size() || s[i] == sep) {
+      out.push_back(s.substr(start, i - start));
+      start = i + 1;
+    }
+  }
+  return out;
+}
+
+inline std::string mem_field(MemKind kind, int32_t device) {
+  return kind == MemKind::kHost ? std::string("host") : "cuda:" + std::to_string(device);
+}
+
+// Parses a handle's memory field ("host" or "cuda:N"); false when it is neither.
+inline bool parse_mem(const std::string& f, MemKind* kind, int32_t* device) {
+  if (f == "host") {
+    *kind = MemKind::kHost;
+    *device = 0;
+    return true;
+  }
+  constexpr const char* kCuda = "cuda:";
+  if (f.rfind(kCuda, 0) != 0 || f.size() == std::strlen(kCuda)) return false;
+  const std::string digits = f.substr(std::strlen(kCuda));
+  if (digits.size() > 4 || digits.find_first_not_of("0123456789") != std::string::npos) {
+    return false;
+  }
+  *kind = MemKind::kCuda;
+  *device = std::stoi(digits);
+  return true;
+}
+
+}  // namespace moecomm::transport::nixl::detail
