@@ -86,10 +86,15 @@ class PyEngine final : public nixl::Engine {
     try {
       return obj_.attr(fn)(std::forward<A>(args)...).template cast<R>();
     } catch (py::error_already_set& e) {
-      const std::string what = e.what();
+      // A bad argument (a malformed blob) stays a ValueError, an unreachable peer a lost one;
+      // anything else is the agent's.
+      const ErrorKind kind = e.matches(PyExc_ValueError)        ? ErrorKind::kInvalidArgument
+                             : e.matches(PyExc_ConnectionError) ? ErrorKind::kPeerLost
+                                                                : ErrorKind::kSystem;
+      const std::string what = py::str(e.value());
       e.restore();
       PyErr_Clear();
-      MC_THROW(ErrorKind::kSystem, "nixl engine ", fn, ": ", what);
+      MC_THROW(kind, "nixl engine ", fn, ": ", what);
     }
   }
 

@@ -32,9 +32,18 @@ log = logging.getLogger("moecomm.nixl")
 INSTALL_HINT = "pip install 'moecomm[nixl]'"
 # The NIXL Python packages, by CUDA flavour; any one serves host memory.
 _NIXL_MODULES = ("nixl_cu12._api", "nixl_cu13._api", "nixl._api")
+# The NIXL progress thread sleeps this long between two passes when it finds nothing to do. It
+# runs both sides of every transfer over UCX's TCP transport (a target's bytes land only when its
+# thread turns), so the delay adds up to that much to a transfer's completion; NIXL's own
+# default, 0, keeps one core per process busy even when idle (bench/cross_host.py measures it).
+DEFAULT_PROGRESS_US = 100
+PROGRESS_ENV = "MOECOMM_NIXL_PROGRESS_US"
 # A transfer is spun on this long before its waiter starts yielding the GIL between checks: a
 # small write across a fast network completes within it.
 SPIN_S = 50e-6
+# NIXL errors of a well-formed handle whose agent cannot be reached (it died, or its address is
+# not routable from here), as opposed to a handle NIXL cannot parse.
+_UNREACHABLE_ERRORS = ("nixlBackendError", "nixlRemoteDisconnectError")
 # NIXL's memory segment types by our memory kinds.
 _SEGMENT = {"host": "DRAM", "cuda": "VRAM"}
 # SIOCGIFADDR: the IPv4 address of an interface (linux/sockios.h).
@@ -99,13 +108,41 @@ def interface_of(addr: str) -> str | None:
     return None
 
 
+_AGENT_LOCK = threading.Lock()
+
+
+def _make_agent(api, name: str, config, progress_us: int):
+    """nixl_agent with its progress thread's delay set: NIXL's Python wrapper hard-codes 0 (the
+    thread yields in a loop and takes a whole core, idle or not) and has no setting for it, so
+    the one call that builds the native config is wrapped while the agent is made."""
+    native = api.nixlBind
+    make = native.nixlAgent
+
+    def with_delay(agent_name, agent_config):
+        agent_config.pthrDelay = progress_us
+        return make(agent_name, agent_config)
+
+    with _AGENT_LOCK:
+        native.nixlAgent = with_delay
+        try:
+            return api.nixl_agent(name, config)
+        finally:
+            native.nixlAgent = make
+
+
 class NixlEngine:
     """One NIXL agent with its UCX backend, as the C++ transport uses it (nixl_transport.h,
     `Engine`): memory registration, peers by metadata blob, blocking transfers with deadlines.
     Every method runs with the GIL held; the lock serializes the agent's bookkeeping."""
 
-    def __init__(self, name: str | None = None, host: str | None = None):
+    def __init__(
+        self, name: str | None = None, host: str | None = None, progress_us: int | None = None
+    ):
         api = _load()
+        if progress_us is None:
+            progress_us = int(os.environ.get(PROGRESS_ENV, DEFAULT_PROGRESS_US))
+        if progress_us < 0:
+            raise ValueError(f"the progress thread's delay must be >= 0 µs, got {progress_us}")
         if host and host not in ("0.0.0.0", "") and "UCX_NET_DEVICES" not in os.environ:
             # Carry bytes over the interface the user serves on (UCX reads this at start).
             iface = interface_of(host)
@@ -118,7 +155,7 @@ class NixlEngine:
         kwargs = {"enable_prog_thread": True, "backends": ["UCX"]}
         if sync is not None:  # transfers come from the serving loop and the HTTP threads alike
             kwargs["sync_mode"] = sync.NIXL_THREAD_SYNC_STRICT
-        self.agent = api.nixl_agent(self.name, api.nixl_agent_config(**kwargs))
+        self.agent = _make_agent(api, self.name, api.nixl_agent_config(**kwargs), progress_us)
         if "UCX" not in self.agent.backends:
             raise MoecommError("NIXL has no UCX backend here: the nixl transport needs it")
         self._lock = threading.Lock()
@@ -150,7 +187,16 @@ class NixlEngine:
         except ValueError as exc:
             raise ValueError(f"a nixl region handle carries a malformed blob: {exc}") from None
         with self._lock:
-            name = self.agent.add_remote_agent(raw)
+            try:
+                name = self.agent.add_remote_agent(raw)
+            except Exception as exc:  # NIXL's own error types, told apart by name
+                if type(exc).__name__ in _UNREACHABLE_ERRORS:
+                    raise ConnectionError(
+                        f"the peer of a nixl handle is unreachable: {exc}"
+                    ) from None
+                raise ValueError(
+                    f"a nixl region handle carries no loadable metadata: {exc}"
+                ) from None
             name = name.decode() if isinstance(name, bytes) else str(name)
             self._peers[name] = self._peers.get(name, 0) + 1
         return name
@@ -226,10 +272,11 @@ def NixlTransport(
     spin_ns: int | None = None,
     poll_ns: int | None = None,
     xfer_timeout_s: float | None = None,
+    progress_us: int | None = None,
 ) -> _C.NixlTransport:
     """A nixl transport with its own NIXL agent. `host`: the address this process serves on;
     UCX carries bytes over that interface (unless UCX_NET_DEVICES says otherwise)."""
-    engine = NixlEngine(name=name, host=host)
+    engine = NixlEngine(name=name, host=host, progress_us=progress_us)
     kwargs = {}
     if spin_ns is not None:
         kwargs["spin_ns"] = int(spin_ns)

@@ -78,6 +78,17 @@ struct Staging {
   std::vector<Pending> pending;
 };
 
+// Gives a region's pages back but keeps its address range mapped, for good. Over UCX's TCP
+// transport a remote read or write is carried out by our own progress thread with a plain memcpy
+// (deregistering revokes nothing), so a peer that still holds the handle — a server probing a
+// client that just closed the channel — would otherwise fault this process; and a range that is
+// never reused can never receive a late write meant for its previous region.
+inline void retire(uint8_t* base, uint64_t bytes) {
+  void* p = mmap(base, bytes, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) munmap(base, bytes);  // no way to keep it: at least free it
+}
+
 struct Shared {
   std::shared_ptr<Engine> engine;
   std::string agent;
@@ -95,7 +106,7 @@ struct Shared {
         engine->deregister_memory(reinterpret_cast<uint64_t>(s->base), s->capacity);
       } catch (...) {  // the agent is going away with us: nothing left to undo
       }
-      munmap(s->base, s->capacity);
+      retire(s->base, s->capacity);  // a timed-out transfer may still land in it
     }
   }
 
@@ -131,7 +142,7 @@ struct Shared {
     }
     if (s.base != nullptr) {
       engine->deregister_memory(reinterpret_cast<uint64_t>(s.base), s.capacity);
-      munmap(s.base, s.capacity);
+      retire(s.base, s.capacity);  // a timed-out transfer may still land in it
     }
     s.base = fresh;
     s.capacity = want;
@@ -166,17 +177,6 @@ struct Shared {
     }
   }
 };
-
-// Gives a region's pages back but keeps its address range mapped, for good. Over UCX's TCP
-// transport a remote read or write is carried out by our own progress thread with a plain memcpy
-// (deregistering revokes nothing), so a peer that still holds the handle — a server probing a
-// client that just closed the channel — would otherwise fault this process; and a range that is
-// never reused can never receive a late write meant for its previous region.
-inline void retire(uint8_t* base, uint64_t bytes) {
-  void* p = mmap(base, bytes, PROT_READ | PROT_WRITE,
-                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
-  if (p == MAP_FAILED) munmap(base, bytes);  // no way to keep it: at least free it
-}
 
 // Our memory: mapped by the transport (create_region), or the caller's (register_external).
 class OwnedRegion final : public Region {
@@ -329,6 +329,23 @@ inline bool parse_mem(const std::string& f, MemKind* kind, int32_t* device) {
   *kind = MemKind::kCuda;
   *device = std::stoi(digits);
   return true;
+}
+
+// Digits only (no sign, no blanks, no prefix), at most what fits 64 bits.
+inline bool parse_number(const std::string& f, int base, uint64_t* out) {
+  const size_t max_digits = base == 16 ? 16 : 19;
+  const char* digits = base == 16 ? "0123456789abcdefABCDEF" : "0123456789";
+  if (f.empty() || f.size() > max_digits || f.find_first_not_of(digits) != std::string::npos) {
+    return false;
+  }
+  *out = std::stoull(f, nullptr, base);
+  return true;
+}
+
+inline bool is_base64(const std::string& f) {
+  constexpr const char* kAlphabet =
+      "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=";
+  return !f.empty() && f.size() % 4 == 0 && f.find_first_not_of(kAlphabet) == std::string::npos;
 }
 
 }  // namespace moecomm::transport::nixl::detail

@@ -92,16 +92,10 @@ std::shared_ptr<Region> NixlTransport::attach(const std::string& handle) {
   uint64_t addr = 0, bytes = 0;
   MemKind kind = MemKind::kHost;
   int32_t device = 0;
-  try {
-    size_t used = 0;
-    addr = std::stoull(f[2], &used, 16);
-    MC_CHECK(used == f[2].size(), "bad address");
-    bytes = std::stoull(f[3], &used, 10);
-    MC_CHECK(used == f[3].size() && bytes > 0, "bad size");
-  } catch (const std::logic_error&) {
-    MC_THROW(ErrorKind::kInvalidArgument, "nixl region handle with a bad address or size: '",
-             handle.substr(0, 64), "'");
-  }
+  MC_CHECK(parse_number(f[2], 16, &addr) && parse_number(f[3], 10, &bytes) && bytes > 0,
+           "nixl region handle with a bad address or size: '", handle.substr(0, 64), "'");
+  MC_CHECK(is_base64(f[5]), "nixl region handle whose metadata is not base64: '",
+           handle.substr(0, 64), "'");
   MC_CHECK(parse_mem(f[4], &kind, &device), "nixl region handle with an unknown memory '",
            f[4].substr(0, 16), "' (host or cuda:N)");
   if (f[1] == shared_->agent) {  // our own region: reach it through its memory
@@ -209,7 +203,9 @@ WaitResult NixlTransport::wait(Region& local, uint64_t offset, const WaitPredica
     const int64_t now = now_ns();
     if (now >= deadline) return {WaitStatus::kTimeout, v};
     if (peer != nullptr && now >= next_peer_check) {
-      if (!peer_alive(*peer)) return {WaitStatus::kPeerLost, w.load(std::memory_order_acquire)};
+      if (!probe(*peer, std::min(kProbeTimeoutNs, deadline - now))) {
+        return {WaitStatus::kPeerLost, w.load(std::memory_order_acquire)};
+      }
       next_peer_check = now_ns() + kPeerCheckIntervalNs;
     }
     if (now - start >= options_.spin_ns) {
@@ -268,17 +264,23 @@ void NixlTransport::fence() {
 }
 
 bool NixlTransport::peer_alive(const Region& peer) {
+  return probe(peer, kProbeTimeoutNs);
+}
+
+bool NixlTransport::probe(const Region& peer, int64_t timeout_ns) {
   auto* p = dynamic_cast<const PeerRegion*>(&peer);
   if (p == nullptr || p->is_alias()) return true;  // ours: alive while we are
   if (shared_->is_lost(p->agent())) return false;
-  // A small read of the peer's memory: a dead peer's connection fails it at once, a stopped or
-  // unreachable one leaves it in flight until the probe's deadline.
+  // A small read of the peer's memory: a dead peer's connection fails it at once. A stopped or
+  // unreachable one leaves it in flight: that is no proof of death (the waiter's own deadline
+  // decides), so the peer stays alive. The read lands in the scratch line, which is never
+  // unmapped, should it complete later.
   Staging& s = shared_->mine();
   if (s.base == nullptr) shared_->grow(s, 0);
   const XferStatus st = shared_->engine->read(
       p->agent(), {{reinterpret_cast<uint64_t>(s.base) + sizeof(uint64_t), p->addr(), 8}},
-      kProbeTimeoutNs);
-  if (st == XferStatus::kDone) return true;
+      std::max<int64_t>(timeout_ns, 1));
+  if (st != XferStatus::kPeerLost) return true;
   shared_->mark_lost(p->agent());
   return false;
 }

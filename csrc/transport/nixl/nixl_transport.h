@@ -152,6 +152,9 @@ class NixlTransport final : public Transport {
   std::vector<std::string> peers() const;
 
  private:
+  // Whether `peer` is alive, as far as a read within `timeout_ns` can tell: false only when
+  // its connection is known to be gone.
+  bool probe(const Region& peer, int64_t timeout_ns);
   std::shared_ptr<Region> publish(uint8_t* base, uint64_t bytes, uint64_t mapped, MemKind kind,
                                   int32_t device, bool external);
 
