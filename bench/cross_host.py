@@ -22,6 +22,7 @@ cannot look fast.
 The same file is the server and the client (`--role server|client`), so one script runs in all
 three places; the client writes its samples to a file under a temporary directory in /tmp, which
 the mount namespace leaves shared with the parent.
+The contenders' server and client ends live in bench/cross_host_contenders.py.
 
 Usage: python bench/cross_host.py [--iters-signal N] [--iters-decode N] [--quick] [--json PATH]
                                   [--only NAME,NAME]
@@ -31,25 +32,30 @@ Usage: python bench/cross_host.py [--iters-signal N] [--iters-decode N] [--quick
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import re
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from contextlib import ExitStack
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Stats, format_table, time_calls, write_json
+from common import Stats, format_table, write_json
+from cross_host_contenders import (
+    CONNECT_TIMEOUT_S,
+    HIDDEN,
+    ROLES,
+    SHM_UCX_TRANSPORTS,
+    TOKENS,
+    TOPK,
+    payload_bytes,
+    ucx_protocols,
+)
 from moecomm.netns import Host, Lab, available
 
-TOKENS, HIDDEN, TOPK = 128, 7168, 8
 SIZES = ("signal", "decode")
 DEFAULT_JSON = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "results", "cross_host.json"
@@ -57,342 +63,17 @@ DEFAULT_JSON = os.path.join(
 # Each run gets a fresh port: a listener of the previous run may still hold its port in TIME_WAIT.
 # Ports are per namespace, so nothing on the machine itself can collide with these.
 BASE_PORT = 29600
-# How long a client keeps retrying its connect while the server in the other namespace starts
-# (a cold `import torch` takes a few seconds on a loaded 2-core machine).
-CONNECT_TIMEOUT_S = 60.0
 # Bound on one contender's whole run (start-up, warm-up, samples): a hung contender fails the run
 # instead of hanging it.
 RUN_TIMEOUT_S = 600.0
 # Gloo picks its interface from the hostname unless told; inside a namespace the hostname does not
 # resolve to the lab address, so name the lab's interface.
 GLOO_IFNAME = "eth0"
-SIGNAL_BYTE, CHECK_BYTE = 0x5A, 0xA5
-
-
-def payload_bytes() -> tuple[int, int]:
-    req = TOKENS * HIDDEN * 2 + 2 * TOKENS * TOPK * 4
-    return req, TOKENS * HIDDEN * 2
-
-
-def make_request(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(TOKENS, HIDDEN, generator=g).to(torch.bfloat16)
-    ids = torch.randint(0, 256, (TOKENS, TOPK), dtype=torch.int32, generator=g)
-    scores = torch.rand(TOKENS, TOPK, generator=g)
-    return x, ids, scores
-
-
-def as_bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
-
-
-# ---------------------------------------------------------------------------- raw TCP
-def _recv_exact(sock: socket.socket, buf: memoryview) -> None:
-    got = 0
-    while got < len(buf):
-        n = sock.recv_into(buf[got:])
-        if n == 0:
-            raise ConnectionError("peer closed mid-message")
-        got += n
-
-
-def tcp_server(a: argparse.Namespace) -> None:
-    req, resp = payload_bytes() if a.size == "decode" else (1, 1)
-    with socket.create_server(("0.0.0.0", a.port), reuse_port=True) as ls:
-        conn, _ = ls.accept()
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    buf = memoryview(bytearray(req))
-    for _ in range(a.iters):
-        _recv_exact(conn, buf)
-        conn.sendall(buf[:resp])  # the activations (or the signal byte) go back as they came
-    conn.close()
-
-
-def _connect(addr: str, port: int) -> socket.socket:
-    deadline = time.monotonic() + CONNECT_TIMEOUT_S
-    while True:
-        try:
-            s = socket.create_connection((addr, port), timeout=1.0)
-            s.settimeout(None)
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            return s
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-
-
-def tcp_client(a: argparse.Namespace) -> list[int]:
-    sock = _connect(a.peer, a.port)
-    decode = a.size == "decode"
-    if decode:
-        x, ids, sc = make_request(1)
-        req = bytes(as_bytes(x)) + bytes(as_bytes(ids)) + bytes(as_bytes(sc))
-    else:
-        req = bytes([SIGNAL_BYTE])
-    resp = memoryview(bytearray(payload_bytes()[1] if decode else 1))
-
-    def once():
-        sock.sendall(req)
-        _recv_exact(sock, resp)
-
-    samples = time_calls(once, a.iters, a.warmup)
-    if decode:
-        x, ids, sc = make_request(2)
-        req = bytes(as_bytes(x)) + bytes(as_bytes(ids)) + bytes(as_bytes(sc))
-    else:
-        req = bytes([CHECK_BYTE])
-    resp[:] = bytes(len(resp))
-    once()
-    assert resp == req[: len(resp)], "raw TCP echo differs from what was sent"
-    sock.close()
-    return samples
-
-
-# ---------------------------------------------------------------------------- pyzmq
-def zmq_server(a: argparse.Namespace) -> None:
-    import zmq
-
-    sock = zmq.Context.instance().socket(zmq.REP)
-    sock.bind(f"tcp://0.0.0.0:{a.port}")
-    for _ in range(a.iters):
-        parts = sock.recv_multipart(copy=False)
-        sock.send(parts[0], copy=False)
-    sock.close(linger=1000)
-
-
-def zmq_client(a: argparse.Namespace) -> list[int]:
-    import zmq
-
-    sock = zmq.Context.instance().socket(zmq.REQ)
-    sock.connect(f"tcp://{a.peer}:{a.port}")  # zmq retries the connect itself
-    decode = a.size == "decode"
-
-    def parts_of(seed: int):
-        if not decode:
-            return [bytes([SIGNAL_BYTE if seed == 1 else CHECK_BYTE])]
-        x, ids, sc = make_request(seed)
-        return [x.view(torch.uint8).numpy(), ids.numpy(), sc.numpy()]
-
-    parts = parts_of(1)
-    out = [b""]
-
-    def once():
-        sock.send_multipart(parts, copy=False)
-        out[0] = sock.recv(copy=False)
-
-    samples = time_calls(once, a.iters, a.warmup)
-    parts = parts_of(2)
-    once()
-    assert bytes(out[0].buffer) == bytes(memoryview(parts[0]).cast("B")), "pyzmq echo differs"
-    sock.close()
-    return samples
-
-
-# ---------------------------------------------------------------------------- gloo
-def _gloo_init(a: argparse.Namespace, rank: int, master: str) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://{master}:{a.port}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=CONNECT_TIMEOUT_S),
-    )
-
-
-def gloo_server(a: argparse.Namespace) -> None:
-    import torch.distributed as dist
-
-    _gloo_init(a, rank=1, master=a.peer)  # rank 0 (the client, in host A) holds the store
-    if a.size == "decode":
-        x, ids, sc = (torch.empty_like(t) for t in make_request(0))
-        for _ in range(a.iters):
-            dist.recv(x, 0)
-            dist.recv(ids, 0)
-            dist.recv(sc, 0)
-            dist.send(x, 0)
-    else:
-        one = torch.zeros(1, dtype=torch.uint8)
-        for _ in range(a.iters):
-            dist.recv(one, 0)
-            dist.send(one, 0)
-    dist.destroy_process_group()
-
-
-def gloo_client(a: argparse.Namespace) -> list[int]:
-    import torch.distributed as dist
-
-    _gloo_init(a, rank=0, master=a.self_addr)
-    decode = a.size == "decode"
-    x, ids, sc = make_request(1)
-    y = torch.empty_like(x)
-    one = torch.full((1,), SIGNAL_BYTE, dtype=torch.uint8)
-    back = torch.zeros(1, dtype=torch.uint8)
-
-    def once():
-        if decode:
-            dist.send(x, 1)
-            dist.send(ids, 1)
-            dist.send(sc, 1)
-            dist.recv(y, 1)
-        else:
-            dist.send(one, 1)
-            dist.recv(back, 1)
-
-    samples = time_calls(once, a.iters, a.warmup)
-    x, ids, sc = make_request(2)
-    one.fill_(CHECK_BYTE)
-    y.zero_()
-    back.zero_()
-    once()
-    assert torch.equal(y, x) if decode else torch.equal(back, one), "gloo echo differs"
-    dist.destroy_process_group()
-    return samples
-
-
-# ---------------------------------------------------------------------------- moecomm
-# Both ends exchange region handles through files in the run's temporary directory under /tmp
-# (shared by every namespace of the lab): a file appears whole (written, then renamed).
-CLIENT_ID = 1
-# Signal words of the ping-pong: each at the start of its own cache line in its owner's region.
-PING_OFFSET = 64
-WAIT_S = 10.0
-WAIT_NS = int(WAIT_S * 1e9)
-
-
-def _put_handle(a: argparse.Namespace, who: str, handle: str) -> None:
-    path = os.path.join(a.tmp, f"{who}.handle")
-    with open(path + ".part", "w") as f:
-        f.write(handle)
-    os.rename(path + ".part", path)
-
-
-def _get_handle(a: argparse.Namespace, who: str) -> str:
-    path = os.path.join(a.tmp, f"{who}.handle")
-    deadline = time.monotonic() + CONNECT_TIMEOUT_S
-    while not os.path.exists(path):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {who} handle within {CONNECT_TIMEOUT_S} s")
-        time.sleep(0.01)
-    with open(path) as f:
-        return f.read()
-
-
-def _transport(a: argparse.Namespace):
-    if a.contender == "nixl":
-        from moecomm.nixl import NixlTransport
-
-        return NixlTransport(host=a.self_addr)
-    import moecomm
-
-    return moecomm.ShmTransport()
-
-
-def _layout():
-    import moecomm
-
-    return moecomm.SlotLayout(TOKENS, HIDDEN, TOPK)
-
-
-def moecomm_server(a: argparse.Namespace) -> None:
-    """The server end of both moecomm measurements, over the transport the contender names.
-    Ends with a two-way handshake ("served", then the client's "done"): neither end lets its
-    agent and regions go while the other may still have a transfer in flight to it."""
-    from moecomm.slots import ServerChannel
-    from moecomm.transport import WaitOp
-
-    t = _transport(a)
-    if a.size == "signal":
-        mine = t.create_region(128)
-        _put_handle(a, "server", mine.handle)
-        peer = t.attach(_get_handle(a, "client"))
-        for i in range(1, a.iters + 1):
-            t.wait(mine, PING_OFFSET, WaitOp.EQUAL, i, timeout_ns=WAIT_NS, peer=peer)
-            t.signal(peer, PING_OFFSET, i)
-    else:
-        ch = ServerChannel(t, _layout(), CLIENT_ID, num_slots=1)
-        _put_handle(a, "server", ch.handle)
-        ch.connect(_get_handle(a, "client"))
-        served = 0
-        while served < a.iters:  # the identity expert: each request's activations go back
-            for req in ch.wait(WAIT_S):
-                if not req.valid:
-                    raise RuntimeError(f"invalid request in slot {req.slot}")
-                ch.respond(req, req.activations)
-                served += 1
-    _put_handle(a, "served", "served")
-    _get_handle(a, "done")
-
-
-def moecomm_client(a: argparse.Namespace) -> list[int]:
-    from moecomm.slots import ClientChannel
-    from moecomm.transport import WaitOp
-
-    t = _transport(a)
-    if a.size == "signal":
-        mine = t.create_region(128)
-        peer = t.attach(_get_handle(a, "server"))
-        _put_handle(a, "client", mine.handle)
-        counter = [0]
-
-        def once():
-            counter[0] += 1
-            t.signal(peer, PING_OFFSET, counter[0])
-            return t.wait(
-                mine, PING_OFFSET, WaitOp.EQUAL, counter[0], timeout_ns=WAIT_NS, peer=peer
-            )
-
-        samples = time_calls(once, a.iters, a.warmup)
-        assert once() == counter[0], "moecomm signal word differs from what was sent"
-    else:
-        client = ClientChannel(t, _layout(), CLIENT_ID, num_slots=1)
-        server = _get_handle(a, "server")
-        _put_handle(a, "client", client.handle)
-        client.connect(server)
-        x, ids, sc = make_request(1)
-        last = [None]
-
-        def once():
-            last[0] = client.wait(0, client.send(0, x, ids, sc), WAIT_S).activations
-
-        samples = time_calls(once, a.iters, a.warmup)
-        x, ids, sc = make_request(2)
-        last[0].zero_()  # the response slot: the check must read freshly written bytes
-        once()
-        assert torch.equal(last[0], x), "moecomm decode response differs from the request"
-    _get_handle(a, "served")
-    _put_handle(a, "done", "done")
-    return samples
-
-
-def shm_client(a: argparse.Namespace) -> list[int]:
-    """Same host: the server is a child process of this one, so it shares this spawn's network,
-    IPC, PID and mount namespaces, and so its private /dev/shm."""
-    argv = [sys.executable, os.path.abspath(__file__), "--role", "server", "--contender", "shm",
-            "--size", a.size, "--iters", str(a.iters + a.warmup + 1), "--tmp", a.tmp]  # fmt: skip
-    srv = subprocess.Popen(argv)
-    try:
-        samples = moecomm_client(a)
-        if srv.wait(CONNECT_TIMEOUT_S) != 0:
-            raise RuntimeError(f"shm server exited with {srv.returncode}")
-    finally:
-        if srv.poll() is None:
-            srv.kill()
-            srv.wait()
-    return samples
 
 
 # ---------------------------------------------------------------------------- the runs
-# role name -> (server in host B, client in host A); the client returns its samples in ns.
-ROLES: dict[str, tuple[Callable, Callable]] = {
-    "tcp": (tcp_server, tcp_client),
-    "zmq": (zmq_server, zmq_client),
-    "gloo": (gloo_server, gloo_client),
-    "nixl": (moecomm_server, moecomm_client),
-    "shm": (moecomm_server, shm_client),
-}
+# The contenders (cross_host_contenders.ROLES): role name -> (server in host B, client in
+# host A); the client returns its samples in ns.
 Contender = Callable[[Lab, Host, Host, int, int], Stats]
 _next_port = [BASE_PORT]
 
@@ -462,37 +143,6 @@ def remote_pair(
 
 
 LOGS: dict[tuple[str, str], dict[str, str]] = {}
-
-# UCX transports that move bytes through memory shared between processes: none may carry
-# moecomm-nixl's bytes, or the run would not be measuring the network.
-SHM_UCX_TRANSPORTS = ("sysv", "posix", "cma", "xpmem", "knem")
-_UCX_TRANSPORT = re.compile(r"\b([a-z][a-z0-9_]*)/([A-Za-z0-9_.:-]+)")
-
-
-def ucx_protocols(text: str) -> dict[str, dict[str, list[str]]]:
-    """From UCX_PROTO_INFO=y output: endpoint kind ("inter-node" / "intra-node": a peer;
-    "self": the agent's loopback to itself) -> operation (e.g. "remote memory write by
-    ucp_put*(multi) from host memory to host") -> the UCX transports/devices its protocols use
-    ("tcp/eth0")."""
-    ops: dict[str, dict[str, set[str]]] = {}
-    kind = op = None
-    for line in text.splitlines():
-        i = line.find("|")
-        if i < 0:
-            continue
-        cells = [c.strip() for c in line[i:].strip().strip("|").split("|")]
-        if len(cells) == 1:
-            m = re.search(r"\s(self|inter-node|intra-node) cfg#\d+$", cells[0])
-            if m:
-                kind, op = m.group(1), None
-            elif " by ucp_" in cells[0]:
-                op = cells[0]
-        elif (
-            kind and op and len(cells) >= 3 and re.fullmatch(r"[0-9a-z]*(\.\.[0-9a-z]+)?", cells[0])
-        ):
-            found = {"/".join(m) for m in _UCX_TRANSPORT.findall(cells[-1])}
-            ops.setdefault(kind, {}).setdefault(op, set()).update(found)
-    return {k: {o: sorted(t) for o, t in sorted(v.items())} for k, v in sorted(ops.items())}
 
 
 def nixl_ucx_report() -> dict:
