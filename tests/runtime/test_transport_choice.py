@@ -128,3 +128,17 @@ def test_nixl_without_the_extra_names_it(monkeypatch):
     with pytest.raises(MoecommError, match=r"pip install 'moecomm\[nixl\]'"):
         TransportSet("nixl")
     assert TransportSet("auto").names == ["shm"]  # auto falls back to shm, and says why
+
+
+@needs_nixl
+@pytest.mark.timeout(60)
+def test_expert_weights_pulled_from_a_peer_over_nixl_are_bit_exact(servers):
+    """Live re-placement across hosts: the exporter copies the expert into a region of the
+    transport the reader speaks, the reader pulls it with one-sided READs."""
+    from moecomm.nixl import NixlTransport
+    from moecomm.runtime.weights import pull_from_peer
+
+    got = pull_from_peer(NixlTransport(), servers[0].url, 1, 3, TOKEN, 20.0)
+    want = SPEC.experts()[1][3]
+    for a, b in ((got.w1, want.w1), (got.w3, want.w3), (got.w2, want.w2)):
+        assert a.dtype == b.dtype and torch.equal(a, b)

@@ -21,6 +21,7 @@ from moecomm.runtime.health import metrics_lines
 from moecomm.runtime.registry import SESSION_BYTES, ClientIdInUse, UnknownSession
 from moecomm.runtime.server import MAX_SLOTS_PER_CLIENT, ExpertServer
 from moecomm.runtime.server_placement import ExpertHosted
+from moecomm.runtime.transports import choose
 from moecomm.runtime.weights import pull_from_peer
 
 DEFAULT_HOST = "127.0.0.1"
@@ -73,6 +74,8 @@ class ExpertModel(BaseModel):
     layer: int = Field(ge=0, lt=1 << 20)
     expert: int = Field(ge=0, lt=1 << 20)
     token: str = Field(default="", max_length=256)
+    # The transport the reader speaks (an export); "" for the server's first one.
+    transport: str = Field(default="", max_length=32)
 
 
 class LoadModel(ExpertModel):
@@ -197,8 +200,15 @@ def make_app(server: ExpertServer, token: str = "") -> FastAPI:
             if body.source == "peer":
                 if not body.peer.startswith(("http://", "https://")):
                     raise ValueError(f"source=peer needs the peer's control URL, got {body.peer!r}")
+                # Over the transport the two servers share: shm on one host, nixl across hosts.
+                name = choose(server.transports, http_transports(body.peer), body.peer)
                 weights = pull_from_peer(
-                    server.transport, body.peer, body.layer, body.expert, token, HTTP_TIMEOUT_S
+                    server.transports.get(name),
+                    body.peer,
+                    body.layer,
+                    body.expert,
+                    token,
+                    HTTP_TIMEOUT_S,
                 )
             out = server.load_expert(body.layer, body.expert, weights)
         except ExpertHosted as exc:
@@ -220,7 +230,7 @@ def make_app(server: ExpertServer, token: str = "") -> FastAPI:
     def export_expert(body: ExpertModel):
         authorize(body.token)
         try:
-            return server.export_expert(body.layer, body.expert)
+            return server.export_expert(body.layer, body.expert, body.transport or None)
         except KeyError as exc:
             raise HTTPException(status_code=404, detail=str(exc)) from exc
         except RuntimeError as exc:

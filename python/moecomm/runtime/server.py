@@ -440,12 +440,13 @@ class ExpertServer:
         """Stops publishing `expert`; it is freed once no client can route to it any more."""
         return self.placement.unload(layer_id, expert)
 
-    def export_expert(self, layer_id: int, expert: int) -> dict:
+    def export_expert(self, layer_id: int, expert: int, transport: str | None = None) -> dict:
         """Copies a hosted expert into a transport region a peer can read (see weights.py)."""
         layer = self.layers.get(layer_id)
         if layer is None or layer.local_of(expert) is None:
             raise KeyError(f"{self.server_id} hosts no expert {expert} of layer {layer_id}")
-        return self.exports.export(layer.weights(expert))
+        t = self.transports.get(transport) if transport else self.transport
+        return self.exports.export(layer.weights(expert), t)
 
     def _on_client_event(self, event) -> None:
         if event.kind != "loss":

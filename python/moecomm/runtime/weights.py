@@ -40,14 +40,14 @@ class WeightExports:
         self._lock = threading.Lock()
         self._live: dict[str, tuple[Region, float]] = {}
 
-    def export(self, w: ExpertWeights) -> dict:
+    def export(self, w: ExpertWeights, transport: Transport | None = None) -> dict:
         parts = (w.w1, w.w3, w.w2)
         nbytes = sum(t.numel() * t.element_size() for t in parts)
         with self._lock:
             self._expire()
             if len(self._live) >= MAX_EXPORTS:
                 raise RuntimeError(f"{MAX_EXPORTS} weight exports are already waiting for readers")
-        region = self.transport.create_region(nbytes)
+        region = (transport or self.transport).create_region(nbytes)
         raw, offset = region_bytes_view(region), 0
         for t in parts:
             dst = view(raw, offset, tuple(t.shape), t.dtype)
@@ -94,9 +94,11 @@ def read_export(transport: Transport, info: dict) -> ExpertWeights:
         raise ValueError(f"exported weights have a bad shape: intermediate {i}, hidden {h}")
     region = transport.attach(str(info["handle"]))
     try:
-        raw = region_bytes_view(region)
+        # One read through the transport: a copy of mapped memory on shm, one-sided READs of
+        # the peer's memory over nixl. view() checks every part against the region's size.
+        raw = torch.empty(region.size, dtype=torch.uint8)
+        transport.read(region, 0, raw.data_ptr(), region.size)
         item = torch.empty((), dtype=dtype).element_size()
-        # view() checks every part against the region's size: no read past it.
         w1 = view(raw, 0, (i, h), dtype).clone()
         w3 = view(raw, i * h * item, (i, h), dtype).clone()
         w2 = view(raw, 2 * i * h * item, (h, i), dtype).clone()
@@ -110,7 +112,7 @@ def pull_from_peer(
     transport: Transport, peer_url: str, layer: int, expert: int, token: str, timeout: float
 ) -> ExpertWeights:
     """Asks the server at `peer_url` to export (layer, expert) and reads it over `transport`."""
-    body = {"layer": layer, "expert": expert, "token": token}
+    body = {"layer": layer, "expert": expert, "token": token, "transport": transport.name}
     r = httpx.post(f"{peer_url}/experts/export", json=body, timeout=timeout)
     if r.status_code != 200:
         raise RuntimeError(f"{peer_url} cannot export layer {layer} expert {expert}: {r.text}")
