@@ -89,13 +89,16 @@ class RegionViews:
 TRANSPORT_CHOICES = ("shm", "nixl", "auto")
 
 
-def make_transport(name: str, host: str | None = None) -> Transport:
+def make_transport(
+    name: str, host: str | None = None, xfer_timeout_s: float | None = None
+) -> Transport:
     """A new transport of backend `name` ("shm" or "nixl"). `host`: the address this process
-    serves on (nixl carries bytes over that interface)."""
+    serves on (nixl carries bytes over that interface); `xfer_timeout_s`: how long a nixl write
+    may wait for a peer that does not take it (stopped, unreachable)."""
     if name == "shm":
         return ShmTransport()
     if name == "nixl":
         from moecomm.nixl import NixlTransport  # optional: pip install 'moecomm[nixl]'
 
-        return NixlTransport(host=host)
+        return NixlTransport(host=host, xfer_timeout_s=xfer_timeout_s)
     raise ValueError(f"unknown transport {name!r}: one of shm, nixl")

@@ -142,3 +142,56 @@ def test_expert_weights_pulled_from_a_peer_over_nixl_are_bit_exact(servers):
     want = SPEC.experts()[1][3]
     for a, b in ((got.w1, want.w1), (got.w3, want.w3), (got.w2, want.w2)):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def _stopped_client(conn, url):
+    """A nixl client that dispatches once and is then stopped by the test (never combines)."""
+    c = _client([url], "nixl")
+    c.connect()
+    conn.send("connected")
+    conn.recv()
+    x, ids, w = _batch(4, 7)
+    c.dispatch(x, ids, w, 0)
+    conn.send("sent")
+    conn.recv()  # stopped here by the parent, then killed
+
+
+@needs_nixl
+@pytest.mark.timeout(120)
+def test_a_stopped_nixl_client_never_stalls_the_server_for_others():
+    """A write over nixl waits for the peer's side of the transfer: the server's answer to a
+    stopped client fails after SERVER_XFER_TIMEOUT_S instead of holding the loop."""
+    import multiprocessing as mp
+    import os
+    import signal
+    import time
+
+    everything = {0: list(range(8)), 1: list(range(8))}
+    # The batching window holds the stopped client's request until it is stopped.
+    server = spawn_expert_server(
+        SPEC, everything, "s-win", TOKEN, batching_window_s=0.3, transport="nixl"
+    )
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    p = ctx.Process(target=_stopped_client, args=(b, server.url), daemon=True)
+    try:
+        p.start()
+        assert a.poll(60) and a.recv() == "connected"
+        healthy = _client([server.url], "nixl")
+        healthy.connect()
+        a.send("go")
+        assert a.poll(30) and a.recv() == "sent"
+        os.kill(p.pid, signal.SIGSTOP)
+        for step in range(4):
+            x, ids, w = _batch(3 + step, 50 + step)
+            start = time.monotonic()
+            y = healthy.combine(healthy.dispatch(x, ids, w, 0))
+            # window 0.3 s + at most two 0.5 s writes to the stopped client + compute
+            assert time.monotonic() - start < 3.0
+            torch.testing.assert_close(y, _reference(x, ids, w, 0), rtol=1e-5, atol=1e-5)
+        healthy.close()
+    finally:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGKILL)
+            p.join(10)
+        server.stop()

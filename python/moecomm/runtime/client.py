@@ -133,7 +133,7 @@ class AttentionClient:
             num_slots,
             token,
             timeout,
-            TransportSet(transport, host),
+            TransportSet(transport, host, timeout),
             evict_s,
         )
         self.failovers = 0

@@ -39,6 +39,9 @@ IDLE_WAKE_S = 0.1
 # A busy server checks its clients' liveness this often too: under continuous load the idle
 # wake never comes, and a dead client's slots would be held for ever.
 CLIENT_CHECK_S = 0.5
+# A write to a client over nixl waits for the client's side of the transfer: a stopped client
+# stalls the loop at most this long per answer (then the answer fails and the loop goes on).
+SERVER_XFER_TIMEOUT_S = 0.5
 # Limits on what a client may ask for at connect time: they bound the memory one connect costs.
 MAX_SLOTS_PER_CLIENT = 16
 MAX_REGION_BYTES = 1 << 30
@@ -83,7 +86,7 @@ class ExpertServer:
         if len(hidden) != 1:
             raise ValueError(f"hosted layers disagree on the hidden size: {sorted(hidden)}")
         self.hidden = hidden.pop()
-        self.transports = TransportSet(transport, host)
+        self.transports = TransportSet(transport, host, SERVER_XFER_TIMEOUT_S)
         self.transport = self.transports.primary
         self.batching_window_s = batching_window_s
         self._channel_factory = channel_factory

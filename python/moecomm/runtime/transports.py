@@ -50,10 +50,18 @@ def boot_id() -> str:
 class TransportSet:
     """The transports one process offers, by name, created on first use. `spec`: a Transport
     (that one only), or one of TRANSPORT_CHOICES. With "auto" and NIXL not installed, the set
-    offers shm alone (logged once)."""
+    offers shm alone (logged once). `xfer_timeout_s` bounds a nixl write to a peer that does not
+    take it: a write waits for the peer's side of the transfer (a stopped peer never completes
+    it), unlike a store into shared memory."""
 
-    def __init__(self, spec: str | Transport | None = "shm", host: str | None = None):
+    def __init__(
+        self,
+        spec: str | Transport | None = "shm",
+        host: str | None = None,
+        xfer_timeout_s: float | None = None,
+    ):
         self.host = host
+        self.xfer_timeout_s = xfer_timeout_s
         self._lock = threading.Lock()
         self._made: dict[str, Transport] = {}
         if spec is None:
@@ -89,7 +97,7 @@ class TransportSet:
         with self._lock:
             t = self._made.get(name)
             if t is None:
-                t = self._made[name] = make_transport(name, self.host)
+                t = self._made[name] = make_transport(name, self.host, self.xfer_timeout_s)
             return t
 
     @property
