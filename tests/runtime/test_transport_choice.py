@@ -195,3 +195,9 @@ def test_a_stopped_nixl_client_never_stalls_the_server_for_others():
             os.kill(p.pid, signal.SIGKILL)
             p.join(10)
         server.stop()
+
+
+@pytest.mark.parametrize("offer", [{"transports": "shm"}, {"transports": [1]}, ["shm"], None])
+def test_a_malformed_offer_is_a_clear_error(offer):
+    with pytest.raises(MoecommError, match="answered GET /transports with something else"):
+        choose(TransportSet("shm"), offer, "http://x")

@@ -185,7 +185,9 @@ def shm_reachable(offer: dict) -> bool:
 
 def choose(mine: TransportSet, offer: dict, url: str) -> str:
     """The transport to speak with the server at `url` that answered `offer`."""
-    theirs = [str(n) for n in offer.get("transports", ["shm"])]
+    theirs = offer.get("transports", ["shm"]) if isinstance(offer, dict) else None
+    if not isinstance(theirs, list) or not all(isinstance(n, str) for n in theirs):
+        raise MoecommError(f"{url} answered GET /transports with something else: {offer!r:.200}")
     common = [n for n in mine.names if n in theirs]
     if not common:
         raise MoecommError(
