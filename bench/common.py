@@ -106,3 +106,20 @@ def write_json(path: str | None, payload: dict) -> None:
             default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o),
         )
     print(f"wrote {path}")
+
+
+def gloo_round_trip(decode: bool, request, response, ping, pong) -> Callable[[], None]:
+    """One torch.distributed round trip as rank 0 to rank 1: the `request` tensors there and
+    `response` back (decode size), or `ping` there and `pong` back (signal-only)."""
+    import torch.distributed as dist
+
+    def once():
+        if decode:
+            for t in request:
+                dist.send(t, 1)
+            dist.recv(response, 1)
+        else:
+            dist.send(ping, 1)
+            dist.recv(pong, 1)
+
+    return once

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import time_calls
+from common import gloo_round_trip, time_calls
 
 # The entry point: shm_client starts the server end through it (`--role server`).
 ENTRY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cross_host.py")
@@ -195,18 +195,11 @@ def gloo_client(a: argparse.Namespace) -> list[int]:
     one = torch.full((1,), SIGNAL_BYTE, dtype=torch.uint8)
     back = torch.zeros(1, dtype=torch.uint8)
 
-    def once():
-        if decode:
-            dist.send(x, 1)
-            dist.send(ids, 1)
-            dist.send(sc, 1)
-            dist.recv(y, 1)
-        else:
-            dist.send(one, 1)
-            dist.recv(back, 1)
+    once = gloo_round_trip(decode, (x, ids, sc), y, one, back)
 
     samples = time_calls(once, a.iters, a.warmup)
-    x, ids, sc = make_request(2)
+    for t, fresh in zip((x, ids, sc), make_request(2), strict=True):
+        t.copy_(fresh)  # in place: `once` holds these tensors
     one.fill_(CHECK_BYTE)
     y.zero_()
     back.zero_()

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moecomm
-from common import Stats, format_table, time_calls, write_json
+from common import Stats, format_table, gloo_round_trip, time_calls, write_json
 from moecomm.slots import ClientChannel
 from moecomm.testing import spawn_identity_server
 from moecomm.transport import WaitOp
@@ -184,15 +184,7 @@ def gloo_bench(iters: int, warmup: int, decode: bool) -> Stats:
     y = torch.empty_like(x)
     one = torch.ones(1)
 
-    def once():
-        if decode:
-            dist.send(x, 1)
-            dist.send(ids, 1)
-            dist.send(sc, 1)
-            dist.recv(y, 1)
-        else:
-            dist.send(one, 1)
-            dist.recv(one, 1)
+    once = gloo_round_trip(decode, (x, ids, sc), y, one, one)
 
     samples = time_calls(once, iters, warmup)
     once()
