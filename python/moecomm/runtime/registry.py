@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from moecomm.errors import MoecommError
 from moecomm.slots import ServerChannel
-from moecomm.transport import Transport, reap_stale_segments
+from moecomm.transport import reap_stale_segments
 
 # 128 random bits: a session secret cannot be guessed by another client.
 SESSION_BYTES = 16
@@ -35,8 +35,7 @@ class Session:
 
 
 class ClientRegistry:
-    def __init__(self, transport: Transport, server_id: str):
-        self.transport = transport  # the server's primary one; each channel has its own
+    def __init__(self, server_id: str):
         self.server_id = server_id
         self._sessions: dict[int, Session] = {}
         self._lock = threading.Lock()

@@ -91,12 +91,11 @@ class ExpertServer:
         self.batching_window_s = batching_window_s
         self._channel_factory = channel_factory
         self.doorbells = Doorbells(self.transports)
-        self.doorbell = self.doorbells.bells[self.transport.name]
         has_shm = "shm" in self.transports.names
         self.shm_probe = ShmProbe(self.transports.get("shm")) if has_shm else None
         self.stats = ServerStats()
         self.health = LoopHealth()
-        self.clients = ClientRegistry(self.transport, server_id)
+        self.clients = ClientRegistry(server_id)
         self._next_client_check = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

@@ -115,22 +115,22 @@ class Doorbells:
     several it polls them all."""
 
     def __init__(self, transports: TransportSet):
-        self.transports = transports
+        # (transport, region) by name, resolved once: the loop reads them every pass.
         self.bells = {
-            n: transports.get(n).create_region(_C.DOORBELL_BYTES) for n in transports.names
+            n: (t, t.create_region(_C.DOORBELL_BYTES))
+            for n, t in ((n, transports.get(n)) for n in transports.names)
         }
 
     def handle(self, name: str) -> str:
-        return self.bells[name].handle
+        return self.bells[name][1].handle
 
     def values(self) -> dict[str, int]:
-        return {n: self.transports.get(n).load(b, 0) for n, b in self.bells.items()}
+        return {n: t.load(b, 0) for n, (t, b) in self.bells.items()}
 
     def wait(self, seen: dict[str, int], timeout: float) -> bool:
         """Sleeps until a doorbell moves past `seen` or `timeout` passes; False on timeout."""
         if len(self.bells) == 1:
-            ((name, bell),) = self.bells.items()
-            t = self.transports.get(name)
+            ((name, (t, bell)),) = self.bells.items()
             status, _ = _C.wait_doorbell(t, bell, seen[name], int(timeout * 1e9))
             return status != WaitStatus.TIMEOUT
         deadline = time.monotonic() + timeout
@@ -142,11 +142,11 @@ class Doorbells:
             time.sleep(MULTI_DOORBELL_POLL_S)
 
     def ring(self) -> None:
-        for name, bell in self.bells.items():
-            _C.ring_doorbell(self.transports.get(name), bell)
+        for t, bell in self.bells.values():
+            _C.ring_doorbell(t, bell)
 
     def close(self) -> None:
-        for bell in self.bells.values():
+        for _, bell in self.bells.values():
             bell.close()
 
 

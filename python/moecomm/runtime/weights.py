@@ -94,15 +94,15 @@ def read_export(transport: Transport, info: dict) -> ExpertWeights:
         raise ValueError(f"exported weights have a bad shape: intermediate {i}, hidden {h}")
     region = transport.attach(str(info["handle"]))
     try:
-        # One read through the transport: a copy of mapped memory on shm, one-sided READs of
-        # the peer's memory over nixl. view() checks every part against the region's size.
+        # One copy through the transport (of mapped memory on shm, one-sided READs over nixl)
+        # into memory of our own, which the three weights then view. view() checks every part
+        # against the region's size.
         raw = torch.empty(region.size, dtype=torch.uint8)
         transport.read(region, 0, raw.data_ptr(), region.size)
         item = torch.empty((), dtype=dtype).element_size()
-        w1 = view(raw, 0, (i, h), dtype).clone()
-        w3 = view(raw, i * h * item, (i, h), dtype).clone()
-        w2 = view(raw, 2 * i * h * item, (h, i), dtype).clone()
-        del raw
+        w1 = view(raw, 0, (i, h), dtype)
+        w3 = view(raw, i * h * item, (i, h), dtype)
+        w2 = view(raw, 2 * i * h * item, (h, i), dtype)
     finally:
         region.close()
     return ExpertWeights(w1, w3, w2)
