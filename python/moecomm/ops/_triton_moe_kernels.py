@@ -247,6 +247,84 @@ def gate_up_kernel(
 
 
 @triton.jit
+def gate_up_scaled_kernel(
+    x_ptr,
+    xs_ptr,
+    w13_ptr,
+    h_ptr,
+    tile_expert_ptr,
+    tile_mblock_ptr,
+    totals_ptr,
+    row_start_ptr,
+    row_count_ptr,
+    hidden,
+    inter,
+    stride_xe,
+    stride_xm,
+    stride_xk,
+    stride_se,
+    stride_sm,
+    stride_sk,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_he,
+    stride_hm,
+    SCALE_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """gate_up_kernel for quantized x (float8_e4m3fn or int8) with f32 scales.
+
+    The scale of row r for channels [b * SCALE_BLOCK, (b + 1) * SCALE_BLOCK) sits at
+    xs + e * stride_se + r * stride_sm + b * stride_sk; per-token scales pass stride_sk = 0.
+    DeepGEMM-style: each SCALE_BLOCK slice of K is accumulated on its own (the x tile converted
+    to the weight dtype unscaled, which is exact: e4m3 and int8 values are all representable in
+    fp16/bf16/f32), then that partial product is scaled per row and added to the accumulator.
+    BLOCK_K divides SCALE_BLOCK, so no K tile straddles two scale blocks."""
+    t = tl.program_id(0)
+    if t >= tl.load(totals_ptr + 1):
+        return
+    e, rows, rmask = _tile_rows(
+        tile_expert_ptr, tile_mblock_ptr, row_start_ptr, row_count_ptr, t, BLOCK_M
+    )
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < inter
+    x_rows = x_ptr + e * stride_xe + rows[:, None] * stride_xm
+    s_rows = xs_ptr + e * stride_se + rows * stride_sm
+    w = w13_ptr + e * stride_we
+    w_dtype = w13_ptr.dtype.element_ty
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kb in range(0, hidden, SCALE_BLOCK):
+        s = tl.load(s_rows + (kb // SCALE_BLOCK) * stride_sk, mask=rmask, other=0.0)
+        part_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        part_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for kk in tl.static_range(0, SCALE_BLOCK, BLOCK_K):
+            k = kb + kk + tl.arange(0, BLOCK_K)
+            kmask = k < hidden
+            # No `other=` on the quantized load (an int/float constant cast to fp8 is not
+            # lowered everywhere): masked lanes are zeroed after the exact conversion instead.
+            am = rmask[:, None] & kmask[None, :]
+            q = tl.load(x_rows + k[None, :] * stride_xk, mask=am)
+            a = tl.where(am, q.to(w_dtype), 0.0).to(w_dtype)
+            wm = kmask[:, None] & nmask[None, :]
+            wg = tl.load(w + n[None, :] * stride_wn + k[:, None] * stride_wk, mask=wm, other=0.0)
+            wu = tl.load(
+                w + (n + inter)[None, :] * stride_wn + k[:, None] * stride_wk, mask=wm, other=0.0
+            )
+            part_g = tl.dot(a, wg, part_g, input_precision=DOT_PRECISION)
+            part_u = tl.dot(a, wu, part_u, input_precision=DOT_PRECISION)
+        acc_g += part_g * s[:, None]
+        acc_u += part_u * s[:, None]
+    out = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    dst = h_ptr + e * stride_he + rows[:, None] * stride_hm + n[None, :]
+    tl.store(dst, out.to(h_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
 def down_kernel(
     h_ptr,
     w2_ptr,

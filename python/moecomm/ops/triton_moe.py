@@ -15,7 +15,10 @@ Differences from the CPU path, by design:
 - launch sizes come from upper bounds known on the host (``T * K`` copies,
   ``N // BLOCK_M + min(E, N)`` tiles); the grouped MLP reads the real tile count from the
   device and surplus programs exit.
-  Only :func:`triton_reorganize` synchronizes once, to size its ``[N]`` outputs.
+  Only :func:`triton_reorganize` synchronizes once, to size its ``[N]`` outputs;
+- the grouped MLP also takes quantized activations (float8_e4m3fn / int8 with ``x_scales``,
+  per token or per 128 channels, the wire encodings of :mod:`moecomm.ops.quant`), scaled
+  inside the K loop; the CPU path takes dequantized float activations only.
 """
 
 from __future__ import annotations
@@ -52,6 +55,13 @@ _BLOCK_T = 64
 _BLOCK_N = 32
 _BLOCK_K = 32
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Quantized activations the grouped MLP takes (with f32 scales): the wire's FP8_E4M3,
+# FP8_E4M3_B128 and INT8 encodings (moecomm.ops.quant).
+_QUANT_DTYPES = (torch.float8_e4m3fn, torch.int8)
+# Channels per activation scale of the block-scaled encoding: moecomm.ops.quant.SCALE_BLOCK
+# (kept literal so this module does not need the compiled extension; a test checks they agree).
+# _BLOCK_K must divide it.
+_SCALE_BLOCK = 128
 
 
 def _kernels():
@@ -132,7 +142,7 @@ def triton_group_shrink(
 
 def _check_flat(x, ids, scores, batch_offsets, num_experts) -> None:
     check_num_experts(num_experts)
-    check_tensor("x", x, dtypes=_FLOAT_DTYPES, dim=2)
+    check_tensor("x", x, dtypes=_FLOAT_DTYPES + _QUANT_DTYPES, dim=2)
     check_tensor("ids", ids, dtypes=[torch.int32], dim=2, device=x.device)
     check_tensor("scores", scores, dtypes=[torch.float32], dim=2, device=x.device)
     check_tensor("batch_offsets", batch_offsets, dtypes=[torch.int64], dim=1, device=x.device)
@@ -158,7 +168,9 @@ def triton_reorganize(
     of x gathered into it.
 
     Args:
-        x: ``[T, H]`` activations of all batches, concatenated (any strides).
+        x: ``[T, H]`` activations of all batches, concatenated (any strides); float, or
+            float8_e4m3fn / int8 (rows are copied as they are: gather their scales with
+            ``layout.src_token``, as :func:`triton_expert_forward` does).
         ids: ``[T, K]`` int32 local expert ids or -1; scores: ``[T, K]`` float32.
         batch_offsets: ``[B + 1]`` int64, first token of each batch, ``batch_offsets[B] == T``.
         num_experts: E.
@@ -207,23 +219,73 @@ def triton_reorganize(
     return layout, x_rows
 
 
-def _launch_mlp(x3, counts, row_start, w13, w2, scores3, out3, inter, max_tiles, block_m):
-    """x3/out3/scores3 are viewed as [E or 1, rows, ...] with expert stride 0 for contiguous."""
+def _check_activations(x, x_scales, w13, w2, dim) -> tuple[int, int]:
+    """Checks x (float, or quantized with x_scales) against the weights; returns (E, I).
+
+    Float x: the weights have x's dtype. Quantized x (float8_e4m3fn / int8): x_scales is
+    required and the weights may be any float dtype, which is also the output's."""
+    check_tensor("x", x, dtypes=_FLOAT_DTYPES + _QUANT_DTYPES, dim=dim)
+    if x.dtype in _QUANT_DTYPES:
+        if x_scales is None:
+            raise ValueError(
+                f"x_scales: {x.dtype} activations need float32 scales (per token, or per "
+                f"{_SCALE_BLOCK} channels), got None"
+            )
+        check_tensor("w13", w13, dtypes=_FLOAT_DTYPES, dim=3)
+        return check_weights(w13, w2, x.shape[-1], w13.dtype, x.device)
+    if x_scales is not None:
+        raise ValueError(
+            f"x_scales: only float8_e4m3fn or int8 activations take scales, got x of {x.dtype}"
+        )
+    return check_weights(w13, w2, x.shape[-1], x.dtype, x.device)
+
+
+def _check_x_scales(x_scales: torch.Tensor, lead: list[int], hidden: int, device) -> torch.Tensor:
+    """Scales of rows ``lead`` (``[N]`` or ``[E, M_max]``) as ``[*lead, S]``, S = 1 (per token)
+    or ``ceil(H / 128)`` (per block of 128 channels, the last one possibly partial)."""
+    check_tensor("x_scales", x_scales, dtypes=[torch.float32], device=device)
+    blocks = _cdiv(hidden, _SCALE_BLOCK)
+    shape = list(x_scales.shape)
+    if shape == lead:
+        return x_scales.unsqueeze(-1)
+    if shape[:-1] == lead and shape[-1] in (1, blocks):
+        return x_scales
+    raise ValueError(
+        f"x_scales: expected shape {lead} or {[*lead, 1]} (per token) or {[*lead, blocks]} "
+        f"(per {_SCALE_BLOCK} channels of H={hidden}), got {shape}"
+    )
+
+
+def _launch_mlp(x3, xs3, counts, row_start, w13, w2, scores3, out3, inter, max_tiles, block_m):
+    """x3/xs3/out3/scores3 are viewed as [E or 1, rows, ...] with expert stride 0 for
+    contiguous; xs3 is None for float x, else the [E or 1, rows, S] f32 scales of quantized x."""
     k = _kernels()
     tiles = triton_group_shrink(counts, block_m, max_tiles=max_tiles)
     if max_tiles == 0:
         return
     hidden = x3.shape[2]
-    precision = _dot_precision(x3.dtype)
-    h = torch.empty(x3.shape[0], x3.shape[1], inter, dtype=x3.dtype, device=x3.device)
+    precision = _dot_precision(w13.dtype)
+    h = torch.empty(x3.shape[0], x3.shape[1], inter, dtype=w13.dtype, device=x3.device)
     se_x = x3.stride(0) if x3.shape[0] > 1 else 0
     se_h = h.stride(0) if h.shape[0] > 1 else 0
-    k.gate_up_kernel[(max_tiles, _cdiv(inter, _BLOCK_N))](
-        x3, w13, h, tiles.tile_expert, tiles.tile_mblock, tiles.totals, row_start, counts,
-        hidden, inter, se_x, x3.stride(1), x3.stride(2), w13.stride(0), w13.stride(1),
-        w13.stride(2), se_h, h.stride(1),
-        BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, DOT_PRECISION=precision,
-    )  # fmt: skip
+    grid = (max_tiles, _cdiv(inter, _BLOCK_N))
+    if xs3 is None:
+        k.gate_up_kernel[grid](
+            x3, w13, h, tiles.tile_expert, tiles.tile_mblock, tiles.totals, row_start, counts,
+            hidden, inter, se_x, x3.stride(1), x3.stride(2), w13.stride(0), w13.stride(1),
+            w13.stride(2), se_h, h.stride(1),
+            BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, DOT_PRECISION=precision,
+        )  # fmt: skip
+    else:
+        se_s = xs3.stride(0) if xs3.shape[0] > 1 else 0
+        sk_s = xs3.stride(2) if xs3.shape[2] > 1 else 0  # per token: every block, one scale
+        k.gate_up_scaled_kernel[grid](
+            x3, xs3, w13, h, tiles.tile_expert, tiles.tile_mblock, tiles.totals, row_start,
+            counts, hidden, inter, se_x, x3.stride(1), x3.stride(2), se_s, xs3.stride(1), sk_s,
+            w13.stride(0), w13.stride(1), w13.stride(2), se_h, h.stride(1),
+            SCALE_BLOCK=_SCALE_BLOCK, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
+            DOT_PRECISION=precision,
+        )  # fmt: skip
     se_y = out3.stride(0) if out3.shape[0] > 1 else 0
     has_scores = scores3 is not None
     s = scores3 if has_scores else out3
@@ -245,16 +307,22 @@ def triton_grouped_mlp_contiguous(
     w2: torch.Tensor,
     scores: torch.Tensor | None = None,
     *,
+    x_scales: torch.Tensor | None = None,
     block_m: int = DEFAULT_BLOCK_M,
 ) -> torch.Tensor:
     """Triton twin of :func:`moecomm.ops.grouped_gemm.grouped_mlp_contiguous`.
 
     ``x [N, H]`` rows sorted by expert, ``offsets [E + 1]`` int64 (device), ``w13 [E, 2I, H]``,
-    ``w2 [E, H, I]``, optional ``scores [N]`` float32. Returns ``[N, H]`` in x's dtype. The
-    offsets are trusted (not read on the host): they come from the reorganization.
+    ``w2 [E, H, I]``, optional ``scores [N]`` float32. Returns ``[N, H]`` in the weights' dtype
+    (x's, for float x). The offsets are trusted (not read on the host): they come from the
+    reorganization.
+
+    Quantized activations: ``x`` float8_e4m3fn or int8 with ``x_scales`` float32, ``[N]`` or
+    ``[N, 1]`` per token, or ``[N, ceil(H / 128)]`` per block of 128 channels (the encodings
+    of :mod:`moecomm.ops.quant`); ``x = q · s``. The scales are applied inside the gate|up K
+    loop, one per 128-channel slice; the weights stay float (any float dtype).
     """
-    check_tensor("x", x, dtypes=_FLOAT_DTYPES, dim=2)
-    num_experts, inter = check_weights(w13, w2, x.shape[1], x.dtype, x.device)
+    num_experts, inter = _check_activations(x, x_scales, w13, w2, dim=2)
     check_tensor("offsets", offsets, dtypes=[torch.int64], dim=1, device=x.device)
     if offsets.shape[0] != num_experts + 1:
         raise ValueError(f"offsets: expected shape [{num_experts + 1}], got {list(offsets.shape)}")
@@ -262,11 +330,14 @@ def triton_grouped_mlp_contiguous(
         check_tensor("scores", scores, dtypes=[torch.float32], dim=1, device=x.device)
         if scores.shape[0] != x.shape[0]:
             raise ValueError(f"scores: expected shape [{x.shape[0]}], got {list(scores.shape)}")
+    xs = None
+    if x_scales is not None:
+        xs = _check_x_scales(x_scales, [x.shape[0]], x.shape[1], x.device)[None]
     counts = (offsets[1:] - offsets[:-1]).to(torch.int32)
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    out = torch.empty(x.shape, dtype=w13.dtype, device=x.device)
     # Each active expert adds at most one partial tile to the N // block_m full ones.
     max_tiles = x.shape[0] // block_m + min(num_experts, x.shape[0])
-    _launch_mlp(x[None], counts, offsets, w13, w2, None if scores is None else scores[None],
+    _launch_mlp(x[None], xs, counts, offsets, w13, w2, None if scores is None else scores[None],
                 out[None], inter, max_tiles, block_m)  # fmt: skip
     return out
 
@@ -278,12 +349,16 @@ def triton_grouped_mlp_masked(
     w2: torch.Tensor,
     scores: torch.Tensor | None = None,
     *,
+    x_scales: torch.Tensor | None = None,
     block_m: int = DEFAULT_BLOCK_M,
 ) -> torch.Tensor:
     """Triton twin of :func:`moecomm.ops.grouped_gemm.grouped_mlp_masked`: ``x [E, M_max, H]``,
-    ``counts [E]`` int32 (device, trusted to be <= M_max), optional ``scores [E, M_max]``."""
-    check_tensor("x", x, dtypes=_FLOAT_DTYPES, dim=3)
-    num_experts, inter = check_weights(w13, w2, x.shape[2], x.dtype, x.device)
+    ``counts [E]`` int32 (device, trusted to be <= M_max), optional ``scores [E, M_max]``.
+
+    Quantized x (float8_e4m3fn / int8) takes ``x_scales`` ``[E, M_max]`` or ``[E, M_max, 1]``
+    (per token) or ``[E, M_max, ceil(H / 128)]`` (per 128 channels), as in
+    :func:`triton_grouped_mlp_contiguous`; the output then has the weights' dtype."""
+    num_experts, inter = _check_activations(x, x_scales, w13, w2, dim=3)
     if x.shape[0] != num_experts:
         raise ValueError(f"x: expected {num_experts} experts in dim 0, got shape {list(x.shape)}")
     check_tensor("counts", counts, dtypes=[torch.int32], dim=1, device=x.device)
@@ -295,10 +370,13 @@ def triton_grouped_mlp_masked(
             raise ValueError(
                 f"scores: expected shape {list(x.shape[:2])}, got {list(scores.shape)}"
             )
-    out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+    xs = None
+    if x_scales is not None:
+        xs = _check_x_scales(x_scales, list(x.shape[:2]), x.shape[2], x.device)
+    out = torch.zeros(x.shape, dtype=w13.dtype, device=x.device)
     row_start = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
     max_tiles = num_experts * _cdiv(x.shape[1], block_m)
-    _launch_mlp(x, counts.contiguous(), row_start, w13, w2, scores, out, inter, max_tiles,
+    _launch_mlp(x, xs, counts.contiguous(), row_start, w13, w2, scores, out, inter, max_tiles,
                 block_m)  # fmt: skip
     return out
 
@@ -325,10 +403,24 @@ def triton_expert_forward(
     batch_offsets: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
+    *,
+    x_scales: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """The whole server step on the Triton path over concatenated batches; returns one
-    ``[n_b, H]`` view per batch, like :func:`moecomm.ops.grouped_gemm.expert_forward`."""
+    ``[n_b, H]`` view per batch, like :func:`moecomm.ops.grouped_gemm.expert_forward`.
+
+    Quantized x (float8_e4m3fn / int8) takes ``x_scales`` ``[T]``, ``[T, 1]`` or
+    ``[T, ceil(H / 128)]`` float32, as :func:`triton_grouped_mlp_contiguous`: the quantized rows
+    are reorganized as they are and their scales gathered alongside (one ``index_select``)."""
     check_tensor("w13", w13, dtypes=_FLOAT_DTYPES, dim=3)
+    _check_activations(x, x_scales, w13, w2, dim=2)
+    xs = None
+    if x_scales is not None:
+        xs = _check_x_scales(x_scales, [x.shape[0]], x.shape[1], x.device)
     layout, x_rows = triton_reorganize(x, ids, scores, batch_offsets, int(w13.shape[0]))
-    rows = triton_grouped_mlp_contiguous(x_rows, layout.offsets, w13, w2, layout.scores)
+    if xs is not None:
+        xs = xs.index_select(0, layout.src_token)
+    rows = triton_grouped_mlp_contiguous(
+        x_rows, layout.offsets, w13, w2, layout.scores, x_scales=xs
+    )
     return list(triton_combine(rows, layout).split(layout.batch_sizes))
