@@ -88,7 +88,8 @@ void register_protocol(py::module_& m) {
       .value("CLIENT_MISMATCH", ValidateCode::kClientMismatch)
       .value("SEQ_MISMATCH", ValidateCode::kSeqMismatch)
       .value("BAD_STATUS", ValidateCode::kBadStatus)
-      .value("RESERVED_NONZERO", ValidateCode::kReservedNonzero);
+      .value("RESERVED_NONZERO", ValidateCode::kReservedNonzero)
+      .value("BAD_ARRIVAL_TARGET", ValidateCode::kBadArrivalTarget);
   m.def("validate_reason", [](ValidateCode c) { return std::string(validate_reason(c)); });
 
   m.attr("MAGIC") = kMagic;
@@ -164,7 +165,7 @@ void register_protocol(py::module_& m) {
       .def_readwrite("seq", &SlotHeader::seq)
       .def_readwrite("status", &SlotHeader::status)
       .def_readwrite("reserved0", &SlotHeader::reserved0)
-      .def_readwrite("reserved1", &SlotHeader::reserved1)
+      .def_readwrite("arrival_target", &SlotHeader::arrival_target)
       .def("to_bytes",
            [](const SlotHeader& h) {
              return py::bytes(reinterpret_cast<const char*>(&h), sizeof(h));

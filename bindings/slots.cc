@@ -61,6 +61,7 @@ void register_slots(py::module_& m) {
   py::class_<Outcome>(m, "Outcome")
       .def_readonly("status", &Outcome::status)
       .def_readonly("offline", &Outcome::offline)
+      .def_readonly("payload_late", &Outcome::payload_late)
       .def_readonly("word", &Outcome::word)
       .def_readonly("stale_dropped", &Outcome::stale_dropped)
       .def_readonly("header", &Outcome::header)

@@ -8,7 +8,7 @@ import struct
 from moecomm.protocol import PAYLOAD_OFFSET, Encoding, MessageKind, ValidateCode
 
 MAGIC = 0x4C53434D
-VERSION = 1
+VERSION = 2
 HEADER_FMT = "<IHBBIIIIQQQiIQ"  # the 64-byte SlotHeader, little-endian
 FIELDS = (
     "magic",
@@ -24,12 +24,12 @@ FIELDS = (
     "seq",
     "status",
     "reserved0",
-    "reserved1",
+    "arrival_target",
 )
 ELEM = {1: 2, 2: 2, 3: 4, 4: 1, 5: 1, 6: 1}
 QUANTIZED = {4, 5, 6}
 SERVER_STATUSES = {100, 101, 102, 103, 104}
-NUM_CODES = 17
+NUM_CODES = 18
 
 
 def up(x: int) -> int:
@@ -79,12 +79,14 @@ def validate(
         return V.BAD_VERSION
     if h["kind"] != int(kind):
         return V.BAD_KIND
-    if h["reserved0"] or h["reserved1"]:
+    if h["reserved0"]:
         return V.RESERVED_NONZERO
     if h["client_id"] != client_id:
         return V.CLIENT_MISMATCH
     if h["seq"] != seq:
         return V.SEQ_MISMATCH
+    if h["arrival_target"] and h["arrival_target"] < h["payload_bytes"]:
+        return V.BAD_ARRIVAL_TARGET
     if kind == MessageKind.STAGE:
         return validate_stage(h, hidden, slot_bytes, stage_ack)
     request = kind == MessageKind.REQUEST
@@ -171,5 +173,5 @@ def valid_request(
         "seq": seq,
         "status": 0,
         "reserved0": 0,
-        "reserved1": 0,
+        "arrival_target": 0,
     }

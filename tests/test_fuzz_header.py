@@ -72,7 +72,7 @@ def cases(draw):
             )
         ),
         "reserved0": draw(st.one_of(st.just(0), U32)),
-        "reserved1": draw(st.one_of(st.just(0), U64)),
+        "arrival_target": draw(st.one_of(st.just(0), U64)),
     }
     return cfg, kind, slot_bytes, client, seq, fields, stage_ack
 

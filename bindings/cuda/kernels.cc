@@ -71,6 +71,9 @@ py::dict client_layout_dict(const kc::ClientConfig& c) {
   d["sent_seq"] = l.sent_seq;
   d["status"] = l.status;
   d["detail"] = l.detail;
+  d["arrival_sent"] = l.arrival_sent;
+  d["pending_seq"] = l.pending_seq;
+  d["done_warps"] = l.done_warps;
   d["total"] = l.total;
   return d;
 }
@@ -101,6 +104,8 @@ py::dict server_layout_dict(const kc::ServerConfig& c) {
                                     {"totals", l.totals},
                                     {"response", l.response},
                                     {"headers", l.headers},
+                                    {"arrival_sent", l.arrival_sent},
+                                    {"done_warps", l.done_warps},
                                     {"num_entries", l.num_entries},
                                     {"max_rows", l.max_rows},
                                     {"num_tiles", l.num_tiles},

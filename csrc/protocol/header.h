@@ -12,7 +12,7 @@ namespace moecomm::protocol {
 // "MCSL" read as a little-endian u32.
 constexpr uint32_t kMagic = 0x4C53434Du;
 // Bumped whenever the header or payload layout changes; peers of another version are refused.
-constexpr uint16_t kVersion = 1;
+constexpr uint16_t kVersion = 2;
 
 enum class MessageKind : uint8_t {
   kRequest = 1,
@@ -106,7 +106,11 @@ struct alignas(8) SlotHeader {
   uint64_t seq;    // must equal the sequence number of the slot's signal word
   int32_t status;  // request: 0; response: ResponseStatus or a ValidateCode
   uint32_t reserved0;
-  uint64_t reserved1;
+  // When the message is complete (layout.h, kArrivalOffset): 0 = at the signal (the writer put
+  // every byte before it: host writers); else the slot's arrival counter reaches this value
+  // once every payload byte has landed (device writers, whose warps put chunks that land in
+  // any order). Cumulative over the slot's life, so it is >= payload_bytes.
+  uint64_t arrival_target;
 };
 static_assert(sizeof(SlotHeader) == 64, "the wire header is exactly one cache line");
 

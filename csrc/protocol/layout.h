@@ -23,12 +23,16 @@ constexpr uint64_t kSlotAlign = kCacheLine;
 // the header written by the peer never shares a cache line with the polled word.
 constexpr uint64_t kSignalLineBytes = kCacheLine;
 constexpr uint64_t kSignalOffset = 0;
-// Device transports only: a byte counter in the signal line of each slot. Every payload put
-// adds the bytes it carried (NVSHMEM signal ADD, or a release add over CUDA IPC), and the
-// header's put sets the signal word; a reader that saw the signal waits until the counter
-// reaches payload_bytes, then zeroes it before releasing the slot. Puts from many warps can
-// then land in any order with no grid-wide barrier on the sender. (shm uses bytes 8-11 for its
-// sleeper count; this word stays clear of them.)
+// The slot's arrival counter, in its signal line: bytes added by device writers, never reset.
+// A device writer's warps put payload chunks that each ADD their byte count here (NVSHMEM signal
+// ADD, or a release add over CUDA IPC), so chunks may land in any order with no grid barrier;
+// the writer keeps, per slot, the total it ever added and puts `total after this message` into
+// the header's arrival_target. A reader that saw the signal and the header waits until the
+// counter reaches arrival_target. Nobody resets it: a late ADD of a message the reader gave up
+// on (timeout, rejection) is still counted in the writer's total, so it can never make a later
+// message look complete early or keep it from completing. Host writers put every byte before
+// the signal and send arrival_target 0. (shm uses bytes 8-11 for its sleeper count; this word
+// stays clear of them.)
 constexpr uint64_t kArrivalOffset = 16;
 constexpr uint64_t kHeaderOffset = kSignalLineBytes;
 constexpr uint64_t kPayloadOffset = kHeaderOffset + align_up(sizeof(SlotHeader), kSlotAlign);

@@ -31,8 +31,9 @@ enum class ValidateCode : int32_t {
   kSeqMismatch = 14,
   kBadStatus = 15,
   kReservedNonzero = 16,
+  kBadArrivalTarget = 17,
 };
-constexpr int32_t kNumValidateCodes = 17;
+constexpr int32_t kNumValidateCodes = 18;
 
 MC_HOST_DEVICE inline const char* validate_reason(ValidateCode c) {
   switch (c) {
@@ -70,6 +71,8 @@ MC_HOST_DEVICE inline const char* validate_reason(ValidateCode c) {
       return "status field invalid for this message kind";
     case ValidateCode::kReservedNonzero:
       return "reserved header fields are not zero";
+    case ValidateCode::kBadArrivalTarget:
+      return "arrival_target is below payload_bytes (it counts this message's bytes too)";
   }
   return "unknown validation code";
 }
@@ -122,9 +125,13 @@ MC_HOST_DEVICE inline ValidateCode validate_header(const SlotHeader& h, const Ex
   if (h.magic != kMagic) return ValidateCode::kBadMagic;
   if (h.version != kVersion) return ValidateCode::kBadVersion;
   if (h.kind != static_cast<uint8_t>(e.kind)) return ValidateCode::kBadKind;
-  if (h.reserved0 != 0 || h.reserved1 != 0) return ValidateCode::kReservedNonzero;
+  if (h.reserved0 != 0) return ValidateCode::kReservedNonzero;
   if (h.client_id != e.client_id) return ValidateCode::kClientMismatch;
   if (h.seq != e.seq) return ValidateCode::kSeqMismatch;
+  // Cumulative: a non-zero target counts this message's bytes too.
+  if (h.arrival_target != 0 && h.arrival_target < h.payload_bytes) {
+    return ValidateCode::kBadArrivalTarget;
+  }
   if (e.kind == MessageKind::kStage) return validate_stage(h, e);
   const bool request = e.kind == MessageKind::kRequest;
   if (request ? h.status != 0 : !response_status_known(h.status)) return ValidateCode::kBadStatus;

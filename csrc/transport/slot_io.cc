@@ -1,14 +1,17 @@
 #include "transport/slot_io.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
+#include <thread>
 
 #include "common/error.h"
 #include "protocol/poison.h"
 
 namespace moecomm::slots {
 
+using protocol::kArrivalOffset;
 using protocol::kDoorbellBytes;
 using protocol::kHeaderOffset;
 using protocol::kPayloadOffset;
@@ -125,6 +128,42 @@ void finish_response(Transport& t, Region& local, const SlotRing& request_ring, 
   t.signal(client, kDoorbellOffset, 1, SignalOp::kAdd);
 }
 
+// The slot's arrival counter (layout.h). Read through Transport::read, not load: the word sits
+// inside the signal line, not at its start, and host transports only wait on line-aligned words.
+// Any header may claim a target, so this must work on every transport.
+uint64_t arrival_count(Transport& t, Region& local, uint64_t slot_off) {
+  uint64_t v = 0;
+  t.read(local, slot_off + kArrivalOffset, &v, sizeof(v));
+  std::atomic_thread_fence(std::memory_order_acquire);  // payload reads come after this one
+  return v;
+}
+
+// Whether every payload byte of the message whose header is `h` has landed (layout.h).
+bool arrived(Transport& t, Region& local, uint64_t slot_off, const SlotHeader& h) {
+  return h.arrival_target == 0 || arrival_count(t, local, slot_off) >= h.arrival_target;
+}
+
+// Polls the arrival counter until `h`'s target, the deadline or the peer's death. Device writers
+// do not wake host sleepers, so this polls, backing off to kArrivalPollMaxNs.
+WaitStatus wait_arrival(Transport& t, Region& local, uint64_t slot_off, const SlotHeader& h,
+                        int64_t deadline, const Region* peer) {
+  constexpr int64_t kArrivalPollMaxNs = 50'000;     // a chunk in flight lands within microseconds
+  constexpr int64_t kLivenessEveryNs = 20'000'000;  // as the transports' own waits
+  int64_t nap = 1'000;
+  int64_t next_liveness = now_ns() + kLivenessEveryNs;
+  while (!arrived(t, local, slot_off, h)) {
+    const int64_t now = now_ns();
+    if (now >= deadline) return WaitStatus::kTimeout;
+    if (peer != nullptr && now >= next_liveness) {
+      if (!t.peer_alive(*peer)) return WaitStatus::kPeerLost;
+      next_liveness = now + kLivenessEveryNs;
+    }
+    std::this_thread::sleep_for(std::chrono::nanoseconds(std::min(nap, deadline - now)));
+    nap = std::min(nap * 2, kArrivalPollMaxNs);
+  }
+  return WaitStatus::kOk;
+}
+
 // Copies the header of the slot at `slot_off` through the transport (device memory has no host
 // mapping), then validates the copy.
 ValidateCode read_header(Transport& t, Region& local, uint64_t slot_off,
@@ -225,6 +264,10 @@ std::vector<Incoming> poll_ready(Transport& t, Region& local, const SlotRing& ri
     in.seq = signal_seq(w);
     e.seq = in.seq;
     in.code = read_header(t, local, off, e, &in.header);
+    // A device writer's chunks may still be landing: leave the slot for a later poll until the
+    // arrival counter says every byte is there (a rejected header is answered at once: its
+    // late bytes are counted by the writer and hurt nothing).
+    if (in.code == ValidateCode::kOk && !arrived(t, local, off, in.header)) continue;
     in.payload_offset = off + kPayloadOffset;
     if (in.code == ValidateCode::kOk && kind == MessageKind::kRequest) {
       in.layout =
@@ -403,6 +446,14 @@ Outcome wait_answer(Transport& t, Region& local, const SlotRing& ring, uint32_t 
   e.stage_ack = stage;
   out.code = read_header(t, local, off, e, &out.header);
   out.payload_offset = off + kPayloadOffset;
+  // Signal and header seen; a device writer's chunks may still be landing (layout.h).
+  if (out.code == ValidateCode::kOk && out.header.arrival_target != 0) {
+    const WaitStatus st = wait_arrival(t, local, off, out.header, deadline, peer);
+    if (st != WaitStatus::kOk) {
+      out.status = st;
+      out.payload_late = true;
+    }
+  }
   return out;
 }
 

@@ -83,7 +83,9 @@ struct Incoming {
   PayloadLayout layout{};       // meaningful when code == kOk
 };
 
-// Server: every slot of `local` whose signal is REQUEST_READY, header copied and validated.
+// Server: every slot of `local` whose signal is REQUEST_READY, header copied and validated, and
+// (valid headers) whose payload has fully arrived; a slot still receiving is left for a later
+// poll.
 std::vector<Incoming> poll_requests(Transport& t, Region& local, const SlotRing& ring,
                                     uint64_t client_id);
 
@@ -144,6 +146,9 @@ void send_stage_ack(Transport& t, Region& local, const SlotRing& data_ring, Regi
 struct Outcome {
   WaitStatus status = WaitStatus::kOk;
   bool offline = false;  // the peer marked the slot OFFLINE instead of answering
+  // The signal and the header came, the payload did not reach the header's arrival_target
+  // before the deadline (status says why).
+  bool payload_late = false;
   uint64_t word = 0;
   uint64_t stale_dropped = 0;  // late answers to older sequence numbers that were ignored
   SlotHeader header{};

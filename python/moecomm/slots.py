@@ -291,6 +291,8 @@ def raise_wait_failure(out, where: str, peer: Region, role: str, late: str, what
     a dead `role` process, a slot it marked OFFLINE, or an invalid `what`. Shared by every
     channel that waits for its peer's answer in its own memory."""
     if out.status == WaitStatus.TIMEOUT:
+        if getattr(out, "payload_late", False):
+            late = f"the {what} came, its payload did not complete in time"
         raise TimeoutError(f"{where}{late}")
     if out.status == WaitStatus.PEER_LOST:
         reap_stale_segments()

@@ -1,16 +1,17 @@
 // Client combine on the device, templated on the transport backend. Two launches:
 //   1. wait    one thread per server: waits (deadline) for RESPONSE_READY|seq on our own
 //              response slot, validates the header, waits until the arrival counter reaches
-//              payload_bytes, zeroes it, and writes the server's ServerStatus. Never hangs: a
-//              timeout, a dead peer, an error answer or a bad header is a status, and that
-//              server's contribution is skipped;
+//              the header's arrival_target (cumulative, never reset: layout.h), and writes the
+//              server's ServerStatus. Never hangs: a timeout, a dead peer, an error answer or a
+//              bad header is a status, and that server's contribution is skipped;
 //   2. reduce  one block per token: y[t] = Σ over servers with status kOk, in increasing server
 //              order, of their response row (f32 accumulation), then cast: exactly
 //              moecomm.ops.combine's order, so the result is bit-identical to the host path.
 // The slots are free again when the kernels complete: the server released its request slot
 // before it signalled, and a stale word in our response slot never matches a newer sequence.
-// After a non-kOk status the host must evict the server or reset that slot's arrival counter
-// before reusing the slot with it (a late payload may still land in it).
+// After a timeout the slot is remembered as pending: the next dispatch on it skips that server
+// (kSlotBusy) until the late answer shows the server let go of the request. Late payload bytes
+// are harmless: the server's next arrival_target counts them.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -59,6 +60,7 @@ __device__ ServerStatus await_server(const Backend& b, const CombineParams& p, u
   *detail = 0;
   const uint64_t seq = p.ws.sent_seq[s];
   if (seq == 0) return ServerStatus::kNotSent;
+  if (seq == kBusySeq) return ServerStatus::kSlotBusy;
   const uint64_t slot = response_slot(p, s);
   const uint64_t want = protocol::make_signal(protocol::SlotState::kResponseReady, seq);
   uint64_t word = read_signal(b, slot + protocol::kSignalOffset, s);
@@ -80,9 +82,7 @@ __device__ ServerStatus await_server(const Backend& b, const CombineParams& p, u
   e.seq = seq;
   protocol::SlotHeader h;
   const protocol::ValidateCode code = protocol::read_and_validate(b.local(slot), e, &h);
-  auto* arrival = reinterpret_cast<uint64_t*>(b.local(slot + protocol::kArrivalOffset));
   if (code != protocol::ValidateCode::kOk) {
-    transport::device::store_release(arrival, 0);
     *detail = static_cast<int32_t>(code);
     return ServerStatus::kBadHeader;
   }
@@ -100,16 +100,13 @@ __device__ ServerStatus await_server(const Backend& b, const CombineParams& p, u
     status = ServerStatus::kMismatch;
     *detail = static_cast<int32_t>(MismatchField::kLayer);
   }
-  // Validated: payload_bytes fits the slot. Every payload byte is counted, error text included.
-  if (h.payload_bytes > 0) {
-    const transport::WaitPredicate full{transport::WaitOp::kEqual, ~uint64_t{0}, h.payload_bytes};
-    uint64_t seen = 0;
+  // Only an answer we will read needs its bytes; 0 = the writer put them before the signal.
+  if (status == ServerStatus::kOk && h.arrival_target != 0) {
     const DeviceWait w =
-        transport::device::wait_word(b, slot + protocol::kArrivalOffset, full, deadline, s, &seen);
+        wait_at_least(b, slot + protocol::kArrivalOffset, h.arrival_target, deadline, s);
     if (w == DeviceWait::kTimeout) status = ServerStatus::kPayloadTimeout;
     if (w == DeviceWait::kPeerLost) status = ServerStatus::kPeerLost;
   }
-  transport::device::store_release(arrival, 0);
   return status;
 }
 
@@ -120,6 +117,11 @@ __global__ void __launch_bounds__(kWaitThreads) wait_kernel(Backend b, CombinePa
   const uint64_t deadline = transport::device::now_ns() + p.timeout_ns;
   int32_t detail = 0;
   const ServerStatus st = await_server(b, p, s, deadline, &detail);
+  // No answer seen: the server may still hold the request; the next dispatch on this slot
+  // checks for the late answer before it writes the slot again (client_dispatch.cuh).
+  if (st == ServerStatus::kTimeout || st == ServerStatus::kPeerLost) {
+    p.ws.pending_seq[s] = p.ws.sent_seq[s];
+  }
   p.ws.status[s] = static_cast<int32_t>(st);
   p.ws.detail[s] = detail;
 }

@@ -7,7 +7,10 @@
 //   2. pack   one block per token: quantizes (or converts) the row once and writes it, and its
 //             scales, into the staging payload of every server the token goes to;
 //   3. put    a few blocks per server: the payload in chunks that ADD their bytes to the slot's
-//             arrival counter, and the header with signal SET REQUEST_READY|seq.
+//             arrival counter (cumulative, layout.h); the last warp to finish puts the header
+//             (arrival_target = all bytes ever sent to that slot) with SET REQUEST_READY|seq.
+// A slot whose previous request timed out is not reused until the late answer (or OFFLINE) shows
+// the server let go of it: that server gets kSlotBusy and nothing is sent (the host fails over).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -51,7 +54,14 @@ struct ClientWorkspace {
   uint64_t* sent_seq;
   int32_t* status;
   int32_t* detail;
+  uint64_t* arrival_sent;
+  uint64_t* pending_seq;
+  uint32_t* done_warps;
 };
+
+// sent_seq of a server skipped because its slot is still busy (no real sequence is all ones:
+// sequences have 56 bits).
+constexpr uint64_t kBusySeq = ~uint64_t{0};
 
 inline ClientWorkspace carve_client_workspace(void* base, const ClientConfig& cfg) {
   const ClientWorkspaceLayout l = client_workspace_layout(cfg.num_servers, cfg.slot);
@@ -63,7 +73,10 @@ inline ClientWorkspace carve_client_workspace(void* base, const ClientConfig& cf
                          reinterpret_cast<int32_t*>(b + l.count),
                          reinterpret_cast<uint64_t*>(b + l.sent_seq),
                          reinterpret_cast<int32_t*>(b + l.status),
-                         reinterpret_cast<int32_t*>(b + l.detail)};
+                         reinterpret_cast<int32_t*>(b + l.detail),
+                         reinterpret_cast<uint64_t*>(b + l.arrival_sent),
+                         reinterpret_cast<uint64_t*>(b + l.pending_seq),
+                         reinterpret_cast<uint32_t*>(b + l.done_warps)};
 }
 
 // Everything the dispatch kernels read, by value.
@@ -88,10 +101,34 @@ struct DispatchParams {
   uint32_t layer_id;
   uint32_t slot_index;
   uint64_t* next_seq;
+  const uint8_t* local_base;             // our region: the response slots
+  const uint64_t* response_ring_offset;  // [num_servers]
+  uint64_t response_slot_bytes;
 };
 
 __device__ inline protocol::PayloadLayout request_layout(const DispatchParams& p, uint32_t n) {
   return protocol::request_payload_layout(n, p.slot.hidden, p.topk, p.slot.encoding);
+}
+
+// Whether this slot's request ring entry at server s is free to write. It is when the last
+// request was answered (combine saw the answer: pending_seq 0), or when the answer to the
+// request that timed out has arrived since, or the server marked the slot OFFLINE: a server
+// releases the request slot before it signals the answer (slot_io's rule, kept by the server
+// kernels). Reads only our own memory.
+__device__ inline bool slot_released(const DispatchParams& p, uint32_t s) {
+  const uint64_t pending = p.ws.pending_seq[s];
+  if (pending == 0) return true;
+  const uint64_t off =
+      ring_slot_offset(p.response_ring_offset[s], p.response_slot_bytes, p.slot_index) +
+      protocol::kSignalOffset;
+  const uint64_t w =
+      transport::device::load_acquire(reinterpret_cast<const uint64_t*>(p.local_base + off));
+  const protocol::SlotState state = protocol::signal_state(w);
+  const bool answered =
+      state == protocol::SlotState::kResponseReady && protocol::signal_seq(w) >= pending;
+  if (!answered && state != protocol::SlotState::kOffline) return false;
+  p.ws.pending_seq[s] = 0;
+  return true;
 }
 
 __global__ void __launch_bounds__(kRouteThreads) route_kernel(DispatchParams p) {
@@ -143,6 +180,10 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(DispatchParams p) 
     p.ws.sent_seq[s] = 0;  // nothing sent: combine does not wait for this server
     return;
   }
+  if (!slot_released(p, static_cast<uint32_t>(s))) {
+    p.ws.sent_seq[s] = kBusySeq;
+    return;
+  }
   // A new sequence number per request, kept in device memory: every graph replay sends new
   // ones, and a late answer to an older request can never be mistaken for this one.
   const uint64_t seq = (p.next_seq[s] + 1) & protocol::kMaxSeq;
@@ -160,7 +201,7 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(DispatchParams p) 
   h.payload_bytes = layout.total;
   h.client_id = p.client_id;
   h.seq = seq;
-  p.ws.headers[s] = h;
+  p.ws.headers[s] = h;  // arrival_target: set by the put kernel's last warp
 }
 
 // Where token t's row and scales go in each of its servers' staging payloads.
@@ -251,34 +292,63 @@ __global__ void __launch_bounds__(kPackThreads) pack_kernel(DispatchParams p) {
   }
 }
 
+// Called by every warp of an entry's put grid after its chunks: counts the warp done; the last
+// one (it sees every other warp's count) stamps the header's arrival target and puts it with
+// the signal. So the signal never precedes a chunk's issue, and the receiver's counter check
+// covers chunks still in flight (NVSHMEM delivers non-blocking puts in any order).
+// Every warp must call it (a warp that returns early would leave the count short for good); the
+// last one puts only if the peer is still alive.
+template <typename Backend>
+__device__ void finish_message(const Backend& b, uint32_t peer, uint32_t* done, uint32_t num_warps,
+                               uint64_t* arrival_sent, protocol::SlotHeader* hdr,
+                               uint64_t remote_slot, uint64_t signal, uint32_t lane) {
+  bool last = false;
+  if (lane == 0) {
+    __threadfence();  // this warp's puts are issued before it counts itself done
+    last = atomicAdd(done, 1u) == num_warps - 1;
+    if (last) {
+      *done = 0;  // only the last warp is left: no one else touches it this message
+      const uint64_t target = *arrival_sent + hdr->payload_bytes;
+      *arrival_sent = target;
+      hdr->arrival_target = hdr->payload_bytes == 0 ? 0 : target;
+      // The header staging is read by the put (by the NIC under NVSHMEM): make it visible.
+      __threadfence_system();
+    }
+  }
+  last = __shfl_sync(dev::kFullMask, last, 0);
+  if (!last || !b.peer_alive(peer)) return;
+  b.put_signal_warp(peer, remote_slot + protocol::kHeaderOffset, hdr, sizeof(protocol::SlotHeader),
+                    remote_slot + protocol::kSignalOffset, signal, transport::SignalOp::kSet);
+}
+
 template <typename Backend>
 __global__ void __launch_bounds__(kPutThreads)
     put_kernel(Backend backend, DispatchParams p, uint64_t request_slot_bytes) {
   const uint32_t s = blockIdx.x;
   const auto n = static_cast<uint32_t>(p.ws.count[s]);
-  // A dead server's mapping may be gone: send nothing, combine reports it lost.
-  if (n == 0 || !backend.peer_alive(s)) return;
+  // A dead server's mapping may be gone, a busy slot must not be overwritten: send nothing,
+  // combine reports why.
+  const uint64_t seq = p.ws.sent_seq[s];
+  if (n == 0 || seq == kBusySeq) return;  // uniform over the server's grid
   const uint64_t total = request_layout(p, n).total;
   const uint64_t slot =
       ring_slot_offset(p.request_ring_offset[s], request_slot_bytes, p.slot_index);
   const uint8_t* stage = p.ws.staging + uint64_t{s} * p.ws.staging_stride;
   const uint32_t warp = blockIdx.y * kPutWarps + threadIdx.x / dev::kWarpSize;
   const uint32_t num_warps = gridDim.y * kPutWarps;
-  if (warp == 0) {
-    // The header carries the signal: a reader that sees READY|seq also sees the header, then
-    // waits until the arrival counter reaches payload_bytes.
-    backend.put_signal_warp(
-        s, slot + protocol::kHeaderOffset, p.ws.headers + s, sizeof(protocol::SlotHeader),
-        slot + protocol::kSignalOffset,
-        protocol::make_signal(protocol::SlotState::kRequestReady, p.ws.sent_seq[s]),
-        transport::SignalOp::kSet);
-  }
-  for (uint64_t off = uint64_t{warp} * kPutChunkBytes; off < total;
+  // The liveness mask may flip mid-kernel: checked per warp, and every warp still counts itself.
+  const bool alive = backend.peer_alive(s);
+  for (uint64_t off = uint64_t{warp} * kPutChunkBytes; alive && off < total;
        off += uint64_t{num_warps} * kPutChunkBytes) {
     const uint64_t bytes = total - off < kPutChunkBytes ? total - off : kPutChunkBytes;
     backend.put_signal_warp(s, slot + protocol::kPayloadOffset + off, stage + off, bytes,
                             slot + protocol::kArrivalOffset, bytes, transport::SignalOp::kAdd);
   }
+  finish_message(
+      backend, s, p.ws.done_warps + s, num_warps, p.ws.arrival_sent + s, p.ws.headers + s, slot,
+      protocol::make_signal(protocol::SlotState::kRequestReady, seq), threadIdx.x % dev::kWarpSize);
+  // The staging is rewritten by the next dispatch on this slot: our puts must have left it.
+  backend.quiet_warp();
 }
 
 // Reads a word of our own region that a peer signals, through wait_word with a predicate that
@@ -291,6 +361,21 @@ __device__ uint64_t read_signal(const Backend& b, uint64_t offset, uint32_t peer
   uint64_t word = 0;
   transport::device::wait_word(b, offset, any, ~uint64_t{0}, peer, &word);
   return word;
+}
+
+// Waits until the cumulative arrival counter at `offset` of our region reaches `target`
+// (layout.h: it only grows), the deadline passes or `peer` is marked dead.
+template <typename Backend>
+__device__ transport::device::DeviceWait wait_at_least(const Backend& b, uint64_t offset,
+                                                       uint64_t target, uint64_t deadline_ns,
+                                                       uint32_t peer) {
+  uint64_t seen = read_signal(b, offset, peer);
+  while (seen < target) {
+    const transport::WaitPredicate changed{transport::WaitOp::kNotEqual, ~uint64_t{0}, seen};
+    const auto w = transport::device::wait_word(b, offset, changed, deadline_ns, peer, &seen);
+    if (w != transport::device::DeviceWait::kOk) return w;
+  }
+  return transport::device::DeviceWait::kOk;
 }
 
 // Argument checks shared by dispatch and combine; `max_peers` is the backend's peer table size.
@@ -365,7 +450,10 @@ void launch_dispatch(const Backend& backend, uint32_t max_peers, const ClientCon
                          a.num_experts,
                          a.layer_id,
                          a.slot,
-                         a.next_seq};
+                         a.next_seq,
+                         backend.local_base,
+                         cfg.response_ring_offset,
+                         protocol::response_slot_bytes(cfg.slot)};
   auto s = static_cast<cudaStream_t>(stream);
   route_kernel<<<cfg.num_servers, kRouteThreads, 0, s>>>(p);
   MC_CUDA_CHECK(cudaGetLastError());

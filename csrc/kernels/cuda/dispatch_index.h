@@ -45,6 +45,10 @@ enum class ServerStatus : int32_t {
   kRemoteError = 6,     // detail: the status the server answered with (ResponseStatus/Validate)
   kMismatch = 7,        // detail: MismatchField; the answer is not for what we sent
   kPayloadTimeout = 8,  // header arrived, payload bytes did not before the deadline
+  // Not sent: this slot's previous request to the server is still unanswered (it timed out),
+  // so the server may still be reading it. Fail over; the slot frees itself once the late
+  // answer (or OFFLINE) arrives.
+  kSlotBusy = 9,
 };
 
 enum class MismatchField : int32_t {
@@ -133,6 +137,10 @@ struct ClientWorkspaceLayout {
   uint64_t sent_seq = 0;        // [num_servers] u64: sequence sent to s, 0 = nothing sent
   uint64_t status = 0;          // [num_servers] int32 ServerStatus, written by combine
   uint64_t detail = 0;          // [num_servers] int32, see ServerStatus
+  // Kept across steps (zero at start; zero an entry when its server index gets a new server):
+  uint64_t arrival_sent = 0;  // [num_servers] u64: bytes ever added to s's arrival counter
+  uint64_t pending_seq = 0;   // [num_servers] u64: a request that timed out, 0 = none
+  uint64_t done_warps = 0;    // [num_servers] u32: put warps finished (the last one signals)
   uint64_t total = 0;
 };
 
@@ -149,7 +157,10 @@ MC_HOST_DEVICE inline ClientWorkspaceLayout client_workspace_layout(uint32_t num
   w.sent_seq = align_up(w.count + s * sizeof(int32_t), kCacheLine);
   w.status = align_up(w.sent_seq + s * sizeof(uint64_t), kCacheLine);
   w.detail = align_up(w.status + s * sizeof(int32_t), kCacheLine);
-  w.total = align_up(w.detail + s * sizeof(int32_t), kCacheLine);
+  w.arrival_sent = align_up(w.detail + s * sizeof(int32_t), kCacheLine);
+  w.pending_seq = align_up(w.arrival_sent + s * sizeof(uint64_t), kCacheLine);
+  w.done_warps = align_up(w.pending_seq + s * sizeof(uint64_t), kCacheLine);
+  w.total = align_up(w.done_warps + s * sizeof(uint32_t), kCacheLine);
   return w;
 }
 
@@ -199,6 +210,9 @@ struct ServerWorkspaceLayout {
   uint64_t totals = 0;         // [2] int32
   uint64_t response = 0;       // [max_step_tokens][out row] + one line of slack (see below)
   uint64_t headers = 0;        // [B] SlotHeader, the source of the response header puts
+  // Kept across steps (zero at start; zero a client's entries when its index gets a new one):
+  uint64_t arrival_sent = 0;  // [B] u64: bytes ever added to the entry's response counter
+  uint64_t done_warps = 0;    // [B] u32: put warps finished (the last one signals)
   uint64_t num_entries = 0;
   uint64_t max_rows = 0;  // max_step_tokens * topk: every copy of every token
   uint64_t num_tiles = 0;
@@ -251,6 +265,8 @@ MC_HOST_DEVICE inline ServerWorkspaceLayout server_workspace_layout(const protoc
   // after the entry's rows, so the last entry needs one alignment unit of slack.
   w.response = part(t * out_row + protocol::kSlotAlign);
   w.headers = part(b * sizeof(protocol::SlotHeader));
+  w.arrival_sent = part(b * sizeof(uint64_t));
+  w.done_warps = part(b * sizeof(uint32_t));
   w.total = at;
   return w;
 }

@@ -1,6 +1,7 @@
 // The GPU expert server's data movement, templated on the transport backend. One step:
 //   gather   poll     one block: every (client, slot) entry's signal (acquire), header
-//                     (validated), payload (arrival counter), expert ids; admits entries in
+//                     (validated), payload (arrival counter >= the header's arrival_target:
+//                     cumulative, never reset, layout.h), expert ids; admits entries in
 //                     order up to max_step_tokens; a scan gives their step batch offsets;
 //            copy     a static grid over (entry, row block): activations, scales, ids (padded
 //                     to the connection's topk with -1) and scores, concatenated;
@@ -9,10 +10,12 @@
 //                     nothing, so the host never needs the step's real size;
 //   (the caller's grouped GEMM: layout rows -> score-weighted expert outputs)
 //   respond  rows     y[token] = Σ_k expert_out[slot_of[token, k]] in k order (f32), cast;
-//            put      per answered entry: payload chunks that ADD to the client's arrival
-//                     counter; then one warp zeroes our arrival counter, releases our request
-//                     slot (READY|seq -> IDLE|seq, compare-exchange as slot_io does) and only
-//                     then puts the header with SET RESPONSE_READY|seq.
+//            put      per answered entry: one warp releases our request slot (READY|seq ->
+//                     IDLE|seq, compare-exchange as slot_io does); every warp puts payload
+//                     chunks that ADD to the client's arrival counter; the last warp to finish
+//                     stamps arrival_target (all bytes ever sent to that slot) and puts the
+//                     header with SET RESPONSE_READY|seq; then every warp quiets its puts (the
+//                     response staging is rewritten by the next step).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -118,13 +121,12 @@ __device__ EntryState examine(const Backend& b, const ServerParams& p, const Ser
     st.code = static_cast<int32_t>(protocol::ResponseStatus::kUnknownLayer);
     return st;
   }
-  uint64_t seen = 0;
-  const transport::WaitPredicate full{transport::WaitOp::kEqual, ~uint64_t{0}, h.payload_bytes};
-  const uint32_t client = entry / p.num_slots;
-  const auto w = transport::device::wait_word(b, slot + protocol::kArrivalOffset, full,
-                                              transport::device::now_ns() + a.arrival_timeout_ns,
-                                              client, &seen);
-  if (w != transport::device::DeviceWait::kOk) return EntryState{};  // next step
+  if (h.arrival_target != 0) {
+    const auto w = client::wait_at_least(b, slot + protocol::kArrivalOffset, h.arrival_target,
+                                         transport::device::now_ns() + a.arrival_timeout_ns,
+                                         entry / p.num_slots);
+    if (w != transport::device::DeviceWait::kOk) return EntryState{};  // next step
+  }
   st.action = static_cast<int32_t>(EntryAction::kServe);
   st.num_tokens = h.num_tokens;
   st.topk = h.topk;
@@ -254,57 +256,51 @@ __global__ void __launch_bounds__(kPutThreads) respond_put_kernel(Backend b, Ser
       serve ? protocol::response_payload_layout(st.num_tokens, p.slot.hidden, p.slot.out_encoding)
                   .total
             : 0;
-  if (warp == 0) {
-    auto* hdr = part<protocol::SlotHeader>(p, p.lay.headers) + entry;
-    if (lane == 0) {
-      protocol::SlotHeader h{};
-      h.magic = protocol::kMagic;
-      h.version = protocol::kVersion;
-      h.kind = static_cast<uint8_t>(protocol::MessageKind::kResponse);
-      h.encoding = static_cast<uint8_t>(serve ? p.slot.out_encoding : Encoding::kBF16);
-      h.layer_id = st.layer_id;
-      h.num_tokens = serve ? st.num_tokens : 0;
-      h.hidden = p.slot.hidden;
-      h.payload_bytes = total;
-      h.client_id = p.client_ids[client];
-      h.seq = st.seq;
-      h.status = serve ? 0 : st.code;
-      *hdr = h;
-      // Release our request slot before the client can see the answer (it may reuse the slot
-      // at once): counter first, then READY|seq -> IDLE|seq, which fails harmlessly if the
-      // client already gave up and wrote a newer request.
-      transport::device::store_release(
-          reinterpret_cast<uint64_t*>(b.local(local + protocol::kArrivalOffset)), 0);
-      uint64_t expected = protocol::make_signal(protocol::SlotState::kRequestReady, st.seq);
-      ::cuda::atomic_ref<uint64_t, ::cuda::thread_scope_system>(
-          *reinterpret_cast<uint64_t*>(b.local(local + protocol::kSignalOffset)))
-          .compare_exchange_strong(expected,
-                                   protocol::make_signal(protocol::SlotState::kIdle, st.seq),
-                                   ::cuda::memory_order_acq_rel);
-      // The header staging is read by the put (by a NIC under NVSHMEM): make it visible.
-      __threadfence_system();
-    }
-    __syncwarp();
-    if (alive) {
-      b.put_signal_warp(client, remote + protocol::kHeaderOffset, hdr, sizeof(protocol::SlotHeader),
-                        remote + protocol::kSignalOffset,
-                        protocol::make_signal(protocol::SlotState::kResponseReady, st.seq),
-                        transport::SignalOp::kSet);
-    }
+  auto* hdr = part<protocol::SlotHeader>(p, p.lay.headers) + entry;
+  if (warp == 0 && lane == 0) {
+    protocol::SlotHeader h{};
+    h.magic = protocol::kMagic;
+    h.version = protocol::kVersion;
+    h.kind = static_cast<uint8_t>(protocol::MessageKind::kResponse);
+    h.encoding = static_cast<uint8_t>(serve ? p.slot.out_encoding : Encoding::kBF16);
+    h.layer_id = st.layer_id;
+    h.num_tokens = serve ? st.num_tokens : 0;
+    h.hidden = p.slot.hidden;
+    h.payload_bytes = total;
+    h.client_id = p.client_ids[client];
+    h.seq = st.seq;
+    h.status = serve ? 0 : st.code;
+    *hdr = h;  // arrival_target: stamped by the last warp (client::finish_message)
+    // Release our request slot before the client can see the answer (it may reuse the slot at
+    // once): READY|seq -> IDLE|seq, which fails harmlessly if the client already gave up and
+    // wrote a newer request. Our arrival counter is never reset (layout.h).
+    uint64_t expected = protocol::make_signal(protocol::SlotState::kRequestReady, st.seq);
+    ::cuda::atomic_ref<uint64_t, ::cuda::thread_scope_system>(
+        *reinterpret_cast<uint64_t*>(b.local(local + protocol::kSignalOffset)))
+        .compare_exchange_strong(expected,
+                                 protocol::make_signal(protocol::SlotState::kIdle, st.seq),
+                                 ::cuda::memory_order_acq_rel);
   }
-  if (!alive || total == 0) return;
   const uint64_t out_row =
       uint64_t{p.slot.hidden} * protocol::encoding_elem_bytes(p.slot.out_encoding);
   const uint8_t* src =
       part<uint8_t>(p, p.lay.response) + part<int64_t>(p, p.lay.batch_offsets)[entry] * out_row;
   const uint32_t num_warps = gridDim.y * kPutWarps;
-  for (uint64_t off = uint64_t{warp} * client::kPutChunkBytes; off < total;
+  // Every warp counts itself done below, even when the client is dead (see finish_message).
+  for (uint64_t off = uint64_t{warp} * client::kPutChunkBytes; alive && off < total;
        off += uint64_t{num_warps} * client::kPutChunkBytes) {
     const uint64_t left = total - off;
     const uint64_t bytes = left < client::kPutChunkBytes ? left : client::kPutChunkBytes;
     b.put_signal_warp(client, remote + protocol::kPayloadOffset + off, src + off, bytes,
                       remote + protocol::kArrivalOffset, bytes, transport::SignalOp::kAdd);
   }
+  // Warp 0 wrote the header staging above and counts itself only after that (finish_message
+  // fences first), so the last warp, in whichever block, reads the finished header.
+  client::finish_message(b, client, part<uint32_t>(p, p.lay.done_warps) + entry, num_warps,
+                         part<uint64_t>(p, p.lay.arrival_sent) + entry, hdr, remote,
+                         protocol::make_signal(protocol::SlotState::kResponseReady, st.seq), lane);
+  // The response staging is rewritten by the next step's rows kernel.
+  b.quiet_warp();
 }
 
 }  // namespace moecomm::kernels::cuda::server
