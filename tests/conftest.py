@@ -36,6 +36,24 @@ def _gpu_skip_reason() -> str | None:
     return None if why is None else f"needs a CUDA device ({why})"
 
 
+# A GPU run (make gpu-check) sets this: a gpu test that would be skipped there fails instead, so a
+# run in which every GPU test skipped (no device seen, module not built) cannot pass.
+REQUIRE_GPU = os.environ.get("MOECOMM_REQUIRE_GPU") == "1"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if not (REQUIRE_GPU and report.skipped and item.get_closest_marker("gpu")):
+        return
+    if hasattr(report, "wasxfail") or (item.get_closest_marker("slow") and not LONG):
+        return  # an expected failure, or a long trial this run did not ask for
+    longrepr = report.longrepr
+    why = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    report.outcome = "failed"
+    report.longrepr = f"MOECOMM_REQUIRE_GPU=1 and this gpu test would be skipped: {why}"
+
+
 def pytest_collection_modifyitems(config, items):
     gpu_skip = _gpu_skip_reason()
     for item in items:

@@ -6,10 +6,13 @@
 #include <pybind11/stl.h>
 
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "common/error.h"
+#include "kernels/cuda/device_dispatch.h"
 #include "registry.h"
 #include "transport/cuda_ipc/ipc_handle.h"
 #include "transport/cuda_ipc/ipc_peer_table.h"
@@ -43,6 +46,17 @@ py::dict probe_to_dict(const ProbeResult& r) {
   d["observed"] = r.observed;
   d["elapsed_ns"] = r.elapsed_ns;
   return d;
+}
+
+// The kernels' view of a table, straight from C++ (moecomm._cuda.IpcPeers).
+kernels::cuda::IpcPeers kernel_peers(const IpcPeerTable& t) {
+  const IpcBackend b = t.backend();
+  kernels::cuda::IpcPeers p;
+  p.local_base = b.local_base;
+  p.peer_base = b.peer_base;
+  p.alive = b.alive;
+  p.max_peers = b.max_peers;
+  return p;
 }
 
 py::dict backend_to_dict(const IpcBackend& b) {
@@ -143,18 +157,34 @@ void register_ipc(py::module_& m) {
         return probe_to_dict(r);
       });
 
+  // Table writes release the GIL: they synchronise a stream, and a watchdog thread's mark_dead
+  // must not wait for the thread that holds the GIL.
+  using NoGil = py::call_guard<py::gil_scoped_release>;
   py::class_<IpcPeerTable>(m, "IpcPeerTable")
-      .def(py::init<std::shared_ptr<IpcTransport>, std::shared_ptr<Region>, uint32_t>(),
-           py::arg("transport"), py::arg("local"), py::arg("max_peers"))
-      .def("add_peer", &IpcPeerTable::add_peer, py::arg("handle"))
-      .def("remove_peer", &IpcPeerTable::remove_peer, py::arg("index"), py::arg("stream") = 0,
-           "alive = 0 now; the mapping closes once the work queued on `stream` is done")
-      .def("mark_dead", &IpcPeerTable::mark_dead, py::arg("index"))
-      .def("collect", &IpcPeerTable::collect)
+      .def(py::init<std::shared_ptr<IpcTransport>, std::shared_ptr<Region>, uint32_t,
+                    std::vector<uintptr_t>>(),
+           py::arg("transport"), py::arg("local"), py::arg("max_peers"),
+           py::arg("streams") = std::vector<uintptr_t>{},
+           "`streams`: the cudaStream_t values (ints) the kernels using this table run on; "
+           "remove_peer's default")
+      .def("add_peer", &IpcPeerTable::add_peer, py::arg("handle"), NoGil())
+      .def(
+          "remove_peer",
+          [](IpcPeerTable& t, uint32_t index, const std::optional<std::vector<uintptr_t>>& s) {
+            t.remove_peer(index, s.value_or(std::vector<uintptr_t>{}));
+          },
+          py::arg("index"), py::arg("streams") = py::none(), NoGil(),
+          "alive = 0 now; the mapping closes once the work queued on every stream of `streams` "
+          "(default: the table's kernel streams) is done")
+      .def("mark_dead", &IpcPeerTable::mark_dead, py::arg("index"), NoGil())
+      .def("collect", &IpcPeerTable::collect, NoGil())
       .def("state", &IpcPeerTable::state, py::arg("index"))
       .def("peer_region", &IpcPeerTable::peer_region, py::arg("index"))
       .def_property_readonly("max_peers", &IpcPeerTable::max_peers)
       .def_property_readonly("active_peers", &IpcPeerTable::active_peers)
+      .def_property_readonly("streams", &IpcPeerTable::kernel_streams)
+      .def("kernel_peers", &kernel_peers,
+           "the kernels' view (IpcPeers) of this table, for client_dispatch and friends")
       .def("backend", [](const IpcPeerTable& t) { return backend_to_dict(t.backend()); })
       .def(
           "launch_wait",

@@ -176,7 +176,8 @@ void bind_configs(py::module_& m) {
       .def_readwrite("layer_id", &kc::ServerGatherArgs::layer_id)
       .def_readwrite("num_layers", &kc::ServerGatherArgs::num_layers)
       .def_readwrite("arrival_timeout_ns", &kc::ServerGatherArgs::arrival_timeout_ns)
-      .def_readwrite("block_m", &kc::ServerGatherArgs::block_m);
+      .def_readwrite("block_m", &kc::ServerGatherArgs::block_m)
+      .def_readwrite("draining", &kc::ServerGatherArgs::draining);
   pointer_property(ga, "layer_hosted", &kc::ServerGatherArgs::layer_hosted);
   pointer_property(ga, "workspace", &kc::ServerGatherArgs::workspace);
 
@@ -202,6 +203,7 @@ void register_kernels(py::module_& m) {
   status["REMOTE_ERROR"] = static_cast<int>(kc::ServerStatus::kRemoteError);
   status["MISMATCH"] = static_cast<int>(kc::ServerStatus::kMismatch);
   status["PAYLOAD_TIMEOUT"] = static_cast<int>(kc::ServerStatus::kPayloadTimeout);
+  status["SLOT_BUSY"] = static_cast<int>(kc::ServerStatus::kSlotBusy);
   m.attr("SERVER_STATUS") = status;
 
   m.def("client_workspace_layout", &client_layout_dict, py::arg("config"),

@@ -27,11 +27,93 @@ def single_pe(conn) -> None:
         out["ok"] = (int(ok["status"]), ok["observed"], region.read(4096, len(data)) == data)
         late = table.device_wait(128, _C.WaitOp.EQUAL, 1, timeout_ns=SHORT_DEADLINE_NS, peer=0)
         out["timeout"] = (int(late["status"]), late["elapsed_ns"])
+        try:  # a synchronous wait without a deadline would never return: refused
+            table.device_wait(128, _C.WaitOp.EQUAL, 1, timeout_ns=-1, peer=0)
+            out["endless"] = "accepted"
+        except ValueError as e:
+            out["endless"] = str(e)
         table.mark_dead(0)
         lost = table.device_wait(128, _C.WaitOp.EQUAL, 1, timeout_ns=30 * SECOND, peer=0)
         out["lost"] = (int(lost["status"]), lost["elapsed_ns"])
         region.free()
         nv.finalize()
         conn.send(out)
+    except Exception as e:
+        conn.send(("error", repr(e)))
+
+
+# The 2-PE step: PE 0 is the client, PE 1 the server. Each PE's transport region holds the
+# request ring (at 0, written by the client into the server's copy) and the response ring
+# (after it, written by the server into the client's copy); symmetric, so the offsets agree.
+AUX_BYTES = 1 << 20
+COMBINE_TIMEOUT_NS = 10 * SECOND
+ARRIVAL_TIMEOUT_NS = 2 * SECOND
+
+
+def two_pe(conn, rank: int) -> None:
+    """One rank of a two-PE job that runs the real device kernels through moecomm._nvshmem:
+    client dispatch -> server gather -> identity expert (host) -> server respond -> client
+    combine. Steps are sequenced by the test over `conn` (each waits for "go"), so the two
+    processes never spin against each other on a shared GPU. Results travel back as numpy."""
+    try:
+        import device_step as ds
+        import numpy as np
+        from moecomm import _cuda as k
+        from moecomm import _nvshmem as nv
+
+        if rank == 0:
+            conn.send(("uid", nv.get_unique_id()))
+            uid = conn.recv()
+        else:
+            uid = conn.recv()
+        # One GPU per PE when there are enough; otherwise both share GPU 0 (NVSHMEM's
+        # multiple-PEs-per-GPU mode: point-to-point puts and signals are supported).
+        nv.init(uid, rank, 2, rank % max(1, nv.device_count()))
+        req_bytes, resp_bytes = ds.ring_bytes()
+        # Collective allocations: the same sizes in the same order on both PEs.
+        aux_region = nv.NvshmemRegion(AUX_BYTES)
+        region = nv.NvshmemRegion(req_bytes + resp_bytes)
+        aux = ds.Arena(aux_region.device_ptr, AUX_BYTES, aux_region.write, aux_region.read)
+        ccfg = ds.client_config(k, aux, 1, [0], [req_bytes])
+        scfg = ds.server_config(k, aux, 0, req_bytes)
+        clay, slay = k.client_workspace_layout(ccfg), k.server_workspace_layout(scfg)
+        # The workspaces are put sources: symmetric, allocated as regions (docs/gpu-transports.md).
+        cws = nv.NvshmemRegion(clay["total"])
+        sws = nv.NvshmemRegion(slay["total"])
+        table = nv.NvshmemPeerTable(region, 1)
+        table.set_peer(0, 1 - rank)
+        peers = table.kernel_peers()
+        out = {"pe": (nv.my_pe(), nv.n_pes())}
+        if rank == 0:
+            args = ds.dispatch_args(k, aux, 1, cws.device_ptr)
+            y_off = aux.alloc(ds.NUM_TOKENS * ds.HIDDEN * 4)
+            aux.write(y_off, np.full(ds.NUM_TOKENS * ds.HIDDEN, np.nan, np.float32).tobytes())
+            k.client_dispatch(peers, ccfg, args, 0)
+            out["count"] = np.frombuffer(cws.read(clay["count"], 4), np.int32).tolist()
+            conn.send(("dispatched", None))  # the region read above waited for stream 0
+            assert conn.recv() == "go"
+            cargs = ds.combine_args(k, cws.device_ptr, aux.addr(y_off), COMBINE_TIMEOUT_NS)
+            k.client_combine(peers, ccfg, cargs, 0)
+            raw = aux.read(y_off, ds.NUM_TOKENS * ds.HIDDEN * 4)
+            out["y"] = np.frombuffer(raw, np.float32).reshape(ds.NUM_TOKENS, ds.HIDDEN).copy()
+            out["status"] = ds.statuses(clay, cws.read, 1)
+        else:
+            assert conn.recv() == "go"
+            g = k.ServerGatherArgs()
+            g.layer_id, g.arrival_timeout_ns = ds.LAYER, ARRIVAL_TIMEOUT_NS
+            g.block_m, g.workspace = ds.BLOCK_M, sws.device_ptr
+            k.server_gather(peers, scfg, g, 0)
+            out["action"] = ds.entry_action(slay, sws.read)
+            out["x"] = ds.gathered_x(slay, sws.read).copy()
+            expert_out = ds.identity_expert(slay, sws.read)
+            r = k.ServerRespondArgs()
+            r.expert_out = aux.addr(aux.put(expert_out))
+            r.expert_out_dtype, r.workspace = int(ds.slot_config().out_encoding), sws.device_ptr
+            k.server_respond(peers, scfg, r, 0)
+            sws.read(0, 8)  # waits for stream 0: the response puts have been issued
+            conn.send(("responded", None))
+        assert conn.recv() == "finish"
+        nv.finalize()  # collective: both PEs get here
+        conn.send(("done", out))
     except Exception as e:
         conn.send(("error", repr(e)))

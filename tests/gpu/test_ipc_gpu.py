@@ -12,6 +12,7 @@ import os
 import signal
 import time
 
+import device_step as ds
 import ipc_procs
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from moecomm import _C
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(180)]
 
 SPAWN = mp.get_context("spawn")  # never fork a process that may hold a CUDA context
+LEGACY_STREAM = 0
 WAIT_NS = 30_000_000_000
 DEADLINE_NS = 200_000_000  # the device wait's deadline in the peer-killed test
 # The probe kernel must finish within this much wall time after its deadline (launch, the
@@ -160,10 +162,19 @@ def test_device_wait_returns_when_peer_is_killed(ipc, watchdog):
         stop(p)
 
 
+def test_wait_probe_refuses_a_wait_without_deadline(ipc):
+    """Its destructor waits for the kernel: a negative (endless) timeout would hang it."""
+    cuda, t = ipc
+    table = cuda.IpcPeerTable(t, t.create_region(4096), 1)
+    with pytest.raises(ValueError, match="needs a deadline"):
+        table.launch_wait(64, _C.WaitOp.EQUAL, 1, timeout_ns=-1, peer=0)
+
+
 def retire(cuda, table, idx, timeout_s=10.0):
-    """remove_peer, then collect until the retirement event has completed (it is recorded on
-    the legacy stream, which the GPU reaches a moment later)."""
-    table.remove_peer(idx)
+    """remove_peer, then collect until the retirement event has completed. The probes of these
+    tests run on streams of their own and have finished; the legacy stream is named only
+    because remove_peer needs some stream (the GPU reaches its event a moment later)."""
+    table.remove_peer(idx, [LEGACY_STREAM])
     end = time.monotonic() + timeout_s
     while table.state(idx) != cuda.PeerState.FREE:
         assert table.state(idx) == cuda.PeerState.RETIRING
@@ -210,7 +221,7 @@ def test_peers_join_and_leave_at_run_time(ipc):
             assert r["status"] == _C.WaitStatus.OK and r["observed"] == tag
             assert t.read(local, offset, len(data)) == data
 
-        # b leaves: alive = 0 at once, the mapping closes once the (default) stream is idle.
+        # b leaves: alive = 0 at once, the mapping closes once the named stream is idle.
         retire(cuda, table, ib)
         assert table.active_peers == 1
         procs["b"][1].send(("exit",))
@@ -231,3 +242,131 @@ def test_peers_join_and_leave_at_run_time(ipc):
     finally:
         for p, _ in procs.values():
             stop(p)
+
+
+# --- the device client step over CUDA IPC: liveness and retirement under a running kernel ------
+
+COMBINE_WAIT_NS = 30_000_000_000  # far longer than any check below: only liveness ends it
+AUX_BYTES = 1 << 20
+
+
+class Client:
+    """A device client over CUDA IPC in this process: buffers in IPC regions of its own, a peer
+    table whose servers are `ipc_procs.peer` children (they never answer)."""
+
+    def __init__(self, cuda, t, handles, streams=()):
+        self.k, self.t = cuda, t
+        _, resp_bytes = ds.ring_bytes()
+        n = len(handles)
+        self.local = t.create_region(resp_bytes * n)
+        self.table = cuda.IpcPeerTable(t, self.local, n, list(streams))
+        assert [self.table.add_peer(h) for h in handles] == list(range(n))
+        region = t.create_region(AUX_BYTES)
+        self.aux = ds.Arena(
+            region.device_ptr,
+            AUX_BYTES,
+            lambda off, data: t.write(region, off, data),
+            lambda off, nbytes: t.read(region, off, nbytes),
+        )
+        self._region = region
+        self.cfg = ds.client_config(cuda, self.aux, n, [0] * n, [resp_bytes * i for i in range(n)])
+        self.layout = cuda.client_workspace_layout(self.cfg)
+        ws = self.aux.alloc(self.layout["total"])
+        self.ws = self.aux.addr(ws)
+        self.ws_read = lambda off, nbytes: self.aux.read(ws + off, nbytes)
+        self.y = self.aux.alloc(ds.NUM_TOKENS * ds.HIDDEN * 4)
+        self.n = n
+
+    def step(self, stream: int, timeout_ns: int) -> None:
+        """Dispatch to every server, then a combine that waits for answers that never come."""
+        self.aux.write(self.y, b"\xff" * (ds.NUM_TOKENS * ds.HIDDEN * 4))  # NaN: not written
+        peers = self.table.kernel_peers()  # straight from C++, no dict round trip
+        dargs = ds.dispatch_args(self.k, self.aux, self.n, self.ws)
+        self.k.client_dispatch(peers, self.cfg, dargs, stream)  # same stream: ordered
+        args = ds.combine_args(self.k, self.ws, self.aux.addr(self.y), timeout_ns)
+        self.k.client_combine(peers, self.cfg, args, stream)
+
+    def combined(self) -> bool:
+        """Whether the combine's reduce has written y (it runs after every wait ended)."""
+        return self.aux.read(self.y, 4) != b"\xff" * 4
+
+    def wait_combined(self, timeout_s: float) -> float:
+        end = time.monotonic() + timeout_s
+        while not self.combined():
+            assert time.monotonic() < end, "the combine kernel did not end"
+            time.sleep(0.002)
+        time.sleep(0.05)  # the reduce writes every row after the first
+        return time.monotonic()
+
+    def statuses(self) -> list[int]:
+        return ds.statuses(self.layout, self.ws_read, self.n)
+
+
+def test_mark_dead_ends_a_waiting_combine_with_peer_lost(ipc):
+    """The combine runs on the legacy stream with a 30 s deadline; mark_dead must not queue
+    behind it (the table writes on its own stream) and the kernel must end PEER_LOST at once."""
+    cuda, t = ipc
+    p, conn = start(ipc_procs.peer)
+    try:
+        c = Client(cuda, t, [recv(conn)], streams=[LEGACY_STREAM])
+        conn.send(("sleep",))
+        assert recv(conn) == "sleeping"
+        c.step(LEGACY_STREAM, COMBINE_WAIT_NS)
+        time.sleep(0.3)
+        assert not c.combined(), "the combine ended before its server was marked dead"
+        t0 = time.monotonic()
+        c.table.mark_dead(0)
+        assert time.monotonic() - t0 < 1.0, "mark_dead waited for the kernel it should stop"
+        assert c.wait_combined(SLACK_S) - t0 < SLACK_S
+        assert c.statuses() == [cuda.SERVER_STATUS["PEER_LOST"]]
+        assert np.all(np.frombuffer(c.aux.read(c.y, 4 * ds.HIDDEN), np.float32) == 0)
+        retire(cuda, c.table, 0)
+    finally:
+        stop(p)
+
+
+def user_stream():
+    """(handle, synchronize, close) of a non-blocking stream of this process's CUDA context:
+    torch's when it has CUDA (the GPU run builds against it), else cuda-python's."""
+    import torch
+
+    if torch.cuda.is_available():
+        s = torch.cuda.Stream()
+        return s.cuda_stream, s.synchronize, lambda: None
+    rt = pytest.importorskip("cuda.bindings.runtime", reason="needs CUDA torch or cuda-python")
+    err, s = rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking)
+    assert err == rt.cudaError_t.cudaSuccess, err
+
+    def sync():
+        assert rt.cudaStreamSynchronize(s)[0] == rt.cudaError_t.cudaSuccess
+
+    return int(s), sync, lambda: rt.cudaStreamDestroy(s)
+
+
+def test_remove_peer_waits_for_the_kernels_stream(ipc):
+    """A combine on a stream of ours waits for two servers (1.5 s deadline). remove_peer(1) on
+    that stream: server 1's wait ends PEER_LOST at once, but its mapping stays (RETIRING) until
+    the kernel, still waiting for server 0, is done; then collect() closes it."""
+    cuda, t = ipc
+    stream, sync, close = user_stream()
+    procs = [start(ipc_procs.peer) for _ in range(2)]
+    try:
+        c = Client(cuda, t, [recv(conn) for _, conn in procs])
+        with pytest.raises(ValueError, match="name the streams"):
+            c.table.remove_peer(1)  # no streams given, none at construction
+        assert c.table.state(1) == cuda.PeerState.ACTIVE
+        deadline_ns = 1_500_000_000
+        c.step(stream, deadline_ns)
+        c.table.remove_peer(1, [stream])
+        assert c.table.state(1) == cuda.PeerState.RETIRING
+        assert c.table.collect() == 0, "the mapping was closed under a running kernel"
+        c.wait_combined(deadline_ns / 1e9 + SLACK_S)
+        sync()
+        assert c.table.collect() == 1 and c.table.state(1) == cuda.PeerState.FREE
+        ok = c.statuses()
+        assert ok == [cuda.SERVER_STATUS["TIMEOUT"], cuda.SERVER_STATUS["PEER_LOST"]], ok
+        assert c.combined() and t.read(c.local, 0, 8) is not None  # no sticky error
+    finally:
+        for p, _ in procs:
+            stop(p)
+        close()

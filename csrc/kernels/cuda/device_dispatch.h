@@ -112,6 +112,9 @@ struct ServerGatherArgs {
   uint64_t arrival_timeout_ns = 0;
   int32_t block_m = 0;  // group-shrink tile rows (the grouped GEMM's M tile)
   void* workspace = nullptr;
+  // The server drains: every valid request of this layer is answered kDraining (the client
+  // re-sends it to a replica at once), as the host server does.
+  bool draining = false;
 };
 
 struct ServerRespondArgs {

@@ -121,6 +121,10 @@ __device__ EntryState examine(const Backend& b, const ServerParams& p, const Ser
     st.code = static_cast<int32_t>(protocol::ResponseStatus::kUnknownLayer);
     return st;
   }
+  if (a.draining) {
+    st.code = static_cast<int32_t>(protocol::ResponseStatus::kDraining);
+    return st;
+  }
   if (h.arrival_target != 0) {
     const auto w = client::wait_at_least(b, slot + protocol::kArrivalOffset, h.arrival_target,
                                          transport::device::now_ns() + a.arrival_timeout_ns,

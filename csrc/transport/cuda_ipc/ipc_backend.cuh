@@ -73,6 +73,12 @@ struct IpcBackend {
     __syncwarp();
   }
 
+  // put_signal_warp's system fence already covers this warp's earlier put_warp stores.
+  __device__ void fence_warp() const {}
+
+  // Stores into mapped peer memory are complete when the warp has executed them.
+  __device__ void quiet_warp() const {}
+
   // Called by wait_word once the predicate holds: the acquire load already ordered the data.
   __device__ void complete_wait(uint64_t /*offset*/) const {}
 #endif  // __CUDACC__

@@ -17,8 +17,11 @@ cudaEvent_t as_event(void* e) {
 }  // namespace
 
 IpcPeerTable::IpcPeerTable(std::shared_ptr<IpcTransport> transport, std::shared_ptr<Region> local,
-                           uint32_t max_peers)
-    : transport_(std::move(transport)), local_(std::move(local)), max_peers_(max_peers) {
+                           uint32_t max_peers, std::vector<uintptr_t> kernel_streams)
+    : transport_(std::move(transport)),
+      local_(std::move(local)),
+      max_peers_(max_peers),
+      kernel_streams_(std::move(kernel_streams)) {
   MC_CHECK(transport_ != nullptr && local_ != nullptr,
            "a peer table needs a transport and a "
            "local region");
@@ -52,16 +55,19 @@ IpcPeerTable::~IpcPeerTable() {
   // mapping is never closed under a kernel that was given a stream to finish on.
   DeviceGuard guard(device_, std::nothrow);
   for (Entry& e : entries_) {
-    if (e.retire_event != nullptr) {
-      cudaEventSynchronize(as_event(e.retire_event));
-      cudaEventDestroy(as_event(e.retire_event));
-    }
+    for (void* ev : e.retire_events) cudaEventSynchronize(as_event(ev));
+    destroy_events(e);
     e.region.reset();
   }
   cudaFree(peer_base_);
   cudaFree(alive_);
   cudaStreamDestroy(as_stream(stream_));
   cudaGetLastError();
+}
+
+void IpcPeerTable::destroy_events(Entry& e) {
+  for (void* ev : e.retire_events) cudaEventDestroy(as_event(ev));
+  e.retire_events.clear();
 }
 
 void IpcPeerTable::check_index(uint32_t index) const {
@@ -85,7 +91,8 @@ void IpcPeerTable::write_base(uint32_t index, uint8_t* base) {
 }
 
 uint32_t IpcPeerTable::add_peer(const std::string& handle) {
-  collect();
+  std::lock_guard<std::mutex> lock(mu_);
+  collect_locked();
   uint32_t index = max_peers_;
   for (uint32_t i = 0; i < max_peers_; ++i) {
     if (entries_[i].state == PeerState::kFree) {
@@ -106,6 +113,7 @@ uint32_t IpcPeerTable::add_peer(const std::string& handle) {
 
 void IpcPeerTable::mark_dead(uint32_t index) {
   check_index(index);
+  std::lock_guard<std::mutex> lock(mu_);
   Entry& e = entries_[index];
   MC_CHECK(e.state == PeerState::kActive || e.state == PeerState::kDead, "peer ", index,
            " is not connected");
@@ -113,39 +121,60 @@ void IpcPeerTable::mark_dead(uint32_t index) {
   e.state = PeerState::kDead;
 }
 
-void IpcPeerTable::remove_peer(uint32_t index, uintptr_t stream) {
+void IpcPeerTable::remove_peer(uint32_t index, const std::vector<uintptr_t>& streams) {
   check_index(index);
+  const std::vector<uintptr_t>& on = streams.empty() ? kernel_streams_ : streams;
+  MC_CHECK(!on.empty(), "remove_peer(", index,
+           "): name the streams of the kernels that may still use the peer (none were given "
+           "here or when the table was built); the mapping closes once they are done");
+  std::lock_guard<std::mutex> lock(mu_);
   Entry& e = entries_[index];
   MC_CHECK(e.state == PeerState::kActive || e.state == PeerState::kDead, "peer ", index,
            " is not connected");
   write_alive(index, 0);
   DeviceGuard guard(device_);
-  cudaEvent_t ev = nullptr;
-  MC_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
-  const cudaError_t err = cudaEventRecord(ev, reinterpret_cast<cudaStream_t>(stream));
-  if (err != cudaSuccess) {
-    cudaEventDestroy(ev);
-    MC_CUDA_CHECK(err);
+  for (uintptr_t stream : on) {
+    cudaEvent_t ev = nullptr;
+    cudaError_t err = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+    if (err == cudaSuccess) {
+      err = cudaEventRecord(ev, reinterpret_cast<cudaStream_t>(stream));
+      if (err != cudaSuccess) cudaEventDestroy(ev);
+    }
+    if (err != cudaSuccess) {
+      // Nothing was retired: the peer stays (dead) with its mapping, and may be removed again.
+      destroy_events(e);
+      e.state = PeerState::kDead;
+      MC_CUDA_CHECK(err);
+    }
+    e.retire_events.push_back(ev);
   }
-  e.retire_event = ev;
   e.state = PeerState::kRetiring;
-  collect();
+  collect_locked();
 }
 
 uint32_t IpcPeerTable::collect() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return collect_locked();
+}
+
+uint32_t IpcPeerTable::collect_locked() {
   uint32_t closed = 0;
   for (uint32_t i = 0; i < max_peers_; ++i) {
     Entry& e = entries_[i];
     if (e.state != PeerState::kRetiring) continue;
-    const cudaError_t q = cudaEventQuery(as_event(e.retire_event));
-    if (q == cudaErrorNotReady) {
-      cudaGetLastError();  // not an error: the kernels are still running
-      continue;
+    bool done = true;
+    for (void* ev : e.retire_events) {
+      const cudaError_t q = cudaEventQuery(as_event(ev));
+      if (q == cudaErrorNotReady) {
+        cudaGetLastError();  // not an error: the kernels are still running
+        done = false;
+        break;
+      }
+      MC_CUDA_CHECK(q);
     }
-    MC_CUDA_CHECK(q);
+    if (!done) continue;
     write_base(i, nullptr);
-    cudaEventDestroy(as_event(e.retire_event));
-    e.retire_event = nullptr;
+    destroy_events(e);
     e.region.reset();  // closes the IPC mapping
     e.state = PeerState::kFree;
     ++closed;
@@ -155,10 +184,12 @@ uint32_t IpcPeerTable::collect() {
 
 PeerState IpcPeerTable::state(uint32_t index) const {
   check_index(index);
+  std::lock_guard<std::mutex> lock(mu_);
   return entries_[index].state;
 }
 
 uint32_t IpcPeerTable::active_peers() const {
+  std::lock_guard<std::mutex> lock(mu_);
   uint32_t n = 0;
   for (const Entry& e : entries_) n += e.state == PeerState::kActive ? 1 : 0;
   return n;
@@ -166,6 +197,7 @@ uint32_t IpcPeerTable::active_peers() const {
 
 std::shared_ptr<Region> IpcPeerTable::peer_region(uint32_t index) const {
   check_index(index);
+  std::lock_guard<std::mutex> lock(mu_);
   MC_CHECK(entries_[index].region != nullptr, "peer ", index, " has no region");
   return entries_[index].region;
 }

@@ -26,6 +26,8 @@ DeviceWaitProbe::DeviceWaitProbe(const IpcPeerTable& table, uint64_t offset,
   const IpcBackend b = table.backend();
   MC_CHECK(peer < b.max_peers, "peer index ", peer, " out of range [0, ", b.max_peers, ")");
   MC_CHECK(offset % sizeof(uint64_t) == 0, "wait offset ", offset, " is not 8-byte aligned");
+  MC_CHECK(timeout_ns >= 0, "a device wait probe needs a deadline: timeout_ns must be >= 0, got ",
+           timeout_ns, " (the probe's destructor waits for its kernel)");
   device_ = table.device();
   DeviceGuard guard(device_);
   try {

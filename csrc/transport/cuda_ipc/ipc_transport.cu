@@ -77,6 +77,32 @@ cudaStream_t as_stream(void* s) {
   return static_cast<cudaStream_t>(s);
 }
 
+std::string describe_gpu(int device) {
+  const auto uuid = device_uuid(device);
+  return "GPU " + std::to_string(device) + " (" + hex_encode(uuid.data(), uuid.size()) + ")";
+}
+
+// Mapping a peer's region needs peer access, and the protocol needs more: signals and arrival
+// counters are system-scope atomics on the peer's memory (add_release, compare_exchange). Over
+// plain PCIe P2P those are not atomic (the link has no native atomics), so an arrival counter
+// could lose an ADD and a message never complete; refuse such a pair up front.
+void check_peer_link(int ours, int owner) {
+  int access = 0;
+  MC_CUDA_CHECK(cudaDeviceCanAccessPeer(&access, ours, owner));
+  MC_CHECK_KIND(access != 0, ErrorKind::kSystem, describe_gpu(ours), " cannot access ",
+                describe_gpu(owner),
+                " (no peer access over NVLink/PCIe): cannot map its region; use the shm or "
+                "NVSHMEM transport between them");
+  int atomics = 0;
+  MC_CUDA_CHECK(
+      cudaDeviceGetP2PAttribute(&atomics, cudaDevP2PAttrNativeAtomicSupported, ours, owner));
+  MC_CHECK_KIND(atomics != 0, ErrorKind::kSystem, describe_gpu(ours), " can access ",
+                describe_gpu(owner),
+                " but not with native atomics (a PCIe-only link?): the slot protocol's signal "
+                "and arrival-counter atomics would not be atomic; use the shm or NVSHMEM "
+                "transport between them");
+}
+
 }  // namespace
 
 IpcRegion& as_ipc(Region& r) {
@@ -164,14 +190,9 @@ std::shared_ptr<Region> IpcTransport::create_region(uint64_t bytes) {
 std::shared_ptr<Region> IpcTransport::attach(const std::string& handle) {
   IpcHandle h = check_attachable(handle, boot_id_, self_.pid);
   // CUDA can open a handle whose GPU this process does not see (CUDA_VISIBLE_DEVICES); when
-  // it does see it and it is another GPU than ours, check peer access for a clear error.
+  // it does see it and it is another GPU than ours, check the link for a clear error.
   const int owner_device = find_device(h.device_uuid);
-  if (owner_device >= 0 && owner_device != device_) {
-    int can = 0;
-    MC_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, device_, owner_device));
-    MC_CHECK_KIND(can != 0, ErrorKind::kSystem, "GPU ", device_, " cannot access GPU ",
-                  owner_device, " (no peer access over NVLink/PCIe): cannot map its region");
-  }
+  if (owner_device >= 0 && owner_device != device_) check_peer_link(device_, owner_device);
   DeviceGuard guard(device_);
   cudaIpcMemHandle_t raw;
   std::memcpy(&raw, h.mem_handle.data(), kMemHandleBytes);

@@ -13,9 +13,17 @@
 //   // also observes the data (release, system scope). Non-blocking for other warps.
 //   void put_signal_warp(uint32_t peer, uint64_t offset, const void* src, uint64_t bytes,
 //                        uint64_t sig_offset, uint64_t value, transport::SignalOp op) const;
-//   // Same without a signal: ordered before the next put_signal_warp of the same warp to the
-//   // same peer (both backends deliver a warp's puts to one peer in order of the signal).
+//   // Same without a signal. NOT ordered before a later put_signal_warp unless fence_warp()
+//   // runs in between (NVSHMEM orders only the data and signal of one put_signal). The kernels
+//   // never need it: each payload chunk is a put_signal_warp that ADDs its bytes to the slot's
+//   // arrival counter, and the header's put SETs the signal word.
 //   void put_warp(uint32_t peer, uint64_t offset, const void* src, uint64_t bytes) const;
+//   // All 32 lanes: this warp's earlier put_warp data lands before its later puts (NVSHMEM:
+//   // nvshmem_fence, costly with IBGDA; CUDA IPC: nothing, put_signal_warp fences anyway).
+//   void fence_warp() const;
+//   // All lanes: this warp's puts have completed (their sources may be rewritten). NVSHMEM:
+//   // nvshmem_quiet (non-blocking puts outlive the kernel otherwise); CUDA IPC: nothing.
+//   void quiet_warp() const;
 //   // Called by wait_word (one thread) after the predicate held on the word at `offset` of our
 //   // region: whatever the backend needs so data delivered before that signal is visible
 //   // (CUDA IPC: nothing beyond the acquire load; NVSHMEM: its own post-wait step).
@@ -95,13 +103,13 @@ __device__ DeviceWait wait_word(const Backend& b, uint64_t offset, const WaitPre
   }
 }
 
-// One thread runs wait_word and reports what it saw (the transports' probes; tests). A negative
-// timeout waits without a deadline.
+// One thread runs wait_word and reports what it saw (the transports' probes; tests). The probes'
+// host sides reject a negative timeout: a probe without a deadline could hang its owner.
 template <typename Backend>
 __global__ void wait_probe_kernel(Backend b, uint64_t offset, WaitPredicate pred,
                                   int64_t timeout_ns, uint32_t peer, WaitProbeResult* out) {
   const uint64_t start = now_ns();
-  const uint64_t deadline = timeout_ns < 0 ? UINT64_MAX : start + static_cast<uint64_t>(timeout_ns);
+  const uint64_t deadline = start + static_cast<uint64_t>(timeout_ns < 0 ? 0 : timeout_ns);
   uint64_t observed = 0;
   const DeviceWait st = wait_word(b, offset, pred, deadline, peer, &observed);
   out->status = static_cast<uint32_t>(st);

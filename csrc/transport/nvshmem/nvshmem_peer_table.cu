@@ -6,6 +6,13 @@
 #include "transport/nvshmem/nvshmem_runtime.h"
 
 namespace moecomm::transport::nvshmem {
+namespace {
+
+cudaStream_t as_stream(void* s) {
+  return static_cast<cudaStream_t>(s);
+}
+
+}  // namespace
 
 NvshmemPeerTable::NvshmemPeerTable(std::shared_ptr<NvshmemRegion> local, uint32_t max_peers)
     : local_(std::move(local)), max_peers_(max_peers) {
@@ -14,9 +21,16 @@ NvshmemPeerTable::NvshmemPeerTable(std::shared_ptr<NvshmemRegion> local, uint32_
            kMaxPeers, "]");
   DeviceBuffer pe(sizeof(int32_t) * max_peers);
   DeviceBuffer alive(sizeof(uint32_t) * max_peers);
-  MC_CUDA_CHECK(cudaMemset(pe.get(), 0, sizeof(int32_t) * max_peers));
-  MC_CUDA_CHECK(cudaMemset(alive.get(), 0, sizeof(uint32_t) * max_peers));
-  MC_CUDA_CHECK(cudaDeviceSynchronize());
+  cudaStream_t s = nullptr;
+  MC_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  const cudaError_t e1 = cudaMemsetAsync(pe.get(), 0, sizeof(int32_t) * max_peers, s);
+  const cudaError_t e2 = cudaMemsetAsync(alive.get(), 0, sizeof(uint32_t) * max_peers, s);
+  const cudaError_t e3 = cudaStreamSynchronize(s);
+  if (e1 != cudaSuccess || e2 != cudaSuccess || e3 != cudaSuccess) {
+    cudaStreamDestroy(s);
+    MC_CUDA_CHECK(e1 != cudaSuccess ? e1 : e2 != cudaSuccess ? e2 : e3);
+  }
+  stream_ = s;
   peer_pe_ = static_cast<int32_t*>(pe.release());
   alive_ = static_cast<uint32_t*>(alive.release());
   host_pe_.assign(max_peers, 0);
@@ -26,6 +40,7 @@ NvshmemPeerTable::NvshmemPeerTable(std::shared_ptr<NvshmemRegion> local, uint32_
 NvshmemPeerTable::~NvshmemPeerTable() {
   cudaFree(peer_pe_);
   cudaFree(alive_);
+  cudaStreamDestroy(as_stream(stream_));
   cudaGetLastError();
 }
 
@@ -34,10 +49,16 @@ void NvshmemPeerTable::check_index(uint32_t index) const {
 }
 
 void NvshmemPeerTable::write_entry(uint32_t index, int32_t pe, uint32_t alive) {
-  // The PE first, then the alive bit: a kernel that sees alive = 1 finds the right PE. Plain
-  // synchronous copies: this runs on joins and losses, not per message.
-  MC_CUDA_CHECK(cudaMemcpy(peer_pe_ + index, &pe, sizeof(pe), cudaMemcpyHostToDevice));
-  MC_CUDA_CHECK(cudaMemcpy(alive_ + index, &alive, sizeof(alive), cudaMemcpyHostToDevice));
+  // Caller holds mu_.
+  // The PE first, then the alive bit, in stream order: a kernel that sees alive = 1 finds the
+  // right PE. The table's own non-blocking stream, so the writes overtake kernels running on any
+  // other stream (mark_dead exists to stop them); the pageable sources are staged before
+  // cudaMemcpyAsync returns, and the synchronisation makes the values visible on return.
+  MC_CUDA_CHECK(cudaMemcpyAsync(peer_pe_ + index, &pe, sizeof(pe), cudaMemcpyHostToDevice,
+                                as_stream(stream_)));
+  MC_CUDA_CHECK(cudaMemcpyAsync(alive_ + index, &alive, sizeof(alive), cudaMemcpyHostToDevice,
+                                as_stream(stream_)));
+  MC_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream_)));
   host_pe_[index] = pe;
   host_alive_[index] = alive;
 }
@@ -46,21 +67,25 @@ void NvshmemPeerTable::set_peer(uint32_t index, int pe) {
   check_index(index);
   const int n = n_pes();
   MC_CHECK(pe >= 0 && pe < n, "PE ", pe, " outside the job's [0, ", n, ")");
+  std::lock_guard<std::mutex> lock(mu_);
   write_entry(index, pe, 1);
 }
 
 void NvshmemPeerTable::mark_dead(uint32_t index) {
   check_index(index);
+  std::lock_guard<std::mutex> lock(mu_);
   write_entry(index, host_pe_[index], 0);
 }
 
 bool NvshmemPeerTable::alive(uint32_t index) const {
   check_index(index);
+  std::lock_guard<std::mutex> lock(mu_);
   return host_alive_[index] != 0;
 }
 
 int NvshmemPeerTable::pe(uint32_t index) const {
   check_index(index);
+  std::lock_guard<std::mutex> lock(mu_);
   return host_pe_[index];
 }
 

@@ -24,6 +24,24 @@ __global__ void put_signal_kernel(NvshmemBackend b, uint32_t peer, uint64_t dst_
   if (threadIdx.x == 0) nvshmem_quiet();
 }
 
+// A probe runs on a non-blocking stream of its own: off the legacy stream, so it neither waits
+// for nor holds up kernels (or peer-table writes) on other streams.
+class OwnStream {
+ public:
+  OwnStream() { MC_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }
+  ~OwnStream() {
+    cudaStreamSynchronize(s_);  // a throw between launch and sync must not free in-use memory
+    cudaStreamDestroy(s_);
+    cudaGetLastError();
+  }
+  OwnStream(const OwnStream&) = delete;
+  OwnStream& operator=(const OwnStream&) = delete;
+  cudaStream_t get() const { return s_; }
+
+ private:
+  cudaStream_t s_ = nullptr;
+};
+
 void check_span(const NvshmemRegion& r, uint64_t offset, uint64_t bytes, const char* what) {
   MC_CHECK(offset <= r.size() && bytes <= r.size() - offset, what, " of ", bytes,
            " bytes at offset ", offset, " is outside the region (", r.size(), " bytes)");
@@ -35,13 +53,17 @@ NvshmemProbeResult device_wait(const NvshmemPeerTable& table, uint64_t offset,
                                const WaitPredicate& pred, int64_t timeout_ns, uint32_t peer) {
   MC_CHECK(peer < table.max_peers(), "peer index ", peer, " out of range");
   MC_CHECK(offset % sizeof(uint64_t) == 0, "wait offset ", offset, " is not 8-byte aligned");
+  MC_CHECK(timeout_ns >= 0, "a device wait needs a deadline: timeout_ns must be >= 0, got ",
+           timeout_ns, " (the call blocks until the kernel ends)");
   check_span(table.local(), offset, sizeof(uint64_t), "wait word");
   DeviceBuffer out(sizeof(NvshmemProbeResult));
-  device::wait_probe_kernel<NvshmemBackend><<<1, 1>>>(
+  OwnStream s;
+  device::wait_probe_kernel<NvshmemBackend><<<1, 1, 0, s.get()>>>(
       table.backend(), offset, pred, timeout_ns, peer, static_cast<NvshmemProbeResult*>(out.get()));
   MC_CUDA_CHECK(cudaGetLastError());
   NvshmemProbeResult r;
-  MC_CUDA_CHECK(cudaMemcpy(&r, out.get(), sizeof(r), cudaMemcpyDeviceToHost));
+  MC_CUDA_CHECK(cudaMemcpyAsync(&r, out.get(), sizeof(r), cudaMemcpyDeviceToHost, s.get()));
+  MC_CUDA_CHECK(cudaStreamSynchronize(s.get()));
   return r;
 }
 
@@ -54,10 +76,11 @@ void device_put_signal(const NvshmemPeerTable& table, uint32_t peer, uint64_t ds
   check_span(r, src_offset, bytes, "put source");
   MC_CHECK(sig_offset % sizeof(uint64_t) == 0, "signal offset ", sig_offset, " is unaligned");
   check_span(r, sig_offset, sizeof(uint64_t), "signal word");
-  put_signal_kernel<<<1, kOneWarp>>>(table.backend(), peer, dst_offset, src_offset, bytes,
-                                     sig_offset, value, op);
+  OwnStream s;
+  put_signal_kernel<<<1, kOneWarp, 0, s.get()>>>(table.backend(), peer, dst_offset, src_offset,
+                                                 bytes, sig_offset, value, op);
   MC_CUDA_CHECK(cudaGetLastError());
-  MC_CUDA_CHECK(cudaDeviceSynchronize());
+  MC_CUDA_CHECK(cudaStreamSynchronize(s.get()));
 }
 
 }  // namespace moecomm::transport::nvshmem

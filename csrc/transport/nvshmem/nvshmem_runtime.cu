@@ -3,7 +3,10 @@
 #include <nvshmemx.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
 
 #include "common/error.h"
 #include "transport/device/cuda_util.h"
@@ -21,7 +24,63 @@ void require_initialized(const char* what) {
   MC_CHECK(g_initialized.load(), what, " needs NVSHMEM to be initialized (call init first)");
 }
 
+// Live NvshmemRegions of this process: start address -> size (is_symmetric).
+std::mutex g_regions_mu;
+std::map<uintptr_t, uint64_t> g_regions;
+
+void register_region(const void* p, uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(g_regions_mu);
+  g_regions[reinterpret_cast<uintptr_t>(p)] = bytes;
+}
+
+void unregister_region(const void* p) {
+  std::lock_guard<std::mutex> lock(g_regions_mu);
+  g_regions.erase(reinterpret_cast<uintptr_t>(p));
+}
+
+bool env_set(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && v[0] != '\0';
+}
+
 }  // namespace
+
+std::vector<std::pair<std::string, std::string>> transport_env_defaults() {
+  std::vector<std::pair<std::string, std::string>> out;
+  const char* opt = std::getenv(kEnvMoecommIbgda);
+  if (opt != nullptr && std::strcmp(opt, "0") == 0) return out;
+  for (const auto& [name, value] : {std::pair<const char*, std::string>{kEnvEnableIbgda, "1"},
+                                    {kEnvRcPerPe, std::to_string(kIbgdaRcPerPe)},
+                                    {kEnvQpDepth, std::to_string(kQpDepth)}}) {
+    if (!env_set(name)) out.emplace_back(name, value);
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, std::string>> apply_transport_env_defaults() {
+  auto defaults = transport_env_defaults();
+  for (const auto& [name, value] : defaults) {
+    MC_CHECK_KIND(setenv(name.c_str(), value.c_str(), /*overwrite=*/0) == 0, ErrorKind::kSystem,
+                  "setenv(", name, ") failed");
+  }
+  return defaults;
+}
+
+bool is_symmetric(const void* p, uint64_t bytes) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  std::lock_guard<std::mutex> lock(g_regions_mu);
+  auto it = g_regions.upper_bound(a);  // first region starting after a
+  if (it == g_regions.begin()) return false;
+  --it;  // the last region starting at or before a
+  const uint64_t off = a - it->first;
+  return off <= it->second && bytes <= it->second - off;
+}
+
+void require_symmetric(const void* p, uint64_t bytes, const char* what) {
+  MC_CHECK(is_symmetric(p, bytes), what, " (", bytes, " bytes at ", p,
+           ") is not inside an NvshmemRegion: a source of NVSHMEM puts must be symmetric "
+           "memory (allocate it with NvshmemRegion, collectively, and pass its device_ptr)");
+}
 
 void check_unique_id(const std::string& uid) {
   MC_CHECK(uid.size() == kUniqueIdBytes, "an NVSHMEM unique id is ", kUniqueIdBytes, " bytes, got ",
@@ -39,6 +98,7 @@ void check_init_args(int rank, int nranks) {
 
 std::string get_unique_id() {
   require_device("the NVSHMEM transport");
+  apply_transport_env_defaults();  // NVSHMEM may read its environment here already
   nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;
   const int status = nvshmemx_get_uniqueid(&id);
   MC_CHECK_KIND(status == 0, ErrorKind::kSystem, "nvshmemx_get_uniqueid failed with status ",
@@ -58,6 +118,7 @@ void init(const std::string& uid, int rank, int nranks, int device) {
     MC_CHECK(device < device_count(), "device ", device, " out of range");
     MC_CUDA_CHECK(cudaSetDevice(device));  // NVSHMEM binds the PE to the current device
   }
+  apply_transport_env_defaults();
   nvshmemx_uniqueid_t id;
   std::memcpy(&id, uid.data(), kUniqueIdBytes);
   nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
@@ -121,10 +182,16 @@ NvshmemRegion::NvshmemRegion(uint64_t bytes) {
   }
   MC_CUDA_CHECK(cudaDeviceSynchronize());
   nvshmem_barrier_all();
+  register_region(ptr_, bytes_);
+}
+
+NvshmemRegion::~NvshmemRegion() {
+  if (ptr_ != nullptr) unregister_region(ptr_);
 }
 
 void NvshmemRegion::free() {
   if (ptr_ == nullptr) return;
+  unregister_region(ptr_);
   nvshmem_free(ptr_);
   ptr_ = nullptr;
   bytes_ = 0;

@@ -107,25 +107,44 @@ Case load(const char* path) {
   return c;
 }
 
+// Every copy and every launch of this check runs on this one non-blocking stream. A copy on the
+// legacy stream is not ordered against a launch on a non-blocking stream (and a cudaMemcpy
+// from pageable memory may return before its DMA has landed), so mixing the two races.
+cudaStream_t stream() {
+  static cudaStream_t s = [] {
+    cudaStream_t t = nullptr;
+    MC_CUDA_CHECK(cudaStreamCreateWithFlags(&t, cudaStreamNonBlocking));
+    return t;
+  }();
+  return s;
+}
+
+// Synchronous on return: the (pageable) host side may be reused or freed at once.
+void copy_sync(void* dst, const void* src, size_t bytes) {
+  MC_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream()));
+  MC_CUDA_CHECK(cudaStreamSynchronize(stream()));
+}
+
 template <typename T>
 T* dev_alloc(size_t n) {
   T* p = nullptr;
   MC_CUDA_CHECK(cudaMalloc(&p, n * sizeof(T) + 1));
-  MC_CUDA_CHECK(cudaMemset(p, 0, n * sizeof(T) + 1));
+  MC_CUDA_CHECK(cudaMemsetAsync(p, 0, n * sizeof(T) + 1, stream()));
+  MC_CUDA_CHECK(cudaStreamSynchronize(stream()));
   return p;
 }
 
 template <typename T>
 T* dev_copy(const std::vector<T>& v) {
   T* p = dev_alloc<T>(v.size());
-  MC_CUDA_CHECK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  copy_sync(p, v.data(), v.size() * sizeof(T));
   return p;
 }
 
 template <typename T>
 std::vector<T> host_copy(const void* p, size_t n) {
   std::vector<T> v(n);
-  MC_CUDA_CHECK(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
+  copy_sync(v.data(), p, n * sizeof(T));
   return v;
 }
 
@@ -249,9 +268,9 @@ World build(const Case& c) {
 }
 
 void set_inputs(World& w, const Step& s) {
-  MC_CUDA_CHECK(cudaMemcpy(w.x, s.x.data(), s.x.size(), cudaMemcpyHostToDevice));
-  MC_CUDA_CHECK(cudaMemcpy(w.ids, s.ids.data(), s.ids.size(), cudaMemcpyHostToDevice));
-  MC_CUDA_CHECK(cudaMemcpy(w.weights, s.weights.data(), s.weights.size(), cudaMemcpyHostToDevice));
+  copy_sync(w.x, s.x.data(), s.x.size());
+  copy_sync(w.ids, s.ids.data(), s.ids.size());
+  copy_sync(w.weights, s.weights.data(), s.weights.size());
 }
 
 void enqueue_servers(World& w, cudaStream_t st) {
@@ -379,7 +398,7 @@ bool timeout(World& w, cudaStream_t st) {
   for (const Trial trial : {Trial{kShortTimeoutNs, kc::ServerStatus::kTimeout, 3.0},
                             Trial{kCombineTimeoutNs, kc::ServerStatus::kPeerLost, 2.0}}) {
     if (trial.want == kc::ServerStatus::kPeerLost) {
-      MC_CUDA_CHECK(cudaMemcpy(w.client_alive, dead.data(), dead.size() * 4, cudaMemcpyDefault));
+      copy_sync(w.client_alive, dead.data(), dead.size() * sizeof(uint32_t));
     }
     kc::CombineArgs a = w.combine;
     a.timeout_ns = trial.timeout_ns;
@@ -415,8 +434,7 @@ int main(int argc, char** argv) {
   }
   try {
     World w = build(load(argv[2]));
-    cudaStream_t st;
-    MC_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    cudaStream_t st = stream();
     const std::string mode = argv[1];
     bool ok = false;
     if (mode == "roundtrip") ok = roundtrip(w, st);
