@@ -8,10 +8,10 @@ PIP := $(PY) -m pip
 DEPS_STAMP := $(VENV)/.deps-installed
 PKG_STAMP := $(VENV)/.moecomm-installed
 BUILD_INPUTS := $(shell find csrc bindings cmake -type f 2>/dev/null) CMakeLists.txt pyproject.toml
-PY_SOURCES := python serving tests bench
+PY_SOURCES := python serving tests bench tools
 CXX_SOURCES = $(shell find csrc bindings -name '*.h' -o -name '*.cc' -o -name '*.cu' -o -name '*.cuh')
 
-.PHONY: demo test lint format pytest build venv bench clean etcd
+.PHONY: demo test lint format pytest build venv bench clean etcd gpu-check gpu-wheels
 
 venv: $(PKG_STAMP)
 
@@ -67,6 +67,19 @@ test: lint pytest
 
 bench: $(PKG_STAMP)
 	$(PY) bench/rtt.py --json bench/results/rtt.json
+
+# The GPU check (docs/gpu-check.md): on a GPU machine it builds moecomm against that machine's
+# CUDA torch, runs every gpu test, compute-sanitizer on the device round trip and the GPU bench
+# row; without a device it runs what it can and says what it skipped. Logs + summary in OUT.
+# PACK=1 folds the logs into OUT/logs.tar.gz (the device tool returns at most 8 files).
+OUT ?= gpu-check-results
+gpu-check:
+	$(PYTHON) tools/gpu_check.py --out $(OUT) $(if $(PACK),--pack) $(GPU_CHECK_ARGS)
+
+# Wheels the GPU image lacks (tests' imports), for cp312, into .gpu-wheels/ (carried by the
+# device tool: carry=[".gpu-wheels"]).
+gpu-wheels:
+	tools/fetch_gpu_wheels.sh
 
 clean:
 	rm -rf build $(VENV) .pytest_cache .ruff_cache .hypothesis

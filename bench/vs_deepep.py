@@ -13,13 +13,26 @@ over all samples, the table the median of the per-trial medians. The first combi
 is checked against x·Σw (DeepEP's calc_diff < 7e-4 for fp8).
 
 When ``deep_ep`` imports and CUDA has a device per rank, DeepEP's own Buffer runs the same inputs
-in the same run (GPU rows); else they are reported as not run, with the reason. The last table
-row is DeepEP's published figure (README, H800 + CX7 400 Gb/s IB, EP 8) — not measured here.
+in the same run (GPU rows); else they are reported as not run, with the reason. The last two table
+rows are DeepEP's published figures (first-release README and today's docs/legacy.md, H800 +
+CX7 400 Gb/s IB, EP 8) — not measured here.
 Ratios are time / DeepEP's time measured in the same run (> 1: slower than DeepEP); without a
 DeepEP run there are no ratios.
 
+The moecomm GPU row: the same shape through moecomm's device path on one GPU. The client is
+``moecomm.runtime.DeviceClient`` (fp8 dispatch, bf16 combine, 2 slots) in this process; the
+server is ``moecomm expert-server --device cuda`` in a separate process on the same GPU (CUDA
+cannot open its own IPC handle), hosting all experts of a one-layer random checkpoint of this
+shape (expert MLP width --gpu-intermediate, bf16) written here first. A sample is the time
+between CUDA events recorded around ``dispatch`` and around ``combine`` on the current stream,
+synchronised after each step; ``combine`` includes the server's step (its expert MLP at that
+width), which DeepEP's combine does not. The row checks the output against the same MLP computed
+here (calc_diff below --gpu-diff-limit, which allows for the fp8 dispatch). Anything missing (no
+device, the device API or server not built yet) prints the row as "not run: <reason>"; the host
+rows are never affected. --gpu-only runs this row alone (tools/gpu_check.py uses it).
+
 Usage: python bench/vs_deepep.py [--num-processes 2] [--trials 5] [--iters 20] [--quick]
-       [--json PATH]
+       [--gpu-only] [--json PATH]
 """
 
 from __future__ import annotations
@@ -27,8 +40,11 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import re
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -44,9 +60,23 @@ PUBLISHED = {
     "combine_us": 318.0,
     "combine_gbps": 46.0,
 }
+# The same shape in DeepEP's current V1 documentation (docs/legacy.md: H800 + CX7 400 Gb/s IB,
+# EP 8; the low-latency kernels after their later optimizations). Context, not a contender.
+PUBLISHED_V1_LATEST = {
+    "name": "DeepEP V1 docs/legacy.md (H800, EP8; not run here)",
+    "dispatch_us": 77.0,
+    "dispatch_gbps": 98.0,
+    "combine_us": 114.0,
+    "combine_gbps": 127.0,
+}
 MASKED = 10  # DeepEP's test masks this many random (token, k) entries to -1
 FP8_DIFF_LIMIT = 7e-4  # DeepEP's tolerance for an fp8 dispatch + bf16 combine round trip
 RANK_TIMEOUT_S = 60.0
+# The GPU row's result goes through an expert MLP: the fp8 input error (DeepEP's 7e-4 on the
+# identity) passes through it at about the same relative size; bf16 weights and output add little.
+GPU_DIFF_LIMIT = 5e-3
+GPU_SERVER_START_S = 180.0  # CUDA start-up and the load of every expert of the checkpoint
+GPU_CLIENT_TIMEOUT_S = 10.0
 
 
 def deepep_inputs(rank: int, tokens: int, hidden: int, experts: int, topk: int, seed: int = 1):
@@ -280,6 +310,238 @@ def print_deepep_style(label: str, ranks: list[dict]) -> None:
         )
 
 
+# ---------------------------------------------------------------------------------------------
+# The moecomm GPU row: DeviceClient here, expert server (--device cuda) in its own process.
+
+
+class GpuRowNotRun(Exception):
+    """The row cannot run here; the message says why."""
+
+
+def write_gpu_checkpoint(path: str, a) -> None:
+    """A one-layer random Mixtral-layout checkpoint of the bench's shape: hidden a.hidden,
+    a.num_experts experts of width a.gpu_intermediate, top-a.num_topk; attention is one head of
+    width 8 so that nearly all bytes are experts."""
+    from moecomm_serving.tiny import write_tiny
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        write_tiny(
+            path,
+            "mixtral",
+            seed=0,
+            dtype=torch.bfloat16,
+            overrides={
+                "hidden_size": a.hidden,
+                "intermediate_size": a.gpu_intermediate,
+                "num_hidden_layers": 1,
+                "num_local_experts": a.num_experts,
+                "num_experts_per_tok": a.num_topk,
+                "num_attention_heads": 1,
+                "num_key_value_heads": 1,
+                "head_dim": 8,
+            },
+        )
+    finally:
+        torch.set_num_threads(threads)
+
+
+class ServerProcess:
+    """``moecomm expert-server --device cuda`` as a child process; its output goes to a log and
+    its URL is read from the line ``... listening on http://host:port: ...``."""
+
+    LISTENING = re.compile(r"listening on (https?://[^\s]+?):?\s")
+
+    def __init__(self, cmd: list[str], log_path: str):
+        self.log_path = log_path
+        self.lines: list[str] = []
+        self.url: str | None = None
+        self._found = threading.Event()
+        self._log = open(log_path, "w")  # noqa: SIM115  closed in stop()
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            bufsize=1,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self._log.write(line)
+            self._log.flush()
+            self.lines.append(line.rstrip())
+            m = self.LISTENING.search(line + " ")
+            if m and self.url is None:
+                self.url = m.group(1)
+                self._found.set()
+        self._found.set()  # the process ended
+
+    def wait_url(self, timeout: float) -> str:
+        self._found.wait(timeout)
+        if self.url is None:
+            state = (
+                f"exited with {self.proc.poll()}"
+                if self.proc.poll() is not None
+                else f"printed no URL within {timeout:.0f} s"
+            )
+            last = " | ".join(self.lines[-3:]) or "no output"
+            raise GpuRowNotRun(f"expert server {state}: {last} (log: {self.log_path})")
+        return self.url
+
+    def stop(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)  # the server stops at once on SIGINT
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._reader.join(5)
+        self._log.close()
+
+
+def gpu_reference(ckpt_dir: str, x, idx, w) -> torch.Tensor:
+    """Σ_k w[t,k] · mlp_{idx[t,k]}(x[t]) in float32 on the GPU, with the checkpoint's weights
+    (Mixtral: w2 · (silu(w1 · x) * (w3 · x)))."""
+    from moecomm_serving.checkpoint import Checkpoint
+
+    experts = sorted({int(e) for e in idx.flatten().tolist() if e >= 0})
+    weights = Checkpoint(ckpt_dir).read_experts({0: experts}, torch.bfloat16, device=x.device)[0]
+    xf = x.float()
+    y = torch.zeros_like(xf)
+    for e in experts:
+        tok, k = (idx == e).nonzero(as_tuple=True)
+        ew = weights[e]
+        h = torch.nn.functional.silu(xf[tok] @ ew.w1.float().T) * (xf[tok] @ ew.w3.float().T)
+        y.index_add_(0, tok, (h @ ew.w2.float().T) * w[tok, k].float().unsqueeze(1))
+    return y
+
+
+def moecomm_gpu_row(a, work_dir: str, log_dir: str) -> dict:
+    """The moecomm GPU row, or {"name", "not_run": reason}. Never raises. The checkpoint goes
+    to work_dir (temporary), the server's log to log_dir."""
+    name = "moecomm GPU, 1 GPU, CUDA IPC (this run)"
+    try:
+        return _moecomm_gpu_row(a, work_dir, log_dir, name)
+    except GpuRowNotRun as exc:
+        return {"name": name, "not_run": str(exc)}
+    except Exception as exc:  # the device path is young: report, never crash the host rows
+        return {"name": name, "not_run": f"{type(exc).__name__}: {exc}"}
+
+
+def _moecomm_gpu_row(a, work_dir: str, log_dir: str, name: str) -> dict:
+    if not torch.cuda.is_available():
+        raise GpuRowNotRun(f"no CUDA device (torch {torch.__version__}: torch.cuda unavailable)")
+    try:
+        from moecomm.runtime import DeviceClient
+    except ImportError as exc:
+        raise GpuRowNotRun(f"moecomm.runtime.DeviceClient is not available ({exc})") from exc
+    dev = torch.device("cuda:0")
+    torch.cuda.set_device(dev)
+    ckpt = os.path.join(work_dir, "gpu-row-checkpoint")
+    t0 = time.perf_counter()
+    write_gpu_checkpoint(ckpt, a)
+    print(f"GPU row: wrote the checkpoint in {time.perf_counter() - t0:.1f} s", flush=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "moecomm_serving.cli",
+        "expert-server",
+        "--checkpoint",
+        ckpt,
+        "--layers",
+        "0",
+        "--experts",
+        "all",
+        "--dtype",
+        "bfloat16",
+        "--device",
+        "cuda",
+        "--port",
+        "0",
+    ]
+    server = ServerProcess(cmd, os.path.join(log_dir, "gpu-row-server.log"))
+    client = None
+    try:
+        url = server.wait_url(GPU_SERVER_START_S)
+        client = DeviceClient.connect(
+            [url],
+            max_tokens=a.num_tokens,
+            hidden=a.hidden,
+            topk=a.num_topk,
+            encoding="fp8",
+            out_encoding="bf16",
+            device="cuda:0",
+            num_slots=2,
+            timeout=GPU_CLIENT_TIMEOUT_S,
+        )
+        x, idx, w = (
+            t.to(dev) for t in deepep_inputs(0, a.num_tokens, a.hidden, a.num_experts, a.num_topk)
+        )
+        layer = 0
+        y = client.combine(client.dispatch(x, idx, w, layer))
+        torch.cuda.synchronize()
+        diff = calc_diff(gpu_reference(ckpt, x, idx, w).cpu(), y.float().cpu())
+        start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        samples = {"dispatch": [], "combine": [], "step_wall": []}
+        for trial in range(a.warmup_trials + a.trials):
+            got = {k: [] for k in samples}
+            for _ in range(a.iters):
+                w0 = time.perf_counter_ns()
+                start.record()
+                h = client.dispatch(x, idx, w, layer)
+                mid.record()
+                client.combine(h)
+                end.record()
+                end.synchronize()
+                got["step_wall"].append(time.perf_counter_ns() - w0)
+                got["dispatch"].append(start.elapsed_time(mid) * 1e6)  # ms -> ns
+                got["combine"].append(mid.elapsed_time(end) * 1e6)
+            if trial >= a.warmup_trials:
+                for k in samples:
+                    samples[k].append(got[k])
+    finally:
+        close = getattr(client, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception as exc:
+                print(f"GPU row: client close failed: {exc!r}", flush=True)
+        server.stop()
+    med = {k: percentile([percentile(t, 50) for t in v], 50) / 1e3 for k, v in samples.items()}
+    d_bytes, c_bytes = deepep_bytes(idx.cpu(), a.hidden)
+    flat = {k: [s for t in v for s in t] for k, v in samples.items()}
+    print(f"\n{name}")
+    print(
+        f"[gpu] Dispatch: median {med['dispatch']:.2f} us, min {min(flat['dispatch']) / 1e3:.2f}"
+        f" us, max {max(flat['dispatch']) / 1e3:.2f} us | Combine (incl. the server's MLP): "
+        f"median {med['combine']:.2f} us, min {min(flat['combine']) / 1e3:.2f} us | step wall "
+        f"median {med['step_wall']:.2f} us | calc_diff {diff:.2e}"
+    )
+    return {
+        "name": name,
+        "dispatch_us": med["dispatch"],
+        "combine_us": med["combine"],
+        "dispatch_gbps": d_bytes / med["dispatch"] / 1e3,
+        "combine_gbps": c_bytes / med["combine"] / 1e3,
+        "step_wall_us": med["step_wall"],
+        "calc_diff": diff,
+        "max_calc_diff": diff,
+        "diff_limit": GPU_DIFF_LIMIT,
+        "gpu": torch.cuda.get_device_name(dev),
+        "expert_intermediate": a.gpu_intermediate,
+        "samples_ns": samples,
+    }
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--num-processes", type=int, default=2)
@@ -291,6 +553,17 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup-trials", type=int, default=1)
     ap.add_argument("--iters", type=int, default=20, help="samples per trial (half with hooks)")
     ap.add_argument("--quick", action="store_true", help="small shape and few samples (tests)")
+    ap.add_argument(
+        "--gpu-only",
+        action="store_true",
+        help="only the moecomm GPU row (and the published figures); no host ranks",
+    )
+    ap.add_argument(
+        "--gpu-intermediate",
+        type=int,
+        default=64,
+        help="expert MLP width of the GPU row's random checkpoint (the server computes it)",
+    )
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     if a.quick:
@@ -299,36 +572,52 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     print(
         f"low-latency shape: {a.num_tokens} tokens/rank, hidden {a.hidden}, top-{a.num_topk} "
-        f"of {a.num_experts} experts, fp8 dispatch, bf16 combine, {a.num_processes} ranks"
+        f"of {a.num_experts} experts, fp8 dispatch, bf16 combine, "
+        + ("moecomm GPU row only" if a.gpu_only else f"{a.num_processes} ranks")
     )
     rows, results = [], {}
+    deepep_row = None
+    deepep_reason = gpu_skip_reason(a.num_processes)
     with tempfile.TemporaryDirectory() as tmp:
-        ranks = spawn_ranks(moecomm_rank, a, os.path.join(tmp, "store"))
-        print_deepep_style(f"moecomm.compat.deep_ep, host shm, {a.num_processes} processes", ranks)
-        rows.append(summarize(f"moecomm host shm, {a.num_processes} procs (this run)", ranks))
-        results["moecomm"] = ranks
-        reason = gpu_skip_reason(a.num_processes)
-        if reason is None:
-            gpu = spawn_ranks(deepep_rank, a, os.path.join(tmp, "nccl-init"))
-            print_deepep_style(f"DeepEP Buffer, {a.num_processes} GPUs", gpu)
-            rows.append(summarize(f"DeepEP, {a.num_processes} GPUs (this run)", gpu))
-            results["deep_ep"] = gpu
-        else:
-            print(f"\nGPU rows not run: {reason}")
+        if not a.gpu_only:
+            ranks = spawn_ranks(moecomm_rank, a, os.path.join(tmp, "store"))
+            print_deepep_style(
+                f"moecomm.compat.deep_ep, host shm, {a.num_processes} processes", ranks
+            )
+            rows.append(summarize(f"moecomm host shm, {a.num_processes} procs (this run)", ranks))
+            results["moecomm"] = ranks
+            if deepep_reason is None:
+                gpu = spawn_ranks(deepep_rank, a, os.path.join(tmp, "nccl-init"))
+                print_deepep_style(f"DeepEP Buffer, {a.num_processes} GPUs", gpu)
+                deepep_row = summarize(f"DeepEP, {a.num_processes} GPUs (this run)", gpu)
+                rows.append(deepep_row)
+                results["deep_ep"] = gpu
+            else:
+                print(f"\nGPU rows not run: {deepep_reason}")
+        # The server's log: next to the JSON when there is one (gpu-check keeps it).
+        log_dir = os.path.dirname(os.path.abspath(a.json)) if a.json else tmp
+        gpu_row = moecomm_gpu_row(a, tmp, log_dir)
+    if "not_run" in gpu_row:
+        print(f"\n{gpu_row['name']}: not run: {gpu_row['not_run']}")
+    else:
+        results["moecomm_gpu"] = gpu_row.pop("samples_ns")
+        rows.append(gpu_row)
     # Ratios only against DeepEP measured in this same run: a published figure from another
     # machine and rank count is context, not a contender.
-    reference = rows[1] if len(rows) > 1 else None
     for r in rows:
-        if reference is not None:
-            r["dispatch_ratio"] = r["dispatch_us"] / reference["dispatch_us"]
-            r["combine_ratio"] = r["combine_us"] / reference["combine_us"]
-        r["ok"] = "yes" if r["max_calc_diff"] < FP8_DIFF_LIMIT else "NO"
-    rows.append(PUBLISHED)
-    if reference is None:
+        if deepep_row is not None:
+            r["dispatch_ratio"] = r["dispatch_us"] / deepep_row["dispatch_us"]
+            r["combine_ratio"] = r["combine_us"] / deepep_row["combine_us"]
+        limit = r.get("diff_limit", FP8_DIFF_LIMIT)
+        r["ok"] = "yes" if r["max_calc_diff"] < limit else "NO"
+    if "not_run" in gpu_row:
+        rows.append({"name": gpu_row["name"].replace("(this run)", "(not run: see below)")})
+    rows.extend([PUBLISHED, PUBLISHED_V1_LATEST])
+    if deepep_row is None:
         print("\nmedians (slowest rank); no ratios: DeepEP did not run in this run (the published")
-        print("row is another machine and rank count, shown for context only)")
+        print("rows are other machines and rank counts, shown for context only)")
     else:
-        print(f"\nmedians (slowest rank); ratios = time / {reference['name']}")
+        print(f"\nmedians (slowest rank); ratios = time / {deepep_row['name']}")
     print(
         format_table(
             rows,
@@ -348,13 +637,21 @@ def main(argv=None) -> int:
             ],
         )
     )
+    if "not_run" in gpu_row:
+        print(f"moecomm GPU row: not run: {gpu_row['not_run']}")
+    else:
+        print(
+            "moecomm GPU row: combine includes the server's expert MLP "
+            f"(width {a.gpu_intermediate}); DeepEP's combine does not"
+        )
     write_json(
         a.json,
         {
             "benchmark": "vs_deepep",
             "args": {k: v for k, v in vars(a).items()},
             "rows": rows,
-            "gpu_not_run": gpu_skip_reason(a.num_processes),
+            "gpu_not_run": deepep_reason,
+            "gpu_row": gpu_row,
             "ranks": results,
         },
     )
