@@ -1,46 +1,21 @@
 """Experts backends: where a MoE layer's routed experts run.
 
-The model talks to its experts through two calls, the signature of
-:class:`moecomm.runtime.AttentionClient`, so a connected client *is* a backend:
-
-- ``dispatch(x [T, H], topk_ids [T, K] int32, topk_weights [T, K] float32, layer_id) -> handle``
-  starts the work and may return before it is done;
-- ``combine(handle) -> y [T, H]`` waits and returns
-  ``y[t] = Σ_k w[t, k] · expert_{ids[t, k]}(x[t])``.
-
-Splitting the two lets a scheduler run the attention of one micro-batch while another is with
-the experts. :class:`LocalExperts` computes in-process with the expert servers' own kernel
-(:class:`moecomm.runtime.experts.LayerExperts`), so local and remote results come from the same
-code.
+The model talks to its experts through moecomm's one seam, :class:`moecomm.runtime.ExpertsBackend`
+(``dispatch`` starts, ``combine`` waits), so a connected :class:`moecomm.runtime.AttentionClient`
+or :class:`moecomm.runtime.DeviceClient` *is* a backend. :class:`LocalExperts` computes
+in-process with the expert servers' own kernel (:class:`moecomm.runtime.experts.LayerExperts`),
+so local and remote results come from the same code.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol, runtime_checkable
 
 import torch
+from moecomm.runtime.backend import ExpertsBackend, run_experts
 from moecomm.runtime.experts import ExpertWeights, LayerExperts
 
-
-@runtime_checkable
-class ExpertsBackend(Protocol):
-    def dispatch(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer_id: int
-    ) -> Any: ...
-
-    def combine(self, handle: Any) -> torch.Tensor: ...
-
-
-def run_experts(
-    backend: ExpertsBackend,
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    layer_id: int,
-) -> torch.Tensor:
-    """dispatch + combine in one call, for callers that do not overlap."""
-    return backend.combine(backend.dispatch(x, topk_ids, topk_weights, layer_id))
+__all__ = ["ExpertsBackend", "LocalExperts", "run_experts"]
 
 
 class LocalExperts:

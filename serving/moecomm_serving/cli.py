@@ -102,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"],
         help="model family of the tiny checkpoint",
     )
+    dm.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu (default) or cuda: expert servers on the GPU and a front end that reaches them "
+        "over CUDA IPC (needs a CUDA device and moecomm built with CUDA; fails at once without)",
+    )
     dm.set_defaults(func=demo.run)
     bn = sub.add_parser(
         "bench",

@@ -3,7 +3,9 @@ processes on 127.0.0.1 — the embedded monitor, two expert servers (experts 0-1
 4-11 have a replica) and a front end that finds them through the monitor — then a few prompts
 through the OpenAI API, a metrics summary, and a clean shutdown (also on Ctrl-C). With
 ``--stages 2`` the front end splits the model over two pipeline stage processes, each calling
-the expert servers through its own client."""
+the expert servers through its own client. With ``--device cuda`` (needs a GPU and a CUDA build)
+the expert servers host their experts in GPU memory and the front end reaches them through a
+DeviceClient over CUDA IPC: the GPU path end to end."""
 
 from __future__ import annotations
 
@@ -132,6 +134,20 @@ def metric_summary(url: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    device = getattr(args, "device", "cpu")
+    on_gpu = device.startswith("cuda")
+    if on_gpu:
+        import moecomm.cuda
+
+        if not moecomm.cuda.available():
+            raise SystemExit(
+                f"moecomm demo --device cuda needs a GPU: {moecomm.cuda.why_unavailable()}"
+            )
+        if args.stages > 1:
+            raise SystemExit(
+                "moecomm demo --device cuda: pipeline stages are not on the GPU path yet"
+            )
+    gpu = ["--device", device] if on_gpu else []
     procs = Processes()
     interrupted = False
 
@@ -166,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
                         "--monitor",
                         monitor,
                         *ONE_THREAD,
+                        *gpu,
                     ],
                     "expert server",
                 )
@@ -194,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
                     "0",
                     "--stages",
                     str(stages),
+                    *gpu,
                 ],
                 "frontend",
             )

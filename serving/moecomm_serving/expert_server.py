@@ -19,6 +19,12 @@ from moecomm.runtime.server import ExpertServer
 from moecomm.transport import TRANSPORT_CHOICES
 
 from moecomm_serving.checkpoint import Checkpoint
+from moecomm_serving.device_args import (
+    add_device_arguments,
+    device_layout,
+    is_cuda,
+    random_hosted,
+)
 
 # How often the foreground thread checks for a stop request.
 WAKE_S = 0.2
@@ -75,7 +81,7 @@ def add_transport_argument(p: argparse.ArgumentParser) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = (p.description or "") + " SIGTERM drains gracefully; SIGINT stops at once."
-    p.add_argument("--checkpoint", required=True, help="HF-layout checkpoint directory")
+    p.add_argument("--checkpoint", default=None, help="HF-layout checkpoint directory")
     p.add_argument(
         "--threads",
         type=int,
@@ -99,9 +105,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_transport_argument(p)
     p.add_argument(
         "--dtype",
-        default="float32",
+        default=None,
         choices=["float32", "bfloat16", "float16"],
-        help="dtype the experts compute in (float32 is batch invariant)",
+        help="dtype the experts compute in (default float32 on cpu: batch invariant; "
+        "bfloat16 on cuda)",
     )
     p.add_argument(
         "--batching-window-ms",
@@ -121,6 +128,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_TTL_S,
         help="membership lease in seconds (a lost server is noticed within it)",
     )
+    add_device_arguments(p, server=True)
 
 
 def set_threads(args: argparse.Namespace) -> None:
@@ -130,8 +138,17 @@ def set_threads(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
 
 
-def run(args: argparse.Namespace, ready: threading.Event | None = None) -> int:
-    set_threads(args)
+def load_hosted(args: argparse.Namespace):
+    """(hosted experts, layers, experts, weight source) from --checkpoint or --random-experts."""
+    if args.dtype is None:
+        args.dtype = "bfloat16" if is_cuda(args) else "float32"
+    dtype = getattr(torch, args.dtype)
+    if (args.checkpoint is None) == (args.random_experts is None):
+        raise SystemExit("give exactly one of --checkpoint and --random-experts")
+    if args.random_experts is not None:
+        hosted = random_hosted(args.random_experts, dtype)
+        first = next(iter(hosted.values()))
+        return hosted, sorted(hosted), sorted(first), None
     ckpt = Checkpoint(args.checkpoint)
     cfg = ckpt.config
     layers = [
@@ -143,22 +160,49 @@ def run(args: argparse.Namespace, ready: threading.Event | None = None) -> int:
     hosted = {}
     start = time.perf_counter()
     for n, layer in enumerate(layers, 1):
-        hosted.update(ckpt.read_experts({layer: experts}, getattr(torch, args.dtype)))
+        hosted.update(ckpt.read_experts({layer: experts}, dtype))
         print(
             f"loading experts: layer {layer} ({n}/{len(layers)}), {len(experts)} experts, "
             f"{time.perf_counter() - start:.1f} s",
             flush=True,
         )
-    dtype = getattr(torch, args.dtype)
-    server = ExpertServer(
+    # Live re-placement may ask for any expert of the checkpoint (moecomm rebalance).
+    return (
+        hosted,
+        layers,
+        experts,
+        lambda layer, e: ckpt.read_experts({layer: [e]}, dtype)[layer][e],
+    )
+
+
+def build_server(args: argparse.Namespace, hosted, weight_source) -> ExpertServer:
+    if is_cuda(args):
+        from moecomm.runtime.device_server import DeviceExpertServer
+
+        hidden = next(iter(next(iter(hosted.values())).values())).hidden
+        return DeviceExpertServer(
+            hosted,
+            device_layout(args, hidden),
+            device=args.device,
+            server_id=args.id or "expert-server",
+            max_clients=args.max_clients,
+            num_slots=args.num_slots,
+            dtype=getattr(torch, args.dtype),
+        )
+    return ExpertServer(
         hosted,
         args.id or "expert-server",
         batching_window_s=args.batching_window_ms / 1e3,
         transport=args.transport,
         host=args.host,
-        # Live re-placement may ask for any expert of the checkpoint (moecomm rebalance).
-        weight_source=lambda layer, e: ckpt.read_experts({layer: [e]}, dtype)[layer][e],
+        weight_source=weight_source,
     )
+
+
+def run(args: argparse.Namespace, ready: threading.Event | None = None) -> int:
+    set_threads(args)
+    hosted, layers, experts, weight_source = load_hosted(args)
+    server = build_server(args, hosted, weight_source)
     http = HttpServer(make_app(server, args.token), args.host, args.port)
     stop, drain = threading.Event(), threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())

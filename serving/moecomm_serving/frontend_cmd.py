@@ -16,6 +16,7 @@ from moecomm.runtime.launch import DEFAULT_TTL_S
 from moecomm.runtime.registry import ClientIdInUse
 
 from moecomm_serving.config import MoEConfig
+from moecomm_serving.device_args import add_device_arguments, is_cuda
 from moecomm_serving.expert_server import add_transport_argument, set_threads
 from moecomm_serving.frontend import make_frontend_app, start_frontend
 from moecomm_serving.frontend_pipeline import run_pipelined
@@ -101,12 +102,60 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "seconds, while serving (default 0: off); see `moecomm rebalance` for the settings",
     )
     add_controller_arguments(p, prefix="eplb-")
+    add_device_arguments(p, server=False)
+
+
+def connect_host_experts(args: argparse.Namespace, urls: list[str], config) -> AttentionClient:
+    client = AttentionClient(
+        urls,
+        args.client_id,
+        config.hidden_size,
+        config.num_experts_per_tok,
+        args.max_batch_tokens,
+        encoding=args.encoding,
+        out_dtype=torch.float32,
+        token=args.token,
+        timeout=args.timeout,
+        transport=args.transport,
+        host=args.host,
+    )
+    print(f"connecting to {len(urls)} expert server(s) as client {client.client_id}", flush=True)
+    try:
+        client.connect()
+    except ClientIdInUse as exc:
+        raise SystemExit(f"moecomm frontend: {exc}") from None
+    return client
+
+
+def connect_device_experts(args: argparse.Namespace, urls: list[str]):
+    """The GPU path: a DeviceClient on args.device with the servers' slot layout. Its servers
+    are the ones reachable at start (joins and losses of the membership are not followed yet:
+    a lost server is evicted by the client's failover)."""
+    import moecomm.cuda
+    from moecomm.runtime.device_client import DeviceClient
+
+    from moecomm_serving.device_experts import DeviceExperts
+
+    if not moecomm.cuda.available():
+        raise SystemExit(
+            f"moecomm frontend --device cuda needs a GPU: {moecomm.cuda.why_unavailable()}"
+        )
+    client = DeviceClient.from_servers(
+        urls, device=args.device, client_id=args.client_id, timeout=args.timeout, token=args.token
+    )
+    print(f"connected to {len(urls)} GPU expert server(s) over CUDA IPC", flush=True)
+    return DeviceExperts(client)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.stages < 1:
         raise SystemExit(f"moecomm frontend: --stages must be >= 1, got {args.stages}")
     check_placement_args(args)
+    if is_cuda(args) and (args.stages > 1 or args.eplb_interval > 0 or args.local_experts):
+        raise SystemExit(
+            "moecomm frontend --device cuda: pipeline stages, --eplb-interval and "
+            "--local-experts are not on the GPU path yet"
+        )
     if args.stages > 1:
         return run_pipelined(args)
     set_threads(args)
@@ -124,29 +173,12 @@ def run(args: argparse.Namespace) -> int:
                 raise SystemExit(f"no expert server is registered with {args.monitor}")
         else:
             urls = [u.strip() for u in args.servers.split(",") if u.strip()]
-        client = AttentionClient(
-            urls,
-            args.client_id,
-            config.hidden_size,
-            config.num_experts_per_tok,
-            args.max_batch_tokens,
-            encoding=args.encoding,
-            out_dtype=torch.float32,
-            token=args.token,
-            timeout=args.timeout,
-            transport=args.transport,
-            host=args.host,
-        )
-        print(
-            f"connecting to {len(urls)} expert server(s) as client {client.client_id}", flush=True
-        )
-        try:
-            client.connect()
-        except ClientIdInUse as exc:
-            raise SystemExit(f"moecomm frontend: {exc}") from None
-        if membership is not None:
-            client.follow(membership, args.ttl)
-        experts = client
+        if is_cuda(args):
+            client = experts = connect_device_experts(args, urls)
+        else:
+            client = experts = connect_host_experts(args, urls, config)
+            if membership is not None:
+                client.follow(membership, args.ttl)
     print(f"loading {args.checkpoint}", flush=True)
     model = load_model(args.checkpoint, experts=experts, dtype=torch.float32)
     name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))

@@ -64,6 +64,9 @@ class ConnectModel(BaseModel):
     transport: str = Field(default="shm", max_length=32)
     # The secret of this client's previous session with the server, when it reconnects.
     session: str = Field(default="", max_length=2 * SESSION_BYTES)
+    # cuda_ipc: where the server's response ring starts in the client's region (one region
+    # holds the rings of all the client's servers).
+    response_ring_offset: int = Field(default=0, ge=0, lt=1 << 40)
 
 
 class TokenModel(BaseModel):
@@ -97,6 +100,19 @@ class DisconnectModel(BaseModel):
     session: str | None = Field(default=None, max_length=2 * SESSION_BYTES)
 
 
+def _mixed_hint(asked: str, offered: list[str]) -> str:
+    """Why a host client and a GPU server (or the reverse) cannot talk: slots live in host
+    memory on one side and GPU memory on the other, and nothing converts between them."""
+    if asked == "cuda_ipc":
+        return " (a device client needs an expert server started with --device cuda)"
+    if offered == ["cuda_ipc"]:
+        return (
+            " (this is a GPU expert server, --device cuda: connect with a DeviceClient, e.g. "
+            "`moecomm frontend --device cuda`)"
+        )
+    return ""
+
+
 def make_app(server: ExpertServer, token: str = "") -> FastAPI:
     """The HTTP face of `server`. `token`, when set, must accompany connects and disconnects."""
     app = FastAPI(title=f"moecomm expert server {server.server_id}")
@@ -108,14 +124,15 @@ def make_app(server: ExpertServer, token: str = "") -> FastAPI:
     @app.post("/connect")
     def connect(body: ConnectModel):
         authorize(body.token)
-        served = ", ".join(server.transports.names)
-        if body.transport not in server.transports.names:
+        offered = server.served_transports()
+        served = ", ".join(offered)
+        if body.transport not in offered:
             known = body.transport in TRANSPORT_NAMES
             raise HTTPException(
                 status_code=400,
                 detail=f"this server serves over {served}; it cannot serve a "
                 + (
-                    f"{body.transport!r} client"
+                    f"{body.transport!r} client{_mixed_hint(body.transport, offered)}"
                     if known
                     else f"client of unknown transport "
                     f"{body.transport[:32]!r} (known: {', '.join(TRANSPORT_NAMES)})"
@@ -137,6 +154,7 @@ def make_app(server: ExpertServer, token: str = "") -> FastAPI:
                 body.num_slots,
                 body.session,
                 transport=body.transport,
+                response_ring_offset=body.response_ring_offset,
             )
         except ClientIdInUse as exc:
             raise HTTPException(status_code=409, detail=str(exc)) from exc
@@ -283,6 +301,7 @@ def http_connect(
     timeout: float = HTTP_TIMEOUT_S,
     transport: str = "shm",
     session: str = "",
+    extra: dict | None = None,
 ) -> dict:
     """Client side of the connect handshake. `transport` names where the client's response
     slots live (the server must use the same one); `session` is the secret of a previous
@@ -296,6 +315,7 @@ def http_connect(
         "token": token,
         "transport": transport,
         "session": session,
+        **(extra or {}),
     }
     try:
         r = httpx.post(f"{url}/connect", json=body, timeout=timeout)

@@ -119,11 +119,15 @@ class ExpertServer:
         """{layer: logical expert of each local index}, -1 for an index clients must not use."""
         return self.placement.published()
 
+    def served_transports(self) -> list[str]:
+        """The transports clients may connect over (GET /transports, membership metadata)."""
+        return list(self.transports.names)
+
     def offer(self) -> dict:
         """What a client needs to pick a transport (GET /transports): the ones served here,
         this host's boot id and the shm probe word."""
         return {
-            "transports": list(self.transports.names),
+            "transports": self.served_transports(),
             "boot_id": boot_id(),
             "shm_probe": self.shm_probe.describe() if self.shm_probe is not None else None,
         }
@@ -136,6 +140,7 @@ class ExpertServer:
         num_slots: int,
         session: str = "",
         transport: str | None = None,
+        response_ring_offset: int = 0,
     ) -> dict:
         """Allocates request slots for a client and attaches to its response slots. The answer
         carries a session secret: a later connect under the same id (the client reconnecting)
@@ -147,6 +152,8 @@ class ExpertServer:
             raise MoecommError(f"{self.server_id} is unhealthy: {self.health.reason}")
         if layout.hidden != self.hidden:
             raise ValueError(f"hidden {layout.hidden} does not match this server's {self.hidden}")
+        if response_ring_offset:
+            raise ValueError("response_ring_offset is for cuda_ipc clients of a GPU server")
         name = transport or self.transport.name
         if name not in self.transports.names:
             raise MoecommError(
@@ -399,7 +406,7 @@ class ExpertServer:
             self.server_id,
             {"control": control_url},
             self.hosted_ids(),
-            {"transports": ",".join(self.transports.names)},
+            {"transports": ",".join(self.served_transports())},
         )
         self._registration = membership.register(member, ttl)
         self._watcher = membership.watch(
