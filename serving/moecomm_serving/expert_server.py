@@ -146,9 +146,12 @@ def load_hosted(args: argparse.Namespace):
     if (args.checkpoint is None) == (args.random_experts is None):
         raise SystemExit("give exactly one of --checkpoint and --random-experts")
     if args.random_experts is not None:
-        hosted = random_hosted(args.random_experts, dtype)
-        first = next(iter(hosted.values()))
-        return hosted, sorted(hosted), sorted(first), None
+        every = random_hosted(args.random_experts, dtype)
+        num_experts = len(next(iter(every.values())))
+        experts = parse_ids(args.experts, num_experts, "--experts")
+        layers = parse_ids(args.layers, len(every), "--layers")
+        hosted = {layer: {e: every[layer][e] for e in experts} for layer in layers}
+        return hosted, layers, experts, None
     ckpt = Checkpoint(args.checkpoint)
     cfg = ckpt.config
     layers = [
@@ -177,7 +180,13 @@ def load_hosted(args: argparse.Namespace):
 
 def build_server(args: argparse.Namespace, hosted, weight_source) -> ExpertServer:
     if is_cuda(args):
+        import moecomm.cuda
         from moecomm.runtime.device_server import DeviceExpertServer
+
+        if not moecomm.cuda.available():
+            raise SystemExit(
+                f"moecomm expert-server --device cuda needs a GPU: {moecomm.cuda.why_unavailable()}"
+            )
 
         hidden = next(iter(next(iter(hosted.values())).values())).hidden
         return DeviceExpertServer(

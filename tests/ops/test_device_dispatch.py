@@ -224,22 +224,16 @@ def test_valid_launch_without_a_device_is_a_cuda_error():
         k.client_dispatch(_peers(k), _client_config(k), _dispatch_args(k))
 
 
-def test_wrapper_refuses_cpu_tensors_and_missing_module(monkeypatch):
-    from moecomm.ops import device_dispatch
+def test_device_client_refuses_a_cpu_device_and_a_missing_build(monkeypatch):
+    from moecomm.runtime import DeviceClient
 
     layout = SlotLayout(8, 64, 2)
-    offsets = torch.zeros(1, dtype=torch.int64)
-    try:
-        peers = device_dispatch.cuda_module().IpcPeers()
-    except RuntimeError:
-        peers = None
-    if peers is not None:
-        with pytest.raises(ValueError, match="must be a CUDA tensor"):
-            device_dispatch.DeviceClient(peers, layout, 1, 0, offsets, offsets)
-
+    # Without a device the module refuses first, naming why; with one, the CPU device does.
+    with pytest.raises((RuntimeError, ValueError), match=r"(?i)cuda"):
+        DeviceClient(layout, device="cpu")
     monkeypatch.setattr(moecomm.cuda, "_import_native", lambda name: None)
     with pytest.raises(RuntimeError, match=r"moecomm\._cuda was not built"):
-        device_dispatch.DeviceClient(peers, layout, 1, 0, offsets, offsets)
+        DeviceClient(layout, device="cuda")
 
 
 # ------------------------------------------------------------------------------ on a GPU

@@ -1,4 +1,5 @@
-"""``deep_ep.Buffer``'s low-latency API over moecomm's slot protocol (host transport, CPU tensors).
+"""``deep_ep.Buffer``'s low-latency API over moecomm's slot protocol: CPU tensors on the host
+transport (this file), CUDA tensors on the device kernels over CUDA IPC (``_ll_device.py``).
 
 Engines written against DeepEP call ``low_latency_dispatch`` / ``low_latency_combine``; this
 module answers the same calls with the same shapes, backed by one-sided writes into slot rings
@@ -21,12 +22,11 @@ Differences from DeepEP (all deliberate; engines that rely on one of them must a
 1. **Order inside an expert is deterministic**: ``recv_x[e, :recv_count[e]]`` is source rank
    major, token index ascending. DeepEP orders source ranks by arrival. ``handle[1]``
    (``layout_range``, ``begin << 32 | count`` per source rank) describes it exactly as in DeepEP.
-2. **CPU tensors only.** CUDA inputs raise ``NotImplementedError``: the GPU path belongs to the
-   device kernels. Hence ``async_finish`` is accepted and ignored (calls finish before they
-   return) and the returned ``event`` is a :class:`CompletedEvent` whose
-   ``current_stream_wait()`` does nothing. ``hook`` is ``None`` unless ``return_recv_hook``.
-3. **Hooks**: with ``return_recv_hook=True`` dispatch/combine only write and signal; the hook
-   receives into the tensors already returned. Calling a hook twice is a no-op.
+2. **CPU or CUDA tensors, one kind per Buffer** (the first dispatch decides). On the host,
+   ``async_finish`` is ignored and ``event`` is a :class:`CompletedEvent`; on CUDA it is a
+   ``torch.cuda.Event`` (rules of that path: ``_ll_device.py``, docs/compat-deep-ep.md).
+3. **Hooks** (``None`` unless ``return_recv_hook``): dispatch/combine only write and signal; the
+   hook receives into the tensors already returned. Calling a hook twice is a no-op.
 4. **Two results in flight**, like DeepEP's two buffers: ``recv_x`` of dispatch ``i`` is reused by
    dispatch ``i + 2``. Stricter than DeepEP: dispatch ``i`` must be combined before dispatch
    ``i + 2`` (its request slot is released by the answer), else ``RuntimeError``.
@@ -62,6 +62,7 @@ import time
 import torch
 
 from moecomm._C import Encoding
+from moecomm.compat._ll_device import DeviceHandle, DevicePath, check_mode, input_device
 from moecomm.compat._ll_layout import (
     LLShape,
     Scratch,
@@ -151,6 +152,8 @@ class Buffer:
         self._in_flight: list[LowLatencyHandle | None] = [None] * NUM_SLOTS
         self._num_dispatches = 0
         self._destroyed = False
+        self._mode: str | None = None  # "cpu" or "cuda", set by the first dispatch
+        self._device: DevicePath | None = None
         given = (num_max_dispatch_tokens_per_rank, hidden, num_experts, num_topk)
         if any(v is not None for v in given):
             if any(v is None for v in given):
@@ -231,6 +234,13 @@ class Buffer:
         self._check_open()
         if round_scale or use_ue8m0:
             raise NotImplementedError("round_scale / use_ue8m0 (power-of-2 or UE8M0 scales)")
+        stats = cumulative_local_expert_recv_stats
+        device = input_device(x=x, topk_idx=topk_idx, cumulative_local_expert_recv_stats=stats)
+        self._mode = check_mode(self._mode, device is not None)
+        if device is not None:
+            self._device = self._device or DevicePath(self)
+            m, e, hook = num_max_dispatch_tokens_per_rank, num_experts, return_recv_hook
+            return self._device.dispatch(x, topk_idx, m, e, stats, use_fp8, hook, device)
         x, topk_idx = check_dispatch_inputs(
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8
         )
@@ -244,7 +254,6 @@ class Buffer:
                 f"this buffer was set up for {self.shape.describe()}; got {shape.describe()}"
             )
         num_local = num_experts // self.num_ranks
-        stats = cumulative_local_expert_recv_stats
         if stats is not None:
             check_host("cumulative_local_expert_recv_stats", stats)
             if stats.dtype != torch.int32 or tuple(stats.shape) != (num_local,):
@@ -406,6 +415,10 @@ class Buffer:
         self._check_open()
         if use_logfmt or zero_copy:
             raise NotImplementedError("use_logfmt / zero_copy combine")
+        if self._mode == "cuda" and isinstance(handle, DeviceHandle) and handle.owner == id(self):
+            return self._device.combine(x, topk_idx, topk_weights, handle, return_recv_hook, out)
+        on_cuda = input_device(x=x, topk_idx=topk_idx, topk_weights=topk_weights, out=out)
+        check_mode(self._mode or "cpu", on_cuda is not None)
         if not isinstance(handle, LowLatencyHandle) or handle.owner != id(self):
             raise ValueError("handle must come from low_latency_dispatch of this buffer")
         if handle.requests is None:
@@ -485,6 +498,8 @@ class Buffer:
         if self._destroyed:
             return
         self._destroyed = True
+        if self._device is not None:
+            self._device.destroy()
         for s in self._servers:
             with contextlib.suppress(Exception):
                 s.mark_offline()

@@ -189,6 +189,11 @@ def choose(mine: TransportSet, offer: dict, url: str) -> str:
     if not isinstance(theirs, list) or not all(isinstance(n, str) for n in theirs):
         raise MoecommError(f"{url} answered GET /transports with something else: {offer!r:.200}")
     common = [n for n in mine.names if n in theirs]
+    if not common and theirs == ["cuda_ipc"]:
+        raise MoecommError(
+            f"{url} is a GPU expert server (--device cuda, cuda_ipc only): its slots live in GPU "
+            "memory; connect with a DeviceClient (`moecomm frontend --device cuda`)"
+        )
     if not common:
         raise MoecommError(
             f"{url} offers transport {', '.join(theirs)}; this client speaks "

@@ -1,0 +1,777 @@
+"""The CUDA path of the DeepEP-shaped adapter: ``low_latency_dispatch`` / ``low_latency_combine``
+with CUDA tensors, on the device launchers of ``moecomm._cuda`` (client_dispatch, server_gather,
+server_respond, client_combine) over CUDA IPC. Selected by deep_ep.Buffer when the inputs are
+CUDA tensors; everything else about the Buffer (rendezvous, shapes, two results in flight) is
+shared with the host path.
+
+Each rank is a client (its tokens go out) and a server (its ``L`` local experts answer). Per
+encoding (``use_fp8`` or not) a *lane*: one CUDA-IPC region per rank holding a request ring per
+source rank and a response ring per destination rank (2 slots each), the peers' regions mapped
+through an ``IpcPeerTable`` (the region handles travel through the Buffer's rendezvous, so every
+rank must be on one node: a handle from another node is refused with a clear error).
+
+Wire mapping (what makes the device kernels give DeepEP's layout and the host path's bits):
+
+- **One request row per (token, k) copy** (DeepEP's low-latency dispatch sends per expert too):
+  row ``t*K + k`` of an expanded batch carries ``x[t]`` and the single id ``topk_idx[t, k]``
+  (slot topk 1); its score column carries the token index ``t``. The server's per-expert layout
+  then holds each copy once, source rank major, token ascending (the host path's order), and its
+  answer row is that copy's expert output alone, so the client can weight and sum the copies
+  itself: ``out[t] = Σ_k w[t, k]·y(t, k)`` in f32, k ascending, -0.0 for skipped k — the host
+  path's arithmetic, bit for bit (:func:`combine_from_answers`).
+- **Every rank gets a request from every rank**, even with nothing routed to it: one "sink" row
+  per destination (logical expert ``E + q`` = local expert ``L`` of rank ``q``) is appended, so
+  the receiver knows how many requests to wait for. Sink rows are dropped from recv_x and
+  answered with zeros.
+- **Slots**: dispatch ``i`` of a lane uses slot ``i % 2`` and sends ``layer_id = slot``; the
+  server gather of slot ``s`` serves only requests of layer ``s`` (the other slot's wait for
+  their own receive), into its own workspace.
+
+Receive: the gather kernel polls without waiting, so the receive re-launches it until every
+rank's request of this slot is admitted, reading the 32-byte entry states back each pass — the
+one host synchronisation of the path (documented in docs/compat-deep-ep.md). The conversion of
+the per-expert layout into DeepEP's packed ``recv_x`` / scales / ``src_info`` / ``layout_range``
+/ ``recv_count`` is torch on the device, with no host read (:func:`scatter_receive`). Combine
+launches no host read either; the per-peer statuses of a combine are checked at the next receive
+of the Buffer (where the host synchronises anyway).
+
+Everything runs on the caller's current stream; a call on another stream than the previous one
+first waits for the previous call's event, so the order of the calls is the order on the device.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from moecomm import _C
+from moecomm.compat._ll_layout import MAX_TOKENS_PER_RANK, LLShape, check_shape
+from moecomm.compat._ll_support import NUM_SLOTS, LowLatencyHandle, exchange
+from moecomm.errors import MoecommError, PeerLostError, ProtocolError, TimeoutError
+from moecomm.protocol import SCALE_BLOCK, SlotLayout
+
+# How long one gather waits for the payload of a request whose header arrived (the rest of the
+# payload is picked up by the next pass).
+ARRIVAL_TIMEOUT_NS = 20_000
+# Host back-off between gather passes while requests are missing.
+MAX_POLL_SLEEP_S = 200e-6
+# EntryState (dispatch_index.h): int32 action, code, num_tokens, topk, layer_id, reserved; u64 seq.
+_ENTRY_WORDS, _ACTION_SERVE, _ACTION_REJECT = 8, 1, 2
+_SEQ_MASK = (1 << 56) - 1
+
+__all__ = [
+    "CudaEvent",
+    "DeviceHandle",
+    "DevicePath",
+    "combine_from_answers",
+    "expand_dispatch",
+    "expert_rows",
+    "input_device",
+    "scatter_receive",
+]
+
+
+# ---------------------------------------------------------------------------- selection
+def input_device(**tensors) -> torch.device | None:
+    """The CUDA device of the call's tensors, None when they are all on the host; a clear
+    ValueError when CUDA and non-CUDA tensors (or two CUDA devices) are mixed."""
+    cuda = {n: t.device for n, t in tensors.items() if isinstance(t, torch.Tensor) and t.is_cuda}
+    if not cuda:
+        return None
+    other = [n for n, t in tensors.items() if isinstance(t, torch.Tensor) and not t.is_cuda]
+    if other:
+        raise ValueError(
+            f"deep_ep.Buffer: {', '.join(cuda)} on {next(iter(cuda.values()))} but "
+            f"{', '.join(other)} on the host: give every tensor of a call on the same device"
+        )
+    if len(set(cuda.values())) > 1:
+        raise ValueError(f"deep_ep.Buffer: tensors on several CUDA devices: {cuda}")
+    return next(iter(cuda.values()))
+
+
+def check_mode(mode: str | None, on_cuda: bool) -> str:
+    """A Buffer serves CPU or CUDA tensors, whichever its first dispatch used."""
+    want = "cuda" if on_cuda else "cpu"
+    if mode is not None and mode != want:
+        raise RuntimeError(
+            f"this deep_ep.Buffer runs on {mode.upper()} tensors (its first dispatch); got "
+            f"{want.upper()} tensors: use one Buffer per kind of tensor"
+        )
+    return want
+
+
+# ---------------------------------------------------------------------------- events
+class CudaEvent:
+    """DeepEP's ``EventOverlap`` on the CUDA path: a ``torch.cuda.Event`` recorded on the stream
+    the call ran on, after its last launch."""
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self.device = stream.device
+        self.event = torch.cuda.Event()
+        self.event.record(stream)
+
+    def current_stream_wait(self) -> None:
+        torch.cuda.current_stream(self.device).wait_event(self.event)
+
+    def __enter__(self) -> CudaEvent:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.current_stream_wait()
+
+
+class DeviceHandle(LowLatencyHandle):
+    """The handle of a CUDA dispatch: DeepEP's tuple plus what the device combine needs."""
+
+    lane: _Lane
+    slot: int
+    expert: torch.Tensor | None = None  # [max_rows] int64 local expert of each layout row
+    pos: torch.Tensor | None = None  # [max_rows] int64 row inside recv_x[expert]
+    valid: torch.Tensor | None = None  # [max_rows] bool: a real copy (not a sink, not unused)
+    received: bool = False
+    reduced: bool = False  # the combine's receive was launched
+
+
+# ---------------------------------------------------------------------------- pure torch
+def expand_dispatch(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    x_exp: torch.Tensor,
+    ids_exp: torch.Tensor,
+    sink_ids: torch.Tensor,
+) -> int:
+    """Writes the expanded batch the dispatch kernels send: row ``t*K + k`` = ``x[t]`` with the
+    id ``topk_idx[t, k]``, then one sink row per rank (id ``sink_ids[q]``, zero activations).
+    Returns the number of rows."""
+    t, k = topk_idx.shape
+    n = t * k
+    if t:
+        x_exp[:n].view(t, k, -1).copy_(x.unsqueeze(1).expand(t, k, x.shape[1]))
+        ids_exp[:n].copy_(topk_idx.reshape(n, 1))
+    r = sink_ids.shape[0]
+    x_exp[n : n + r].zero_()
+    ids_exp[n : n + r].copy_(sink_ids.view(r, 1))
+    return n + r
+
+
+@dataclass
+class Received:
+    """DeepEP's receive tensors of one dispatch, and the map back to the gather's layout."""
+
+    recv_count: torch.Tensor  # [L] int32
+    src_info: torch.Tensor  # [L, R*M] int32, -1 past the count
+    layout_range: torch.Tensor  # [L, R] int64 (begin << 32) | count
+    expert: torch.Tensor  # [max_rows] int64
+    pos: torch.Tensor  # [max_rows] int64
+    valid: torch.Tensor  # [max_rows] bool
+
+
+def scatter_receive(
+    counts: torch.Tensor,
+    offsets: torch.Tensor,
+    src_batch: torch.Tensor,
+    src_token: torch.Tensor,
+    row_scores: torch.Tensor,
+    rows: torch.Tensor,
+    step_scales: torch.Tensor | None,
+    data_store: torch.Tensor,
+    scale_store: torch.Tensor | None,
+    num_ranks: int,
+    num_slots: int,
+) -> Received:
+    """The server gather's per-expert layout, laid out as DeepEP's packed receive: no host read.
+
+    Gather side (``L + 1`` experts, the last one the sinks; ``max_rows`` layout rows of which
+    the first ``offsets[L + 1]`` are filled): ``counts`` [L+1] int32, ``offsets`` [L+2] int64,
+    ``src_batch`` [max_rows] int32 (entry = source rank * num_slots + slot), ``src_token``
+    [max_rows] int64 (row of the step's concatenated requests), ``row_scores`` [max_rows] f32
+    (the source token index), ``rows`` [max_rows, ...] the activations, ``step_scales``
+    [step tokens, H/128] f32 (fp8) or None.
+
+    DeepEP side: ``data_store`` [L+1, R*M, ...] (``rows``' dtype and row shape; slice ``[:L]``
+    is recv_x, expert ``L`` absorbs every unused or sink row), ``scale_store`` [L+1, H/128, R*M]
+    f32 (``[:L].transpose(1, 2)`` is the column-major scales) or None.
+    """
+    num_local = counts.shape[0] - 1
+    rows_per_expert = data_store.shape[1]
+    dev = rows.device
+    max_rows = rows.shape[0]
+    i = torch.arange(max_rows, device=dev)
+    # Expert of layout row i: how many expert ends are <= i (rows past the last fill give L+1).
+    expert = torch.searchsorted(offsets[1:].contiguous(), i, right=True)
+    valid = expert < num_local
+    first = offsets.index_select(0, expert.clamp(max=num_local))
+    pos = torch.where(valid, i - first, 0)
+    e_tgt = torch.where(valid, expert, num_local)
+    data_store.index_put_((e_tgt, pos), rows)
+    if step_scales is not None:
+        assert scale_store is not None
+        tok = src_token.clamp(0, step_scales.shape[0] - 1)
+        scale_store.transpose(1, 2).index_put_((e_tgt, pos), step_scales.index_select(0, tok))
+    src_info = torch.full(
+        (num_local + 1, rows_per_expert), -1, dtype=torch.int32, device=dev
+    ).index_put_((e_tgt, pos), torch.where(valid, row_scores.to(torch.int32), -1))
+    src_rank = (src_batch.to(torch.int64) // num_slots).clamp(0, num_ranks - 1)
+    cell = torch.where(valid, expert * num_ranks + src_rank, num_local * num_ranks)
+    per_rank = torch.zeros((num_local + 1) * num_ranks, dtype=torch.int64, device=dev)
+    per_rank.index_add_(0, cell, torch.ones_like(cell))
+    per_rank = per_rank.view(num_local + 1, num_ranks)[:num_local]
+    begin = per_rank.cumsum(1) - per_rank
+    return Received(
+        recv_count=counts[:num_local].clone(),
+        src_info=src_info[:num_local],
+        layout_range=(begin << 32) | per_rank,
+        expert=expert,
+        pos=pos,
+        valid=valid,
+    )
+
+
+def expert_rows(
+    y: torch.Tensor, expert: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """The respond kernel's ``expert_out``: layout row i = ``y[expert[i], pos[i]]`` (the user's
+    expert output, unweighted), zero for sink and unused rows."""
+    rows_per_expert, hidden = y.shape[1], y.shape[2]
+    flat = torch.where(valid, expert * rows_per_expert + pos, 0)
+    torch.index_select(y.reshape(-1, hidden), 0, flat, out=out)
+    return out.masked_fill_(~valid.unsqueeze(1), 0)
+
+
+def combine_from_answers(
+    answers: torch.Tensor,
+    pos: torch.Tensor,
+    topk_idx: torch.Tensor,
+    weights: torch.Tensor,
+    num_local: int,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """``out[t] = Σ_k w[t, k] · y(t, k)`` in f32, k ascending, cast to ``out``'s dtype: the host
+    path's :func:`moecomm.compat._ll_layout.weighted_sum` operation by operation (product
+    rounded to f32, then the add; -0.0 for a skipped k), so the bits are the same.
+
+    ``answers`` [R, rows, H] bf16: rank q's answer rows (any strides); ``pos`` [>= T*K, R]
+    int32: row of expanded row ``t*K + k`` in rank q's request (the client workspace's ``pos``).
+    Ids outside ``[0, R*L)`` count as -1."""
+    t, k = topk_idx.shape
+    num_ranks, hidden = answers.shape[0], answers.shape[2]
+    valid = (topk_idx >= 0) & (topk_idx < num_ranks * num_local)
+    dest = torch.where(valid, topk_idx // num_local, 0)
+    flat = torch.arange(t * k, device=topk_idx.device).view(t, k) * num_ranks + dest
+    row = pos.reshape(-1).index_select(0, flat.reshape(-1)).view(t, k).to(torch.int64)
+    row = row.clamp(min=0)
+    acc = torch.zeros(t, hidden, dtype=torch.float32, device=answers.device)
+    w = weights.float()
+    for j in range(k):
+        prod = answers[dest[:, j], row[:, j]].float().mul_(w[:, j : j + 1])
+        acc.add_(prod.masked_fill_(~valid[:, j : j + 1], -0.0))
+    return out.copy_(acc)
+
+
+# ---------------------------------------------------------------------------- device memory
+class _DeviceMemory:
+    """Raw device memory seen by torch (``__cuda_array_interface__``); keeps `owner` alive."""
+
+    def __init__(self, ptr: int, nbytes: int, owner) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+            "stream": None,
+        }
+        self.owner = owner
+
+
+def _bytes_view(ptr: int, nbytes: int, owner, device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(_DeviceMemory(ptr, nbytes, owner), device=device)
+
+
+def _part(ws: torch.Tensor, layout: dict, name: str, dtype: torch.dtype, count: int):
+    start = layout[name]
+    size = torch.empty((), dtype=dtype).element_size() * count
+    return ws[start : start + size].view(dtype)
+
+
+# ---------------------------------------------------------------------------- lanes
+class _Lane:
+    """One encoding's regions, peer table, configs and workspaces (see the module docstring)."""
+
+    def __init__(self, path: DevicePath, shape: LLShape, use_fp8: bool, device: torch.device):
+        k = path.k
+        buf = path.buf
+        r, nr = buf.rank, buf.num_ranks
+        self.path, self.shape, self.use_fp8, self.device = path, shape, use_fp8, device
+        self.num_local = shape.num_experts // nr
+        m, kk, h = shape.num_max_dispatch_tokens_per_rank, shape.num_topk, shape.hidden
+        self.max_tokens = m * kk + nr  # expanded rows of one dispatch, sinks included
+        if self.max_tokens > MAX_TOKENS_PER_RANK:
+            raise ValueError(f"num_max_dispatch_tokens_per_rank * num_topk too large: {m * kk}")
+        enc = "fp8_e4m3_b128" if use_fp8 else "bf16"
+        self.layout = SlotLayout(self.max_tokens, h, 1, enc, "bf16")
+        cfg = self.layout.config
+        self.req_ring = _C.SlotRing(cfg, NUM_SLOTS, True).region_bytes
+        self.resp_ring = _C.SlotRing(cfg, NUM_SLOTS, False).region_bytes
+        self.resp_slot_bytes = self.layout.response_slot_bytes
+        self.resp_base = nr * self.req_ring
+        total = self.resp_base + nr * self.resp_ring
+        self.transport = k.IpcTransport(device.index)
+        self.region = self.transport.create_region(total)  # zero-filled: idle slots
+        stream = torch.cuda.current_stream(device)
+        self.table = k.IpcPeerTable(self.transport, self.region, nr, [stream.cuda_stream])
+        mine = {"shape": shape.describe(), "use_fp8": use_fp8, "handle": self.region.handle}
+        prefix = f"{buf.store_prefix}/cuda/{enc}"
+        infos = exchange(mine, r, nr, buf.group, buf.store, prefix, buf.timeout)
+        self.peer_index: dict[int, int] = {}
+        for p, info in enumerate(infos):
+            if info["shape"] != mine["shape"] or info["use_fp8"] != use_fp8:
+                raise ValueError(
+                    f"rank {p} set up its CUDA lane with {info['shape']} (use_fp8="
+                    f"{info['use_fp8']}), rank {r} with {mine['shape']} (use_fp8={use_fp8})"
+                )
+            if p == r:
+                continue
+            try:
+                self.peer_index[p] = self.table.add_peer(info["handle"])
+            except Exception as exc:
+                raise MoecommError(
+                    f"deep_ep.Buffer rank {r}: cannot map the region of rank {p} over CUDA IPC "
+                    f"({exc}); the CUDA path needs every rank on this node, one process per rank"
+                ) from exc
+        i64 = dict(dtype=torch.int64, device=device)
+        # The kernels' peer p is rank p; we are our own peer (CUDA cannot open its own handle,
+        # so the table holds only the others and the base array is ours).
+        table_base = _bytes_view(
+            self.table.backend()["peer_base"], 8 * nr, self.table, device
+        ).view(torch.int64)
+        self.peer_base = torch.full((nr,), self.region.device_ptr, **i64)
+        for p, idx in self.peer_index.items():
+            self.peer_base[p] = table_base[idx]
+        self.alive = torch.ones(nr, dtype=torch.int32, device=device)
+        peers = k.IpcPeers()
+        peers.local_base, peers.peer_base = self.region.device_ptr, self.peer_base.data_ptr()
+        peers.alive, peers.max_peers = self.alive.data_ptr(), nr
+        self.peers = peers
+        self.region_bytes = _bytes_view(self.region.device_ptr, total, self.region, device)
+        # Client: our request ring is ring r of every server's region; server q's answers land
+        # in our response ring q.
+        self.c_req_off = torch.full((nr,), r * self.req_ring, **i64)
+        self.c_resp_off = torch.arange(nr, **i64) * self.resp_ring + self.resp_base
+        cc = k.ClientConfig()
+        cc.num_servers, cc.num_slots, cc.client_id = nr, NUM_SLOTS, r + 1
+        self._slot_fields(cc)
+        cc.request_ring_offset = self.c_req_off.data_ptr()
+        cc.response_ring_offset = self.c_resp_off.data_ptr()
+        self.ccfg = cc
+        self.c_layout = k.client_workspace_layout(cc)
+        self.c_ws = [
+            torch.zeros(self.c_layout["total"], dtype=torch.uint8, device=device)
+            for _ in range(NUM_SLOTS)
+        ]
+        self.next_seq = torch.zeros(nr, **i64)
+        e, lc = shape.num_experts, self.num_local
+        self.expert_server = torch.cat([torch.arange(e) // lc, torch.arange(nr)]).to(
+            device, torch.int32
+        )
+        self.expert_local = torch.cat([torch.arange(e) % lc, torch.full((nr,), lc)]).to(
+            device, torch.int32
+        )
+        self.sink_ids = torch.arange(e, e + nr, **i64)
+        self.x_exp = torch.zeros(self.max_tokens, h, dtype=torch.bfloat16, device=device)
+        self.ids_exp = torch.full((self.max_tokens, 1), -1, **i64)
+        # The score column carries the source token index (exact in f32 below 2^24).
+        self.w_exp = (torch.arange(self.max_tokens, **i64) // kk).float().view(-1, 1)
+        # Server: client c's requests in our request ring c; our answers go to ring r of c's.
+        self.s_clients = torch.arange(nr, **i64) + 1
+        self.s_req_off = torch.arange(nr, **i64) * self.req_ring
+        self.s_resp_off = torch.full((nr,), self.resp_base + r * self.resp_ring, **i64)
+        sc = k.ServerConfig()
+        sc.num_clients, sc.num_slots, sc.num_experts = nr, NUM_SLOTS, lc + 1
+        sc.max_step_tokens = nr * self.max_tokens
+        self._slot_fields(sc)
+        sc.client_ids = self.s_clients.data_ptr()
+        sc.request_ring_offset = self.s_req_off.data_ptr()
+        sc.response_ring_offset = self.s_resp_off.data_ptr()
+        self.scfg = sc
+        self.s_layout = k.server_workspace_layout(sc)
+        self.s_ws = [
+            torch.zeros(self.s_layout["total"], dtype=torch.uint8, device=device)
+            for _ in range(NUM_SLOTS)
+        ]
+        self.layer_hosted = torch.ones(NUM_SLOTS, dtype=torch.uint8, device=device)
+        rows = nr * m
+        self.max_rows = int(self.s_layout["max_rows"])
+        self.expert_out = torch.empty(self.max_rows, h, dtype=torch.bfloat16, device=device)
+        if use_fp8:
+            self.data_store = [
+                torch.empty(lc + 1, rows, h, dtype=torch.uint8, device=device)
+                for _ in range(NUM_SLOTS)
+            ]
+            self.scale_store = [
+                torch.empty(lc + 1, h // SCALE_BLOCK, rows, device=device) for _ in range(NUM_SLOTS)
+            ]
+        else:
+            self.data_store = [
+                torch.empty(lc + 1, rows, h, dtype=torch.bfloat16, device=device)
+                for _ in range(NUM_SLOTS)
+            ]
+            self.scale_store = [None] * NUM_SLOTS
+        self.count = 0  # dispatches of this lane
+        self.in_flight: list[DeviceHandle | None] = [None] * NUM_SLOTS
+        self.pending_status: list[tuple[int, torch.Tensor]] = []
+
+    def _slot_fields(self, c) -> None:
+        lay = self.layout
+        c.max_tokens, c.hidden, c.topk = lay.max_tokens, lay.hidden, lay.topk
+        c.encoding, c.out_encoding = int(lay.encoding), int(lay.out_encoding)
+
+    def recv_tensors(self, slot: int):
+        lc = self.num_local
+        if self.use_fp8:
+            data = self.data_store[slot][:lc].view(torch.float8_e4m3fn)
+            return data, self.scale_store[slot][:lc].transpose(1, 2)
+        return self.data_store[slot][:lc]
+
+    # -------------------------------------------------------------- dispatch: sends
+    def send(self, x: torch.Tensor, topk_idx: torch.Tensor, stream) -> tuple[int, int]:
+        slot = self.count % NUM_SLOTS
+        n = expand_dispatch(x, topk_idx, self.x_exp, self.ids_exp, self.sink_ids)
+        k = self.path.k
+        a = k.DispatchArgs()
+        a.x, a.x_dtype, a.x_row_stride = self.x_exp.data_ptr(), int(_C.Encoding.BF16), x.shape[1]
+        a.topk_ids, a.ids_int64 = self.ids_exp.data_ptr(), True
+        a.topk_weights, a.weights_dtype = self.w_exp.data_ptr(), int(_C.Encoding.F32)
+        a.num_tokens, a.topk = n, 1
+        a.expert_server = self.expert_server.data_ptr()
+        a.expert_local = self.expert_local.data_ptr()
+        a.num_experts, a.layer_id, a.slot = self.expert_server.shape[0], slot, slot
+        a.next_seq, a.workspace = self.next_seq.data_ptr(), self.c_ws[slot].data_ptr()
+        k.client_dispatch(self.peers, self.ccfg, a, stream.cuda_stream)
+        self.count += 1
+        return slot, self.count  # seq of this dispatch at every server
+
+    # -------------------------------------------------------------- dispatch: receive
+    def gather_all(self, slot: int, seq: int, stream) -> None:
+        """Re-launches the gather of `slot` until every rank's request `seq` is admitted."""
+        k, buf = self.path.k, self.path.buf
+        nr = buf.num_ranks
+        ga = k.ServerGatherArgs()
+        ga.layer_id, ga.layer_hosted, ga.num_layers = slot, self.layer_hosted.data_ptr(), NUM_SLOTS
+        ga.arrival_timeout_ns, ga.block_m = ARRIVAL_TIMEOUT_NS, 1
+        ga.workspace = self.s_ws[slot].data_ptr()
+        entries = _part(
+            self.s_ws[slot], self.s_layout, "entries", torch.int32, nr * NUM_SLOTS * _ENTRY_WORDS
+        ).view(nr, NUM_SLOTS, _ENTRY_WORDS)[:, slot]
+        deadline = time.monotonic() + buf.timeout
+        sleep = 0.0
+        while True:
+            k.server_gather(self.peers, self.scfg, ga, stream.cuda_stream)
+            got = entries.cpu()  # the receive's host synchronisation
+            self.check_statuses()
+            missing = []
+            for p in range(nr):
+                action, code, layer = (int(v) for v in got[p, [0, 1, 4]])
+                got_seq = (int(got[p, 6]) & 0xFFFFFFFF) | (int(got[p, 7]) << 32)
+                if action == _ACTION_REJECT:
+                    raise ProtocolError(
+                        f"deep_ep.Buffer rank {buf.rank}: the request of rank {p} in slot {slot}"
+                        f" was rejected by the gather (code {code})"
+                    )
+                if action != _ACTION_SERVE or layer != slot or got_seq & _SEQ_MASK != seq:
+                    missing.append(p)
+            if not missing:
+                return
+            for p in missing:
+                idx = self.peer_index.get(p)
+                if idx is not None and not self.transport.peer_alive(self.table.peer_region(idx)):
+                    raise PeerLostError(
+                        f"deep_ep.Buffer rank {buf.rank}: waiting for the dispatch request of "
+                        f"rank {p}: the process of rank {p} is gone"
+                    )
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"deep_ep.Buffer rank {buf.rank}: waiting for the dispatch request of rank "
+                    f"{missing[0]} (missing: ranks {missing}) timed out after {buf.timeout:.1f} s"
+                )
+            time.sleep(sleep)
+            sleep = min(MAX_POLL_SLEEP_S, sleep * 2 or 10e-6)
+
+    def receive(self, handle: DeviceHandle, recv_x, recv_count, stats, stream) -> None:
+        seq = handle.index_in_lane + 1
+        self.gather_all(handle.slot, seq, stream)
+        ws, lay = self.s_ws[handle.slot], self.s_layout
+        nr, lc, mr = self.path.buf.num_ranks, self.num_local, self.max_rows
+        h = self.shape.hidden
+        step = int(self.scfg.max_step_tokens)
+        rows = ws[lay["rows"] : lay["rows"] + mr * lay["row_bytes"]].view(mr, lay["row_bytes"])
+        if not self.use_fp8:
+            rows = rows.view(torch.bfloat16)
+        scales = None
+        if self.use_fp8:
+            spt = h // SCALE_BLOCK
+            scales = _part(ws, lay, "scales", torch.float32, step * spt).view(step, spt)
+        got = scatter_receive(
+            _part(ws, lay, "counts", torch.int32, lc + 1),
+            _part(ws, lay, "offsets", torch.int64, lc + 2),
+            _part(ws, lay, "src_batch", torch.int32, mr),
+            _part(ws, lay, "src_token", torch.int64, mr),
+            _part(ws, lay, "row_scores", torch.float32, mr),
+            rows,
+            scales,
+            self.data_store[handle.slot],
+            self.scale_store[handle.slot],
+            nr,
+            NUM_SLOTS,
+        )
+        handle[0].copy_(got.src_info)
+        handle[1].copy_(got.layout_range)
+        recv_count.copy_(got.recv_count)
+        if stats is not None:
+            stats.add_(got.recv_count)
+        handle.expert, handle.pos, handle.valid = got.expert, got.pos, got.valid
+        handle.received = True
+
+    # -------------------------------------------------------------- combine
+    def respond(self, y: torch.Tensor, handle: DeviceHandle, stream) -> None:
+        k = self.path.k
+        expert_rows(y, handle.expert, handle.pos, handle.valid, self.expert_out)
+        ra = k.ServerRespondArgs()
+        ra.expert_out, ra.expert_out_dtype = self.expert_out.data_ptr(), int(_C.Encoding.BF16)
+        ra.workspace = self.s_ws[handle.slot].data_ptr()
+        k.server_respond(self.peers, self.scfg, ra, stream.cuda_stream)
+
+    def reduce(self, handle: DeviceHandle, topk_idx, weights, out, stream) -> None:
+        k, buf = self.path.k, self.path.buf
+        nr, slot = buf.num_ranks, handle.slot
+        ca = k.CombineArgs()
+        ca.num_tokens, ca.layer_id, ca.slot = 0, slot, slot  # wait only: we reduce below
+        ca.workspace, ca.out, ca.out_dtype = self.c_ws[slot].data_ptr(), 0, int(_C.Encoding.BF16)
+        ca.timeout_ns = int(buf.timeout * 1e9)
+        k.client_combine(self.peers, self.ccfg, ca, stream.cuda_stream)
+        h = self.shape.hidden
+        start = self.resp_base + _C.slot_offset(self.resp_slot_bytes, slot) + _C.PAYLOAD_OFFSET
+        answers = torch.as_strided(
+            self.region_bytes.view(torch.bfloat16),
+            (nr, self.max_tokens, h),
+            (self.resp_ring // 2, h, 1),
+            start // 2,
+        )
+        ws = self.c_ws[slot]
+        pos = _part(ws, self.c_layout, "pos", torch.int32, self.max_tokens * nr)
+        combine_from_answers(answers, pos.view(-1, nr), topk_idx, weights, self.num_local, out)
+        status = _part(ws, self.c_layout, "status", torch.int32, nr)
+        self.pending_status.append((handle.index, status.clone()))
+        handle.reduced = True
+
+    def check_statuses(self) -> None:
+        """Raises for a combine whose wait failed (read where the host synchronised anyway)."""
+        pending, self.pending_status = self.pending_status, []
+        names = {v: n for n, v in self.path.k.SERVER_STATUS.items()}
+        errors = {"PEER_LOST": PeerLostError, "TIMEOUT": TimeoutError}
+        errors["PAYLOAD_TIMEOUT"] = TimeoutError
+        for index, status in pending:
+            for q, code in enumerate(status.tolist()):
+                name = names.get(code, str(code))
+                if name not in ("OK", "NOT_SENT"):
+                    raise errors.get(name, ProtocolError)(
+                        f"deep_ep.Buffer rank {self.path.buf.rank}: the combine of dispatch "
+                        f"{index} got no valid answer from rank {q} ({name}); its output was "
+                        "wrong"
+                    )
+
+    def close(self) -> None:
+        torch.cuda.synchronize(self.device)
+        self.table = None
+        self.region_bytes = None
+
+
+# ---------------------------------------------------------------------------- the path
+class DevicePath:
+    """The CUDA half of one deep_ep.Buffer."""
+
+    def __init__(self, buf) -> None:
+        import moecomm.cuda
+
+        try:
+            self.k = moecomm.cuda.cuda_module()
+        except MoecommError as exc:
+            raise type(exc)(
+                f"deep_ep.Buffer got CUDA tensors, but its CUDA path cannot run: {exc}"
+            ) from exc
+        self.buf = buf
+        self.lanes: dict[bool, _Lane] = {}
+        self.device: torch.device | None = None
+        self.last_event: torch.cuda.Event | None = None
+        self.last_stream = None
+        self.num_dispatches = 0
+
+    def _stream(self, device: torch.device):
+        if self.device is None:
+            self.device = device
+        elif device != self.device:
+            raise ValueError(f"this deep_ep.Buffer runs on {self.device}, got {device}")
+        stream = torch.cuda.current_stream(device)
+        if self.last_event is not None and stream != self.last_stream:
+            stream.wait_event(self.last_event)  # keep the calls in order across streams
+        return stream
+
+    def _done(self, stream) -> CudaEvent:
+        ev = CudaEvent(stream)
+        self.last_event, self.last_stream = ev.event, stream
+        return ev
+
+    def dispatch(self, x, topk_idx, num_max, num_experts, stats, use_fp8, return_recv_hook, device):
+        buf = self.buf
+        check_device_inputs(x, topk_idx, num_max, num_experts, use_fp8)
+        shape = LLShape(num_max, x.shape[1], num_experts, topk_idx.shape[1])
+        if buf.shape is None:
+            buf.shape = check_shape(shape, buf.num_ranks)
+        elif shape != buf.shape:
+            raise ValueError(
+                f"this buffer was set up for {buf.shape.describe()}; got {shape.describe()}"
+            )
+        num_local = num_experts // buf.num_ranks
+        if stats is not None and (
+            stats.dtype != torch.int32 or tuple(stats.shape) != (num_local,) or not stats.is_cuda
+        ):
+            raise ValueError(
+                f"cumulative_local_expert_recv_stats must be int32 [{num_local}] on the device, "
+                f"got {stats.dtype} {list(stats.shape)} on {stats.device}"
+            )
+        stream = self._stream(device)
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            lane = self.lanes.get(use_fp8)
+            if lane is None:
+                lane = self.lanes[use_fp8] = _Lane(self, shape, use_fp8, device)
+            slot = lane.count % NUM_SLOTS
+            prev = lane.in_flight[slot]
+            if prev is not None and not prev.reduced:
+                raise RuntimeError(
+                    f"dispatch {prev.index} is not combined yet (its combine hook included) and "
+                    f"its slot is needed: at most {NUM_SLOTS} dispatches per use_fp8 may wait"
+                )
+            rows = buf.num_ranks * num_max
+            handle = DeviceHandle(
+                torch.full((num_local, rows), -1, dtype=torch.int32, device=device),
+                torch.zeros(num_local, buf.num_ranks, dtype=torch.int64, device=device),
+                num_max,
+                x.shape[1],
+                num_experts,
+            )
+            handle.owner, handle.index = id(buf), self.num_dispatches
+            handle.topk_idx, handle.lane = topk_idx, lane
+            handle.index_in_lane = lane.count
+            handle.slot, _ = lane.send(x, topk_idx, stream)
+            self.num_dispatches += 1
+            lane.in_flight[slot] = handle
+            recv_x = lane.recv_tensors(slot)
+            recv_count = torch.zeros(num_local, dtype=torch.int32, device=device)
+            event = self._done(stream)
+
+        def hook() -> None:
+            if handle.received:
+                return
+            buf._check_open()
+            s = self._stream(device)
+            with torch.cuda.device(device), torch.cuda.stream(s):
+                lane.receive(handle, recv_x, recv_count, stats, s)
+                self._done(s)
+
+        if return_recv_hook:
+            return recv_x, recv_count, handle, event, hook
+        hook()
+        return recv_x, recv_count, handle, self._done(stream), None
+
+    def combine(self, x, topk_idx, topk_weights, handle, return_recv_hook, out):
+        buf = self.buf
+        if not handle.received:
+            raise RuntimeError("call the dispatch's receive hook before combining it")
+        lane = handle.lane
+        if handle.combined or lane.in_flight[handle.slot] is not handle:
+            raise RuntimeError(f"dispatch {handle.index} was already combined")
+        s = buf.shape
+        want = (s.num_experts // buf.num_ranks, buf.num_ranks * s.num_max_dispatch_tokens_per_rank)
+        check_device_combine(x, topk_idx, topk_weights, out, handle, (*want, s.hidden))
+        device = x.device
+        stream = self._stream(device)
+        t = topk_idx.shape[0]
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            combined = (
+                out
+                if out is not None
+                else torch.empty(t, s.hidden, dtype=torch.bfloat16, device=device)
+            )
+            lane.respond(x, handle, stream)
+            handle.combined = True
+            event = self._done(stream)
+
+        def hook() -> None:
+            if handle.reduced:
+                return
+            buf._check_open()
+            st = self._stream(device)
+            with torch.cuda.device(device), torch.cuda.stream(st):
+                lane.reduce(handle, topk_idx, topk_weights, combined, st)
+                self._done(st)
+
+        if return_recv_hook:
+            return combined, event, hook
+        hook()
+        return combined, self._done(stream), None
+
+    def destroy(self) -> None:
+        for lane in self.lanes.values():
+            lane.close()
+        self.lanes.clear()
+
+
+def check_device_inputs(x, topk_idx, num_max, num_experts, use_fp8: bool) -> None:
+    """The device twin of check_dispatch_inputs, without reading values (no host sync): ids
+    outside ``[0, num_experts)`` are treated as -1 by the kernels; a repeated id is not
+    detected."""
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"x must be torch.bfloat16 (as in DeepEP), got {x.dtype}")
+    if x.dim() != 2 or x.shape[1] < 1 or x.stride(1) != 1:
+        raise ValueError(
+            f"x must be [num_tokens, hidden] with unit column stride, got {list(x.shape)}"
+        )
+    if topk_idx.dtype != torch.int64:
+        raise TypeError(f"topk_idx must be torch.int64, got {topk_idx.dtype}")
+    if topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0] or topk_idx.shape[1] < 1:
+        raise ValueError(
+            f"topk_idx must be [num_tokens={x.shape[0]}, num_topk>=1], got {list(topk_idx.shape)}"
+        )
+    for name, v in (("num_max_dispatch_tokens_per_rank", num_max), ("num_experts", num_experts)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if x.shape[0] > num_max:
+        raise ValueError(
+            f"x has {x.shape[0]} tokens, more than num_max_dispatch_tokens_per_rank={num_max}"
+        )
+    if use_fp8 and x.shape[1] % SCALE_BLOCK:
+        raise ValueError(
+            f"use_fp8 needs hidden to be a multiple of {SCALE_BLOCK}, got hidden={x.shape[1]}"
+        )
+
+
+def check_device_combine(x, topk_idx, topk_weights, out, handle, want: tuple) -> None:
+    if x.dtype != torch.bfloat16 or tuple(x.shape) != want:
+        raise ValueError(f"x must be bf16 {list(want)}, got {x.dtype} {list(x.shape)}")
+    if topk_idx.shape != handle.topk_idx.shape or topk_idx.dtype != torch.int64:
+        raise ValueError("topk_idx must be the one given to the dispatch of this handle")
+    if topk_weights.dtype != torch.float32 or topk_weights.shape != topk_idx.shape:
+        raise ValueError(
+            f"topk_weights must be float32 {list(topk_idx.shape)}, got "
+            f"{topk_weights.dtype} {list(topk_weights.shape)}"
+        )
+    if out is not None:
+        shape = (topk_idx.shape[0], want[2])
+        if out.dtype != torch.bfloat16 or tuple(out.shape) != shape or not out.is_contiguous():
+            raise ValueError(
+                f"out must be contiguous bf16 {list(shape)}, got {out.dtype} {list(out.shape)}"
+            )
+    if input_device(x=x, topk_idx=topk_idx, topk_weights=topk_weights, out=out) != x.device:
+        raise ValueError("every tensor of the combine must be on the dispatch's device")

@@ -1,0 +1,101 @@
+"""The GPU path's host side, checked where there is no GPU: handshake refusals over real HTTP,
+the command-line entry points failing at once with the reason, the slot-layout offer.
+
+What needs a device (the kernels, the server loop, CUDA IPC) is in tests/gpu/
+(test_device_roundtrip.py, test_device_handshake.py) and skips here.
+"""
+
+import subprocess
+import sys
+
+import httpx
+import moecomm.cuda
+import pytest
+from moecomm.errors import MoecommError
+from moecomm.protocol import SlotLayout
+from moecomm.runtime import ExpertServer, random_experts
+from moecomm.runtime.control import HttpServer, http_transports, make_app
+from moecomm.runtime.device_handshake import check_device_offer
+from moecomm.runtime.transports import boot_id
+from moecomm_serving.device_args import parse_random_spec
+
+LAYOUT = SlotLayout(8, 64, 2)
+CLI = [sys.executable, "-m", "moecomm_serving.cli"]
+NO_GPU = not moecomm.cuda.available()
+
+
+@pytest.fixture
+def host_server():
+    server = ExpertServer(random_experts(1, 4, 64, 32), "host-server", transport="shm")
+    http = HttpServer(make_app(server))
+    url = http.start()
+    server.start()
+    try:
+        yield url
+    finally:
+        http.stop()
+        server.close()
+
+
+def _connect_body(transport: str) -> dict:
+    return {
+        "client_id": 5,
+        "client_handle": "cuda_ipc:1:x",
+        "layout": LAYOUT.to_dict(),
+        "num_slots": 2,
+        "transport": transport,
+        "response_ring_offset": 0,
+    }
+
+
+@pytest.mark.timeout(60)
+def test_a_device_client_at_a_host_server_is_refused_naming_the_fix(host_server):
+    r = httpx.post(f"{host_server}/connect", json=_connect_body("cuda_ipc"), timeout=10)
+    assert r.status_code == 400
+    assert "started with --device cuda" in r.json()["detail"]
+    # The client side refuses before it sends anything: the offer says shm only.
+    offer = http_transports(host_server)
+    with pytest.raises(MoecommError, match="--device cuda"):
+        check_device_offer(host_server, offer, LAYOUT, 2)
+
+
+@pytest.mark.timeout(60)
+def test_a_host_connect_naming_a_ring_offset_is_refused(host_server):
+    body = {**_connect_body("shm"), "response_ring_offset": 4096}
+    r = httpx.post(f"{host_server}/connect", json=body, timeout=10)
+    assert r.status_code == 400
+    assert "cuda_ipc clients" in r.json()["detail"]
+
+
+def test_a_gpu_offer_from_another_node_or_layout_is_refused_before_connecting():
+    offer = {"transports": ["cuda_ipc"], "boot_id": boot_id(), "layout": LAYOUT.to_dict()}
+    check_device_offer("u", offer, LAYOUT, 2)  # the same node, the same layout: fine
+    with pytest.raises(MoecommError, match="another node"):
+        check_device_offer("u", {**offer, "boot_id": "elsewhere"}, LAYOUT, 2)
+    with pytest.raises(MoecommError, match="slot layout"):
+        check_device_offer("u", offer, SlotLayout(16, 64, 2), 2)
+    with pytest.raises(MoecommError, match="slots"):
+        check_device_offer("u", {**offer, "num_slots": 4}, LAYOUT, 2)
+
+
+@pytest.mark.skipif(not NO_GPU, reason="checks the refusal on a machine without a GPU")
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["demo", "--device", "cuda"],
+        ["expert-server", "--device", "cuda", "--random-experts", "layers=1,experts=2,hidden=64"],
+    ],
+)
+def test_gpu_commands_fail_at_once_saying_why_without_a_gpu(argv):
+    r = subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=110)
+    assert r.returncode != 0
+    err = r.stderr + r.stdout
+    assert "needs a GPU" in err and "Traceback" not in err
+
+
+def test_random_expert_specs_are_checked():
+    assert parse_random_spec("layers=2,experts=16")["experts"] == 16
+    for bad in ("layers=0", "wings=2", "hidden=x", "experts"):
+        with pytest.raises(SystemExit):
+            parse_random_spec(bad)
