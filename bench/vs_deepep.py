@@ -465,6 +465,16 @@ def _moecomm_gpu_row(a, work_dir: str, log_dir: str, name: str) -> dict:
         "bfloat16",
         "--device",
         "cuda",
+        # The server fixes the slot layout; the client adopts it (GET /transports). fp8 with one
+        # scale per 128 channels is DeepEP's low-latency dispatch format.
+        "--max-tokens",
+        str(a.num_tokens),
+        "--topk",
+        str(a.num_topk),
+        "--encoding",
+        "fp8_e4m3_b128",
+        "--max-clients",
+        "1",
         "--port",
         "0",
     ]
@@ -472,17 +482,7 @@ def _moecomm_gpu_row(a, work_dir: str, log_dir: str, name: str) -> dict:
     client = None
     try:
         url = server.wait_url(GPU_SERVER_START_S)
-        client = DeviceClient.connect(
-            [url],
-            max_tokens=a.num_tokens,
-            hidden=a.hidden,
-            topk=a.num_topk,
-            encoding="fp8",
-            out_encoding="bf16",
-            device="cuda:0",
-            num_slots=2,
-            timeout=GPU_CLIENT_TIMEOUT_S,
-        )
+        client = DeviceClient.from_servers([url], device="cuda:0", timeout=GPU_CLIENT_TIMEOUT_S)
         x, idx, w = (
             t.to(dev) for t in deepep_inputs(0, a.num_tokens, a.hidden, a.num_experts, a.num_topk)
         )
