@@ -41,12 +41,55 @@ def add_device_arguments(p: argparse.ArgumentParser, server: bool) -> None:
     p.add_argument("--max-clients", type=int, default=8, help="GPU server: CUDA-IPC clients")
     p.add_argument("--num-slots", type=int, default=2, help="GPU server: slots per client")
     p.add_argument(
+        "--nvshmem-job",
+        type=int,
+        default=0,
+        metavar="N",
+        help="GPU server: create an NVSHMEM job of N PEs, this server PE 0; the others join "
+        "with --nvshmem-join URL (POST /nvshmem/join hands out the unique id and ranks)",
+    )
+    p.add_argument(
+        "--nvshmem-join",
+        default=None,
+        metavar="URL",
+        help="GPU server: join the NVSHMEM job created by the server at URL",
+    )
+    p.add_argument(
         "--random-experts",
         default=None,
         metavar="SPEC",
         help="instead of --checkpoint: seeded random experts, e.g. "
         "'layers=1,experts=288,hidden=7168,intermediate=256,seed=0' (benchmarks)",
     )
+
+
+def start_nvshmem(args: argparse.Namespace, server, member_id: str) -> None:
+    """--nvshmem-job / --nvshmem-join: form the job over the control plane, then initialise
+    NVSHMEM in the background (init is collective: it returns once every PE is in)."""
+    import threading
+
+    import moecomm.cuda
+    from moecomm.runtime.nvshmem_job import NvshmemJob, join_job
+
+    if args.nvshmem_job and args.nvshmem_join:
+        raise SystemExit("give one of --nvshmem-job and --nvshmem-join")
+    if args.nvshmem_job:
+        server.nvshmem_job = NvshmemJob.create(args.nvshmem_job, member_id)
+        job = {"unique_id": server.nvshmem_job.unique_id, "rank": 0, "nranks": args.nvshmem_job}
+    elif args.nvshmem_join:
+        job = join_job(args.nvshmem_join, member_id, args.token)
+    else:
+        return
+    nv = moecomm.cuda.nvshmem_module()
+    device = torch.device(args.device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+
+    def init() -> None:
+        nv.init(job["unique_id"], job["rank"], job["nranks"], index)
+        print(f"NVSHMEM: PE {job['rank']} of {job['nranks']} initialised", flush=True)
+
+    threading.Thread(target=init, name="nvshmem-init", daemon=True).start()
+    print(f"NVSHMEM: PE {job['rank']} of {job['nranks']}, waiting for the others", flush=True)
 
 
 def is_cuda(args: argparse.Namespace) -> bool:

@@ -24,6 +24,7 @@ from moecomm_serving.device_args import (
     device_layout,
     is_cuda,
     random_hosted,
+    start_nvshmem,
 )
 
 # How often the foreground thread checks for a stop request.
@@ -221,6 +222,8 @@ def run(args: argparse.Namespace, ready: threading.Event | None = None) -> int:
     if args.id is None:
         # Unique across hosts: two machines serve on the same port.
         server.server_id = f"expert-server-{url.split('://', 1)[1]}"
+    if is_cuda(args):
+        start_nvshmem(args, server, server.server_id)
     if args.monitor:
         server.join_membership(
             connect_membership(args.monitor, os.environ.get(TOKEN_ENV, "")), url, args.ttl

@@ -99,3 +99,33 @@ def test_random_expert_specs_are_checked():
     for bad in ("layers=0", "wings=2", "hidden=x", "experts"):
         with pytest.raises(SystemExit):
             parse_random_spec(bad)
+
+
+@pytest.mark.timeout(60)
+def test_an_nvshmem_job_hands_out_its_id_and_ranks_over_the_control_plane(host_server):
+    import os
+
+    from moecomm.runtime.nvshmem_job import NvshmemJob, join_job
+
+    # A host server runs no job: the route says so.
+    with pytest.raises(ConnectionError, match="no NVSHMEM job"):
+        join_job(host_server, "a")
+    server = ExpertServer(random_experts(1, 2, 64, 32), "job-server", transport="shm")
+    # The id's bytes are NVSHMEM's to draw on a GPU (NvshmemJob.create); here any 128 bytes.
+    uid = os.urandom(128)
+    server.nvshmem_job = NvshmemJob(3, uid, creator="job-server")
+    http = HttpServer(make_app(server, token="t"))
+    url = http.start()
+    try:
+        with pytest.raises(ConnectionError, match="401"):
+            join_job(url, "a", token="wrong")
+        a = join_job(url, "a", token="t")
+        assert a == {"unique_id": uid, "rank": 1, "nranks": 3}
+        assert join_job(url, "a", token="t")["rank"] == 1  # asking again: the same rank
+        assert join_job(url, "b", token="t")["rank"] == 2
+        with pytest.raises(ConnectionError, match="job is full"):
+            join_job(url, "c", token="t")
+        assert httpx.get(f"{url}/nvshmem", timeout=10).json() == {"nranks": 3, "joined": 3}
+    finally:
+        http.stop()
+        server.close()

@@ -69,6 +69,11 @@ class ConnectModel(BaseModel):
     response_ring_offset: int = Field(default=0, ge=0, lt=1 << 40)
 
 
+class JoinModel(BaseModel):
+    member_id: str = Field(min_length=1, max_length=128)
+    token: str = Field(default="", max_length=256)
+
+
 class TokenModel(BaseModel):
     token: str = Field(default="", max_length=256)
 
@@ -162,6 +167,25 @@ def make_app(server: ExpertServer, token: str = "") -> FastAPI:
             raise HTTPException(status_code=404, detail=str(exc)) from exc
         except (ValueError, MoecommError) as exc:
             raise HTTPException(status_code=400, detail=str(exc)) from exc
+
+    @app.post("/nvshmem/join")
+    def nvshmem_join(body: JoinModel):
+        """A rank in this server's NVSHMEM job (runtime/nvshmem_job.py)."""
+        authorize(body.token)
+        job = getattr(server, "nvshmem_job", None)
+        if job is None:
+            raise HTTPException(status_code=404, detail="this server runs no NVSHMEM job")
+        try:
+            return job.join(body.member_id)
+        except (ValueError, MoecommError) as exc:
+            raise HTTPException(status_code=409, detail=str(exc)) from exc
+
+    @app.get("/nvshmem")
+    def nvshmem_state():
+        job = getattr(server, "nvshmem_job", None)
+        if job is None:
+            raise HTTPException(status_code=404, detail="this server runs no NVSHMEM job")
+        return job.describe()
 
     @app.get("/transports")
     def transports():

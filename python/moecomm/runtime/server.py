@@ -101,6 +101,8 @@ class ExpertServer:
         self._thread: threading.Thread | None = None
         self.draining = False
         self._registration = None  # membership registration (see join_membership)
+        # The NVSHMEM job this server created, if any (runtime/nvshmem_job.py, GPU servers).
+        self.nvshmem_job = None
         self._watcher = None
         self.weight_source = weight_source
         self.exports = WeightExports(self.transport)
