@@ -10,22 +10,8 @@ source rank and a response ring per destination rank (2 slots each), the peers' 
 through an ``IpcPeerTable`` (the region handles travel through the Buffer's rendezvous, so every
 rank must be on one node: a handle from another node is refused with a clear error).
 
-Wire mapping (what makes the device kernels give DeepEP's layout and the host path's bits):
-
-- **One request row per (token, k) copy** (DeepEP's low-latency dispatch sends per expert too):
-  row ``t*K + k`` of an expanded batch carries ``x[t]`` and the single id ``topk_idx[t, k]``
-  (slot topk 1); its score column carries the token index ``t``. The server's per-expert layout
-  then holds each copy once, source rank major, token ascending (the host path's order), and its
-  answer row is that copy's expert output alone, so the client can weight and sum the copies
-  itself: ``out[t] = Σ_k w[t, k]·y(t, k)`` in f32, k ascending, -0.0 for skipped k — the host
-  path's arithmetic, bit for bit (:func:`combine_from_answers`).
-- **Every rank gets a request from every rank**, even with nothing routed to it: one "sink" row
-  per destination (logical expert ``E + q`` = local expert ``L`` of rank ``q``) is appended, so
-  the receiver knows how many requests to wait for. Sink rows are dropped from recv_x and
-  answered with zeros.
-- **Slots**: dispatch ``i`` of a lane uses slot ``i % 2`` and sends ``layer_id = slot``; the
-  server gather of slot ``s`` serves only requests of layer ``s`` (the other slot's wait for
-  their own receive), into its own workspace.
+The wire mapping (one request row per (token, k) copy, a sink row per destination, one slot
+per dispatch parity) and the pure-torch halves of the path are in ``_ll_device_ops.py``.
 
 Receive: the gather kernel polls without waiting, so the receive re-launches it until every
 rank's request of this slot is admitted, reading the 32-byte entry states back each pass — the
@@ -42,13 +28,22 @@ first waits for the previous call's event, so the order of the calls is the orde
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
 from moecomm import _C
+from moecomm.compat._ll_device_ops import (
+    DeviceHandle,
+    check_device_combine,
+    check_device_inputs,
+    combine_from_answers,
+    expand_dispatch,
+    expert_rows,
+    input_device,
+    scatter_receive,
+)
 from moecomm.compat._ll_layout import MAX_TOKENS_PER_RANK, LLShape, check_shape
-from moecomm.compat._ll_support import NUM_SLOTS, LowLatencyHandle, exchange
+from moecomm.compat._ll_support import NUM_SLOTS, exchange
 from moecomm.errors import MoecommError, PeerLostError, ProtocolError, TimeoutError
 from moecomm.protocol import SCALE_BLOCK, SlotLayout
 
@@ -60,6 +55,8 @@ MAX_POLL_SLEEP_S = 200e-6
 # EntryState (dispatch_index.h): int32 action, code, num_tokens, topk, layer_id, reserved; u64 seq.
 _ENTRY_WORDS, _ACTION_SERVE, _ACTION_REJECT = 8, 1, 2
 _SEQ_MASK = (1 << 56) - 1
+# torch.cuda, through one name: the CPU tests run this module's glue with stand-in kernels.
+_cuda = torch.cuda
 
 __all__ = [
     "CudaEvent",
@@ -74,46 +71,17 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------- selection
-def input_device(**tensors) -> torch.device | None:
-    """The CUDA device of the call's tensors, None when they are all on the host; a clear
-    ValueError when CUDA and non-CUDA tensors (or two CUDA devices) are mixed."""
-    cuda = {n: t.device for n, t in tensors.items() if isinstance(t, torch.Tensor) and t.is_cuda}
-    if not cuda:
-        return None
-    other = [n for n, t in tensors.items() if isinstance(t, torch.Tensor) and not t.is_cuda]
-    if other:
-        raise ValueError(
-            f"deep_ep.Buffer: {', '.join(cuda)} on {next(iter(cuda.values()))} but "
-            f"{', '.join(other)} on the host: give every tensor of a call on the same device"
-        )
-    if len(set(cuda.values())) > 1:
-        raise ValueError(f"deep_ep.Buffer: tensors on several CUDA devices: {cuda}")
-    return next(iter(cuda.values()))
-
-
-def check_mode(mode: str | None, on_cuda: bool) -> str:
-    """A Buffer serves CPU or CUDA tensors, whichever its first dispatch used."""
-    want = "cuda" if on_cuda else "cpu"
-    if mode is not None and mode != want:
-        raise RuntimeError(
-            f"this deep_ep.Buffer runs on {mode.upper()} tensors (its first dispatch); got "
-            f"{want.upper()} tensors: use one Buffer per kind of tensor"
-        )
-    return want
-
-
-# ---------------------------------------------------------------------------- events
 class CudaEvent:
     """DeepEP's ``EventOverlap`` on the CUDA path: a ``torch.cuda.Event`` recorded on the stream
     the call ran on, after its last launch."""
 
     def __init__(self, stream: torch.cuda.Stream) -> None:
         self.device = stream.device
-        self.event = torch.cuda.Event()
+        self.event = _cuda.Event()
         self.event.record(stream)
 
     def current_stream_wait(self) -> None:
-        torch.cuda.current_stream(self.device).wait_event(self.event)
+        _cuda.current_stream(self.device).wait_event(self.event)
 
     def __enter__(self) -> CudaEvent:
         return self
@@ -122,155 +90,6 @@ class CudaEvent:
         self.current_stream_wait()
 
 
-class DeviceHandle(LowLatencyHandle):
-    """The handle of a CUDA dispatch: DeepEP's tuple plus what the device combine needs."""
-
-    lane: _Lane
-    slot: int
-    expert: torch.Tensor | None = None  # [max_rows] int64 local expert of each layout row
-    pos: torch.Tensor | None = None  # [max_rows] int64 row inside recv_x[expert]
-    valid: torch.Tensor | None = None  # [max_rows] bool: a real copy (not a sink, not unused)
-    received: bool = False
-    reduced: bool = False  # the combine's receive was launched
-
-
-# ---------------------------------------------------------------------------- pure torch
-def expand_dispatch(
-    x: torch.Tensor,
-    topk_idx: torch.Tensor,
-    x_exp: torch.Tensor,
-    ids_exp: torch.Tensor,
-    sink_ids: torch.Tensor,
-) -> int:
-    """Writes the expanded batch the dispatch kernels send: row ``t*K + k`` = ``x[t]`` with the
-    id ``topk_idx[t, k]``, then one sink row per rank (id ``sink_ids[q]``, zero activations).
-    Returns the number of rows."""
-    t, k = topk_idx.shape
-    n = t * k
-    if t:
-        x_exp[:n].view(t, k, -1).copy_(x.unsqueeze(1).expand(t, k, x.shape[1]))
-        ids_exp[:n].copy_(topk_idx.reshape(n, 1))
-    r = sink_ids.shape[0]
-    x_exp[n : n + r].zero_()
-    ids_exp[n : n + r].copy_(sink_ids.view(r, 1))
-    return n + r
-
-
-@dataclass
-class Received:
-    """DeepEP's receive tensors of one dispatch, and the map back to the gather's layout."""
-
-    recv_count: torch.Tensor  # [L] int32
-    src_info: torch.Tensor  # [L, R*M] int32, -1 past the count
-    layout_range: torch.Tensor  # [L, R] int64 (begin << 32) | count
-    expert: torch.Tensor  # [max_rows] int64
-    pos: torch.Tensor  # [max_rows] int64
-    valid: torch.Tensor  # [max_rows] bool
-
-
-def scatter_receive(
-    counts: torch.Tensor,
-    offsets: torch.Tensor,
-    src_batch: torch.Tensor,
-    src_token: torch.Tensor,
-    row_scores: torch.Tensor,
-    rows: torch.Tensor,
-    step_scales: torch.Tensor | None,
-    data_store: torch.Tensor,
-    scale_store: torch.Tensor | None,
-    num_ranks: int,
-    num_slots: int,
-) -> Received:
-    """The server gather's per-expert layout, laid out as DeepEP's packed receive: no host read.
-
-    Gather side (``L + 1`` experts, the last one the sinks; ``max_rows`` layout rows of which
-    the first ``offsets[L + 1]`` are filled): ``counts`` [L+1] int32, ``offsets`` [L+2] int64,
-    ``src_batch`` [max_rows] int32 (entry = source rank * num_slots + slot), ``src_token``
-    [max_rows] int64 (row of the step's concatenated requests), ``row_scores`` [max_rows] f32
-    (the source token index), ``rows`` [max_rows, ...] the activations, ``step_scales``
-    [step tokens, H/128] f32 (fp8) or None.
-
-    DeepEP side: ``data_store`` [L+1, R*M, ...] (``rows``' dtype and row shape; slice ``[:L]``
-    is recv_x, expert ``L`` absorbs every unused or sink row), ``scale_store`` [L+1, H/128, R*M]
-    f32 (``[:L].transpose(1, 2)`` is the column-major scales) or None.
-    """
-    num_local = counts.shape[0] - 1
-    rows_per_expert = data_store.shape[1]
-    dev = rows.device
-    max_rows = rows.shape[0]
-    i = torch.arange(max_rows, device=dev)
-    # Expert of layout row i: how many expert ends are <= i (rows past the last fill give L+1).
-    expert = torch.searchsorted(offsets[1:].contiguous(), i, right=True)
-    valid = expert < num_local
-    first = offsets.index_select(0, expert.clamp(max=num_local))
-    pos = torch.where(valid, i - first, 0)
-    e_tgt = torch.where(valid, expert, num_local)
-    data_store.index_put_((e_tgt, pos), rows)
-    if step_scales is not None:
-        assert scale_store is not None
-        tok = src_token.clamp(0, step_scales.shape[0] - 1)
-        scale_store.transpose(1, 2).index_put_((e_tgt, pos), step_scales.index_select(0, tok))
-    src_info = torch.full(
-        (num_local + 1, rows_per_expert), -1, dtype=torch.int32, device=dev
-    ).index_put_((e_tgt, pos), torch.where(valid, row_scores.to(torch.int32), -1))
-    src_rank = (src_batch.to(torch.int64) // num_slots).clamp(0, num_ranks - 1)
-    cell = torch.where(valid, expert * num_ranks + src_rank, num_local * num_ranks)
-    per_rank = torch.zeros((num_local + 1) * num_ranks, dtype=torch.int64, device=dev)
-    per_rank.index_add_(0, cell, torch.ones_like(cell))
-    per_rank = per_rank.view(num_local + 1, num_ranks)[:num_local]
-    begin = per_rank.cumsum(1) - per_rank
-    return Received(
-        recv_count=counts[:num_local].clone(),
-        src_info=src_info[:num_local],
-        layout_range=(begin << 32) | per_rank,
-        expert=expert,
-        pos=pos,
-        valid=valid,
-    )
-
-
-def expert_rows(
-    y: torch.Tensor, expert: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, out: torch.Tensor
-) -> torch.Tensor:
-    """The respond kernel's ``expert_out``: layout row i = ``y[expert[i], pos[i]]`` (the user's
-    expert output, unweighted), zero for sink and unused rows."""
-    rows_per_expert, hidden = y.shape[1], y.shape[2]
-    flat = torch.where(valid, expert * rows_per_expert + pos, 0)
-    torch.index_select(y.reshape(-1, hidden), 0, flat, out=out)
-    return out.masked_fill_(~valid.unsqueeze(1), 0)
-
-
-def combine_from_answers(
-    answers: torch.Tensor,
-    pos: torch.Tensor,
-    topk_idx: torch.Tensor,
-    weights: torch.Tensor,
-    num_local: int,
-    out: torch.Tensor,
-) -> torch.Tensor:
-    """``out[t] = Σ_k w[t, k] · y(t, k)`` in f32, k ascending, cast to ``out``'s dtype: the host
-    path's :func:`moecomm.compat._ll_layout.weighted_sum` operation by operation (product
-    rounded to f32, then the add; -0.0 for a skipped k), so the bits are the same.
-
-    ``answers`` [R, rows, H] bf16: rank q's answer rows (any strides); ``pos`` [>= T*K, R]
-    int32: row of expanded row ``t*K + k`` in rank q's request (the client workspace's ``pos``).
-    Ids outside ``[0, R*L)`` count as -1."""
-    t, k = topk_idx.shape
-    num_ranks, hidden = answers.shape[0], answers.shape[2]
-    valid = (topk_idx >= 0) & (topk_idx < num_ranks * num_local)
-    dest = torch.where(valid, topk_idx // num_local, 0)
-    flat = torch.arange(t * k, device=topk_idx.device).view(t, k) * num_ranks + dest
-    row = pos.reshape(-1).index_select(0, flat.reshape(-1)).view(t, k).to(torch.int64)
-    row = row.clamp(min=0)
-    acc = torch.zeros(t, hidden, dtype=torch.float32, device=answers.device)
-    w = weights.float()
-    for j in range(k):
-        prod = answers[dest[:, j], row[:, j]].float().mul_(w[:, j : j + 1])
-        acc.add_(prod.masked_fill_(~valid[:, j : j + 1], -0.0))
-    return out.copy_(acc)
-
-
-# ---------------------------------------------------------------------------- device memory
 class _DeviceMemory:
     """Raw device memory seen by torch (``__cuda_array_interface__``); keeps `owner` alive."""
 
@@ -320,7 +139,7 @@ class _Lane:
         total = self.resp_base + nr * self.resp_ring
         self.transport = k.IpcTransport(device.index)
         self.region = self.transport.create_region(total)  # zero-filled: idle slots
-        stream = torch.cuda.current_stream(device)
+        stream = _cuda.current_stream(device)
         self.table = k.IpcPeerTable(self.transport, self.region, nr, [stream.cuda_stream])
         mine = {"shape": shape.describe(), "use_fp8": use_fp8, "handle": self.region.handle}
         prefix = f"{buf.store_prefix}/cuda/{enc}"
@@ -583,7 +402,7 @@ class _Lane:
                     )
 
     def close(self) -> None:
-        torch.cuda.synchronize(self.device)
+        _cuda.synchronize(self.device)
         self.table = None
         self.region_bytes = None
 
@@ -592,11 +411,11 @@ class _Lane:
 class DevicePath:
     """The CUDA half of one deep_ep.Buffer."""
 
-    def __init__(self, buf) -> None:
+    def __init__(self, buf, kernels=None) -> None:
         import moecomm.cuda
 
         try:
-            self.k = moecomm.cuda.cuda_module()
+            self.k = kernels or moecomm.cuda.cuda_module()
         except MoecommError as exc:
             raise type(exc)(
                 f"deep_ep.Buffer got CUDA tensors, but its CUDA path cannot run: {exc}"
@@ -604,7 +423,7 @@ class DevicePath:
         self.buf = buf
         self.lanes: dict[bool, _Lane] = {}
         self.device: torch.device | None = None
-        self.last_event: torch.cuda.Event | None = None
+        self.last_event = None
         self.last_stream = None
         self.num_dispatches = 0
 
@@ -613,7 +432,7 @@ class DevicePath:
             self.device = device
         elif device != self.device:
             raise ValueError(f"this deep_ep.Buffer runs on {self.device}, got {device}")
-        stream = torch.cuda.current_stream(device)
+        stream = _cuda.current_stream(device)
         if self.last_event is not None and stream != self.last_stream:
             stream.wait_event(self.last_event)  # keep the calls in order across streams
         return stream
@@ -635,14 +454,16 @@ class DevicePath:
             )
         num_local = num_experts // buf.num_ranks
         if stats is not None and (
-            stats.dtype != torch.int32 or tuple(stats.shape) != (num_local,) or not stats.is_cuda
+            stats.dtype != torch.int32
+            or tuple(stats.shape) != (num_local,)
+            or stats.device != device
         ):
             raise ValueError(
                 f"cumulative_local_expert_recv_stats must be int32 [{num_local}] on the device, "
                 f"got {stats.dtype} {list(stats.shape)} on {stats.device}"
             )
         stream = self._stream(device)
-        with torch.cuda.device(device), torch.cuda.stream(stream):
+        with _cuda.device(device), _cuda.stream(stream):
             lane = self.lanes.get(use_fp8)
             if lane is None:
                 lane = self.lanes[use_fp8] = _Lane(self, shape, use_fp8, device)
@@ -662,7 +483,8 @@ class DevicePath:
                 num_experts,
             )
             handle.owner, handle.index = id(buf), self.num_dispatches
-            handle.topk_idx, handle.lane = topk_idx, lane
+            # The reduce reads the ids the kernels routed, whatever the caller does with theirs.
+            handle.topk_idx, handle.lane = topk_idx.clone(), lane
             handle.index_in_lane = lane.count
             handle.slot, _ = lane.send(x, topk_idx, stream)
             self.num_dispatches += 1
@@ -676,7 +498,7 @@ class DevicePath:
                 return
             buf._check_open()
             s = self._stream(device)
-            with torch.cuda.device(device), torch.cuda.stream(s):
+            with _cuda.device(device), _cuda.stream(s):
                 lane.receive(handle, recv_x, recv_count, stats, s)
                 self._done(s)
 
@@ -698,7 +520,7 @@ class DevicePath:
         device = x.device
         stream = self._stream(device)
         t = topk_idx.shape[0]
-        with torch.cuda.device(device), torch.cuda.stream(stream):
+        with _cuda.device(device), _cuda.stream(stream):
             combined = (
                 out
                 if out is not None
@@ -706,6 +528,7 @@ class DevicePath:
             )
             lane.respond(x, handle, stream)
             handle.combined = True
+            weights = topk_weights.clone() if return_recv_hook else topk_weights
             event = self._done(stream)
 
         def hook() -> None:
@@ -713,8 +536,8 @@ class DevicePath:
                 return
             buf._check_open()
             st = self._stream(device)
-            with torch.cuda.device(device), torch.cuda.stream(st):
-                lane.reduce(handle, topk_idx, topk_weights, combined, st)
+            with _cuda.device(device), _cuda.stream(st):
+                lane.reduce(handle, handle.topk_idx, weights, combined, st)
                 self._done(st)
 
         if return_recv_hook:
@@ -726,52 +549,3 @@ class DevicePath:
         for lane in self.lanes.values():
             lane.close()
         self.lanes.clear()
-
-
-def check_device_inputs(x, topk_idx, num_max, num_experts, use_fp8: bool) -> None:
-    """The device twin of check_dispatch_inputs, without reading values (no host sync): ids
-    outside ``[0, num_experts)`` are treated as -1 by the kernels; a repeated id is not
-    detected."""
-    if x.dtype != torch.bfloat16:
-        raise TypeError(f"x must be torch.bfloat16 (as in DeepEP), got {x.dtype}")
-    if x.dim() != 2 or x.shape[1] < 1 or x.stride(1) != 1:
-        raise ValueError(
-            f"x must be [num_tokens, hidden] with unit column stride, got {list(x.shape)}"
-        )
-    if topk_idx.dtype != torch.int64:
-        raise TypeError(f"topk_idx must be torch.int64, got {topk_idx.dtype}")
-    if topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0] or topk_idx.shape[1] < 1:
-        raise ValueError(
-            f"topk_idx must be [num_tokens={x.shape[0]}, num_topk>=1], got {list(topk_idx.shape)}"
-        )
-    for name, v in (("num_max_dispatch_tokens_per_rank", num_max), ("num_experts", num_experts)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
-    if x.shape[0] > num_max:
-        raise ValueError(
-            f"x has {x.shape[0]} tokens, more than num_max_dispatch_tokens_per_rank={num_max}"
-        )
-    if use_fp8 and x.shape[1] % SCALE_BLOCK:
-        raise ValueError(
-            f"use_fp8 needs hidden to be a multiple of {SCALE_BLOCK}, got hidden={x.shape[1]}"
-        )
-
-
-def check_device_combine(x, topk_idx, topk_weights, out, handle, want: tuple) -> None:
-    if x.dtype != torch.bfloat16 or tuple(x.shape) != want:
-        raise ValueError(f"x must be bf16 {list(want)}, got {x.dtype} {list(x.shape)}")
-    if topk_idx.shape != handle.topk_idx.shape or topk_idx.dtype != torch.int64:
-        raise ValueError("topk_idx must be the one given to the dispatch of this handle")
-    if topk_weights.dtype != torch.float32 or topk_weights.shape != topk_idx.shape:
-        raise ValueError(
-            f"topk_weights must be float32 {list(topk_idx.shape)}, got "
-            f"{topk_weights.dtype} {list(topk_weights.shape)}"
-        )
-    if out is not None:
-        shape = (topk_idx.shape[0], want[2])
-        if out.dtype != torch.bfloat16 or tuple(out.shape) != shape or not out.is_contiguous():
-            raise ValueError(
-                f"out must be contiguous bf16 {list(shape)}, got {out.dtype} {list(out.shape)}"
-            )
-    if input_device(x=x, topk_idx=topk_idx, topk_weights=topk_weights, out=out) != x.device:
-        raise ValueError("every tensor of the combine must be on the dispatch's device")

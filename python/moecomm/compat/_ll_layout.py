@@ -67,8 +67,8 @@ def check_host(name: str, t: object) -> torch.Tensor:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type == "cuda":
         raise NotImplementedError(
-            f"{name} is on {t.device}: moecomm.compat.deep_ep runs on the host transport and takes "
-            "CPU tensors; the GPU path of the adapter belongs to the device kernels"
+            f"{name} is on {t.device}: the host path of moecomm.compat.deep_ep takes CPU tensors; "
+            "CUDA tensors take the device kernels' path (_ll_device.py), chosen by the dispatch"
         )
     if t.device.type != "cpu":
         raise ValueError(f"{name} must be a CPU tensor, got device {t.device}")

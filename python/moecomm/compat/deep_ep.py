@@ -1,21 +1,17 @@
 """``deep_ep.Buffer``'s low-latency API over moecomm's slot protocol: CPU tensors on the host
 transport (this file), CUDA tensors on the device kernels over CUDA IPC (``_ll_device.py``).
 
-Engines written against DeepEP call ``low_latency_dispatch`` / ``low_latency_combine``; this
-module answers the same calls with the same shapes, backed by one-sided writes into slot rings
-(:mod:`moecomm.slots`) instead of NVSHMEM. Rank ``r`` hosts the local experts
-``r*L .. r*L+L-1`` (``L = num_experts / num_ranks``; expert ``e`` lives on rank ``e // L``). It
-owns one request ring per peer (a ``ServerChannel``, peers write into it) and one response ring
-per peer (a ``ClientChannel``), itself included.
+Same calls, same shapes, backed by one-sided writes into slot rings (:mod:`moecomm.slots`)
+instead of NVSHMEM. Rank ``r`` hosts experts ``r*L .. r*L+L-1`` (``L = num_experts /
+num_ranks``) and owns a request ring (``ServerChannel``) and a response ring (``ClientChannel``)
+per peer, itself included.
 
-- **dispatch**: quantize once (fp8 e4m3, one f32 scale per 128 channels: the
-  ``FP8_E4M3_B128`` encoding of :mod:`moecomm.ops.quant`), pack one request per rank with
-  :func:`moecomm.ops.pack_dispatch` (each token once per destination rank, expert ids = local
-  index or -1), write all of them, then wake every rank. Receive = wait for the request of every
-  rank and lay the copies out per local expert.
-- **combine**: answer each source rank's request with the expert outputs of its copies, in the
-  order of its request (row, then k); then wait for our own answers and reduce
-  ``out[t] = Σ_k w[t, k] · y(t, k)`` in f32, k ascending, cast to bf16.
+- **dispatch**: quantize once (fp8 e4m3, one f32 scale per 128 channels: ``FP8_E4M3_B128``),
+  pack one request per rank with :func:`moecomm.ops.pack_dispatch` (each token once per
+  destination, ids = local expert or -1), write them all, wake every rank. Receive = wait for
+  every rank's request and lay the copies out per local expert.
+- **combine**: answer each source rank with the outputs of its copies in its request's (row, k)
+  order; wait for our answers and reduce ``out[t] = Σ_k w[t, k] · y(t, k)`` in f32, k ascending.
 
 Differences from DeepEP (all deliberate; engines that rely on one of them must adapt):
 
@@ -62,7 +58,8 @@ import time
 import torch
 
 from moecomm._C import Encoding
-from moecomm.compat._ll_device import DeviceHandle, DevicePath, check_mode, input_device
+from moecomm.compat._ll_device import DevicePath
+from moecomm.compat._ll_device_ops import DeviceHandle, check_mode, input_device
 from moecomm.compat._ll_layout import (
     LLShape,
     Scratch,

@@ -1,0 +1,325 @@
+"""Rank processes of test_deep_ep_cuda.py: moecomm.compat.deep_ep.Buffer with CUDA tensors (the
+device kernels over CUDA IPC), every rank a process on the same node (one GPU is enough: the
+ranks share it). Each rank regenerates every rank's inputs from the seed, so it checks its own
+results against an independent reference without exchanging tensors, and against the host path
+(a second Buffer on CPU tensors, same inputs).
+
+DeepEP's shape scaled down: hidden 2048, 16 experts, top-4, 32 tokens per rank.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+
+import torch
+from moecomm._C import Encoding
+from moecomm.ops.quant import dequantize
+
+M, HIDDEN, TOPK, NUM_EXPERTS = 32, 2048, 4, 16
+FP8 = Encoding.FP8_E4M3_B128
+TIMEOUT_S = 30.0
+# DeepEP's test_low_latency checks fp8 dispatch with calc_diff (1 - cosine-like similarity).
+FP8_MAX_DIFF = 1e-3
+
+
+def make_inputs(seed: int, rank: int, num_tokens: int, masked: int = 3):
+    g = torch.Generator().manual_seed(seed * 1009 + rank)
+    x = (torch.randn(num_tokens, HIDDEN, generator=g) * (1 + rank)).to(torch.bfloat16)
+    perms = [torch.randperm(NUM_EXPERTS, generator=g)[:TOPK] for _ in range(num_tokens)]
+    idx = torch.stack(perms) if perms else torch.empty(0, TOPK)
+    idx = idx.reshape(num_tokens, TOPK).to(torch.int64)
+    for _ in range(masked if num_tokens else 0):
+        t = int(torch.randint(num_tokens, (1,), generator=g))
+        idx[t, int(torch.randint(TOPK, (1,), generator=g))] = -1
+    w = torch.rand(num_tokens, TOPK, generator=g)
+    return x, idx, w
+
+
+def expert_output(rows_f32: torch.Tensor, expert: int) -> torch.Tensor:
+    return (rows_f32 * (1.0 + expert / 8.0)).to(torch.bfloat16)
+
+
+def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    x, y = x.double() + 1, y.double() + 1
+    denom = (x * x + y * y).sum()
+    return float(1 - 2 * (x * y).sum() / denom)
+
+
+def check_dispatch(rank, nr, inputs, recv_x, count, handle, use_fp8: bool) -> torch.Tensor:
+    """Checks the receive against the reference; returns y on the device: the expert outputs
+    of the *source* rows (not of the received ones, so the combine check is exact under fp8
+    too), NaN past the counts (reading one would show)."""
+    num_local = NUM_EXPERTS // nr
+    count, src_info, layout_range = count.cpu(), handle[0].cpu(), handle[1].cpu()
+    assert tuple(handle[2:]) == (M, HIDDEN, NUM_EXPERTS)
+    y = torch.full((num_local, nr * M, HIDDEN), float("nan"), dtype=torch.bfloat16)
+    if use_fp8:
+        data, scales = recv_x
+        assert data.dtype == torch.float8_e4m3fn and data.is_cuda
+        assert tuple(scales.shape) == (num_local, nr * M, HIDDEN // 128)
+        assert scales.stride(1) == 1, "scales must be column-major in the last two dims"
+        data, scales = data.cpu(), scales.cpu()
+    else:
+        assert recv_x.dtype == torch.bfloat16 and recv_x.is_cuda
+        data = recv_x.cpu()
+    for e in range(num_local):
+        ge = rank * num_local + e
+        want = [(p, t) for p in range(nr) for t in range(inputs[p][1].shape[0])]
+        want = [(p, t) for p, t in want if ge in inputs[p][1][t].tolist()]
+        n = len(want)
+        assert int(count[e]) == n, f"expert {ge}: count {int(count[e])}, expected {n}"
+        assert src_info[e, :n].tolist() == [t for _, t in want], f"expert {ge}: src_info"
+        assert bool((src_info[e, n:] == -1).all())
+        begin = 0
+        for p in range(nr):
+            c = sum(1 for q, _ in want if q == p)
+            assert int(layout_range[e, p]) == (begin << 32) | c, f"layout_range[{e}, {p}]"
+            begin += c
+        if not n:
+            continue
+        src = torch.stack([inputs[p][0][t] for p, t in want])
+        if use_fp8:
+            got = dequantize(data[e, :n], scales[e, :n].contiguous(), FP8)
+            diff = calc_diff(got, src.float())
+            assert diff < FP8_MAX_DIFF, f"expert {ge}: fp8 rows differ ({diff})"
+        else:
+            assert torch.equal(data[e, :n].view(torch.int16), src.view(torch.int16))
+        y[e, :n] = expert_output(src.float(), ge)
+    return y.to(recv_x[0].device if use_fp8 else recv_x.device)
+
+
+def check_combine(rank, inputs, out: torch.Tensor) -> None:
+    x, idx, w = inputs[rank]
+    ref = torch.zeros(x.shape[0], HIDDEN)
+    for t in range(x.shape[0]):
+        for k in range(TOPK):
+            e = int(idx[t, k])
+            if e >= 0:
+                ref[t] = ref[t] + w[t, k] * expert_output(x[t].float(), e).float()
+    assert out.is_cuda and out.dtype == torch.bfloat16 and tuple(out.shape) == (x.shape[0], HIDDEN)
+    assert torch.equal(out.cpu(), ref.to(torch.bfloat16)), "combine differs from the reference"
+
+
+def _on(dev, inputs):
+    return [tuple(t.to(dev) for t in inp) for inp in inputs]
+
+
+def check_round(ctx, seed: int, sizes: list[int], use_fp8: bool, *, hook: bool = False):
+    buf, cpu_buf, dev = ctx["buf"], ctx["cpu"], ctx["device"]
+    r, nr = buf.rank, buf.num_ranks
+    inputs = [make_inputs(seed, p, sizes[p]) for p in range(nr)]
+    x, idx, w = _on(dev, inputs)[r]
+    recv_x, count, handle, event, h = buf.low_latency_dispatch(
+        x, idx, M, NUM_EXPERTS, use_fp8=use_fp8, async_finish=True, return_recv_hook=hook
+    )
+    event.current_stream_wait()
+    assert (h is not None) == hook
+    if hook:
+        h()
+        h()  # a second call is a no-op
+    y = check_dispatch(r, nr, inputs, recv_x, count, handle, use_fp8)
+    out, event, h = buf.low_latency_combine(y, idx, w, handle, return_recv_hook=hook)
+    if hook:
+        h()
+    with event:
+        pass
+    check_combine(r, inputs, out)
+    # The host path, same inputs: same counts, src_info, layout_range, bf16 rows, combine bits.
+    cx, cidx, cw = inputs[r]
+    c_recv, c_count, c_handle, _, _ = cpu_buf.low_latency_dispatch(
+        cx, cidx, M, NUM_EXPERTS, use_fp8=use_fp8
+    )
+    assert torch.equal(c_count, count.cpu())
+    assert torch.equal(c_handle[0], handle[0].cpu())
+    assert torch.equal(c_handle[1], handle[1].cpu())
+    if not use_fp8:
+        for e in range(c_count.shape[0]):
+            k = int(c_count[e])
+            got = recv_x[e, :k].cpu().view(torch.int16)
+            assert torch.equal(c_recv[e, :k].view(torch.int16), got)
+    c_out, _, _ = cpu_buf.low_latency_combine(y.cpu(), cidx, cw, c_handle)
+    assert torch.equal(c_out, out.cpu()), "CUDA and host combines differ"
+    return hash(out.cpu().view(torch.int16).numpy().tobytes())
+
+
+# ---------------------------------------------------------------------------- scenarios
+def sc_bf16(ctx):
+    check_round(ctx, 1, [M, 17], False)
+
+
+def sc_fp8(ctx):
+    check_round(ctx, 2, [M, M], True)
+
+
+def sc_hooks(ctx):
+    check_round(ctx, 3, [M, 9], True, hook=True)
+    # Two dispatches in flight, received and combined through hooks in a mixed order.
+    buf, dev = ctx["buf"], ctx["device"]
+    nr, r = buf.num_ranks, buf.rank
+    rounds = []
+    for seed in (4, 5):
+        inputs = [make_inputs(seed, p, M - 3 * p) for p in range(nr)]
+        x, idx, _ = _on(dev, inputs)[r]
+        got = buf.low_latency_dispatch(x, idx, M, NUM_EXPERTS, return_recv_hook=True)
+        rounds.append((inputs, *got))
+    for i in (1, 0):
+        rounds[i][5]()
+    pending = []
+    for inputs, recv_x, count, handle, _, _ in rounds:
+        y = check_dispatch(r, nr, inputs, recv_x, count, handle, True)
+        _, idx, w = _on(dev, inputs)[r]
+        out, _, h = buf.low_latency_combine(y, idx, w, handle, return_recv_hook=True)
+        pending.append((inputs, out, h))
+    for inputs, out, h in reversed(pending):
+        h()
+        check_combine(r, inputs, out)
+
+
+def sc_ragged(ctx):
+    # No tokens on rank 0; then a rank whose every entry is -1.
+    check_round(ctx, 6, [0, 5], True)
+    buf, dev = ctx["buf"], ctx["device"]
+    nr, r = buf.num_ranks, buf.rank
+    inputs = [make_inputs(7, p, 4) for p in range(nr)]
+    inputs[0][1].fill_(-1)
+    x, idx, w = _on(dev, inputs)[r]
+    recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, M, NUM_EXPERTS)
+    y = check_dispatch(r, nr, inputs, recv_x, count, handle, True)
+    out, _, _ = buf.low_latency_combine(y, idx, w, handle)
+    check_combine(r, inputs, out)
+    if r == 0:
+        assert bool((out == 0).all())
+
+
+def sc_stats_and_out(ctx):
+    buf, dev = ctx["buf"], ctx["device"]
+    nr, r = buf.num_ranks, buf.rank
+    num_local = NUM_EXPERTS // nr
+    stats = torch.zeros(num_local, dtype=torch.int32, device=dev)
+    total = torch.zeros_like(stats)
+    for seed in (8, 9):
+        x, idx, w = _on(dev, [make_inputs(seed, r, M)])[0]
+        _, count, handle, _, _ = buf.low_latency_dispatch(
+            x, idx, M, NUM_EXPERTS, cumulative_local_expert_recv_stats=stats
+        )
+        total += count
+        y = torch.zeros(num_local, nr * M, HIDDEN, dtype=torch.bfloat16, device=dev)
+        out = torch.full((M, HIDDEN), 5.0, dtype=torch.bfloat16, device=dev)
+        got, _, _ = buf.low_latency_combine(y, idx, w, handle, out=out)
+        assert got is out and bool((out == 0).all())
+    assert torch.equal(stats, total) and int(total.sum()) > 0
+
+
+def sc_misuse(ctx):
+    buf, dev = ctx["buf"], ctx["device"]
+    nr, r = buf.num_ranks, buf.rank
+    x, idx, w = _on(dev, [make_inputs(10, r, M)])[0]
+    d, c = buf.low_latency_dispatch, buf.low_latency_combine
+    _raises(ValueError, lambda: d(x, idx.cpu(), M, NUM_EXPERTS), "on the host")
+    _raises(TypeError, lambda: d(x.float(), idx, M, NUM_EXPERTS), "bfloat16")
+    _raises(ValueError, lambda: d(x, idx, M, NUM_EXPERTS + nr), "set up for")
+    _raises(RuntimeError, lambda: d(x.cpu(), idx.cpu(), M, NUM_EXPERTS), "runs on CUDA tensors")
+    ra = d(x, idx, M, NUM_EXPERTS, return_recv_hook=True)
+    y = torch.zeros(NUM_EXPERTS // nr, nr * M, HIDDEN, dtype=torch.bfloat16, device=dev)
+    _raises(RuntimeError, lambda: c(y, idx, w, ra[2]), "receive hook")
+    ra[4]()
+    rb = d(x, idx, M, NUM_EXPERTS)
+    _raises(RuntimeError, lambda: d(x, idx, M, NUM_EXPERTS), "not combined yet")
+    _raises(ValueError, lambda: c(y[:, :-1], idx, w, ra[2]), "must be bf16")
+    _raises(ValueError, lambda: c(y, idx, w.double(), ra[2]), "float32")
+    c(y, idx, w, ra[2])
+    _raises(RuntimeError, lambda: c(y, idx, w, ra[2]), "already combined")
+    c(y, idx, w, rb[2])
+    check_round(ctx, 11, [M] * nr, True)
+
+
+def sc_pressure(ctx):
+    # The same seed twice gives the same bits; bf16 and fp8 lanes interleaved.
+    sizes = [M] * ctx["buf"].num_ranks
+    digests = [check_round(ctx, 100 + i % 3, sizes, i % 2 == 0) for i in range(6)]
+    assert digests[:3] == digests[3:]
+
+
+def _raises(exc, fn, match: str):
+    try:
+        fn()
+    except exc as e:
+        assert match in str(e), f"{exc.__name__} without {match!r}: {e}"
+        return
+    raise AssertionError(f"expected {exc.__name__} ({match})")
+
+
+SCENARIOS = {
+    "bf16": sc_bf16,
+    "fp8": sc_fp8,
+    "hooks": sc_hooks,
+    "ragged": sc_ragged,
+    "stats_and_out": sc_stats_and_out,
+    "misuse": sc_misuse,
+    "pressure": sc_pressure,
+}
+
+
+def rank_main(rank: int, num_ranks: int, store_path: str, names: list[str], conn) -> None:
+    results = {}
+    try:
+        torch.set_num_threads(1)
+        import torch.distributed as dist
+        from moecomm.compat.deep_ep import Buffer
+
+        dev = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+        store = dist.FileStore(store_path, num_ranks)
+        kw = dict(rank=rank, num_ranks=num_ranks, store=store, timeout=TIMEOUT_S)
+        ctx = {
+            "device": dev,
+            "buf": Buffer(**kw),
+            "cpu": Buffer(**kw, store_prefix="cpu-twin"),
+        }
+    except BaseException:
+        conn.send({"setup": (traceback.format_exc(), 0.0)})
+        return
+    for name in names:
+        t0 = time.monotonic()
+        try:
+            SCENARIOS[name](ctx)
+            torch.cuda.synchronize(dev)
+            results[name] = ("ok", time.monotonic() - t0)
+        except BaseException:
+            results[name] = (traceback.format_exc(), time.monotonic() - t0)
+            break  # the other ranks may now be out of step: stop here
+    ctx["buf"].destroy()
+    ctx["cpu"].destroy()
+    conn.send(results)
+
+
+def launch(num_ranks: int, store_path: str, names: list[str], reaper, timeout: float) -> list:
+    ctx = mp.get_context("spawn")
+    conns, procs = [], []
+    for r in range(num_ranks):
+        parent, child = ctx.Pipe()
+        p = reaper.process(
+            ctx.Process(
+                target=rank_main, args=(r, num_ranks, store_path, names, child), daemon=True
+            )
+        )
+        p.start()
+        child.close()
+        conns.append(parent)
+        procs.append(p)
+    deadline = time.monotonic() + timeout
+    results = []
+    for r, conn in enumerate(conns):
+        if not conn.poll(max(deadline - time.monotonic(), 0.0)):
+            for p in procs:
+                if p.is_alive():
+                    os.kill(p.pid, signal.SIGKILL)
+            raise AssertionError(f"rank {r} of {num_ranks} gave no result within {timeout} s")
+        results.append(conn.recv())
+    for p in procs:
+        p.join(10)
+    return results
