@@ -9,12 +9,10 @@ DeepEP's shape scaled down: hidden 2048, 16 experts, top-4, 32 tokens per rank.
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import signal
 import time
 import traceback
 
+import deep_ep_procs
 import torch
 from moecomm._C import Encoding
 from moecomm.ops.quant import dequantize
@@ -298,28 +296,4 @@ def rank_main(rank: int, num_ranks: int, store_path: str, names: list[str], conn
 
 
 def launch(num_ranks: int, store_path: str, names: list[str], reaper, timeout: float) -> list:
-    ctx = mp.get_context("spawn")
-    conns, procs = [], []
-    for r in range(num_ranks):
-        parent, child = ctx.Pipe()
-        p = reaper.process(
-            ctx.Process(
-                target=rank_main, args=(r, num_ranks, store_path, names, child), daemon=True
-            )
-        )
-        p.start()
-        child.close()
-        conns.append(parent)
-        procs.append(p)
-    deadline = time.monotonic() + timeout
-    results = []
-    for r, conn in enumerate(conns):
-        if not conn.poll(max(deadline - time.monotonic(), 0.0)):
-            for p in procs:
-                if p.is_alive():
-                    os.kill(p.pid, signal.SIGKILL)
-            raise AssertionError(f"rank {r} of {num_ranks} gave no result within {timeout} s")
-        results.append(conn.recv())
-    for p in procs:
-        p.join(10)
-    return results
+    return deep_ep_procs.launch(num_ranks, store_path, names, reaper, timeout, target=rank_main)

@@ -312,17 +312,19 @@ def rank_main(rank: int, num_ranks: int, store_path: str, names: list[str], conn
     conn.send(results)
 
 
-def launch(num_ranks: int, store_path: str, names: list[str], reaper, timeout: float) -> list:
-    """Runs `names` on `num_ranks` spawned ranks; returns each rank's results (killing them all
-    at the deadline, whatever happens)."""
+def launch(
+    num_ranks: int, store_path: str, names: list[str], reaper, timeout: float, target=None
+) -> list:
+    """Runs `names` on `num_ranks` spawned ranks (each `target(rank, num_ranks, store_path,
+    names, conn)`, rank_main by default); returns each rank's results (killing them all at the
+    deadline, whatever happens)."""
+    target = rank_main if target is None else target
     ctx = mp.get_context("spawn")
     conns, procs = [], []
     for r in range(num_ranks):
         parent, child = ctx.Pipe()
         p = reaper.process(
-            ctx.Process(
-                target=rank_main, args=(r, num_ranks, store_path, names, child), daemon=True
-            )
+            ctx.Process(target=target, args=(r, num_ranks, store_path, names, child), daemon=True)
         )
         p.start()
         child.close()
