@@ -151,11 +151,18 @@ def run(args: argparse.Namespace) -> int:
     if args.stages < 1:
         raise SystemExit(f"moecomm frontend: --stages must be >= 1, got {args.stages}")
     check_placement_args(args)
-    if is_cuda(args) and (args.stages > 1 or args.eplb_interval > 0 or args.local_experts):
+    if is_cuda(args) and (args.eplb_interval > 0 or args.local_experts):
         raise SystemExit(
-            "moecomm frontend --device cuda: pipeline stages, --eplb-interval and "
-            "--local-experts are not on the GPU path yet"
+            "moecomm frontend --device cuda: --eplb-interval and --local-experts are not on the "
+            "GPU path"
         )
+    if is_cuda(args):
+        import moecomm.cuda
+
+        if not moecomm.cuda.available():
+            raise SystemExit(
+                f"moecomm frontend --device cuda needs a GPU: {moecomm.cuda.why_unavailable()}"
+            )
     if args.stages > 1:
         return run_pipelined(args)
     set_threads(args)

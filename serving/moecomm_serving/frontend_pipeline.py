@@ -48,6 +48,7 @@ def run_pipelined(args: argparse.Namespace) -> int:
             ttl=args.ttl,
             transport=args.transport,
             host=args.host,
+            device=getattr(args, "device", "cpu"),
         )
     where = "in-process experts" if remote is None else "expert servers"
     print(f"starting {args.stages} pipeline stages over {where}", flush=True)

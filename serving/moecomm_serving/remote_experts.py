@@ -1,7 +1,9 @@
 """Where a process's MoE layers find their experts when they run on expert servers: the servers
 by URL, or the ones registered with a membership monitor (followed as they join and leave).
-:func:`connect_experts` gives a connected :class:`moecomm.runtime.AttentionClient` — the
-front end has one, and every pipeline stage process its own."""
+:func:`connect_experts` gives a connected experts backend (the one dispatch/combine seam,
+:class:`moecomm.runtime.ExpertsBackend`): an :class:`moecomm.runtime.AttentionClient` on the host
+path, a :class:`moecomm.runtime.DeviceClient` behind :class:`DeviceExperts` with ``device="cuda"``
+— the front end has one, and every pipeline stage process its own."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ class RemoteExperts:
     ttl: float = DEFAULT_TTL_S
     transport: str = "shm"  # shm, nixl or auto (moecomm.runtime.transports)
     host: str | None = None  # this process's address on the servers' network (nixl)
+    device: str = "cpu"  # "cuda[:N]": GPU expert servers through a DeviceClient (CUDA IPC)
 
     def __post_init__(self):
         if bool(self.servers) == bool(self.monitor):
@@ -52,9 +55,10 @@ def connect_experts(
     max_tokens: int,
     client_id: int | None = None,
     out_dtype: torch.dtype = torch.float32,
-) -> AttentionClient:
-    """A connected client of the servers `remote` names; it follows the monitor when given.
-    The membership monitor's token comes from the environment, as for every CLI process."""
+):
+    """A connected client of the servers `remote` names; on the host path it follows the
+    monitor when given (the GPU path takes the servers registered at start). The membership
+    monitor's token comes from the environment, as for every CLI process."""
     membership = None
     if remote.monitor:
         membership = connect_membership(remote.monitor, os.environ.get(TOKEN_ENV, ""))
@@ -63,6 +67,16 @@ def connect_experts(
             raise RuntimeError(f"no expert server is registered with {remote.monitor}")
     else:
         urls = list(remote.servers)
+    if remote.device.startswith("cuda"):
+        from moecomm.runtime.device_client import DeviceClient
+
+        from moecomm_serving.device_experts import DeviceExperts
+
+        device_client = DeviceClient.from_servers(
+            urls, device=remote.device, client_id=client_id, timeout=remote.timeout,
+            token=remote.token,
+        )  # fmt: skip
+        return DeviceExperts(device_client)
     client = AttentionClient(
         urls,
         client_id,

@@ -84,6 +84,7 @@ def test_a_gpu_offer_from_another_node_or_layout_is_refused_before_connecting():
     "argv",
     [
         ["demo", "--device", "cuda"],
+        ["frontend", "--device", "cuda", "--checkpoint", "/nonexistent", "--servers", "http://x"],
         ["expert-server", "--device", "cuda", "--random-experts", "layers=1,experts=2,hidden=64"],
     ],
 )
