@@ -298,16 +298,21 @@ __global__ void __launch_bounds__(kPackThreads) pack_kernel(DispatchParams p) {
 // covers chunks still in flight (NVSHMEM delivers non-blocking puts in any order).
 // Every warp must call it (a warp that returns early would leave the count short for good); the
 // last one puts only if the peer is still alive.
-template <typename Backend>
+// `fill(hdr)` runs in the last warp's lane 0 before the stamp: the server writes its header
+// there (no other warp touches it, so nothing crosses blocks but the count); the client's header
+// was written by an earlier launch.
+template <typename Backend, typename Fill>
 __device__ void finish_message(const Backend& b, uint32_t peer, uint32_t* done, uint32_t num_warps,
                                uint64_t* arrival_sent, protocol::SlotHeader* hdr,
-                               uint64_t remote_slot, uint64_t signal, uint32_t lane) {
+                               uint64_t remote_slot, uint64_t signal, uint32_t lane, Fill fill) {
   bool last = false;
   if (lane == 0) {
-    __threadfence();  // this warp's puts are issued before it counts itself done
+    __threadfence();  // this warp's puts (and writes) come before it counts itself done
     last = atomicAdd(done, 1u) == num_warps - 1;
     if (last) {
-      *done = 0;  // only the last warp is left: no one else touches it this message
+      __threadfence();  // acquire side of the count: every other warp's work is before this
+      *done = 0;        // only the last warp is left: no one else touches it this message
+      fill(hdr);
       const uint64_t target = *arrival_sent + hdr->payload_bytes;
       *arrival_sent = target;
       hdr->arrival_target = hdr->payload_bytes == 0 ? 0 : target;
@@ -344,9 +349,10 @@ __global__ void __launch_bounds__(kPutThreads)
     backend.put_signal_warp(s, slot + protocol::kPayloadOffset + off, stage + off, bytes,
                             slot + protocol::kArrivalOffset, bytes, transport::SignalOp::kAdd);
   }
-  finish_message(
-      backend, s, p.ws.done_warps + s, num_warps, p.ws.arrival_sent + s, p.ws.headers + s, slot,
-      protocol::make_signal(protocol::SlotState::kRequestReady, seq), threadIdx.x % dev::kWarpSize);
+  finish_message(backend, s, p.ws.done_warps + s, num_warps, p.ws.arrival_sent + s,
+                 p.ws.headers + s, slot,
+                 protocol::make_signal(protocol::SlotState::kRequestReady, seq),
+                 threadIdx.x % dev::kWarpSize, [](protocol::SlotHeader*) {});
   // The staging is rewritten by the next dispatch on this slot: our puts must have left it.
   backend.quiet_warp();
 }

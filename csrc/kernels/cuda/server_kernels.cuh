@@ -262,22 +262,10 @@ __global__ void __launch_bounds__(kPutThreads) respond_put_kernel(Backend b, Ser
             : 0;
   auto* hdr = part<protocol::SlotHeader>(p, p.lay.headers) + entry;
   if (warp == 0 && lane == 0) {
-    protocol::SlotHeader h{};
-    h.magic = protocol::kMagic;
-    h.version = protocol::kVersion;
-    h.kind = static_cast<uint8_t>(protocol::MessageKind::kResponse);
-    h.encoding = static_cast<uint8_t>(serve ? p.slot.out_encoding : Encoding::kBF16);
-    h.layer_id = st.layer_id;
-    h.num_tokens = serve ? st.num_tokens : 0;
-    h.hidden = p.slot.hidden;
-    h.payload_bytes = total;
-    h.client_id = p.client_ids[client];
-    h.seq = st.seq;
-    h.status = serve ? 0 : st.code;
-    *hdr = h;  // arrival_target: stamped by the last warp (client::finish_message)
     // Release our request slot before the client can see the answer (it may reuse the slot at
     // once): READY|seq -> IDLE|seq, which fails harmlessly if the client already gave up and
-    // wrote a newer request. Our arrival counter is never reset (layout.h).
+    // wrote a newer request. Warp 0 counts itself done after this, so the signal, raised by the
+    // last warp, comes after it. Our arrival counter is never reset (layout.h).
     uint64_t expected = protocol::make_signal(protocol::SlotState::kRequestReady, st.seq);
     ::cuda::atomic_ref<uint64_t, ::cuda::thread_scope_system>(
         *reinterpret_cast<uint64_t*>(b.local(local + protocol::kSignalOffset)))
@@ -285,6 +273,25 @@ __global__ void __launch_bounds__(kPutThreads) respond_put_kernel(Backend b, Ser
                                  protocol::make_signal(protocol::SlotState::kIdle, st.seq),
                                  ::cuda::memory_order_acq_rel);
   }
+  const uint64_t client_id = p.client_ids[client];
+  const uint32_t hidden = p.slot.hidden;
+  const Encoding out_enc = p.slot.out_encoding;
+  // Run by the last warp: the header is written and read by the same thread.
+  auto fill = [&](protocol::SlotHeader* h) {
+    protocol::SlotHeader v{};
+    v.magic = protocol::kMagic;
+    v.version = protocol::kVersion;
+    v.kind = static_cast<uint8_t>(protocol::MessageKind::kResponse);
+    v.encoding = static_cast<uint8_t>(serve ? out_enc : Encoding::kBF16);
+    v.layer_id = st.layer_id;
+    v.num_tokens = serve ? st.num_tokens : 0;
+    v.hidden = hidden;
+    v.payload_bytes = total;
+    v.client_id = client_id;
+    v.seq = st.seq;
+    v.status = serve ? 0 : st.code;
+    *h = v;  // arrival_target: stamped next by finish_message
+  };
   const uint64_t out_row =
       uint64_t{p.slot.hidden} * protocol::encoding_elem_bytes(p.slot.out_encoding);
   const uint8_t* src =
@@ -298,11 +305,10 @@ __global__ void __launch_bounds__(kPutThreads) respond_put_kernel(Backend b, Ser
     b.put_signal_warp(client, remote + protocol::kPayloadOffset + off, src + off, bytes,
                       remote + protocol::kArrivalOffset, bytes, transport::SignalOp::kAdd);
   }
-  // Warp 0 wrote the header staging above and counts itself only after that (finish_message
-  // fences first), so the last warp, in whichever block, reads the finished header.
   client::finish_message(b, client, part<uint32_t>(p, p.lay.done_warps) + entry, num_warps,
                          part<uint64_t>(p, p.lay.arrival_sent) + entry, hdr, remote,
-                         protocol::make_signal(protocol::SlotState::kResponseReady, st.seq), lane);
+                         protocol::make_signal(protocol::SlotState::kResponseReady, st.seq), lane,
+                         fill);
   // The response staging is rewritten by the next step's rows kernel.
   b.quiet_warp();
 }
