@@ -26,6 +26,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 LAYERS, EXPERTS, HIDDEN, INTER, SEED = 2, 8, 256, 128, 3
 SPEC = f"layers={LAYERS},experts={EXPERTS},hidden={HIDDEN},intermediate={INTER},seed={SEED}"
 TOPK, MAX_TOKENS = 4, 64
+# Steps of the sizes test; `make gpu-check` runs it with a few under compute-sanitizer.
+STEPS = int(os.environ.get("MOECOMM_ROUNDTRIP_STEPS", "40"))
 CLI = [sys.executable, "-m", "moecomm_serving.cli"]
 START_TIMEOUT_S = 180
 
@@ -121,7 +123,7 @@ def test_sizes_change_every_step_and_slots_are_reused_at_once(servers):
     client = connect([a, b], timeout=5.0)
     g = torch.Generator().manual_seed(0)
     try:
-        for step in range(40):
+        for step in range(STEPS):
             n = 1 + (step * 7) % MAX_TOKENS
             check(client, *inputs(g, n), layer=step % LAYERS)
         # Two steps in flight on the two slots, combined out of order.
