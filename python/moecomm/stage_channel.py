@@ -133,27 +133,58 @@ class StageSender:
         deadline = time.monotonic() + timeout
         for i in range(count):
             piece = raw[i * self.capacity : (i + 1) * self.capacity]
-            slot = self._take_slot(deadline)
-            seq = self._seq
-            _C.send_stage(
-                self.transport,
-                self.receiver,
-                self.data_ring,
-                slot,
-                self.client_id,
-                seq,
-                tag,
-                i,
-                count,
-                encoding,
-                piece.data_ptr(),
-                piece.numel(),
-                self.doorbell,
-                True,
-            )
-            self._seq += 1
-            self._pending[slot] = (seq, tag, i)
+            self._take_slot(deadline)
+            self.send_chunk(tag, i, count, piece, encoding)
         return count
+
+    def next_slot_free(self, deadline: float) -> bool:
+        """Whether the next chunk can be written without waiting: its slot's previous chunk was
+        acknowledged (an acknowledgement that is there is consumed; raises if it is bad)."""
+        slot = self._next_slot
+        if slot not in self._pending:
+            return True
+        seq = self._pending[slot][0]
+        out = _C.wait_stage_ack(
+            self.transport, self.region, self.ack_ring, slot, self.client_id, seq, 0, self.receiver
+        )
+        if out.status == WaitStatus.TIMEOUT and not out.offline:
+            return False
+        self._wait_ack(slot, deadline)
+        return True
+
+    def send_chunk(
+        self,
+        tag: int,
+        index: int,
+        count: int,
+        piece: torch.Tensor,
+        encoding: Encoding | None = None,
+    ) -> None:
+        """Writes chunk `index` of `count` of package `tag` into the next slot, which must be
+        free (send() waits for it; next_slot_free() says so without waiting)."""
+        slot = self._next_slot
+        if slot in self._pending:
+            raise RuntimeError(f"{self.name}: slot {slot} still holds an unacknowledged chunk")
+        self._next_slot = (slot + 1) % self.num_slots
+        seq = self._seq
+        _C.send_stage(
+            self.transport,
+            self.receiver,
+            self.data_ring,
+            slot,
+            self.client_id,
+            seq,
+            tag,
+            index,
+            count,
+            self.layout.encoding if encoding is None else encoding,
+            piece.data_ptr(),
+            piece.numel(),
+            self.doorbell,
+            True,
+        )
+        self._seq += 1
+        self._pending[slot] = (seq, tag, index)
 
     def flush(self, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         """Waits until every chunk sent was acknowledged."""
@@ -162,8 +193,8 @@ class StageSender:
             self._wait_ack(slot, deadline)
 
     def _take_slot(self, deadline: float) -> int:
+        """Waits until the next slot is free (its previous chunk acknowledged)."""
         slot = self._next_slot
-        self._next_slot = (slot + 1) % self.num_slots
         if slot in self._pending:  # its previous chunk must have been taken first
             self._wait_ack(slot, deadline)
         return slot
@@ -303,7 +334,7 @@ class StageInbox:
         """Takes every chunk that arrived, sleeping up to `timeout` for the first one; returns
         whether a package completed. Raises PeerLostError when a sender process died."""
         seen = self.transport.load(self.doorbell, 0)
-        if self._take():
+        if self.take_arrived():
             return True
         status, _ = _C.wait_doorbell(self.transport, self.doorbell, seen, _ns(timeout), None)
         if status != WaitStatus.OK:  # timed out: a peer that died never rings again
@@ -311,9 +342,11 @@ class StageInbox:
                 if not r.peer_alive():
                     reap_stale_segments()
                     raise PeerLostError(f"stage inbox: the sender {source!r} died")
-        return self._take()
+        return self.take_arrived()
 
-    def _take(self) -> bool:
+    def take_arrived(self) -> bool:
+        """Takes every chunk already there, without waiting; returns whether a package
+        completed."""
         completed = False
         for source, r in self.receivers.items():
             for c in r.poll():
