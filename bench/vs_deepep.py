@@ -180,6 +180,8 @@ def moecomm_rank(rank: int, a, store_path: str, conn) -> None:
     try:
         store = dist.FileStore(store_path, a.num_processes)
         with Buffer(
+            None,
+            low_latency_mode=True,
             rank=rank,
             num_ranks=a.num_processes,
             store=store,
@@ -565,9 +567,14 @@ def main(argv=None) -> int:
         help="expert MLP width of the GPU row's random checkpoint (the server computes it)",
     )
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--modes-tokens", dest="tokens", type=int, default=512,
+        help="normal mode / ElasticBuffer rows: tokens per rank",
+    )  # fmt: skip
     a = ap.parse_args(argv)
     if a.quick:
         a.num_tokens, a.hidden, a.num_experts, a.trials, a.iters = 16, 1024, 16, 2, 4
+        a.tokens = 32
     a.rank_deadline = 300.0
     torch.set_num_threads(1)
     print(
@@ -644,6 +651,12 @@ def main(argv=None) -> int:
             "moecomm GPU row: combine includes the server's expert MLP "
             f"(width {a.gpu_intermediate}); DeepEP's combine does not"
         )
+    modes = None
+    if not a.gpu_only:  # DeepEP's normal mode and EPv2's ElasticBuffer (bench/deepep_modes.py)
+        from deepep_modes import print_modes, run_modes
+
+        modes = run_modes(a)
+        print_modes(modes, a)
     write_json(
         a.json,
         {
@@ -653,9 +666,11 @@ def main(argv=None) -> int:
             "gpu_not_run": deepep_reason,
             "gpu_row": gpu_row,
             "ranks": results,
+            "modes": modes,
         },
     )
-    return 0 if all(r.get("ok", "yes") == "yes" for r in rows) else 1
+    ok = all(r.get("ok", "yes") == "yes" for r in rows)
+    return 0 if ok and (modes is None or modes["exact"]) else 1
 
 
 if __name__ == "__main__":

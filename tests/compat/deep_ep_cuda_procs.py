@@ -272,11 +272,13 @@ def rank_main(rank: int, num_ranks: int, store_path: str, names: list[str], conn
         dev = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(dev)
         store = dist.FileStore(store_path, num_ranks)
-        kw = dict(rank=rank, num_ranks=num_ranks, store=store, timeout=TIMEOUT_S)
+        kw = dict(
+            low_latency_mode=True, rank=rank, num_ranks=num_ranks, store=store, timeout=TIMEOUT_S
+        )
         ctx = {
             "device": dev,
-            "buf": Buffer(**kw),
-            "cpu": Buffer(**kw, store_prefix="cpu-twin"),
+            "buf": Buffer(None, **kw),
+            "cpu": Buffer(None, **kw, store_prefix="cpu-twin"),
         }
     except BaseException:
         conn.send({"setup": (traceback.format_exc(), 0.0)})

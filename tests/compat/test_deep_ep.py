@@ -69,13 +69,21 @@ def test_scenario(runs, num_ranks, name):
 def test_constructor_rejects_bad_arguments(tmp_path):
     store = dist.FileStore(str(tmp_path / "s"), 1)
     with pytest.raises(ValueError, match="rank=, num_ranks= and store="):
-        Buffer(rank=0, num_ranks=1)
-    with pytest.raises(NotImplementedError, match="low-latency"):
-        Buffer(low_latency_mode=False, rank=0, num_ranks=1, store=store)
+        Buffer(None, low_latency_mode=True, rank=0, num_ranks=1)
+    # DeepEP's default is the normal mode: constructing works, low-latency calls are refused.
+    with Buffer(None, rank=0, num_ranks=1, store=store, timeout=5) as normal:
+        assert normal.low_latency_mode is False
+        x, idx, _ = make_inputs(0, 0, M, EXPERTS_PER_RANK)
+        with pytest.raises(RuntimeError, match="low_latency_mode=True"):
+            normal.low_latency_dispatch(x, idx, M, EXPERTS_PER_RANK)
+    with pytest.raises(NotImplementedError, match="replica"):
+        Buffer(None, low_latency_mode=True, rank=0, num_ranks=1, store=store, reroute_replicas=True)
     with pytest.raises(ValueError, match="or none"):
-        Buffer(rank=0, num_ranks=1, store=store, hidden=128)
+        Buffer(None, low_latency_mode=True, rank=0, num_ranks=1, store=store, hidden=128)
     with pytest.raises(ValueError, match="divisible"):
         Buffer(
+            None,
+            low_latency_mode=True,
             rank=0,
             num_ranks=2,
             store=store,
@@ -86,13 +94,13 @@ def test_constructor_rejects_bad_arguments(tmp_path):
             timeout=0.5,
         )
     with pytest.raises(ValueError, match="timeout"):
-        Buffer(rank=0, num_ranks=1, store=store, timeout=0)
+        Buffer(None, low_latency_mode=True, rank=0, num_ranks=1, store=store, timeout=0)
 
 
 def test_single_rank_round_trip_and_size_hint(tmp_path):
     store = dist.FileStore(str(tmp_path / "s"), 1)
     e = EXPERTS_PER_RANK
-    with Buffer(rank=0, num_ranks=1, store=store, timeout=5) as buf:
+    with Buffer(None, low_latency_mode=True, rank=0, num_ranks=1, store=store, timeout=5) as buf:
         x, idx, w = make_inputs(0, 0, M, e)
         recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, M, e, use_fp8=False)
         assert int(count.sum()) == int((idx >= 0).sum())
@@ -127,6 +135,8 @@ def test_cuda_tensors_are_refused_with_a_pointer_to_the_device_path():
 def _idle_rank(store_path: str, conn) -> None:
     torch.set_num_threads(1)
     buf = Buffer(
+        None,
+        low_latency_mode=True,
         rank=1,
         num_ranks=2,
         store=dist.FileStore(store_path, 2),
@@ -149,6 +159,8 @@ def test_silent_peer_times_out_and_dead_peer_is_reported_fast(tmp_path, reaper):
     p.start()
     deadline_s = 2.0
     buf = Buffer(
+        None,
+        low_latency_mode=True,
         rank=0,
         num_ranks=2,
         store=dist.FileStore(path, 2),
@@ -194,6 +206,8 @@ def test_benchmark_quick_runs(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Dispatch bandwidth" in proc.stdout and "GPU rows not run" in proc.stdout
+    # The new modes through deep_ep.Buffer(low_latency_mode=False) and ElasticBuffer, checked.
+    assert "normal cached dispatch" in proc.stdout and "combine exact: True" in proc.stdout
     assert out.exists()
 
 

@@ -283,7 +283,14 @@ def test_input_device_and_mode_reject_mixing():
 
 
 def _buffer(tmp_path):
-    return Buffer(rank=0, num_ranks=1, store=dist.FileStore(str(tmp_path / "s"), 1), timeout=5)
+    return Buffer(
+        None,
+        low_latency_mode=True,
+        rank=0,
+        num_ranks=1,
+        store=dist.FileStore(str(tmp_path / "s"), 1),
+        timeout=5,
+    )
 
 
 @pytest.mark.skipif(moecomm.cuda.available(), reason="checks the error without a device")
@@ -581,7 +588,10 @@ def glue(monkeypatch):
     monkeypatch.setattr(_ll_device, "_bytes_view", lambda ptr, n, owner, device: _mem(ptr, n))
     kernels = _Kernels()
     store = dist.HashStore()
-    bufs = [Buffer(rank=r, num_ranks=R, store=store, timeout=10) for r in range(R)]
+    bufs = [
+        Buffer(None, low_latency_mode=True, rank=r, num_ranks=R, store=store, timeout=10)
+        for r in range(R)
+    ]
     for b in bufs:
         b._mode, b._device = "cuda", _ll_device.DevicePath(b, kernels=kernels)
     yield bufs, kernels

@@ -21,6 +21,14 @@ the per-expert layout into DeepEP's packed ``recv_x`` / scales / ``src_info`` / 
 launches no host read either; the per-peer statuses of a combine are checked at the next receive
 of the Buffer (where the host synchronises anyway).
 
+Not yet on the host path's DeepEP contract (deep_ep.py): here each dispatch must be combined
+(hook included) before dispatch ``i + 2`` of its lane and only once; fp8 is cast by the C++ pack
+kernel with moecomm's formula (scale = amax / 448, all-zero blocks scale 1), not DeepEP's
+(1e-4 margin, 448 / amax); ``round_scale``, ``use_ue8m0``, ``use_logfmt``, ``zero_copy``, the
+cost stats and shrink mode are refused by deep_ep.Buffer before reaching this module. Bringing
+it over needs the combine's answers on their own sequence numbers (as the host path does) and a
+DeepEP-formula cast before ``client_dispatch`` (or in the kernel), and a GPU to check them.
+
 Everything runs on the caller's current stream; a call on another stream than the previous one
 first waits for the previous call's event, so the order of the calls is the order on the device.
 """

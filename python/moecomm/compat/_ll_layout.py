@@ -222,11 +222,13 @@ def reduce_answers(
     scratch: Scratch,
 ) -> torch.Tensor:
     """The combine's reduction over the answers of every rank, in rank order: ``parts[i]`` holds
-    one bf16 row per copy ``sent[i]`` (flat ``t * K + k`` indices). Copy (t, k) reads row
-    ``source[t, k]`` of the concatenated answers; unselected copies read a zero row."""
+    one row per copy ``sent[i]`` (flat ``t * K + k`` indices), bf16 (f32 when LogFMT-decoded).
+    Copy (t, k) reads row ``source[t, k]`` of the concatenated answers; unselected copies read
+    a zero row."""
     t, k = topk_idx.shape
     n = sum(p.shape[0] for p in parts)
-    answers = scratch.get("answers", (n + 1, hidden), torch.bfloat16)
+    dtype = parts[0].dtype if parts else torch.bfloat16  # f32: LogFMT-decoded answers
+    answers = scratch.get("answers", (n + 1, hidden), dtype)
     if parts:
         torch.cat(parts, out=answers[:n])
     answers[n].zero_()

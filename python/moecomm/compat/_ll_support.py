@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from datetime import timedelta
 
 import torch
 
+from moecomm import _C
 from moecomm._C import SlotRing
 from moecomm.compat._ll_layout import LLShape, ReceiveLayout, check_host
-from moecomm.errors import PeerLostError, TimeoutError
+from moecomm.errors import PeerLostError, PeerOfflineError, TimeoutError
 from moecomm.protocol import SlotLayout
+from moecomm.transport import WaitStatus, reap_stale_segments
 
 # DeepEP double-buffers the low-latency results; one slot per result in flight.
 NUM_SLOTS = 2
@@ -39,12 +42,13 @@ class LowLatencyHandle(tuple):
         return super().__new__(cls, (src_info, layout_range, num_max, hidden, num_experts))
 
     owner: int
-    index: int  # dispatch number on the owning buffer; slot = index % NUM_SLOTS, seq = index + 1
+    index: int  # dispatch number on the owning buffer
+    round: int  # request round (dispatches and cleans): slot = round % NUM_SLOTS, seq = round + 1
     topk_idx: torch.Tensor
     sent_rows: list  # per destination rank: int64 t*K + k of each copy, in request order
-    requests: list | None = None  # per source rank, after the receive: its Request
+    requests: list | None = None  # per source rank, after the receive: its Request (or None)
     layout: ReceiveLayout | None = None
-    combined: bool = False
+    combined: bool = False  # the CUDA path's (DeviceHandle): one combine per dispatch there
 
 
 def slot_layout(shape: LLShape, num_ranks: int) -> SlotLayout:
@@ -58,10 +62,12 @@ def slot_layout(shape: LLShape, num_ranks: int) -> SlotLayout:
 
 
 def exchange(
-    mine: dict, rank: int, num_ranks: int, group, store, prefix: str, timeout: float
+    mine: dict, rank: int, num_ranks: int, group, store, prefix: str, timeout: float, comm=None
 ) -> list[dict]:
-    """Every rank's `mine`, by rank: one all_gather_object over `group`, else through `store`
-    (keys ``{prefix}/{rank}``)."""
+    """Every rank's `mine`, by rank: one all_gather_object over `group`, one allgather over an
+    mpi4py `comm`, else through `store` (keys ``{prefix}/{rank}``)."""
+    if comm is not None:
+        return list(comm.allgather(mine))
     if group is not None:
         import torch.distributed as dist
 
@@ -86,8 +92,18 @@ def check_combine_inputs(x, topk_idx, topk_weights, out, dispatched_idx, want: t
     if x.dtype != torch.bfloat16 or tuple(x.shape) != want:
         raise ValueError(f"x must be bf16 {list(want)}, got {x.dtype} {list(x.shape)}")
     check_host("topk_idx", topk_idx)
-    if not torch.equal(topk_idx, dispatched_idx):
-        raise ValueError("topk_idx must be the one given to the dispatch of this handle")
+    # DeepEP reduces over the combine's own topk_idx: the dispatch's, where entries may have
+    # been set to -1 since (its shrink test drops the experts of masked ranks that way). An
+    # expert the dispatch did not send to has no received row to read.
+    if (
+        topk_idx.dtype != torch.int64
+        or topk_idx.shape != dispatched_idx.shape
+        or not bool(((topk_idx == dispatched_idx) | (topk_idx == -1)).all())
+    ):
+        raise ValueError(
+            "topk_idx must be the one given to the dispatch of this handle (entries may be "
+            "set to -1 since)"
+        )
     check_host("topk_weights", topk_weights)
     if topk_weights.dtype != torch.float32 or topk_weights.shape != topk_idx.shape:
         raise ValueError(
@@ -118,3 +134,47 @@ def naming_peer(rank: int, peer: int, what: str):
         raise type(exc)(
             f"deep_ep.Buffer rank {rank}: waiting for the {what} of rank {peer}: {exc}"
         ) from exc
+
+
+# Combine answers travel with their own sequence numbers, disjoint from the requests' (which
+# count dispatch / clean rounds from 1): a response's seq is never a request's, so answering a
+# request twice, or a request already replaced by a newer round, touches no live request slot.
+COMBINE_SEQ_BASE = 1 << 40
+PEER_FAILURES = (TimeoutError, PeerLostError, PeerOfflineError)
+
+
+def wait_request(server, slot: int, seq: int, deadline: float):
+    """The request of round `seq` in `slot` of `server`. An older round's request still sitting
+    there (a dispatch that was never combined: its slot is reused two rounds later, as DeepEP's
+    buffers are) is skipped, whatever its header holds, until the peer overwrites it."""
+    while True:
+        for req in server.poll():
+            if req.slot == slot and req.seq >= seq:
+                return req
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"{server.name}: no request of round {seq} in slot {slot}")
+        status, _ = _C.wait_doorbell(
+            server.transport, server.region, server._doorbell, int(remaining * 1e9), server.client
+        )
+        if status == WaitStatus.PEER_LOST:
+            reap_stale_segments()
+            raise PeerLostError(f"{server.name}: the process died ({server.client.describe()})")
+
+
+def check_mask_tensor(mask_status, num_ranks: int) -> None:
+    if not isinstance(mask_status, torch.Tensor) or mask_status.dtype != torch.int32:
+        raise TypeError("mask_status must be a torch.int tensor, as in DeepEP")
+    if tuple(mask_status.shape) != (num_ranks,):
+        raise ValueError(f"mask_status must be [{num_ranks}], got {list(mask_status.shape)}")
+
+
+def check_cost_stats(name: str, t, num_ranks: int) -> None:
+    """DeepEP: int64 ``[num_ranks]`` contiguous (accumulated per source rank)."""
+    if t is None:
+        return
+    check_host(name, t)
+    if t.dtype != torch.int64 or tuple(t.shape) != (num_ranks,) or not t.is_contiguous():
+        raise ValueError(
+            f"{name} must be contiguous int64 [{num_ranks}], got {t.dtype} {list(t.shape)}"
+        )

@@ -1,52 +1,46 @@
 """``deep_ep.Buffer``'s low-latency API over moecomm's slot protocol: CPU tensors on the host
 transport (this file), CUDA tensors on the device kernels over CUDA IPC (``_ll_device.py``).
 
-Same calls, same shapes, backed by one-sided writes into slot rings (:mod:`moecomm.slots`)
-instead of NVSHMEM. Rank ``r`` hosts experts ``r*L .. r*L+L-1`` (``L = num_experts /
-num_ranks``) and owns a request ring (``ServerChannel``) and a response ring (``ClientChannel``)
-per peer, itself included.
+Same signatures as DeepEP's ``deep_ep.Buffer`` (``deep_ep/buffers/legacy.py``, DeepEP dd758ca):
+names, order and defaults, moecomm's own options keyword-only after them. Rank ``r`` hosts
+experts ``r*L .. r*L+L-1`` (``L = num_experts / num_ranks``) and owns a request ring
+(``ServerChannel``) and a response ring (``ClientChannel``) per peer, itself included.
 
-- **dispatch**: quantize once (fp8 e4m3, one f32 scale per 128 channels: ``FP8_E4M3_B128``),
-  pack one request per rank with :func:`moecomm.ops.pack_dispatch` (each token once per
-  destination, ids = local expert or -1), write them all, wake every rank. Receive = wait for
-  every rank's request and lay the copies out per local expert.
-- **combine**: answer each source rank with the outputs of its copies in its request's (row, k)
-  order; wait for our answers and reduce ``out[t] = Σ_k w[t, k] · y(t, k)`` in f32, k ascending.
+- **dispatch** (a *round*: seq = round + 1, slot = round % 2): cast with DeepEP's fp8 formula
+  (``_ll_cast.py``), pack one request per rank with :func:`moecomm.ops.pack_dispatch` (each
+  token once per destination), write them all, wake every rank. Receive = wait for every rank's
+  request of this round and lay the copies out per local expert.
+- **combine** (its own counter: answers in slot c % 2 with seq ``COMBINE_SEQ_BASE + c + 1``):
+  answer each source rank with the outputs of its copies in its request's (row, k) order; wait
+  for our answers and reduce ``out[t] = Σ_k w[t, k] · y(t, k)`` in f32, k ascending.
 
-Differences from DeepEP (all deliberate; engines that rely on one of them must adapt):
+DeepEP's contract, kept: each dispatch's outputs are its own and need not be combined; a handle
+may be combined more than once (e.g. once plainly, once ``zero_copy``); ``recv_x`` and the
+combine buffer of a call are reused two calls later (DeepEP's two buffers); every rank makes the
+same sequence of calls. Shrink mode masks a rank that does not answer within ``timeout`` and
+goes on without it. Differences from DeepEP (docs/compat-deep-ep.md lists them all):
 
-1. **Order inside an expert is deterministic**: ``recv_x[e, :recv_count[e]]`` is source rank
-   major, token index ascending. DeepEP orders source ranks by arrival. ``handle[1]``
-   (``layout_range``, ``begin << 32 | count`` per source rank) describes it exactly as in DeepEP.
-2. **CPU or CUDA tensors, one kind per Buffer** (the first dispatch decides). On the host,
-   ``async_finish`` is ignored and ``event`` is a :class:`CompletedEvent`; on CUDA it is a
-   ``torch.cuda.Event`` (rules of that path: ``_ll_device.py``, docs/compat-deep-ep.md).
-3. **Hooks** (``None`` unless ``return_recv_hook``): dispatch/combine only write and signal; the
-   hook receives into the tensors already returned. Calling a hook twice is a no-op.
-4. **Two results in flight**, like DeepEP's two buffers: ``recv_x`` of dispatch ``i`` is reused by
-   dispatch ``i + 2``. Stricter than DeepEP: dispatch ``i`` must be combined before dispatch
-   ``i + 2`` (its request slot is released by the answer), else ``RuntimeError``.
-5. Rows of ``recv_x`` past ``recv_count[e]`` are stale (DeepEP: unspecified). ``src_info``
-   (``handle[0]``) holds the source token index of each valid row, ``-1`` elsewhere.
-6. The fp8 scales are ``[L, R*M, hidden // 128]`` f32 with column-major last two dims (as in
-   DeepEP). ``round_scale``, ``use_ue8m0``, ``use_logfmt`` and ``zero_copy`` raise
-   ``NotImplementedError``; ``cumulative_local_expert_recv_stats`` is supported.
-7. ``num_nvl_bytes``, ``num_rdma_bytes``, ``num_qps_per_rank`` and the NVLink/fabric flags are
-   accepted and ignored: slots are sized from the shape. ``low_latency_mode=False`` (the normal
-   kernels) and ``enable_shrink`` are not implemented.
-8. **Rendezvous**: with a ``torch.distributed.ProcessGroup`` the region handles are exchanged by
-   one ``all_gather_object`` — the only collective this module ever calls. Without one, pass
-   keyword-only ``rank``, ``num_ranks`` and ``store`` (a ``torch.distributed.Store``). The
-   exchange happens at construction when the keyword-only shape (``num_max_dispatch_tokens_per_
-   rank``, ``hidden``, ``num_experts``, ``num_topk``) is given, else at the first dispatch (which
-   every rank calls). The shape may not change afterwards.
-9. **Every wait has a deadline** (``timeout``, default 30 s): ``moecomm.TimeoutError`` or
-   ``moecomm.PeerLostError`` (a dead peer is noticed at once), naming the rank waited for.
-10. Wire details: the request's score column carries the source token index (DeepEP's dispatch
-    has no weights); a rank with nothing for a peer sends one row whose expert ids are all -1
-    (the protocol has no empty message); answers carry one row per (token, k) copy, so response
-    slots hold ``M * min(num_topk, L)`` rows and request slots ``M`` (bf16-sized, so use_fp8 may
-    change per call) — see docs/compat-deep-ep.md.
+1. **Order inside an expert is deterministic**: source rank major, token index ascending
+   (DeepEP: arrival order). ``layout_range`` describes it exactly as in DeepEP.
+2. **CPU or CUDA tensors, one kind per Buffer**. On the host, calls complete before they return
+   and ``event`` is a :class:`CompletedEvent`. The CUDA path has not taken this file's newer
+   contract (see ``_ll_device.py``): it still needs each dispatch combined before the one two
+   later, and refuses ``round_scale``, ``use_ue8m0``, ``use_logfmt``, ``zero_copy`` and shrink.
+3. ``use_logfmt``: the answers travel as bf16 and the receiver reduces their LogFMT-10
+   round trip (``_ll_cast.logfmt_roundtrip``: DeepEP's formula in exact f32, where DeepEP uses
+   approximate lg2/ex2): DeepEP's numerics within its tolerance, not its bits nor its bandwidth.
+4. Rows past ``recv_count`` are stale; ``src_info`` is -1 there. Cost stats are nanoseconds of
+   host wait per source rank (DeepEP: GPU clock cycles).
+5. Buffer sizes, QPs and the NVLink/MNNVL flags are accepted and ignored (slots are sized from
+   the shape). With ``low_latency_mode=False`` the low-latency methods raise, as DeepEP's
+   assert; the normal-mode ones (``get_dispatch_layout``, ``dispatch``, ``combine``: host
+   tensors, ``_normal.py``) work on every Buffer, as in DeepEP.
+6. **Rendezvous**: a ``ProcessGroup`` (one ``all_gather_object``), an mpi4py ``comm``, or the
+   keyword-only ``rank``, ``num_ranks`` and ``store``. Set up at construction when the
+   keyword-only shape is given, else at the first dispatch. The shape may not change afterwards.
+7. **Every wait has a deadline** (``timeout``): ``moecomm.TimeoutError`` /
+   ``moecomm.PeerLostError`` naming the rank, or, with ``enable_shrink``, that rank masked.
+8. No expert replicas: ``reroute_replicas`` is refused (docs/compat-deep-ep.md says why).
 """
 
 from __future__ import annotations
@@ -58,6 +52,7 @@ import time
 import torch
 
 from moecomm._C import Encoding
+from moecomm.compat._ll_cast import UE8M0_PACK, deepep_cast, logfmt_roundtrip, pack_ue8m0
 from moecomm.compat._ll_device import DevicePath
 from moecomm.compat._ll_device_ops import DeviceHandle, check_mode, input_device
 from moecomm.compat._ll_layout import (
@@ -69,45 +64,55 @@ from moecomm.compat._ll_layout import (
     receive_layout,
     reduce_answers,
 )
+from moecomm.compat._ll_rounds import RoundsMixin
 from moecomm.compat._ll_support import (
+    COMBINE_SEQ_BASE,
     NUM_SLOTS,
+    PEER_FAILURES,
     CompletedEvent,
     LowLatencyHandle,
     check_combine_inputs,
+    check_cost_stats,
     exchange,
     naming_peer,
     shm_bytes_per_rank,
     slot_layout,
 )
+from moecomm.compat._normal_calls import NormalCalls
 from moecomm.errors import ProtocolError
 from moecomm.ops.dispatch import ExpertMap, pack_dispatch
 from moecomm.slots import ClientChannel, ServerChannel
 from moecomm.transport import ShmTransport
 
-__all__ = ["Buffer", "CompletedEvent", "LowLatencyHandle"]
+__all__ = ["Buffer", "CompletedEvent", "LowLatencyHandle", "topk_idx_t"]
 
+# DeepEP's ``deep_ep.topk_idx_t`` (the C++ ``topk_idx_t``, int64 in its default build).
+topk_idx_t = torch.int64
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_STORE_PREFIX = "moecomm.compat.deep_ep"
 # Only for get_low_latency_rdma_size_hint, which is not told the top-k (DeepSeek-V3 uses 8).
 SIZE_HINT_TOPK = 8
 
 
-class Buffer:
+class Buffer(RoundsMixin, NormalCalls):
     """Low-latency dispatch/combine with DeepEP's signatures; see the module docstring."""
+
+    num_sms: int = 20
 
     def __init__(
         self,
-        group=None,
+        group,
         num_nvl_bytes: int = 0,
         num_rdma_bytes: int = 0,
-        low_latency_mode: bool = True,
+        low_latency_mode: bool = False,
         num_qps_per_rank: int = 24,
         allow_nvlink_for_low_latency_mode: bool = True,
         allow_mnnvl: bool = False,
-        use_fabric: bool = False,
         explicitly_destroy: bool = False,
         enable_shrink: bool = False,
+        comm=None,
         *,
+        use_fabric: bool = False,
         rank: int | None = None,
         num_ranks: int | None = None,
         store=None,
@@ -117,37 +122,50 @@ class Buffer:
         num_experts: int | None = None,
         num_topk: int | None = None,
         timeout: float = DEFAULT_TIMEOUT_S,
+        reroute_replicas: bool = False,
     ) -> None:
-        if not low_latency_mode:
-            raise NotImplementedError("only DeepEP's low-latency mode is implemented")
-        if enable_shrink:
-            raise NotImplementedError("enable_shrink (masking ranks out) is not implemented")
+        if reroute_replicas:
+            raise NotImplementedError(
+                "reroute_replicas: this adapter hosts one copy of each expert (rank r hosts "
+                "r*L .. r*L+L-1), so a masked rank's experts have no replica to re-route to; "
+                "see docs/compat-deep-ep.md (shrink mode)"
+            )
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        self.group, self.store, self.store_prefix = group, store, store_prefix
+        self.group, self.store, self.store_prefix, self.comm = group, store, store_prefix, comm
+        given = (rank, num_ranks, store)
+        if (group is not None or comm is not None) and any(v is not None for v in given):
+            raise ValueError("pass a process group (or comm) or rank/num_ranks/store, not both")
         if group is not None:
             import torch.distributed as dist
 
             if not isinstance(group, dist.ProcessGroup):
                 raise TypeError(f"group must be a ProcessGroup or None, got {type(group).__name__}")
-            if rank is not None or num_ranks is not None or store is not None:
-                raise ValueError("pass either a process group or rank/num_ranks/store, not both")
             rank, num_ranks = group.rank(), group.size()
+        elif comm is not None:
+            rank, num_ranks = comm.Get_rank(), comm.Get_size()
         elif rank is None or num_ranks is None or store is None:
-            raise ValueError("without a process group, rank=, num_ranks= and store= are required")
+            raise ValueError(
+                "Either 'group' or 'comm' must be provided (or, moecomm's own way, rank=, "
+                "num_ranks= and store=)"
+            )
         if not (isinstance(num_ranks, int) and num_ranks >= 1 and 0 <= rank < num_ranks):
             raise ValueError(f"need 0 <= rank < num_ranks, got rank={rank}, num_ranks={num_ranks}")
         self.rank, self.num_ranks, self.group_size = rank, num_ranks, num_ranks
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
-        self.low_latency_mode = True
+        self.low_latency_mode = bool(low_latency_mode)
+        self.explicitly_destroy, self.enable_shrink = explicitly_destroy, bool(enable_shrink)
         self.timeout = float(timeout)
         self.shape: LLShape | None = None
         self._servers: list[ServerChannel] = []
         self._clients: list[ClientChannel] = []
         self._recv_buffers: dict = {}
+        self._combine_buffers: dict = {}
         self._scratch = Scratch()
-        self._in_flight: list[LowLatencyHandle | None] = [None] * NUM_SLOTS
         self._num_dispatches = 0
+        self._num_rounds = 0  # dispatches and cleans: the request rounds
+        self._num_combines = 0
+        self._mask = torch.zeros(num_ranks, dtype=torch.int32)
         self._destroyed = False
         self._mode: str | None = None  # "cpu" or "cuda", set by the first dispatch
         self._device: DevicePath | None = None
@@ -200,7 +218,14 @@ class Buffer:
 
     def _exchange(self, mine: dict) -> list[dict]:
         return exchange(
-            mine, self.rank, self.num_ranks, self.group, self.store, self.store_prefix, self.timeout
+            mine,
+            self.rank,
+            self.num_ranks,
+            self.group,
+            self.store,
+            self.store_prefix,
+            self.timeout,
+            self.comm,
         )
 
     @staticmethod
@@ -212,6 +237,13 @@ class Buffer:
         shape = LLShape(num_max_dispatch_tokens_per_rank, hidden, num_experts, SIZE_HINT_TOPK)
         return shm_bytes_per_rank(check_shape(shape, num_ranks), num_ranks)
 
+    def _check_ll(self) -> None:
+        self._check_open()
+        if not self.low_latency_mode:
+            raise RuntimeError(
+                "low-latency calls need Buffer(..., low_latency_mode=True), as in DeepEP"
+            )
+
     # ------------------------------------------------------------------ dispatch
     def low_latency_dispatch(
         self,
@@ -220,27 +252,37 @@ class Buffer:
         num_max_dispatch_tokens_per_rank: int,
         num_experts: int,
         cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+        dispatch_wait_recv_cost_stats: torch.Tensor | None = None,
         use_fp8: bool = True,
         round_scale: bool = False,
         use_ue8m0: bool = False,
         async_finish: bool = False,
         return_recv_hook: bool = False,
     ):
-        """Returns ``(recv_x, recv_count, handle, event, hook)`` as DeepEP does; recv_x is
-        ``(fp8 [L, R*M, H], scales f32 [L, R*M, H/128])`` with use_fp8, else bf16 [L, R*M, H]."""
-        self._check_open()
-        if round_scale or use_ue8m0:
-            raise NotImplementedError("round_scale / use_ue8m0 (power-of-2 or UE8M0 scales)")
+        """Returns ``(recv_x, recv_count, handle, event, hook)`` as DeepEP does. recv_x is
+        ``(fp8 [L, R*M, H], scales)`` with use_fp8 (scales f32 ``[L, R*M, H/128]``, or with
+        use_ue8m0 int32 ``[L, R*M, H/512]``; column-major last two dims), else bf16."""
+        self._check_ll()
+        if use_ue8m0 and not round_scale:
+            raise ValueError("UE8M0 SF requires `round_scale=True` (as DeepEP asserts)")
         stats = cumulative_local_expert_recv_stats
+        cost = dispatch_wait_recv_cost_stats
         device = input_device(x=x, topk_idx=topk_idx, cumulative_local_expert_recv_stats=stats)
         self._mode = check_mode(self._mode, device is not None)
         if device is not None:
+            if round_scale or use_ue8m0 or self.enable_shrink or cost is not None:
+                raise NotImplementedError(
+                    "round_scale, use_ue8m0, dispatch_wait_recv_cost_stats and enable_shrink "
+                    "are implemented on the host path only (CPU tensors)"
+                )
             self._device = self._device or DevicePath(self)
             m, e, hook = num_max_dispatch_tokens_per_rank, num_experts, return_recv_hook
             return self._device.dispatch(x, topk_idx, m, e, stats, use_fp8, hook, device)
         x, topk_idx = check_dispatch_inputs(
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8
         )
+        if use_ue8m0 and x.shape[1] % (128 * UE8M0_PACK):
+            raise ValueError(f"use_ue8m0 packs 4 scales per int32: hidden % 512, got {x.shape[1]}")
         shape = LLShape(
             num_max_dispatch_tokens_per_rank, x.shape[1], num_experts, topk_idx.shape[1]
         )
@@ -258,29 +300,24 @@ class Buffer:
                     f"cumulative_local_expert_recv_stats must be int32 [{num_local}], got "
                     f"{stats.dtype} {list(stats.shape)}"
                 )
-        index = self._num_dispatches
-        slot = index % NUM_SLOTS
-        prev = self._in_flight[slot]
-        if prev is not None and not prev.combined:
-            raise RuntimeError(
-                f"dispatch {prev.index} is not combined yet and its slot is needed: at most "
-                f"{NUM_SLOTS} dispatches may wait for their combine"
-            )
-        handle = self._send_requests(x, topk_idx, index, use_fp8)
+        check_cost_stats("dispatch_wait_recv_cost_stats", cost, self.num_ranks)
+        rnd = self._num_rounds
+        handle = self._send_requests(x, topk_idx, rnd, use_fp8, round_scale)
+        handle.index = self._num_dispatches
         self._num_dispatches += 1
-        self._in_flight[slot] = handle
-        recv_x = self._recv_tensors(slot, use_fp8)
+        self._num_rounds += 1
+        recv_x = self._recv_tensors(rnd % NUM_SLOTS, use_fp8, use_ue8m0)
         recv_count = torch.zeros(num_local, dtype=torch.int32)
 
         def hook() -> None:
-            self._receive(handle, recv_x, recv_count, stats, use_fp8)
+            self._receive(handle, recv_x, recv_count, stats, cost, use_fp8, use_ue8m0)
 
         if return_recv_hook:
             return recv_x, recv_count, handle, CompletedEvent(), hook
         hook()
         return recv_x, recv_count, handle, CompletedEvent(), None
 
-    def _send_requests(self, x, topk_idx, index: int, use_fp8: bool) -> LowLatencyHandle:
+    def _send_requests(self, x, topk_idx, rnd: int, use_fp8: bool, round_scale: bool):
         shape = self.shape
         t, k = topk_idx.shape
         num_local = shape.num_experts // self.num_ranks
@@ -289,7 +326,9 @@ class Buffer:
         batches = {}
         if t:
             carried = torch.arange(t, dtype=torch.float32).unsqueeze(1).expand(t, k)
-            for b in pack_dispatch(x, topk_idx, carried, self._expert_map, enc):
+            # Packed in bf16 and cast per packed row: the cast is per row, so this is DeepEP's
+            # cast of each token (once per destination rank, as its per-copy cast).
+            for b in pack_dispatch(x, topk_idx, carried, self._expert_map, Encoding.BF16):
                 batches[b.server] = b
         handle = LowLatencyHandle(
             torch.full((num_local, rows_total), -1, dtype=torch.int32),
@@ -298,42 +337,38 @@ class Buffer:
             shape.hidden,
             shape.num_experts,
         )
-        handle.owner, handle.index, handle.topk_idx = id(self), index, topk_idx.clone()
+        handle.owner, handle.round, handle.topk_idx = id(self), rnd, topk_idx.clone()
         handle.sent_rows = []
-        slot, seq = index % NUM_SLOTS, index + 1
+        slot, seq = rnd % NUM_SLOTS, rnd + 1
+        sent_to = []
         for q, client in enumerate(self._clients):
             b = batches.get(q)
-            if b is None:  # nothing for rank q: one row whose experts are all elsewhere
-                act = torch.zeros(
-                    1, shape.hidden, dtype=torch.float8_e4m3fn if use_fp8 else x.dtype
-                )
-                scales = torch.ones(1, shape.hidden // 128) if use_fp8 else None
-                ids = torch.full((1, k), -1, dtype=torch.int32)
-                sent = client.send(
-                    slot, act, ids, torch.zeros(1, k), scales=scales, encoding=enc, wake=False
-                )
+            if not self._live(q):  # masked: DeepEP sends nothing to it
                 handle.sent_rows.append(torch.empty(0, dtype=torch.int64))
+                continue
+            if b is None:  # nothing for rank q: one row whose experts are all elsewhere
+                act = torch.zeros(1, shape.hidden, dtype=torch.bfloat16)
+                ids = torch.full((1, k), -1, dtype=torch.int32)
+                scores, rows = torch.zeros(1, k), torch.empty(0, dtype=torch.int64)
             else:
-                sent = client.send(
-                    slot,
-                    b.activations,
-                    b.expert_ids,
-                    b.scores,
-                    scales=b.scales,
-                    encoding=enc,
-                    wake=False,
-                )
+                act, ids, scores = b.activations, b.expert_ids, b.scores
                 flat = b.token_index.unsqueeze(1) * k + torch.arange(k)
-                handle.sent_rows.append(flat[b.expert_ids >= 0])
-            if sent != seq:
-                raise ProtocolError(f"rank {q}: request sequence {sent}, expected {seq}")
-        for client in self._clients:
+                rows = flat[b.expert_ids >= 0]
+            scales = None
+            if use_fp8:
+                act, scales = deepep_cast(act, round_scale)
+            # The request's seq is the round, the same on every rank whoever was skipped.
+            client._next_seq = seq
+            client.send(slot, act, ids, scores, scales=scales, encoding=enc, wake=False)
+            handle.sent_rows.append(rows)
+            sent_to.append(client)
+        for client in sent_to:
             client.ring()
         return handle
 
-    def _recv_tensors(self, slot: int, use_fp8: bool):
+    def _recv_tensors(self, slot: int, use_fp8: bool, use_ue8m0: bool = False):
         """The slot's reusable receive buffers (DeepEP's two low-latency buffers)."""
-        key = (slot, use_fp8)
+        key = (slot, use_fp8, use_ue8m0)
         if key not in self._recv_buffers:
             s = self.shape
             num_local = s.num_experts // self.num_ranks
@@ -341,7 +376,11 @@ class Buffer:
             if use_fp8:
                 data = torch.empty(num_local, rows, s.hidden, dtype=torch.float8_e4m3fn)
                 # Column-major in the last two dims, as DeepEP lays its scales out for TMA.
-                scales = torch.empty(num_local, s.hidden // 128, rows).transpose(1, 2)
+                if use_ue8m0:
+                    n = s.hidden // (128 * UE8M0_PACK)
+                    scales = torch.empty(num_local, n, rows, dtype=torch.int32).transpose(1, 2)
+                else:
+                    scales = torch.empty(num_local, s.hidden // 128, rows).transpose(1, 2)
                 self._recv_buffers[key] = (data, scales)
             else:
                 self._recv_buffers[key] = torch.empty(
@@ -349,41 +388,37 @@ class Buffer:
                 )
         return self._recv_buffers[key]
 
-    def _receive(self, handle: LowLatencyHandle, recv_x, recv_count, stats, use_fp8: bool) -> None:
+    def _receive(self, handle, recv_x, recv_count, stats, cost, use_fp8, use_ue8m0) -> None:
         if handle.requests is not None:
             return
         self._check_open()
-        slot, seq = handle.index % NUM_SLOTS, handle.index + 1
         want = Encoding.FP8_E4M3_B128 if use_fp8 else Encoding.BF16
-        deadline = time.monotonic() + self.timeout
-        reqs = []
-        for p, server in enumerate(self._servers):
-            with naming_peer(self.rank, p, "dispatch request"):
-                req = server.wait_slot(slot, max(deadline - time.monotonic(), 0.0))
-            if not req.valid or req.seq != seq:
-                raise ProtocolError(
-                    f"deep_ep.Buffer rank {self.rank}: request of rank {p} in slot {slot} is "
-                    f"invalid or out of sequence (code {req.code}, seq {req.seq}, expected {seq})"
-                )
-            if req.encoding != want:
+        reqs = self._wait_round(handle.round, "dispatch request", cost)
+        for p, req in enumerate(reqs):
+            if req is not None and req.encoding != want:
                 raise ProtocolError(
                     f"deep_ep.Buffer rank {self.rank}: rank {p} dispatched {req.encoding.name}, "
                     f"this rank {want.name}: use_fp8 must agree on every rank"
                 )
-            reqs.append(req)
+        live = [r for r in reqs if r is not None]
+        k = self.shape.num_topk
         num_local = self.shape.num_experts // self.num_ranks
         rows_per_expert = self.num_ranks * self.shape.num_max_dispatch_tokens_per_rank
-        ids = [r.expert_ids for r in reqs]
-        lay = receive_layout(ids, [r.scores for r in reqs], num_local, rows_per_expert)
+        empty_ids, empty_sc = torch.empty(0, k, dtype=torch.int32), torch.empty(0, k)
+        ids = [r.expert_ids if r is not None else empty_ids for r in reqs]
+        carried = [r.scores if r is not None else empty_sc for r in reqs]
+        lay = receive_layout(ids, carried, num_local, rows_per_expert)
         data = recv_x[0].view(torch.uint8) if use_fp8 else recv_x
-        acts = torch.cat([r.activations.view(data.dtype) for r in reqs])
+        acts = torch.cat([r.activations.view(data.dtype) for r in live])
         # One gather per expert straight into its rows: the rows of an expert are contiguous
         # in the layout (index_copy_ / index_put_ measured 3x slower than index_select here).
         for e, (a, b) in enumerate(zip(lay.offsets[:-1], lay.offsets[1:], strict=True)):
             if b > a:
                 torch.index_select(acts, 0, lay.src_token[a:b], out=data[e, : b - a])
         if use_fp8:
-            scales = torch.cat([r.scales for r in reqs]).index_select(0, lay.src_token)
+            scales = torch.cat([r.scales for r in live]).index_select(0, lay.src_token)
+            if use_ue8m0:
+                scales = pack_ue8m0(scales)
             recv_x[1][lay.expert, lay.pos] = scales
         src_info, layout_range = handle[0], handle[1]
         src_info[lay.expert, lay.pos] = lay.token_index.to(torch.int32)
@@ -391,11 +426,25 @@ class Buffer:
         recv_count.copy_(lay.counts)
         if stats is not None:
             stats += lay.counts
-        for r in reqs:  # consumed into the receive buffers; only the copied metadata is kept
+        for r in live:  # consumed into the receive buffers; only the copied metadata is kept
             r.activations = None
         handle.layout, handle.requests = lay, reqs
 
     # ------------------------------------------------------------------ combine
+    def get_next_low_latency_combine_buffer(self, handle: object):
+        """The bf16 ``[L, R*M, H]`` tensor the next ``low_latency_combine(..., zero_copy=True)``
+        reads its expert outputs from (fill it yourself). Reused two combines later."""
+        self._check_ll()
+        if isinstance(handle, DeviceHandle):
+            raise NotImplementedError("zero_copy combine is implemented on the host path only")
+        _, _, m, hidden, num_experts = handle
+        key = self._num_combines % NUM_SLOTS
+        want = (num_experts // self.num_ranks, self.num_ranks * m, hidden)
+        buf = self._combine_buffers.get(key)
+        if buf is None or tuple(buf.shape) != want:
+            buf = self._combine_buffers[key] = torch.zeros(want, dtype=torch.bfloat16)
+        return buf
+
     def low_latency_combine(
         self,
         x: torch.Tensor,
@@ -407,12 +456,19 @@ class Buffer:
         async_finish: bool = False,
         return_recv_hook: bool = False,
         out: torch.Tensor | None = None,
+        combine_wait_recv_cost_stats: torch.Tensor | None = None,
     ):
-        """Returns ``(combined_x, event, hook)``: combined_x [num_tokens, hidden] bf16."""
-        self._check_open()
-        if use_logfmt or zero_copy:
-            raise NotImplementedError("use_logfmt / zero_copy combine")
+        """Returns ``(combined_x, event, hook)``: combined_x [num_tokens, hidden] bf16. With
+        ``zero_copy`` the expert outputs are read from get_next_low_latency_combine_buffer's
+        tensor (``x`` is only checked), as DeepEP reads its registered buffer."""
+        self._check_ll()
+        cost = combine_wait_recv_cost_stats
         if self._mode == "cuda" and isinstance(handle, DeviceHandle) and handle.owner == id(self):
+            if use_logfmt or zero_copy or cost is not None:
+                raise NotImplementedError(
+                    "use_logfmt, zero_copy and combine_wait_recv_cost_stats are implemented on "
+                    "the host path only (CPU tensors)"
+                )
             return self._device.combine(x, topk_idx, topk_weights, handle, return_recv_hook, out)
         on_cuda = input_device(x=x, topk_idx=topk_idx, topk_weights=topk_weights, out=out)
         check_mode(self._mode or "cpu", on_cuda is not None)
@@ -420,8 +476,6 @@ class Buffer:
             raise ValueError("handle must come from low_latency_dispatch of this buffer")
         if handle.requests is None:
             raise RuntimeError("call the dispatch's receive hook before combining it")
-        if handle.combined or self._in_flight[handle.index % NUM_SLOTS] is not handle:
-            raise RuntimeError(f"dispatch {handle.index} was already combined")
         s = self.shape
         want = (
             s.num_experts // self.num_ranks,
@@ -429,10 +483,19 @@ class Buffer:
             s.hidden,
         )
         check_combine_inputs(x, topk_idx, topk_weights, out, handle.topk_idx, want)
+        check_cost_stats("combine_wait_recv_cost_stats", cost, self.num_ranks)
+        if zero_copy:
+            x = self.get_next_low_latency_combine_buffer(handle)
+        c = self._num_combines
+        self._num_combines += 1
+        slot, seq = c % NUM_SLOTS, COMBINE_SEQ_BASE + c + 1
         t = topk_idx.shape[0]
         combined = out if out is not None else torch.empty(t, s.hidden, dtype=torch.bfloat16)
         flat_x = x.view(-1, s.hidden) if x.is_contiguous() else None
         for p, server in enumerate(self._servers):
+            req = handle.requests[p]
+            if req is None or not self._live(p):
+                continue
             rows = handle.layout.reply[p]
             if not rows.numel():
                 y = torch.zeros(1, s.hidden, dtype=torch.bfloat16)
@@ -441,14 +504,15 @@ class Buffer:
                 torch.index_select(flat_x, 0, rows, out=y)
             else:
                 y = x[rows // x.shape[1], rows % x.shape[1]]
-            server.respond(dataclasses.replace(handle.requests[p], num_tokens=y.shape[0]), y)
-        handle.combined = True
+            answer = dataclasses.replace(req, slot=slot, seq=seq, num_tokens=y.shape[0])
+            server.respond(answer, y)
         weights = topk_weights.clone() if return_recv_hook else topk_weights
+        idx = topk_idx.clone() if return_recv_hook else topk_idx
         done = []
 
         def hook() -> None:
             if not done:
-                self._reduce(handle, weights, combined)
+                self._reduce(handle, slot, seq, idx, weights, combined, cost, use_logfmt)
                 done.append(True)
 
         if return_recv_hook:
@@ -456,28 +520,52 @@ class Buffer:
         hook()
         return combined, CompletedEvent(), None
 
-    def _reduce(self, handle: LowLatencyHandle, weights, combined) -> None:
+    def _reduce(self, handle, slot, seq, idx, weights, combined, cost, use_logfmt) -> None:
         self._check_open()
         s = self.shape
-        slot, seq = handle.index % NUM_SLOTS, handle.index + 1
-        parts, sent = [], []
+        parts, sent, got = [], [], []
         deadline = time.monotonic() + self.timeout
         for q, client in enumerate(self._clients):
-            with naming_peer(self.rank, q, "combine answer"):
-                resp = client.wait(slot, seq, max(deadline - time.monotonic(), 0.0))
             rows = handle.sent_rows[q]
+            if not self._live(q):
+                continue
+            t0 = time.monotonic_ns()
+            try:
+                with naming_peer(self.rank, q, "combine answer"):
+                    resp = client.wait(slot, seq, max(deadline - time.monotonic(), 0.0))
+            except PEER_FAILURES as exc:
+                self._peer_failed(q, exc)
+                continue
+            if cost is not None:
+                cost[q] += time.monotonic_ns() - t0
+            got.append(client)
             if rows.numel():
                 if resp.num_tokens != rows.numel():
                     raise ProtocolError(
                         f"deep_ep.Buffer rank {self.rank}: rank {q} answered {resp.num_tokens} "
                         f"rows for {rows.numel()} copies"
                     )
-                parts.append(resp.activations)
+                # LogFMT: the answer as DeepEP's receiver decodes it (the wire stays bf16).
+                parts.append(logfmt_roundtrip(resp.activations) if use_logfmt else resp.activations)
                 sent.append(rows)
-        combined.copy_(
-            reduce_answers(parts, sent, handle.topk_idx, weights, s.hidden, self._scratch)
-        )
-        for client in self._clients:  # summed out of the response slots: released
+        if self.enable_shrink and bool(self._mask.any()):  # copies on masked ranks count as -1
+            num_local = s.num_experts // self.num_ranks
+            owner_masked = self._mask.bool()[idx.clamp_min(0) // num_local]
+            idx = idx.masked_fill(owner_masked & (idx >= 0), -1)
+        # Copies the combine's topk_idx no longer selects (-1 now) are left out of the sum.
+        keep = list(zip(parts, sent, strict=True))
+        parts, sent = [], []
+        flat_idx = idx.reshape(-1)
+        for p, r in keep:
+            ok = flat_idx[r] >= 0
+            if bool(ok.all()):
+                parts.append(p)
+                sent.append(r)
+            elif bool(ok.any()):
+                parts.append(p[ok])
+                sent.append(r[ok])
+        combined.copy_(reduce_answers(parts, sent, idx, weights, s.hidden, self._scratch))
+        for client in got:  # summed out of the response slots: released
             client.release(slot)
 
     # ------------------------------------------------------------------ lifetime, errors
@@ -495,6 +583,7 @@ class Buffer:
         if self._destroyed:
             return
         self._destroyed = True
+        self._close_normal()
         if self._device is not None:
             self._device.destroy()
         for s in self._servers:
@@ -502,6 +591,7 @@ class Buffer:
                 s.mark_offline()
         self._close_channels()
         self._recv_buffers.clear()
+        self._combine_buffers.clear()
 
     def __enter__(self) -> Buffer:
         return self
