@@ -51,11 +51,13 @@ class LowLatencyHandle(tuple):
     combined: bool = False  # the CUDA path's (DeviceHandle): one combine per dispatch there
 
 
-def slot_layout(shape: LLShape, num_ranks: int) -> SlotLayout:
+def slot_layout(shape: LLShape, num_ranks: int, max_local: int | None = None) -> SlotLayout:
     """Requests carry at most M rows (each token once per destination rank); answers carry a row
-    per (token, k) copy, at most M * min(K, L) of them, so the response slots are sized apart."""
+    per (token, k) copy, at most M * min(K, L) of them, so the response slots are sized apart.
+    ``max_local``: the most local experts of a rank (L plus its replicas), default L."""
     per_rank = shape.num_max_dispatch_tokens_per_rank
-    copies = per_rank * min(shape.num_topk, shape.num_experts // num_ranks)
+    local = shape.num_experts // num_ranks if max_local is None else max_local
+    copies = per_rank * min(shape.num_topk, local)
     return SlotLayout(
         per_rank, shape.hidden, shape.num_topk, "bf16", "bf16", max_response_tokens=copies
     )

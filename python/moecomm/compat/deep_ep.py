@@ -40,47 +40,42 @@ goes on without it. Differences from DeepEP (docs/compat-deep-ep.md lists them a
    keyword-only shape is given, else at the first dispatch. The shape may not change afterwards.
 7. **Every wait has a deadline** (``timeout``): ``moecomm.TimeoutError`` /
    ``moecomm.PeerLostError`` naming the rank, or, with ``enable_shrink``, that rank masked.
-8. No expert replicas: ``reroute_replicas`` is refused (docs/compat-deep-ep.md says why).
+8. moecomm extension, opt-in: ``replicas={expert: [ranks]}`` (with shrink) re-routes a masked
+   rank's experts to live replicas; local experts become ``local_experts`` (``_ll_replicas.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 
 import torch
 
-from moecomm._C import Encoding
-from moecomm.compat._ll_cast import UE8M0_PACK, deepep_cast, logfmt_roundtrip, pack_ue8m0
+from moecomm.compat._ll_cast import UE8M0_PACK
 from moecomm.compat._ll_device import DevicePath
 from moecomm.compat._ll_device_ops import DeviceHandle, check_mode, input_device
+from moecomm.compat._ll_host import HostPath
 from moecomm.compat._ll_layout import (
     LLShape,
     Scratch,
     check_dispatch_inputs,
     check_host,
     check_shape,
-    receive_layout,
-    reduce_answers,
 )
+from moecomm.compat._ll_replicas import ReplicaPlan, check_replicas_arg
 from moecomm.compat._ll_rounds import RoundsMixin
 from moecomm.compat._ll_support import (
     COMBINE_SEQ_BASE,
     NUM_SLOTS,
-    PEER_FAILURES,
     CompletedEvent,
     LowLatencyHandle,
     check_combine_inputs,
     check_cost_stats,
     exchange,
-    naming_peer,
     shm_bytes_per_rank,
     slot_layout,
 )
 from moecomm.compat._normal_calls import NormalCalls
-from moecomm.errors import ProtocolError
-from moecomm.ops.dispatch import ExpertMap, pack_dispatch
 from moecomm.slots import ClientChannel, ServerChannel
 from moecomm.transport import ShmTransport
 
@@ -94,7 +89,7 @@ DEFAULT_STORE_PREFIX = "moecomm.compat.deep_ep"
 SIZE_HINT_TOPK = 8
 
 
-class Buffer(RoundsMixin, NormalCalls):
+class Buffer(RoundsMixin, NormalCalls, HostPath):
     """Low-latency dispatch/combine with DeepEP's signatures; see the module docstring."""
 
     num_sms: int = 20
@@ -123,13 +118,8 @@ class Buffer(RoundsMixin, NormalCalls):
         num_topk: int | None = None,
         timeout: float = DEFAULT_TIMEOUT_S,
         reroute_replicas: bool = False,
+        replicas: dict[int, list[int]] | None = None,
     ) -> None:
-        if reroute_replicas:
-            raise NotImplementedError(
-                "reroute_replicas: this adapter hosts one copy of each expert (rank r hosts "
-                "r*L .. r*L+L-1), so a masked rank's experts have no replica to re-route to; "
-                "see docs/compat-deep-ep.md (shrink mode)"
-            )
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.group, self.store, self.store_prefix, self.comm = group, store, store_prefix, comm
@@ -152,6 +142,8 @@ class Buffer(RoundsMixin, NormalCalls):
         if not (isinstance(num_ranks, int) and num_ranks >= 1 and 0 <= rank < num_ranks):
             raise ValueError(f"need 0 <= rank < num_ranks, got rank={rank}, num_ranks={num_ranks}")
         self.rank, self.num_ranks, self.group_size = rank, num_ranks, num_ranks
+        spec = check_replicas_arg(replicas, reroute_replicas, enable_shrink, num_ranks)
+        self._replica_spec = spec
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode = bool(low_latency_mode)
         self.explicitly_destroy, self.enable_shrink = explicitly_destroy, bool(enable_shrink)
@@ -166,6 +158,7 @@ class Buffer(RoundsMixin, NormalCalls):
         self._num_rounds = 0  # dispatches and cleans: the request rounds
         self._num_combines = 0
         self._mask = torch.zeros(num_ranks, dtype=torch.int32)
+        self.dropped_copies = 0  # (token, k) copies sent toward a masked rank: no live copy
         self._destroyed = False
         self._mode: str | None = None  # "cpu" or "cuda", set by the first dispatch
         self._device: DevicePath | None = None
@@ -181,7 +174,8 @@ class Buffer(RoundsMixin, NormalCalls):
     # ------------------------------------------------------------------ set-up, rendezvous
     def _setup(self, shape: LLShape) -> None:
         check_shape(shape, self.num_ranks)
-        layout = slot_layout(shape, self.num_ranks)
+        plan = ReplicaPlan(self._replica_spec, shape.num_experts, self.num_ranks)
+        layout = slot_layout(shape, self.num_ranks, plan.max_local)
         transport = ShmTransport()
         r = self.rank
         try:
@@ -196,6 +190,7 @@ class Buffer(RoundsMixin, NormalCalls):
                 "shape": dataclasses.asdict(shape),
                 "server": [s.handle for s in self._servers],
                 "client": [c.handle for c in self._clients],
+                "replicas": plan.wire(),
             }
             infos = self._exchange(mine)
             for p, info in enumerate(infos):
@@ -204,17 +199,24 @@ class Buffer(RoundsMixin, NormalCalls):
                         f"rank {p} set up with {LLShape(**info['shape']).describe()}, "
                         f"rank {r} with {shape.describe()}"
                     )
+                if info["replicas"] != mine["replicas"]:
+                    raise ValueError(f"rank {p} and rank {r} were given different replicas")
             for p, info in enumerate(infos):
                 self._clients[p].connect(info["server"][r])
                 self._servers[p].connect(info["client"][r])
         except BaseException:
             self._close_channels()
             raise
-        num_local = shape.num_experts // self.num_ranks
-        self._expert_map = ExpertMap(
-            [[(e // num_local, e % num_local)] for e in range(shape.num_experts)], self.num_ranks
-        )
+        self._plan, self._num_local = plan, len(plan.local[r])
         self.shape = shape
+
+    @property
+    def local_experts(self) -> list[int]:
+        """The logical expert of each local slot (row of recv_x): ``r*L .. r*L+L-1``, then the
+        replicas this rank hosts (moecomm's ``replicas=``), sorted. Known once set up."""
+        if self.shape is None:
+            raise RuntimeError("the buffer is set up at its first dispatch (or give the shape)")
+        return list(self._plan.local[self.rank])
 
     def _exchange(self, mine: dict) -> list[dict]:
         return exchange(
@@ -292,7 +294,7 @@ class Buffer(RoundsMixin, NormalCalls):
             raise ValueError(
                 f"this buffer was set up for {self.shape.describe()}; got {shape.describe()}"
             )
-        num_local = num_experts // self.num_ranks
+        num_local = self._num_local
         if stats is not None:
             check_host("cumulative_local_expert_recv_stats", stats)
             if stats.dtype != torch.int32 or tuple(stats.shape) != (num_local,):
@@ -317,129 +319,15 @@ class Buffer(RoundsMixin, NormalCalls):
         hook()
         return recv_x, recv_count, handle, CompletedEvent(), None
 
-    def _send_requests(self, x, topk_idx, rnd: int, use_fp8: bool, round_scale: bool):
-        shape = self.shape
-        t, k = topk_idx.shape
-        num_local = shape.num_experts // self.num_ranks
-        rows_total = self.num_ranks * shape.num_max_dispatch_tokens_per_rank
-        enc = Encoding.FP8_E4M3_B128 if use_fp8 else Encoding.BF16
-        batches = {}
-        if t:
-            carried = torch.arange(t, dtype=torch.float32).unsqueeze(1).expand(t, k)
-            # Packed in bf16 and cast per packed row: the cast is per row, so this is DeepEP's
-            # cast of each token (once per destination rank, as its per-copy cast).
-            for b in pack_dispatch(x, topk_idx, carried, self._expert_map, Encoding.BF16):
-                batches[b.server] = b
-        handle = LowLatencyHandle(
-            torch.full((num_local, rows_total), -1, dtype=torch.int32),
-            torch.zeros(num_local, self.num_ranks, dtype=torch.int64),
-            shape.num_max_dispatch_tokens_per_rank,
-            shape.hidden,
-            shape.num_experts,
-        )
-        handle.owner, handle.round, handle.topk_idx = id(self), rnd, topk_idx.clone()
-        handle.sent_rows = []
-        slot, seq = rnd % NUM_SLOTS, rnd + 1
-        sent_to = []
-        for q, client in enumerate(self._clients):
-            b = batches.get(q)
-            if not self._live(q):  # masked: DeepEP sends nothing to it
-                handle.sent_rows.append(torch.empty(0, dtype=torch.int64))
-                continue
-            if b is None:  # nothing for rank q: one row whose experts are all elsewhere
-                act = torch.zeros(1, shape.hidden, dtype=torch.bfloat16)
-                ids = torch.full((1, k), -1, dtype=torch.int32)
-                scores, rows = torch.zeros(1, k), torch.empty(0, dtype=torch.int64)
-            else:
-                act, ids, scores = b.activations, b.expert_ids, b.scores
-                flat = b.token_index.unsqueeze(1) * k + torch.arange(k)
-                rows = flat[b.expert_ids >= 0]
-            scales = None
-            if use_fp8:
-                act, scales = deepep_cast(act, round_scale)
-            # The request's seq is the round, the same on every rank whoever was skipped.
-            client._next_seq = seq
-            client.send(slot, act, ids, scores, scales=scales, encoding=enc, wake=False)
-            handle.sent_rows.append(rows)
-            sent_to.append(client)
-        for client in sent_to:
-            client.ring()
-        return handle
-
-    def _recv_tensors(self, slot: int, use_fp8: bool, use_ue8m0: bool = False):
-        """The slot's reusable receive buffers (DeepEP's two low-latency buffers)."""
-        key = (slot, use_fp8, use_ue8m0)
-        if key not in self._recv_buffers:
-            s = self.shape
-            num_local = s.num_experts // self.num_ranks
-            rows = self.num_ranks * s.num_max_dispatch_tokens_per_rank
-            if use_fp8:
-                data = torch.empty(num_local, rows, s.hidden, dtype=torch.float8_e4m3fn)
-                # Column-major in the last two dims, as DeepEP lays its scales out for TMA.
-                if use_ue8m0:
-                    n = s.hidden // (128 * UE8M0_PACK)
-                    scales = torch.empty(num_local, n, rows, dtype=torch.int32).transpose(1, 2)
-                else:
-                    scales = torch.empty(num_local, s.hidden // 128, rows).transpose(1, 2)
-                self._recv_buffers[key] = (data, scales)
-            else:
-                self._recv_buffers[key] = torch.empty(
-                    num_local, rows, s.hidden, dtype=torch.bfloat16
-                )
-        return self._recv_buffers[key]
-
-    def _receive(self, handle, recv_x, recv_count, stats, cost, use_fp8, use_ue8m0) -> None:
-        if handle.requests is not None:
-            return
-        self._check_open()
-        want = Encoding.FP8_E4M3_B128 if use_fp8 else Encoding.BF16
-        reqs = self._wait_round(handle.round, "dispatch request", cost)
-        for p, req in enumerate(reqs):
-            if req is not None and req.encoding != want:
-                raise ProtocolError(
-                    f"deep_ep.Buffer rank {self.rank}: rank {p} dispatched {req.encoding.name}, "
-                    f"this rank {want.name}: use_fp8 must agree on every rank"
-                )
-        live = [r for r in reqs if r is not None]
-        k = self.shape.num_topk
-        num_local = self.shape.num_experts // self.num_ranks
-        rows_per_expert = self.num_ranks * self.shape.num_max_dispatch_tokens_per_rank
-        empty_ids, empty_sc = torch.empty(0, k, dtype=torch.int32), torch.empty(0, k)
-        ids = [r.expert_ids if r is not None else empty_ids for r in reqs]
-        carried = [r.scores if r is not None else empty_sc for r in reqs]
-        lay = receive_layout(ids, carried, num_local, rows_per_expert)
-        data = recv_x[0].view(torch.uint8) if use_fp8 else recv_x
-        acts = torch.cat([r.activations.view(data.dtype) for r in live])
-        # One gather per expert straight into its rows: the rows of an expert are contiguous
-        # in the layout (index_copy_ / index_put_ measured 3x slower than index_select here).
-        for e, (a, b) in enumerate(zip(lay.offsets[:-1], lay.offsets[1:], strict=True)):
-            if b > a:
-                torch.index_select(acts, 0, lay.src_token[a:b], out=data[e, : b - a])
-        if use_fp8:
-            scales = torch.cat([r.scales for r in live]).index_select(0, lay.src_token)
-            if use_ue8m0:
-                scales = pack_ue8m0(scales)
-            recv_x[1][lay.expert, lay.pos] = scales
-        src_info, layout_range = handle[0], handle[1]
-        src_info[lay.expert, lay.pos] = lay.token_index.to(torch.int32)
-        layout_range.copy_(lay.layout_range)
-        recv_count.copy_(lay.counts)
-        if stats is not None:
-            stats += lay.counts
-        for r in live:  # consumed into the receive buffers; only the copied metadata is kept
-            r.activations = None
-        handle.layout, handle.requests = lay, reqs
-
-    # ------------------------------------------------------------------ combine
     def get_next_low_latency_combine_buffer(self, handle: object):
         """The bf16 ``[L, R*M, H]`` tensor the next ``low_latency_combine(..., zero_copy=True)``
         reads its expert outputs from (fill it yourself). Reused two combines later."""
         self._check_ll()
         if isinstance(handle, DeviceHandle):
             raise NotImplementedError("zero_copy combine is implemented on the host path only")
-        _, _, m, hidden, num_experts = handle
+        _, _, m, hidden, _ = handle
         key = self._num_combines % NUM_SLOTS
-        want = (num_experts // self.num_ranks, self.num_ranks * m, hidden)
+        want = (self._num_local, self.num_ranks * m, hidden)
         buf = self._combine_buffers.get(key)
         if buf is None or tuple(buf.shape) != want:
             buf = self._combine_buffers[key] = torch.zeros(want, dtype=torch.bfloat16)
@@ -477,11 +365,7 @@ class Buffer(RoundsMixin, NormalCalls):
         if handle.requests is None:
             raise RuntimeError("call the dispatch's receive hook before combining it")
         s = self.shape
-        want = (
-            s.num_experts // self.num_ranks,
-            self.num_ranks * s.num_max_dispatch_tokens_per_rank,
-            s.hidden,
-        )
+        want = (self._num_local, self.num_ranks * s.num_max_dispatch_tokens_per_rank, s.hidden)
         check_combine_inputs(x, topk_idx, topk_weights, out, handle.topk_idx, want)
         check_cost_stats("combine_wait_recv_cost_stats", cost, self.num_ranks)
         if zero_copy:
@@ -520,55 +404,6 @@ class Buffer(RoundsMixin, NormalCalls):
         hook()
         return combined, CompletedEvent(), None
 
-    def _reduce(self, handle, slot, seq, idx, weights, combined, cost, use_logfmt) -> None:
-        self._check_open()
-        s = self.shape
-        parts, sent, got = [], [], []
-        deadline = time.monotonic() + self.timeout
-        for q, client in enumerate(self._clients):
-            rows = handle.sent_rows[q]
-            if not self._live(q):
-                continue
-            t0 = time.monotonic_ns()
-            try:
-                with naming_peer(self.rank, q, "combine answer"):
-                    resp = client.wait(slot, seq, max(deadline - time.monotonic(), 0.0))
-            except PEER_FAILURES as exc:
-                self._peer_failed(q, exc)
-                continue
-            if cost is not None:
-                cost[q] += time.monotonic_ns() - t0
-            got.append(client)
-            if rows.numel():
-                if resp.num_tokens != rows.numel():
-                    raise ProtocolError(
-                        f"deep_ep.Buffer rank {self.rank}: rank {q} answered {resp.num_tokens} "
-                        f"rows for {rows.numel()} copies"
-                    )
-                # LogFMT: the answer as DeepEP's receiver decodes it (the wire stays bf16).
-                parts.append(logfmt_roundtrip(resp.activations) if use_logfmt else resp.activations)
-                sent.append(rows)
-        if self.enable_shrink and bool(self._mask.any()):  # copies on masked ranks count as -1
-            num_local = s.num_experts // self.num_ranks
-            owner_masked = self._mask.bool()[idx.clamp_min(0) // num_local]
-            idx = idx.masked_fill(owner_masked & (idx >= 0), -1)
-        # Copies the combine's topk_idx no longer selects (-1 now) are left out of the sum.
-        keep = list(zip(parts, sent, strict=True))
-        parts, sent = [], []
-        flat_idx = idx.reshape(-1)
-        for p, r in keep:
-            ok = flat_idx[r] >= 0
-            if bool(ok.all()):
-                parts.append(p)
-                sent.append(r)
-            elif bool(ok.any()):
-                parts.append(p[ok])
-                sent.append(r[ok])
-        combined.copy_(reduce_answers(parts, sent, idx, weights, s.hidden, self._scratch))
-        for client in got:  # summed out of the response slots: released
-            client.release(slot)
-
-    # ------------------------------------------------------------------ lifetime, errors
     def _check_open(self) -> None:
         if self._destroyed:
             raise RuntimeError("this deep_ep.Buffer was destroyed")
