@@ -7,15 +7,12 @@ Every rank regenerates every rank's inputs from seeds, so the reference needs no
 communication. The scenarios of one rank count run in one spawned group."""
 
 import math
-import multiprocessing as mp
-import os
-import signal
 import time
 import traceback
 
-import moecomm
 import pytest
 import torch
+from scenario_groups import run_groups
 
 HIDDEN = 2048
 GROUP_TIMEOUT_S = 90
@@ -390,49 +387,9 @@ def rank_main(rank: int, num_ranks: int, store_path: str, conn) -> None:
     conn.send(results)
 
 
-def launch(num_ranks: int, store_path: str, procs: list) -> list:
-    ctx = mp.get_context("spawn")
-    conns = []
-    for r in range(num_ranks):
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=rank_main, args=(r, num_ranks, store_path, child), daemon=True)
-        procs.append(p)
-        p.start()
-        child.close()
-        conns.append(parent)
-    deadline = time.monotonic() + GROUP_TIMEOUT_S
-    results = []
-    for r, conn in enumerate(conns):
-        if not conn.poll(max(deadline - time.monotonic(), 0.0)):
-            raise AssertionError(f"rank {r} of {num_ranks} gave no result in {GROUP_TIMEOUT_S} s")
-        try:
-            results.append(conn.recv())
-        except EOFError:
-            procs[-num_ranks + r].join(5)
-            code = procs[-num_ranks + r].exitcode
-            results.append({"setup": (f"rank {r} died without a result (exit code {code})",)})
-    return results
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out, procs = {}, []
-    try:
-        for num_ranks in SHAPES:
-            path = str(tmp_path_factory.mktemp(f"elastic{num_ranks}") / "store")
-            results = launch(num_ranks, path, procs)
-            for name in SCENARIOS:
-                out[num_ranks, name] = [
-                    r.get(name, r.get("setup", ("not run (an earlier one failed)",)))
-                    for r in results
-                ]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
-            p.join(5)
-            moecomm.reap_stale_segments(p.pid)
-    return out
+    return run_groups(rank_main, SHAPES, SCENARIOS, tmp_path_factory, "elastic", GROUP_TIMEOUT_S)
 
 
 @pytest.mark.timeout(240)

@@ -49,13 +49,10 @@ Semantics (DeepEP's ``tests/elastic/test_ep.py`` and ``deep_ep/utils/refs.py``):
 
 from __future__ import annotations
 
-import json
-from datetime import timedelta
-
 import torch
 
+from moecomm.compat._ll_support import exchange
 from moecomm.compat._normal import CompletedEvent, NormalMode, _check_cpu
-from moecomm.errors import TimeoutError as MoecommTimeout
 from moecomm.transport import ShmTransport
 
 __all__ = ["EPHandle", "ElasticBuffer"]
@@ -70,26 +67,12 @@ def _align(n: int, a: int) -> int:
 
 
 def _store_exchange(rank: int, num_ranks: int, group, store, prefix: str, timeout: float):
-    def exchange(mine: dict) -> list:
-        if group is not None:
-            import torch.distributed as dist
+    """The rendezvous of deep_ep.Buffer (_ll_support.exchange), bound to this buffer."""
 
-            out: list = [None] * num_ranks
-            dist.all_gather_object(out, mine, group=group)
-            return out
-        keys = [f"{prefix}/{p}" for p in range(num_ranks)]
-        store.set(keys[rank], json.dumps(mine))
-        try:
-            store.wait(keys, timedelta(seconds=timeout))
-        except Exception as exc:
-            missing = [p for p, k in enumerate(keys) if not store.check([k])]
-            raise MoecommTimeout(
-                f"ElasticBuffer rank {rank}: ranks {missing} did not publish their regions "
-                f"within {timeout:.1f} s ({exc})"
-            ) from exc
-        return [json.loads(store.get(k)) for k in keys]
+    def gather(mine: dict) -> list:
+        return exchange(mine, rank, num_ranks, group, store, prefix, timeout)
 
-    return exchange
+    return gather
 
 
 class EPHandle:
