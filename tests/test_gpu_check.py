@@ -20,6 +20,8 @@ _spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gp
 gc = importlib.util.module_from_spec(_spec)
 sys.modules["gpu_check"] = gc  # dataclasses look their module up by name
 _spec.loader.exec_module(gc)
+import gpu_check_reports as rp  # noqa: E402  (importable once gpu_check put tools/ on the path)
+import gpu_check_run as gr  # noqa: E402
 
 PY = sys.executable
 
@@ -58,7 +60,7 @@ def test_parse_junit_counts_and_skip_reasons(tmp_path):
         tmp_path / "r.xml",
         ["passed", "passed", "failed", "error", "skipped:no device", "skipped:no device"],
     )
-    c = gc.parse_junit(path)
+    c = rp.parse_junit(path)
     assert (c["tests"], c["passed"], c["failed"], c["errors"], c["skipped"]) == (6, 2, 1, 1, 2)
     assert c["skip_reasons"] == ["2× no device"]
     assert len(c["not_passed"]) == 2
@@ -75,7 +77,7 @@ def test_parse_junit_counts_and_skip_reasons(tmp_path):
     ],
 )
 def test_parse_pytest_summary(text, want):
-    got = gc.parse_pytest_summary("some output\n" + text + "\n")
+    got = rp.parse_pytest_summary("some output\n" + text + "\n")
     if want is None:
         assert got is None
     else:
@@ -158,7 +160,7 @@ def test_a_step_over_its_timeout_is_killed_with_its_children(tmp_path):
     )
     step = gc.Step("slow", [PY, "-c", script], timeout_s=1.5)
     start = time.monotonic()
-    res = gc.run_step(step, ctx(tmp_path, True))
+    res = gr.run_step(step, ctx(tmp_path, True))
     assert time.monotonic() - start < 10
     assert res.status == gc.FAILED and res.timed_out
     assert "timed out" in res.reason
@@ -172,15 +174,15 @@ def test_a_step_over_its_timeout_is_killed_with_its_children(tmp_path):
 
 def test_the_budget_caps_every_step(tmp_path):
     c = ctx(tmp_path, True)
-    c.deadline = time.monotonic() + gc.RESERVE_S + 1  # less than a step needs
-    res = gc.run_step(gc.Step("late", [PY, "-c", "pass"], timeout_s=30), c)
+    c.deadline = time.monotonic() + gr.RESERVE_S + 1  # less than a step needs
+    res = gr.run_step(gc.Step("late", [PY, "-c", "pass"], timeout_s=30), c)
     assert res.status == gc.FAILED and "no time left" in res.reason
 
 
 def test_a_missing_round_trip_test_fails_the_sanitizer_steps_as_missing(tmp_path):
     c = ctx(tmp_path, True, root=tmp_path)  # a tree without tests/gpu/test_device_roundtrip.py
     for tool in ("memcheck", "racecheck"):
-        res = gc.run_step(gc.sanitizer_step(tool), c)
+        res = gr.run_step(gc.sanitizer_step(tool), c)
         assert res.status == gc.FAILED
         assert res.reason.startswith("missing")
 
@@ -191,7 +193,7 @@ def test_sanitizer_reports_are_summed_over_processes():
         "========= ERROR SUMMARY: 2 errors\n"
         "========= RACECHECK SUMMARY: 3 hazards displayed (1 error, 2 warnings)\n"
     )
-    got = gc.parse_sanitizer(text)
+    got = rp.parse_sanitizer(text)
     assert got["processes_checked"] == 2 and got["sanitizer_errors"] == 2
     assert (got["race_hazards"], got["race_errors"], got["race_warnings"]) == (3, 1, 2)
 
