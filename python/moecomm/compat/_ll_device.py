@@ -42,15 +42,13 @@ import torch
 from moecomm import _C
 from moecomm.compat._ll_device_ops import (
     DeviceHandle,
-    check_device_combine,
-    check_device_inputs,
     combine_from_answers,
     expand_dispatch,
     expert_rows,
     input_device,
     scatter_receive,
 )
-from moecomm.compat._ll_layout import MAX_TOKENS_PER_RANK, LLShape, check_shape
+from moecomm.compat._ll_layout import MAX_TOKENS_PER_RANK, LLShape
 from moecomm.compat._ll_support import NUM_SLOTS, exchange
 from moecomm.errors import MoecommError, PeerLostError, ProtocolError, TimeoutError
 from moecomm.protocol import SCALE_BLOCK, SlotLayout
@@ -69,7 +67,6 @@ _cuda = torch.cuda
 __all__ = [
     "CudaEvent",
     "DeviceHandle",
-    "DevicePath",
     "combine_from_answers",
     "expand_dispatch",
     "expert_rows",
@@ -127,7 +124,8 @@ def _part(ws: torch.Tensor, layout: dict, name: str, dtype: torch.dtype, count: 
 class _Lane:
     """One encoding's regions, peer table, configs and workspaces (see the module docstring)."""
 
-    def __init__(self, path: DevicePath, shape: LLShape, use_fp8: bool, device: torch.device):
+    def __init__(self, path, shape: LLShape, use_fp8: bool, device: torch.device):
+        # path: the _ll_device_path.DevicePath this lane belongs to
         k = path.k
         buf = path.buf
         r, nr = buf.rank, buf.num_ranks
@@ -416,144 +414,3 @@ class _Lane:
 
 
 # ---------------------------------------------------------------------------- the path
-class DevicePath:
-    """The CUDA half of one deep_ep.Buffer."""
-
-    def __init__(self, buf, kernels=None) -> None:
-        import moecomm.cuda
-
-        try:
-            self.k = kernels or moecomm.cuda.cuda_module()
-        except MoecommError as exc:
-            raise type(exc)(
-                f"deep_ep.Buffer got CUDA tensors, but its CUDA path cannot run: {exc}"
-            ) from exc
-        self.buf = buf
-        self.lanes: dict[bool, _Lane] = {}
-        self.device: torch.device | None = None
-        self.last_event = None
-        self.last_stream = None
-        self.num_dispatches = 0
-
-    def _stream(self, device: torch.device):
-        if self.device is None:
-            self.device = device
-        elif device != self.device:
-            raise ValueError(f"this deep_ep.Buffer runs on {self.device}, got {device}")
-        stream = _cuda.current_stream(device)
-        if self.last_event is not None and stream != self.last_stream:
-            stream.wait_event(self.last_event)  # keep the calls in order across streams
-        return stream
-
-    def _done(self, stream) -> CudaEvent:
-        ev = CudaEvent(stream)
-        self.last_event, self.last_stream = ev.event, stream
-        return ev
-
-    def dispatch(self, x, topk_idx, num_max, num_experts, stats, use_fp8, return_recv_hook, device):
-        buf = self.buf
-        check_device_inputs(x, topk_idx, num_max, num_experts, use_fp8)
-        shape = LLShape(num_max, x.shape[1], num_experts, topk_idx.shape[1])
-        if buf.shape is None:
-            buf.shape = check_shape(shape, buf.num_ranks)
-        elif shape != buf.shape:
-            raise ValueError(
-                f"this buffer was set up for {buf.shape.describe()}; got {shape.describe()}"
-            )
-        num_local = num_experts // buf.num_ranks
-        if stats is not None and (
-            stats.dtype != torch.int32
-            or tuple(stats.shape) != (num_local,)
-            or stats.device != device
-        ):
-            raise ValueError(
-                f"cumulative_local_expert_recv_stats must be int32 [{num_local}] on the device, "
-                f"got {stats.dtype} {list(stats.shape)} on {stats.device}"
-            )
-        stream = self._stream(device)
-        with _cuda.device(device), _cuda.stream(stream):
-            lane = self.lanes.get(use_fp8)
-            if lane is None:
-                lane = self.lanes[use_fp8] = _Lane(self, shape, use_fp8, device)
-            slot = lane.count % NUM_SLOTS
-            prev = lane.in_flight[slot]
-            if prev is not None and not prev.reduced:
-                raise RuntimeError(
-                    f"dispatch {prev.index} is not combined yet (its combine hook included) and "
-                    f"its slot is needed: at most {NUM_SLOTS} dispatches per use_fp8 may wait"
-                )
-            rows = buf.num_ranks * num_max
-            handle = DeviceHandle(
-                torch.full((num_local, rows), -1, dtype=torch.int32, device=device),
-                torch.zeros(num_local, buf.num_ranks, dtype=torch.int64, device=device),
-                num_max,
-                x.shape[1],
-                num_experts,
-            )
-            handle.owner, handle.index = id(buf), self.num_dispatches
-            # The reduce reads the ids the kernels routed, whatever the caller does with theirs.
-            handle.topk_idx, handle.lane = topk_idx.clone(), lane
-            handle.index_in_lane = lane.count
-            handle.slot, _ = lane.send(x, topk_idx, stream)
-            self.num_dispatches += 1
-            lane.in_flight[slot] = handle
-            recv_x = lane.recv_tensors(slot)
-            recv_count = torch.zeros(num_local, dtype=torch.int32, device=device)
-            event = self._done(stream)
-
-        def hook() -> None:
-            if handle.received:
-                return
-            buf._check_open()
-            s = self._stream(device)
-            with _cuda.device(device), _cuda.stream(s):
-                lane.receive(handle, recv_x, recv_count, stats, s)
-                self._done(s)
-
-        if return_recv_hook:
-            return recv_x, recv_count, handle, event, hook
-        hook()
-        return recv_x, recv_count, handle, self._done(stream), None
-
-    def combine(self, x, topk_idx, topk_weights, handle, return_recv_hook, out):
-        buf = self.buf
-        if not handle.received:
-            raise RuntimeError("call the dispatch's receive hook before combining it")
-        lane = handle.lane
-        if handle.combined or lane.in_flight[handle.slot] is not handle:
-            raise RuntimeError(f"dispatch {handle.index} was already combined")
-        s = buf.shape
-        want = (s.num_experts // buf.num_ranks, buf.num_ranks * s.num_max_dispatch_tokens_per_rank)
-        check_device_combine(x, topk_idx, topk_weights, out, handle, (*want, s.hidden))
-        device = x.device
-        stream = self._stream(device)
-        t = topk_idx.shape[0]
-        with _cuda.device(device), _cuda.stream(stream):
-            combined = (
-                out
-                if out is not None
-                else torch.empty(t, s.hidden, dtype=torch.bfloat16, device=device)
-            )
-            lane.respond(x, handle, stream)
-            handle.combined = True
-            weights = topk_weights.clone() if return_recv_hook else topk_weights
-            event = self._done(stream)
-
-        def hook() -> None:
-            if handle.reduced:
-                return
-            buf._check_open()
-            st = self._stream(device)
-            with _cuda.device(device), _cuda.stream(st):
-                lane.reduce(handle, handle.topk_idx, weights, combined, st)
-                self._done(st)
-
-        if return_recv_hook:
-            return combined, event, hook
-        hook()
-        return combined, self._done(stream), None
-
-    def destroy(self) -> None:
-        for lane in self.lanes.values():
-            lane.close()
-        self.lanes.clear()

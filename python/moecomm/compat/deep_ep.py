@@ -52,8 +52,8 @@ import dataclasses
 import torch
 
 from moecomm.compat._ll_cast import UE8M0_PACK
-from moecomm.compat._ll_device import DevicePath
 from moecomm.compat._ll_device_ops import DeviceHandle, check_mode, input_device
+from moecomm.compat._ll_device_path import DevicePath
 from moecomm.compat._ll_host import HostPath
 from moecomm.compat._ll_layout import (
     LLShape,

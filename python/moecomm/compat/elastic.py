@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import torch
 
+from moecomm.compat._elastic_handle import AGRS, ENGRAM, PP, EPHandle, refuse
 from moecomm.compat._ll_support import exchange
 from moecomm.compat._normal import CompletedEvent, NormalMode, _check_cpu
 from moecomm.transport import ShmTransport
@@ -73,45 +74,6 @@ def _store_exchange(rank: int, num_ranks: int, group, store, prefix: str, timeou
         return exchange(mine, rank, num_ranks, group, store, prefix, timeout)
 
     return gather
-
-
-class EPHandle:
-    """DeepEP's ``EPHandle``: the routing of one dispatch, reused by a cached dispatch and
-    consumed by ``combine``. Same attribute names and meanings (see the module docstring);
-    ``token_metadata_at_forward`` and ``channel_linked_list`` (hybrid mode) are ``None``."""
-
-    def __init__(self, **kw) -> None:
-        self.__dict__.update(kw)
-
-    do_expand: bool
-    num_experts: int
-    expert_alignment: int
-    num_max_tokens_per_rank: int
-    num_sms: int
-    topk_idx: torch.Tensor
-    num_recv_tokens: int
-    num_expanded_tokens: int
-    num_recv_tokens_per_expert_list: list
-    psum_num_recv_tokens_per_scaleup_rank: torch.Tensor
-    psum_num_recv_tokens_per_expert: torch.Tensor
-    num_unaligned_recv_tokens_per_expert: torch.Tensor | None
-    recv_src_metadata: torch.Tensor
-    dst_buffer_slot_idx: torch.Tensor
-    token_metadata_at_forward: None = None
-    channel_linked_list: None = None
-
-
-def _refuse(method: str, why: str):
-    def refused(self, *args, **kwargs):
-        raise NotImplementedError(f"ElasticBuffer.{method} is not implemented by moecomm: {why}")
-
-    refused.__name__ = method
-    return refused
-
-
-_ENGRAM = "Engram (remote KV-cache fetch over RDMA into CPU storage) has no moecomm equivalent"
-_PP = "pipeline-parallel send/recv belongs to moecomm.stage_channel / moecomm.pipeline"
-_AGRS = "all-gather/reduce-scatter sessions are not an expert-parallel operation moecomm serves"
 
 
 class ElasticBuffer:
@@ -229,24 +191,24 @@ class ElasticBuffer:
     def get_theoretical_num_qps(self, num_sms: int) -> int:
         return min(num_sms, self.num_allocated_qps)
 
-    get_comm_stream = _refuse(
+    get_comm_stream = refuse(
         "get_comm_stream", "host calls run on the caller's thread; there is no comm stream"
     )
-    get_engram_storage_size_hint = staticmethod(_refuse("get_engram_storage_size_hint", _ENGRAM))
-    engram_write = _refuse("engram_write", _ENGRAM)
-    engram_fetch = _refuse("engram_fetch", _ENGRAM)
-    get_pp_buffer_size_hint = staticmethod(_refuse("get_pp_buffer_size_hint", _PP))
-    pp_set_config = _refuse("pp_set_config", _PP)
-    pp_send = _refuse("pp_send", _PP)
-    pp_recv = _refuse("pp_recv", _PP)
-    get_agrs_num_max_session_bytes = staticmethod(_refuse("get_agrs_num_max_session_bytes", _AGRS))
-    get_agrs_buffer_size_hint = staticmethod(_refuse("get_agrs_buffer_size_hint", _AGRS))
-    create_agrs_session = _refuse("create_agrs_session", _AGRS)
-    destroy_agrs_session = _refuse("destroy_agrs_session", _AGRS)
-    agrs_new_session = _refuse("agrs_new_session", _AGRS)
-    agrs_set_config = _refuse("agrs_set_config", _AGRS)
-    agrs_get_inplace_tensor = _refuse("agrs_get_inplace_tensor", _AGRS)
-    all_gather = _refuse("all_gather", _AGRS)
+    get_engram_storage_size_hint = staticmethod(refuse("get_engram_storage_size_hint", ENGRAM))
+    engram_write = refuse("engram_write", ENGRAM)
+    engram_fetch = refuse("engram_fetch", ENGRAM)
+    get_pp_buffer_size_hint = staticmethod(refuse("get_pp_buffer_size_hint", PP))
+    pp_set_config = refuse("pp_set_config", PP)
+    pp_send = refuse("pp_send", PP)
+    pp_recv = refuse("pp_recv", PP)
+    get_agrs_num_max_session_bytes = staticmethod(refuse("get_agrs_num_max_session_bytes", AGRS))
+    get_agrs_buffer_size_hint = staticmethod(refuse("get_agrs_buffer_size_hint", AGRS))
+    create_agrs_session = refuse("create_agrs_session", AGRS)
+    destroy_agrs_session = refuse("destroy_agrs_session", AGRS)
+    agrs_new_session = refuse("agrs_new_session", AGRS)
+    agrs_set_config = refuse("agrs_set_config", AGRS)
+    agrs_get_inplace_tensor = refuse("agrs_get_inplace_tensor", AGRS)
+    all_gather = refuse("all_gather", AGRS)
 
     # ---------------------------------------------------------------- dispatch
     def dispatch(
