@@ -25,20 +25,12 @@ FP8_MAX_DIFF = 1e-3
 
 
 def make_inputs(seed: int, rank: int, num_tokens: int, masked: int = 3):
-    g = torch.Generator().manual_seed(seed * 1009 + rank)
-    x = (torch.randn(num_tokens, HIDDEN, generator=g) * (1 + rank)).to(torch.bfloat16)
-    perms = [torch.randperm(NUM_EXPERTS, generator=g)[:TOPK] for _ in range(num_tokens)]
-    idx = torch.stack(perms) if perms else torch.empty(0, TOPK)
-    idx = idx.reshape(num_tokens, TOPK).to(torch.int64)
-    for _ in range(masked if num_tokens else 0):
-        t = int(torch.randint(num_tokens, (1,), generator=g))
-        idx[t, int(torch.randint(TOPK, (1,), generator=g))] = -1
-    w = torch.rand(num_tokens, TOPK, generator=g)
-    return x, idx, w
+    return deep_ep_procs.make_inputs(
+        seed, rank, num_tokens, NUM_EXPERTS, masked, hidden=HIDDEN, topk=TOPK
+    )
 
 
-def expert_output(rows_f32: torch.Tensor, expert: int) -> torch.Tensor:
-    return (rows_f32 * (1.0 + expert / 8.0)).to(torch.bfloat16)
+expert_output = deep_ep_procs.expert_output
 
 
 def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:

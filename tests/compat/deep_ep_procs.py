@@ -22,17 +22,25 @@ M, HIDDEN, TOPK, EXPERTS_PER_RANK = 8, 256, 3, 4
 TIMEOUT_S = 20.0
 
 
-def make_inputs(seed: int, rank: int, num_tokens: int, num_experts: int, masked: int = 2):
+def make_inputs(
+    seed: int,
+    rank: int,
+    num_tokens: int,
+    num_experts: int,
+    masked: int = 2,
+    hidden=HIDDEN,
+    topk=TOPK,
+):
     """x [T, H] bf16, topk_idx [T, K] int64 (distinct experts, `masked` entries -1), w f32."""
     g = torch.Generator().manual_seed(seed * 1009 + rank)
-    x = (torch.randn(num_tokens, HIDDEN, generator=g) * (1 + rank)).to(torch.bfloat16)
-    perms = [torch.randperm(num_experts, generator=g)[:TOPK] for _ in range(num_tokens)]
-    idx = torch.stack(perms) if perms else torch.empty(0, TOPK, dtype=torch.int64)
-    idx = idx.reshape(num_tokens, TOPK).to(torch.int64)
+    x = (torch.randn(num_tokens, hidden, generator=g) * (1 + rank)).to(torch.bfloat16)
+    perms = [torch.randperm(num_experts, generator=g)[:topk] for _ in range(num_tokens)]
+    idx = torch.stack(perms) if perms else torch.empty(0, topk, dtype=torch.int64)
+    idx = idx.reshape(num_tokens, topk).to(torch.int64)
     for _ in range(masked if num_tokens else 0):
         t = int(torch.randint(num_tokens, (1,), generator=g))
-        idx[t, int(torch.randint(TOPK, (1,), generator=g))] = -1
-    w = torch.rand(num_tokens, TOPK, generator=g)
+        idx[t, int(torch.randint(topk, (1,), generator=g))] = -1
+    w = torch.rand(num_tokens, topk, generator=g)
     return x, idx, w
 
 
