@@ -143,6 +143,7 @@ void bind_configs(py::module_& m) {
   encoding_property(da, "x_dtype", &kc::DispatchArgs::x_dtype);
   encoding_property(da, "weights_dtype", &kc::DispatchArgs::weights_dtype);
   pointer_property(da, "x", &kc::DispatchArgs::x);
+  pointer_property(da, "x_scales", &kc::DispatchArgs::x_scales);
   pointer_property(da, "topk_ids", &kc::DispatchArgs::topk_ids);
   pointer_property(da, "topk_weights", &kc::DispatchArgs::topk_weights);
   pointer_property(da, "expert_server", &kc::DispatchArgs::expert_server);

@@ -4,7 +4,9 @@ ranks share it). Each rank regenerates every rank's inputs from the seed, so it 
 results against an independent reference without exchanging tensors, and against the host path
 (a second Buffer on CPU tensors, same inputs).
 
-DeepEP's shape scaled down: hidden 2048, 16 experts, top-4, 32 tokens per rank.
+DeepEP's shape scaled down: hidden 2048, 16 experts, top-4, 32 tokens per rank; and the
+contract scenarios walk the host contract test's flags and configs (deep_ep_ll_contract_procs,
+shrink mode aside: refused on CUDA tensors) on CUDA tensors.
 """
 
 from __future__ import annotations
@@ -12,16 +14,12 @@ from __future__ import annotations
 import time
 import traceback
 
+import deep_ep_ll_contract_procs as contract
 import deep_ep_procs
 import torch
-from moecomm._C import Encoding
-from moecomm.ops.quant import dequantize
 
 M, HIDDEN, TOPK, NUM_EXPERTS = 32, 2048, 4, 16
-FP8 = Encoding.FP8_E4M3_B128
 TIMEOUT_S = 30.0
-# DeepEP's test_low_latency checks fp8 dispatch with calc_diff (1 - cosine-like similarity).
-FP8_MAX_DIFF = 1e-3
 
 
 def make_inputs(seed: int, rank: int, num_tokens: int, masked: int = 3):
@@ -31,12 +29,6 @@ def make_inputs(seed: int, rank: int, num_tokens: int, masked: int = 3):
 
 
 expert_output = deep_ep_procs.expert_output
-
-
-def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
-    x, y = x.double() + 1, y.double() + 1
-    denom = (x * x + y * y).sum()
-    return float(1 - 2 * (x * y).sum() / denom)
 
 
 def check_dispatch(rank, nr, inputs, recv_x, count, handle, use_fp8: bool) -> torch.Tensor:
@@ -72,10 +64,10 @@ def check_dispatch(rank, nr, inputs, recv_x, count, handle, use_fp8: bool) -> to
         if not n:
             continue
         src = torch.stack([inputs[p][0][t] for p, t in want])
-        if use_fp8:
-            got = dequantize(data[e, :n], scales[e, :n].contiguous(), FP8)
-            diff = calc_diff(got, src.float())
-            assert diff < FP8_MAX_DIFF, f"expert {ge}: fp8 rows differ ({diff})"
+        if use_fp8:  # DeepEP's cast, bit for bit
+            q, inv, _ = deep_ep_procs.deepep_fp8(src)
+            assert torch.equal(data[e, :n].view(torch.uint8), q.view(torch.uint8)), f"{ge}: fp8"
+            assert torch.equal(scales[e, :n], inv), f"expert {ge}: fp8 scales"
         else:
             assert torch.equal(data[e, :n].view(torch.int16), src.view(torch.int16))
         y[e, :n] = expert_output(src.float(), ge)
@@ -126,9 +118,13 @@ def check_round(ctx, seed: int, sizes: list[int], use_fp8: bool, *, hook: bool =
     assert torch.equal(c_count, count.cpu())
     assert torch.equal(c_handle[0], handle[0].cpu())
     assert torch.equal(c_handle[1], handle[1].cpu())
-    if not use_fp8:
-        for e in range(c_count.shape[0]):
-            k = int(c_count[e])
+    for e in range(c_count.shape[0]):
+        k = int(c_count[e])
+        if use_fp8:  # the same cast (DeepEP's) on both paths: same bytes, same scales
+            got = recv_x[0][e, :k].cpu().view(torch.uint8)
+            assert torch.equal(c_recv[0][e, :k].view(torch.uint8), got)
+            assert torch.equal(c_recv[1][e, :k], recv_x[1][e, :k].cpu())
+        else:
             got = recv_x[e, :k].cpu().view(torch.int16)
             assert torch.equal(c_recv[e, :k].view(torch.int16), got)
     c_out, _, _ = cpu_buf.low_latency_combine(y.cpu(), cidx, cw, c_handle)
@@ -217,14 +213,111 @@ def sc_misuse(ctx):
     y = torch.zeros(NUM_EXPERTS // nr, nr * M, HIDDEN, dtype=torch.bfloat16, device=dev)
     _raises(RuntimeError, lambda: c(y, idx, w, ra[2]), "receive hook")
     ra[4]()
-    rb = d(x, idx, M, NUM_EXPERTS)
-    _raises(RuntimeError, lambda: d(x, idx, M, NUM_EXPERTS), "not combined yet")
+    d(x, idx, M, NUM_EXPERTS)
+    d(x, idx, M, NUM_EXPERTS)  # reuses ra's slot: ra was never combined (legal, as in DeepEP)
     _raises(ValueError, lambda: c(y[:, :-1], idx, w, ra[2]), "must be bf16")
     _raises(ValueError, lambda: c(y, idx, w.double(), ra[2]), "float32")
-    c(y, idx, w, ra[2])
-    _raises(RuntimeError, lambda: c(y, idx, w, ra[2]), "already combined")
-    c(y, idx, w, rb[2])
+    cost = torch.zeros(nr, dtype=torch.int64, device=dev)
+    _raises(
+        NotImplementedError,
+        lambda: c(y, idx, w, ra[2], combine_wait_recv_cost_stats=cost),
+        "inside a kernel",
+    )
+    first = c(y, idx, w, ra[2])[0]
+    assert torch.equal(c(y, idx, w, ra[2])[0], first)  # combined again, after its slot's reuse
     check_round(ctx, 11, [M] * nr, True)
+
+
+def _contract(ctx, name: str) -> None:
+    """The host contract test's flag matrix (deep_ep_ll_contract_procs.test_main, shrink aside)
+    on CUDA tensors, in a Buffer of that config's shape: hooks or not; bf16, fp8, round_scale,
+    use_ue8m0; every other dispatch left uncombined; stats and wait-cost stats on the device;
+    each handle combined twice, plainly and zero_copy (LogFMT where the config has it).
+    Receive bit for bit against the reference (DeepEP's fp8 cast); combine bit for bit against
+    the reference and the host path (LogFMT: within DeepEP's tolerance)."""
+    from moecomm.compat.deep_ep import Buffer
+
+    hidden, num_experts, num_tokens, num_topk, use_logfmt, _ = contract.CONFIGS[name]
+    dev, nr, r = ctx["device"], ctx["buf"].num_ranks, ctx["buf"].rank
+    kw = dict(low_latency_mode=True, rank=r, num_ranks=nr, store=ctx["store"], timeout=TIMEOUT_S)
+    buf = Buffer(None, **kw, store_prefix=f"cuda-{name}")
+    twin = Buffer(None, **kw, store_prefix=f"cpu-{name}")
+    args = (1, num_tokens, hidden, num_experts, num_topk, use_logfmt)
+    inputs = [contract.rank_inputs(args[0], p, *args[1:]) for p in range(nr)]
+    x_list, idx, w = inputs[r]
+    idx_d, w_d, num_local = idx.to(dev), w.to(dev), num_experts // nr
+    cctx = {"rank": r, "num_ranks": nr, "num_local": num_local, "all_idx": [i[1] for i in inputs]}
+    flags = ((False, False, False), (True, False, False), (True, True, False), (True, True, True))
+    n = 0
+    try:
+        for xi, x in enumerate(x_list):
+            cur_xs = [i[0][xi] for i in inputs]
+            for hook, (fp8, rs, ue) in ((h, f) for h in (False, True) for f in flags):
+                n += 1
+                stats = torch.zeros(num_local, dtype=torch.int32, device=dev)
+                cost = torch.zeros(nr, dtype=torch.int64, device=dev)
+                for _ in range(n % 2 + 1):  # once or twice: the first one never combined
+                    recv, count, handle, event, h = buf.low_latency_dispatch(
+                        x.to(dev), idx_d, num_tokens, num_experts, stats, cost, fp8, rs, ue,
+                        async_finish=not hook, return_recv_hook=hook,
+                    )  # fmt: skip
+                    h() if hook else event.current_stream_wait()
+                assert bool((cost.cpu() > 0).all()), "every rank's request was waited for"
+                assert torch.equal(stats.cpu(), count.cpu() * (n % 2 + 1))
+                recv_c = tuple(t.cpu() for t in recv) if fp8 else recv.cpu()
+                handle_c = (handle[0].cpu(), handle[1].cpu())
+                live = [True] * nr
+                contract.check_dispatch_reference(
+                    cctx, recv_c, count.cpu(), handle_c, cur_xs, fp8, rs, ue, live
+                )
+                if fp8:
+                    data, sc = recv_c[0], recv_c[1].contiguous()
+                    y = contract.per_token_cast_back(
+                        data.view(-1, hidden), sc.view(-1, sc.shape[-1])
+                    ).view(data.shape)
+                else:
+                    y = recv_c
+                y_d = y.to(dev)
+                yref = deep_ep_procs.deepep_fp8(x, rs)[2].to(torch.bfloat16) if fp8 else x
+                ref = contract.combine_reference(yref, idx, w, torch.zeros_like(idx, dtype=bool))
+                _, _, c_handle, _, _ = twin.low_latency_dispatch(
+                    x, idx, num_tokens, num_experts, use_fp8=fp8, round_scale=rs, use_ue8m0=ue
+                )
+                c_out = twin.low_latency_combine(y, idx, w, c_handle, use_logfmt=use_logfmt)[0]
+                for zero_copy in (False,) if use_logfmt else (False, True):
+                    for _ in range(2):  # the same handle, combined again
+                        if zero_copy:
+                            buf.get_next_low_latency_combine_buffer(handle).copy_(y_d)
+                        out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=dev)
+                        got, event, h = buf.low_latency_combine(
+                            torch.zeros_like(y_d) if zero_copy else y_d, idx_d, w_d, handle,
+                            use_logfmt=use_logfmt, zero_copy=zero_copy,
+                            async_finish=not hook, return_recv_hook=hook, out=out,
+                        )  # fmt: skip
+                        h() if hook else event.current_stream_wait()
+                        assert got is out
+                        got = out.cpu()
+                        if use_logfmt:  # torch's log2/exp2 may round apart on the two devices
+                            assert contract.calc_diff(ref, got) < 1e-5
+                            assert contract.calc_diff(c_out, got) < 1e-6
+                        else:
+                            assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
+                            assert torch.equal(got.view(torch.int16), c_out.view(torch.int16))
+    finally:
+        buf.destroy()
+        twin.destroy()
+
+
+def sc_contract_main(ctx):
+    _contract(ctx, "main_h2048")
+
+
+def sc_contract_logfmt(ctx):
+    _contract(ctx, "logfmt_h4096")
+
+
+def sc_contract_h7168(ctx):
+    _contract(ctx, "ragged_h7168")
 
 
 def sc_pressure(ctx):
@@ -251,6 +344,9 @@ SCENARIOS = {
     "stats_and_out": sc_stats_and_out,
     "misuse": sc_misuse,
     "pressure": sc_pressure,
+    "contract_main": sc_contract_main,
+    "contract_logfmt": sc_contract_logfmt,
+    "contract_h7168": sc_contract_h7168,
 }
 
 
@@ -268,6 +364,7 @@ def rank_main(rank: int, num_ranks: int, store_path: str, names: list[str], conn
             low_latency_mode=True, rank=rank, num_ranks=num_ranks, store=store, timeout=TIMEOUT_S
         )
         ctx = {
+            "store": store,
             "device": dev,
             "buf": Buffer(None, **kw),
             "cpu": Buffer(None, **kw, store_prefix="cpu-twin"),

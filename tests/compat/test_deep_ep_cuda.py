@@ -1,10 +1,11 @@
 """moecomm.compat.deep_ep with CUDA tensors: the device kernels over CUDA IPC, two ranks as
 processes on one node (sharing GPU 0 when there is only one). Every scenario checks the receive
-against an independent reference (recv_x per expert = the tokens routed there, bf16 bit-exact,
-fp8 within DeepEP's tolerance; src_info, layout_range, counts exact) and the combine bit for bit
-against Σ_k w·y (f32, k ascending) and against the host path on the same inputs
-(deep_ep_cuda_procs.py). GPU only: skipped without a device (a failure under
-MOECOMM_REQUIRE_GPU=1)."""
+against an independent reference (recv_x per expert = the tokens routed there, bf16 rows and
+DeepEP's fp8 bytes and scales bit-exact; src_info, layout_range, counts exact) and the combine
+bit for bit against Σ_k w·y (f32, k ascending) and against the host path on the same inputs
+(deep_ep_cuda_procs.py); the contract_* scenarios walk the host contract test's flags and
+configs (test_deep_ep_ll_contract.py, shrink aside) on CUDA tensors. GPU only: skipped without
+a device (a failure under MOECOMM_REQUIRE_GPU=1)."""
 
 import os
 import signal
@@ -22,7 +23,8 @@ pytestmark = [
 ]
 
 NAMES = list(SCENARIOS)
-GROUP_TIMEOUT_S = 300
+# All scenarios run in one launch; the contract_* ones walk 8 flag combinations per input.
+GROUP_TIMEOUT_S = 600
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,7 @@ def runs(tmp_path_factory):
     return results
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(GROUP_TIMEOUT_S + 100)
 @pytest.mark.parametrize("name", NAMES)
 def test_scenario(runs, name):
     for rank, result in enumerate(runs):

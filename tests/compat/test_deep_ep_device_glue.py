@@ -19,22 +19,12 @@ import torch
 import torch.distributed as dist
 from moecomm._C import Encoding
 from moecomm.compat import _ll_device, _ll_device_path
+from moecomm.compat._ll_cast import deepep_cast, logfmt_roundtrip, pack_ue8m0
+from moecomm.compat._ll_support import COMBINE_SEQ_BASE
 from moecomm.compat.deep_ep import Buffer
-from moecomm.ops.quant import quantize_reference
 from moecomm.ops.reorg import reorganize
 from moecomm.protocol import SlotLayout
-from test_deep_ep_device_host import (
-    FP8,
-    E,
-    H,
-    K,
-    L,
-    M,
-    R,
-    _expert_output,
-    _inputs,
-    _source,
-)
+from test_deep_ep_device_host import FP8, E, H, K, L, M, R, _expert_output, _inputs, _source
 
 
 def _mem(ptr: int, nbytes: int, dtype=torch.uint8) -> torch.Tensor:
@@ -81,7 +71,8 @@ class _Kernels:
                      "ServerGatherArgs", "ServerRespondArgs", "IpcPeers", "SERVER_STATUS",
                      "client_workspace_layout", "server_workspace_layout"):  # fmt: skip
             setattr(self, name, getattr(real, name))
-        self.regions, self.requests, self.responses, self.gathered = {}, {}, {}, {}
+        self.regions, self.requests, self.responses = {}, {}, {}
+        self.answered = []  # (client, response slot, seq) of every answer, in order
         self.drop_answers_to = None  # (client rank's region ptr): answers that never land
         kernels = self
 
@@ -134,7 +125,14 @@ class _Kernels:
         lay, ws = self.client_workspace_layout(cfg), a.workspace
         assert a.ids_int64 and a.x_row_stride == h
         ids = _mem(a.topk_ids, 8 * n * k, torch.int64).view(n, k)
-        x = _mem(a.x, 2 * n * h, torch.bfloat16).view(n, h)
+        quantized = a.x_dtype == int(FP8)  # already cast: bytes and scales sent as they are
+        assert quantized == (cfg.encoding == int(FP8))  # the adapter never lets the kernel cast
+        if quantized:
+            x = _mem(a.x, n * h).view(n, h)
+            x_scales = _mem(a.x_scales, 4 * n * (h // 128), torch.float32).view(n, h // 128)
+        else:
+            assert a.x_dtype == int(Encoding.BF16)
+            x = _mem(a.x, 2 * n * h, torch.bfloat16).view(n, h)
         w = _mem(a.topk_weights, 4 * n * k, torch.float32).view(n, k)
         es = _mem(a.expert_server, 4 * a.num_experts, torch.int32).long()
         el = _mem(a.expert_local, 4 * a.num_experts, torch.int32)
@@ -156,15 +154,14 @@ class _Kernels:
                 continue
             seqs[s] += 1
             sent[s] = seqs[s]
-            acts, scales = x[rows].clone(), None
-            if cfg.encoding == int(FP8):
-                acts, scales = quantize_reference(acts, FP8)
+            acts, scales = x[rows].clone(), x_scales[rows].clone() if quantized else None
             local = torch.where(here, el[ids.clamp(0, a.num_experts - 1)], -1)[rows]
             key = (self._base(peers, s), int(req_off[s]), a.slot)
             self.requests[key] = {
                 "client": cfg.client_id, "seq": int(seqs[s]), "layer": a.layer_id,
                 "acts": acts, "scales": scales, "ids": local.to(torch.int32),
-                "scores": torch.where(here, w, 0.0)[rows], "polls_left": 1,
+                "scores": torch.where(here, w, 0.0)[rows], "polls_left": 2,
+                "stale": self.requests.pop(key, {}).get("seq"),
             }  # fmt: skip
 
     def server_gather(self, peers, cfg, ga, stream):
@@ -180,7 +177,12 @@ class _Kernels:
                 key = (peers.local_base, int(req_off[c]), s)
                 req = self.requests.get(key)
                 if req is not None and req["polls_left"] > 0:  # still landing: next pass
+                    # The request it replaces (never answered) shows meanwhile: first as a
+                    # valid one of its older seq, then rejected (header already overwritten).
                     req["polls_left"] -= 1
+                    if req["stale"] is not None:
+                        act = 2 if req["polls_left"] == 0 else 1
+                        entries[c * ns + s] = torch.tensor([act, 9, 0, 1, s, 0, req["stale"], 0])
                     req = None
                 if req is None or req["layer"] != ga.layer_id:
                     ids.append(torch.empty(0, cfg.topk, dtype=torch.int32))
@@ -210,6 +212,10 @@ class _Kernels:
         put("row_scores", torch.float32, lay_r.scores, 1 << 10)
         rows = _mem(ws + lay["rows"], mr * rb).view(mr, rb)
         rows.copy_(torch.randint(0, 255, (mr, rb), generator=g, dtype=torch.uint8))
+        _mem(ws + lay["batch_offsets"], 8 * (nr * ns + 1), torch.int64).copy_(lay_r.batch_offsets)
+        slot_of = _mem(ws + lay["slot_of"], 8 * mr, torch.int64)
+        slot_of.copy_(torch.randint(-3, 1 << 20, (mr,), generator=g))
+        slot_of[: lay_r.slot_of.numel()] = lay_r.slot_of.reshape(-1)
         if served:
             acts = torch.cat([r["acts"] for *_, r in served])
             rows[:n] = acts.view(torch.uint8).view(acts.shape[0], rb)[lay_r.src_token]
@@ -220,30 +226,40 @@ class _Kernels:
                 _mem(ws + lay["scales"], 4 * step * spt, torch.float32).view(step, spt)[
                     : sc.shape[0]
                 ] = sc
-        self.gathered[ws] = (served, lay_r)
 
     def server_respond(self, peers, cfg, ra, stream):
-        nr, h, ns = cfg.num_clients, cfg.hidden, cfg.num_slots
-        lay = self.server_workspace_layout(cfg)
-        served, lay_r = self.gathered.pop(ra.workspace)
-        expert_out = _mem(ra.expert_out, 2 * int(lay["max_rows"]) * h, torch.bfloat16).view(-1, h)
+        """As the kernels: every serving entry of the workspace (its state, first step token,
+        slot_of rows) answered into the response slot of its index, with its seq and layer."""
+        nr, h, ns, topk = cfg.num_clients, cfg.hidden, cfg.num_slots, cfg.topk
+        lay, ws = self.server_workspace_layout(cfg), ra.workspace
+        mr = int(lay["max_rows"])
+        expert_out = _mem(ra.expert_out, 2 * mr * h, torch.bfloat16).view(-1, h)
+        entries = _mem(ws + lay["entries"], 32 * nr * ns, torch.int32).view(nr * ns, 8)
+        first = _mem(ws + lay["batch_offsets"], 8 * (nr * ns + 1), torch.int64)
+        slot_of_all = _mem(ws + lay["slot_of"], 8 * mr, torch.int64).view(-1, topk)
         resp_off = _mem(cfg.response_ring_offset, 8 * nr, torch.int64)
         slot_bytes = self._layout(cfg).response_slot_bytes
-        bo = lay_r.batch_offsets.tolist()
-        for c, s, key, req in served:
-            e = c * ns + s
-            slot_of = lay_r.slot_of[bo[e] : bo[e + 1]]
-            y = torch.zeros(slot_of.shape[0], h)
-            for j in range(slot_of.shape[1]):
+        for e in range(nr * ns):
+            if int(entries[e, 0]) != 1:  # not kServe
+                continue
+            n, layer = int(entries[e, 2]), int(entries[e, 4])
+            seq = int(entries[e].view(torch.int64)[3])
+            c, s = divmod(e, ns)
+            slot_of = slot_of_all[int(first[e]) : int(first[e]) + n]
+            y = torch.zeros(n, h)
+            for j in range(topk):
                 got = expert_out.index_select(0, slot_of[:, j].clamp(min=0)).float()
                 y += torch.where((slot_of[:, j] >= 0)[:, None], got, 0.0)
+            self.answered.append((c, s, seq))
+            # The kernel releases our request slot by compare-exchange from READY|seq: a
+            # combine's sequence never matches a request's, so the request stays there until
+            # the client's next one overwrites it (a later gather sees it as stale).
             base = self._base(peers, c)
-            del self.requests[key]  # released
             if base == self.drop_answers_to:
                 continue
             dst = base + int(resp_off[c]) + _C_slot_offset(slot_bytes, s) + _C_PAYLOAD
             _mem(dst, 2 * y.numel(), torch.bfloat16).view_as(y).copy_(y)
-            self.responses[(base, int(resp_off[c]), s)] = (req["seq"], y.shape[0], req["layer"])
+            self.responses[(base, int(resp_off[c]), s)] = (seq, n, layer)
 
     def client_combine(self, peers, cfg, ca, stream):
         nr, codes = cfg.num_servers, self.SERVER_STATUS
@@ -290,18 +306,13 @@ def _all(fn):
         return list(ex.map(fn, range(R)))
 
 
-def _glue_round(bufs, seed: int, sizes, use_fp8: bool, hook: bool):
-    inputs = [_inputs(seed, p, n) for p, n in enumerate(sizes)]
-    cpu = torch.device("cpu")
+def _dispatch(buf, x, idx, use_fp8=True, hook=False, round_scale=False, ue8m0=False, cost=None):
+    flags = (use_fp8, round_scale, ue8m0)
+    return buf._device.dispatch(x, idx, M, E, None, cost, flags, hook, torch.device("cpu"))
 
-    def dispatch(r):
-        x, idx, _ = inputs[r]
-        return bufs[r]._device.dispatch(x, idx, M, E, None, use_fp8, hook, cpu)
 
-    got = _all(dispatch)
-    if hook:
-        _all(lambda r: got[r][4]())
-    sources = [_source(x, use_fp8) for x, _, _ in inputs]
+def _check_receive(got, inputs, sources, use_fp8: bool, ue8m0: bool = False):
+    """Checks every rank's receive against the sources; returns each rank's expert outputs."""
     ys = []
     for r, (recv_x, count, handle, event, _) in enumerate(got):
         assert isinstance(event, _ll_device.CudaEvent)
@@ -325,27 +336,51 @@ def _glue_round(bufs, seed: int, sizes, use_fp8: bool, hook: bool):
             assert torch.equal(data[e, :n].view(torch.uint8), wire.view(torch.uint8))
             if use_fp8:
                 assert scales.stride(1) == 1
-                assert torch.equal(scales[e, :n], torch.stack([sources[p][1][t] for p, t in want]))
+                sc = torch.stack([sources[p][1][t] for p, t in want])
+                if ue8m0:
+                    assert scales.dtype == torch.int32 and scales.shape[2] == H // 512
+                    sc = pack_ue8m0(sc)
+                assert torch.equal(scales[e, :n], sc)
             y[e, :n] = _expert_output(torch.stack([sources[p][2][t] for p, t in want]), ge)
         ys.append(y)
+    return ys
+
+
+def _reference(inputs, sources, r, scale=1.0, logfmt=False, idx=None):
+    """Σ_k w·y(t, k) in f32, k ascending (y optionally LogFMT-decoded), as bf16."""
+    x, dispatched, w = inputs[r]
+    idx = dispatched if idx is None else idx
+    ref = torch.zeros(x.shape[0], H)
+    for t in range(x.shape[0]):
+        for k in range(K):
+            if int(idx[t, k]) >= 0:
+                y = _expert_output(sources[r][2][t], int(idx[t, k]))
+                y = (y.float() * scale).to(torch.bfloat16)
+                y = logfmt_roundtrip(y.view(1, H))[0] if logfmt else y.float()
+                ref[t] = ref[t] + w[t, k] * y
+    return ref.to(torch.bfloat16)
+
+
+def _round(bufs, seed, sizes, use_fp8, hook, round_scale=False, ue8m0=False, **combine_kw):
+    inputs = [_inputs(seed, p, n) for p, n in enumerate(sizes)]
+    got = _all(lambda r: _dispatch(bufs[r], *inputs[r][:2], use_fp8, hook, round_scale, ue8m0))
+    if hook:
+        _all(lambda r: got[r][4]())
+    sources = [_source(x, use_fp8, round_scale) for x, _, _ in inputs]
+    ys = _check_receive(got, inputs, sources, use_fp8, ue8m0)
 
     def combine(r):
         _, idx, w = inputs[r]
-        return bufs[r].low_latency_combine(ys[r], idx, w, got[r][2], return_recv_hook=hook)
+        kw = dict(combine_kw, return_recv_hook=hook)
+        return bufs[r].low_latency_combine(ys[r], idx, w, got[r][2], **kw)
 
     outs = _all(combine)
     if hook:
         _all(lambda r: outs[r][2]())
     for r, (out, _, _) in enumerate(outs):
-        x, idx, w = inputs[r]
-        ref = torch.zeros(x.shape[0], H)
-        for t in range(x.shape[0]):
-            for k in range(K):
-                if int(idx[t, k]) >= 0:
-                    ref[t] = (
-                        ref[t] + w[t, k] * _expert_output(sources[r][2][t], int(idx[t, k])).float()
-                    )
-        assert torch.equal(out, ref.to(torch.bfloat16)), f"rank {r}: combine differs"
+        ref = _reference(inputs, sources, r, logfmt=combine_kw.get("use_logfmt", False))
+        assert torch.equal(out, ref), f"rank {r}: combine differs"
+    return inputs, sources, got, ys
 
 
 @pytest.mark.parametrize("use_fp8", [False, True])
@@ -353,23 +388,107 @@ def _glue_round(bufs, seed: int, sizes, use_fp8: bool, hook: bool):
 def test_device_glue_round_trips_with_stand_in_kernels(glue, use_fp8, hook):
     bufs, _ = glue
     for seed in range(3):  # both slots, then slot 0 again
-        _glue_round(bufs, seed, [M, 0, 4], use_fp8, hook)
+        _round(bufs, seed, [M, 0, 4], use_fp8, hook)
 
 
-def test_device_glue_two_dispatches_in_flight_and_a_lost_answer(glue):
+@pytest.mark.parametrize("round_scale", [False, True])
+def test_device_fp8_ships_deepeps_cast_on_awkward_blocks(glue, round_scale):
+    """The bytes and scales the CUDA path hands the pack kernel are DeepEP's cast (_ll_cast):
+    all-zero, tiny (< 1e-4) and huge blocks included, and round_scale's powers of two."""
     bufs, kernels = glue
-    cpu = torch.device("cpu")
-    inputs = [[_inputs(seed, p, M - p) for p in range(R)] for seed in (1, 2)]
-    got = [
-        _all(
-            lambda r, i=i: bufs[r]._device.dispatch(*inputs[i][r][:2], M, E, None, True, True, cpu)
+    inputs = [_inputs(9, p, 4) for p in range(R)]
+    for x, _, _ in inputs:
+        x[0, :128] = 0.0  # all-zero: amax floored at 1e-4, not scale 1
+        x[1, 128:] = (torch.randn(H - 128) * 1e-6).to(torch.bfloat16)  # tiny, scaled up
+        x[2, :128] = (torch.randn(128) * 3e4).to(torch.bfloat16)  # huge
+    _all(lambda r: _dispatch(bufs[r], *inputs[r][:2], True, False, round_scale))
+    checked = 0
+    for r in range(R):
+        q, sc = deepep_cast(inputs[r][0], round_scale)
+        for (_, _, slot), req in kernels.requests.items():
+            if req["client"] == r + 1 and slot == 0:
+                rows = req["scores"][:, 0].long()  # the source token of each row
+                real = req["ids"][:, 0] < L  # sinks are zero rows
+                assert torch.equal(req["acts"][real], q.view(torch.uint8)[rows[real]])
+                assert torch.equal(req["scales"][real], sc[rows[real]])
+                checked += int(real.sum())
+        # DeepEP's all-zero block: amax floored at 1e-4 (moecomm's own cast would give 1).
+        zero = torch.tensor(1e-4) * torch.tensor(1 / 448) if not round_scale else 2.0**-22
+        assert float(sc[0, 0]) == float(zero)
+    assert checked == sum(int((i[1] >= 0).sum()) for i in inputs)
+    for fp8 in (True, False) if round_scale else ():  # ue8m0: packed exponents; bf16 ignores it
+        _round(bufs, 9, [4, 4, 4], fp8, False, round_scale=True, ue8m0=True)
+
+
+def test_device_handles_combine_any_number_of_times_and_uncombined_dispatches(glue):
+    """Dispatch i + 2 without combining i; then i combined twice (after i + 2 reused its slot),
+    the second with other expert outputs: each combine gets its own answers (own seqs)."""
+    bufs, kernels = glue
+    rounds = []
+    for seed in (1, 2, 3):  # dispatch 0, 1, 2: none combined yet; 2 reuses slot 0
+        inputs = [_inputs(seed, p, M - p) for p in range(R)]
+        got = _all(lambda r, i=inputs: _dispatch(bufs[r], *i[r][:2], False, False))
+        sources = [_source(x, False) for x, _, _ in inputs]
+        rounds.append((inputs, sources, got, _check_receive(got, inputs, sources, False)))
+    inputs, sources, got, ys = rounds[0]
+    for scale in (1.0, 2.0, 1.0):  # three combines of dispatch 0, with different outputs
+        outs = _all(
+            lambda r, s=scale: bufs[r].low_latency_combine(
+                (ys[r].float() * s).to(torch.bfloat16), *inputs[r][1:], got[r][2]
+            )
         )
-        for i in range(2)
-    ]
+        for r, (out, _, _) in enumerate(outs):
+            assert torch.equal(out, _reference(inputs, sources, r, scale)), f"rank {r}, x{scale}"
+    # Combine c answered in response slot c % 2 with seq COMBINE_SEQ_BASE + c + 1.
+    assert sorted(set(kernels.answered)) == sorted(
+        {(p, c % 2, COMBINE_SEQ_BASE + c + 1) for p in range(R) for c in range(3)}
+    )
+    # Two combines in flight (hooks), then dispatch 2's handle, zero_copy and LogFMT.
+    inputs, sources, got, ys = rounds[2]
+    idx_less = [i[1].clone() for i in inputs]
+    for t in idx_less:
+        t[:, 0] = -1  # the combine's topk_idx drops k = 0: left out of the sum
+    for r in range(R):
+        bufs[r].get_next_low_latency_combine_buffer(got[r][2]).copy_(ys[r])
+    modes = ({"zero_copy": True}, {"use_logfmt": True})
+
+    def combine(r, kw):  # zero_copy: the expert outputs come from the buffer, not from x
+        x = torch.zeros_like(ys[r]) if "zero_copy" in kw else ys[r]
+        w, h = inputs[r][2], got[r][2]
+        return bufs[r].low_latency_combine(x, idx_less[r], w, h, return_recv_hook=True, **kw)
+
+    outs = [_all(lambda r, kw=kw: combine(r, kw)) for kw in modes]
+    for kw, out in zip(modes, outs, strict=True):
+        _all(lambda r, o=out: o[r][2]())
+        for r in range(R):
+            ref = _reference(inputs, sources, r, logfmt="use_logfmt" in kw, idx=idx_less[r])
+            assert torch.equal(out[r][0], ref), f"rank {r}: {kw}"
+
+
+def test_device_cost_stats_and_the_refusals(glue):
+    bufs, _ = glue
+    inputs = [_inputs(4, p, 3) for p in range(R)]
+    cost = [torch.zeros(R, dtype=torch.int64) for _ in range(R)]
+    for _ in range(2):
+        before = [c.clone() for c in cost]
+        got = _all(lambda r: _dispatch(bufs[r], *inputs[r][:2], True, False, cost=cost[r]))
+        # Every request lands one gather pass late (stand-in): each rank's wait is > 0 ns.
+        assert all(bool((c > b).all()) for c, b in zip(cost, before, strict=True))
+    with pytest.raises(ValueError, match="int64"):
+        _dispatch(bufs[0], *inputs[0][:2], cost=torch.zeros(R, dtype=torch.int32))
+    with pytest.raises(NotImplementedError, match="inside a kernel"):
+        bufs[0].low_latency_combine(
+            torch.zeros(L, R * M, H, dtype=torch.bfloat16), *inputs[0][1:], got[0][2],
+            combine_wait_recv_cost_stats=torch.zeros(R, dtype=torch.int64),
+        )  # fmt: skip
+
+
+def test_device_glue_a_lost_answer_is_reported_at_the_next_receive(glue):
+    bufs, kernels = glue
+    inputs = [[_inputs(seed, p, M - p) for p in range(R)] for seed in (1, 2)]
+    got = [_all(lambda r, i=i: _dispatch(bufs[r], *inputs[i][r][:2], True, True)) for i in (0, 1)]
     for i in (1, 0):
         _all(lambda r, i=i: got[i][r][4]())
-    with pytest.raises(RuntimeError, match="not combined yet"):
-        bufs[0]._device.dispatch(*inputs[0][0][:2], M, E, None, True, True, cpu)
     y = torch.zeros(L, R * M, H, dtype=torch.bfloat16)
     # Rank 1's answers to rank 0 never land: rank 0's combine reports it at its next receive.
     kernels.drop_answers_to = bufs[0]._device.lanes[True].region.device_ptr
@@ -378,4 +497,4 @@ def test_device_glue_two_dispatches_in_flight_and_a_lost_answer(glue):
         for out, _, _ in outs:
             assert out.shape[1] == H
     with pytest.raises(moecomm.TimeoutError, match="combine of dispatch 0 got no valid answer"):
-        bufs[0]._device.dispatch(*inputs[0][0][:2], M, E, None, True, False, cpu)
+        _dispatch(bufs[0], *inputs[0][0][:2], True, False)

@@ -14,21 +14,23 @@ import pytest
 import torch
 import torch.distributed as dist
 from moecomm._C import Encoding
+from moecomm.compat._ll_cast import deepep_cast, logfmt_roundtrip, pack_ue8m0
 from moecomm.compat._ll_device_ops import (
     check_mode,
     combine_from_answers,
     expand_dispatch,
+    expand_quantized,
     expert_rows,
     input_device,
     scatter_receive,
+    ue8m0_scales,
 )
 from moecomm.compat._ll_layout import weighted_sum
 from moecomm.compat.deep_ep import Buffer
-from moecomm.ops.quant import dequantize, quantize_reference
 from moecomm.ops.reorg import reorganize
 
 FP8 = Encoding.FP8_E4M3_B128
-R, M, H, K, L = 3, 6, 256, 3, 2
+R, M, H, K, L = 3, 6, 512, 3, 2  # H: use_ue8m0 packs 4 scales of 128 per int32
 E = R * L
 NUM_SLOTS, SLOT = 2, 1
 MAX_TOKENS = M * K + R  # expanded rows of one dispatch, sinks included
@@ -76,8 +78,8 @@ class _Sim:
                 rows = torch.nonzero(server == q).squeeze(1)
                 pos[rows, q] = torch.arange(rows.numel(), dtype=torch.int32)
                 acts, scales = x_exp[rows], None
-                if use_fp8:
-                    acts, scales = quantize_reference(acts, FP8)
+                if use_fp8:  # the CUDA path ships DeepEP's cast (expand_quantized)
+                    acts, scales = deepep_cast(acts)
                 reqs.append((acts, scales, local[rows].view(-1, 1), w_exp[rows]))
             self.pos.append(pos)
             self.requests.append(reqs)
@@ -138,11 +140,12 @@ class _Sim:
         return [rows[bo[c * NUM_SLOTS + SLOT] : bo[c * NUM_SLOTS + SLOT + 1]] for c in range(R)]
 
 
-def _source(x: torch.Tensor, use_fp8: bool):
+def _source(x: torch.Tensor, use_fp8: bool, round_scale: bool = False):
+    """(wire rows, scales, f32 values the receiver sees) of a source rank's tokens."""
     if not use_fp8:
         return x, None, x.float()
-    q, s = quantize_reference(x, FP8)
-    return q, s, dequantize(q, s, FP8)
+    q, s = deepep_cast(x, round_scale)
+    return q, s, (q.float().view(-1, H // 128, 128) * s.unsqueeze(2)).view(-1, H)
 
 
 @pytest.mark.parametrize("use_fp8", [False, True])
@@ -255,6 +258,52 @@ def test_expand_dispatch_writes_copies_then_sinks():
     # No tokens: only the sinks.
     n = expand_dispatch(x[:0], idx[:0], x_exp, ids_exp, torch.tensor([6, 7, 8]))
     assert n == 3 and ids_exp[:3, 0].tolist() == [6, 7, 8]
+
+
+def test_expand_quantized_is_deepeps_cast_per_copy_and_ue8m0_its_packed_exponents():
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(3, 512, generator=g) * 10).to(torch.bfloat16)
+    x[0, :128] = 0.0  # all-zero block
+    x[1, 128:256] = (torch.randn(128, generator=g) * 1e-6).to(torch.bfloat16)  # below 1e-4
+    x[2, 256:384] = 6e4  # huge
+    for round_scale in (False, True):
+        q_exp = torch.full((3 * 2 + 2, 512), 7, dtype=torch.uint8)
+        s_exp = torch.full((3 * 2 + 2, 4), float("nan"))
+        expand_quantized(x, 2, round_scale, q_exp, s_exp, 2)
+        q, sc = deepep_cast(x, round_scale)
+        assert torch.equal(q_exp[:6], q.view(torch.uint8).repeat_interleave(2, 0))
+        assert torch.equal(s_exp[:6], sc.repeat_interleave(2, 0))
+        assert bool((q_exp[6:] == 0).all()) and bool((s_exp[6:] == 0).all())
+    # [L=2, H/128=4, rows=3] f32 power-of-two scales -> [2, 1, 3] int32, column-major like DeepEP.
+    store = torch.stack([sc.t(), (sc * 2).t()])
+    out = torch.zeros(2, 1, 3, dtype=torch.int32)
+    ue8m0_scales(store, out)
+    for e in range(2):
+        assert torch.equal(out[e].t(), pack_ue8m0(store[e].t().contiguous()))
+    assert int(out[0, 0, 0]) & 0xFF == (int(sc[0, 0].view(torch.int32)) >> 23) & 0xFF
+
+
+def test_combine_from_answers_with_logfmt_decodes_every_answer_row():
+    g = torch.Generator().manual_seed(6)
+    t, k, nr, nl, h = 3, 2, 2, 2, 256
+    idx = torch.tensor([[0, 3], [2, -1], [1, 2]])
+    w = torch.rand(t, k, generator=g)
+    answers = (torch.randn(nr, t * k, h, generator=g) * 0.01).to(torch.bfloat16)
+    pos = torch.full((t * k + nr, nr), -1, dtype=torch.int32)
+    used, ref = [0] * nr, torch.zeros(t, h)
+    for i in range(t * k):
+        e = int(idx.view(-1)[i])
+        if e >= 0:
+            q = e // nl
+            pos[i, q] = used[q]
+            row = answers[q, used[q]].view(1, h)
+            ref[i // k] += w.view(-1)[i] * logfmt_roundtrip(row)[0]
+            used[q] += 1
+    out = torch.empty(t, h, dtype=torch.bfloat16)
+    combine_from_answers(answers, pos, idx, w, nl, out, use_logfmt=True)
+    assert torch.equal(out, ref.to(torch.bfloat16))
+    plain = combine_from_answers(answers, pos, idx, w, nl, out.clone())
+    assert not torch.equal(plain, out)  # LogFMT-10 is lossy on these rows
 
 
 # ---------------------------------------------------------------------------- selection

@@ -89,6 +89,7 @@ struct DispatchParams {
   const uint64_t* request_ring_offset;
   const void* x;
   uint64_t x_row_stride;
+  const float* x_scales;
   const void* ids;
   bool ids_int64;
   const void* weights;
@@ -292,6 +293,29 @@ __global__ void __launch_bounds__(kPackThreads) pack_kernel(DispatchParams p) {
   }
 }
 
+// Pack of an already quantized row (DispatchArgs::x_scales): the e4m3 bytes and their scales
+// copied as they are into the staging payload of every server the token goes to.
+__global__ void __launch_bounds__(kPackThreads) pack_quantized_kernel(DispatchParams p) {
+  __shared__ PackTargets dst;
+  const uint64_t t = blockIdx.x;
+  if (threadIdx.x == 0) find_targets(p, t, &dst);
+  __syncthreads();
+  const uint32_t n = dst.n;
+  if (n == 0) return;  // uniform over the block
+  const uint32_t hidden = p.slot.hidden;
+  const uint8_t* row = static_cast<const uint8_t*>(p.x) + t * p.x_row_stride;
+  for (uint32_t c = threadIdx.x; c < hidden; c += kPackThreads) {
+    const uint8_t q = row[c];
+    for (uint32_t i = 0; i < n; ++i) dst.act[i][c] = q;
+  }
+  const uint64_t spt = protocol::encoding_scales_per_token(p.slot.encoding, hidden);
+  const float* scales = p.x_scales + t * spt;
+  for (uint64_t b = threadIdx.x; b < spt; b += kPackThreads) {
+    const float s = scales[b];
+    for (uint32_t i = 0; i < n; ++i) dst.scales[i][b] = s;
+  }
+}
+
 // Called by every warp of an entry's put grid after its chunks: counts the warp done; the last
 // one (it sees every other warp's count) stamps the header's arrival target and puts it with
 // the signal. So the signal never precedes a chunk's issue, and the receiver's counter check
@@ -425,8 +449,15 @@ void launch_dispatch(const Backend& backend, uint32_t max_peers, const ClientCon
            " tokens exceed max_tokens ", cfg.slot.max_tokens);
   MC_CHECK(a.topk >= 1 && a.topk <= cfg.slot.topk, "dispatch: topk must be in [1, ", cfg.slot.topk,
            "], got ", a.topk);
-  MC_CHECK(is_float_dtype(a.x_dtype), "dispatch: x must be BF16, FP16 or F32, got encoding ",
+  const bool quantized = a.x_dtype == Encoding::kFP8E4M3B128;
+  MC_CHECK(is_float_dtype(a.x_dtype) || quantized,
+           "dispatch: x must be BF16, FP16, F32 or already quantized FP8_E4M3_B128, got encoding ",
            static_cast<int>(a.x_dtype));
+  MC_CHECK(!quantized || cfg.slot.encoding == Encoding::kFP8E4M3B128,
+           "dispatch: an already quantized x (FP8_E4M3_B128) needs that request encoding, got ",
+           static_cast<int>(cfg.slot.encoding));
+  MC_CHECK(!quantized || a.num_tokens == 0 || a.x_scales != nullptr,
+           "dispatch: an already quantized x needs x_scales");
   MC_CHECK(is_float_dtype(a.weights_dtype),
            "dispatch: topk_weights must be BF16, FP16 or F32, got encoding ",
            static_cast<int>(a.weights_dtype));
@@ -445,6 +476,7 @@ void launch_dispatch(const Backend& backend, uint32_t max_peers, const ClientCon
                          cfg.request_ring_offset,
                          a.x,
                          a.x_row_stride,
+                         a.x_scales,
                          a.topk_ids,
                          a.ids_int64,
                          a.topk_weights,
@@ -465,6 +497,9 @@ void launch_dispatch(const Backend& backend, uint32_t max_peers, const ClientCon
   MC_CUDA_CHECK(cudaGetLastError());
   if (a.num_tokens > 0) {
     switch (a.x_dtype) {
+      case Encoding::kFP8E4M3B128:
+        pack_quantized_kernel<<<a.num_tokens, kPackThreads, 0, s>>>(p);
+        break;
       case Encoding::kBF16:
         pack_kernel<__nv_bfloat16><<<a.num_tokens, kPackThreads, 0, s>>>(p);
         break;

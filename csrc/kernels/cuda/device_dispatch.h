@@ -51,9 +51,14 @@ struct ClientConfig {
 
 struct DispatchArgs {
   const void* x = nullptr;                                 // [num_tokens, hidden] device
-  protocol::Encoding x_dtype = protocol::Encoding::kBF16;  // kBF16, kFP16 or kF32
+  protocol::Encoding x_dtype = protocol::Encoding::kBF16;  // kBF16, kFP16, kF32, see x_scales
   uint64_t x_row_stride = 0;                               // elements between rows, >= hidden
-  const void* topk_ids = nullptr;                          // [num_tokens, topk] int32 or int64
+  // Already quantized input, for a caller that owns the cast formula (the DeepEP adapter casts
+  // as DeepEP does): with x_dtype == slot.encoding == kFP8E4M3B128, x holds the e4m3 bytes and
+  // x_scales their scales, [num_tokens, encoding_scales_per_token] f32 contiguous; both are
+  // sent as they are. Unused (null) for the float dtypes, which the pack kernel quantizes.
+  const float* x_scales = nullptr;
+  const void* topk_ids = nullptr;  // [num_tokens, topk] int32 or int64
   bool ids_int64 = false;
   const void* topk_weights = nullptr;  // [num_tokens, topk] in weights_dtype
   protocol::Encoding weights_dtype = protocol::Encoding::kF32;  // kBF16, kFP16 or kF32

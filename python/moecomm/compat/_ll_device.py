@@ -21,13 +21,32 @@ the per-expert layout into DeepEP's packed ``recv_x`` / scales / ``src_info`` / 
 launches no host read either; the per-peer statuses of a combine are checked at the next receive
 of the Buffer (where the host synchronises anyway).
 
-Not yet on the host path's DeepEP contract (deep_ep.py): here each dispatch must be combined
-(hook included) before dispatch ``i + 2`` of its lane and only once; fp8 is cast by the C++ pack
-kernel with moecomm's formula (scale = amax / 448, all-zero blocks scale 1), not DeepEP's
-(1e-4 margin, 448 / amax); ``round_scale``, ``use_ue8m0``, ``use_logfmt``, ``zero_copy``, the
-cost stats and shrink mode are refused by deep_ep.Buffer before reaching this module. Bringing
-it over needs the combine's answers on their own sequence numbers (as the host path does) and a
-DeepEP-formula cast before ``client_dispatch`` (or in the kernel), and a GPU to check them.
+DeepEP's contract, as on the host path (deep_ep.py), in the kernels' terms:
+
+- **fp8** is cast in torch on the device with DeepEP's formula (``_ll_cast.deepep_cast``, the
+  host path's function: 1e-4 amax floor, ``448 / amax`` as an f32 division, saturating e4m3,
+  ``round_scale``'s powers of two) and sent as it is: ``DispatchArgs.x_scales`` makes the pack
+  kernel copy the e4m3 bytes and their f32 scales instead of quantizing with moecomm's formula.
+  ``use_ue8m0`` packs the received power-of-two scales into DeepEP's int32 layout.
+- **Uncombined dispatches are legal**: dispatch ``i + 2`` reuses slot ``i % 2`` whatever became
+  of dispatch ``i``. Nothing releases an unanswered request slot, so a gather may find a stale
+  request there (an older sequence, or a header the new request is overwriting): it counts as
+  not arrived yet, as the host path's ``wait_request`` skips it.
+- **A handle is combined any number of times, at any time**: the handle keeps what its combine
+  needs (the route's per-server rows and sequences, the gather's entries and ``slot_of``), and
+  combine ``c`` of a lane answers on its own sequence space (``COMBINE_SEQ_BASE + c + 1``, the
+  host path's) in response slot ``c % 2``: the server workspace of that slot gets the handle's
+  entries re-stamped with that sequence before ``server_respond``, the client workspace the
+  same sequence before ``client_combine`` (``_ll_device_combine.py``). So a second combine of a
+  handle is never mistaken for the first, and each response slot is written from one server
+  workspace only (its cumulative arrival counter stays exact).
+- ``zero_copy`` and ``use_logfmt`` (the host path's numerics, bf16 on the wire) work;
+  ``dispatch_wait_recv_cost_stats`` is the host-measured wait, in ns, for each source rank's
+  request. Refused on CUDA tensors (deep_ep.Buffer says why): ``combine_wait_recv_cost_stats``
+  (the combine waits inside a kernel, not on the host) and shrink mode (the kernels' liveness
+  mask and the agreed sequences would need a masked rank to be skipped on the device).
+
+This path has been checked on CPU with stand-in kernels only; it has not run on a GPU.
 
 Everything runs on the caller's current stream; a call on another stream than the previous one
 first waits for the previous call's event, so the order of the calls is the order on the device.
@@ -40,13 +59,18 @@ import time
 import torch
 
 from moecomm import _C
+from moecomm.compat._ll_cast import UE8M0_PACK
+from moecomm.compat._ll_device_combine import ENTRY_WORDS, LaneCombine
 from moecomm.compat._ll_device_ops import (
     DeviceHandle,
     combine_from_answers,
     expand_dispatch,
+    expand_quantized,
     expert_rows,
     input_device,
+    part,
     scatter_receive,
+    ue8m0_scales,
 )
 from moecomm.compat._ll_layout import MAX_TOKENS_PER_RANK, LLShape
 from moecomm.compat._ll_support import NUM_SLOTS, exchange
@@ -58,8 +82,8 @@ from moecomm.protocol import SCALE_BLOCK, SlotLayout
 ARRIVAL_TIMEOUT_NS = 20_000
 # Host back-off between gather passes while requests are missing.
 MAX_POLL_SLEEP_S = 200e-6
-# EntryState (dispatch_index.h): int32 action, code, num_tokens, topk, layer_id, reserved; u64 seq.
-_ENTRY_WORDS, _ACTION_SERVE, _ACTION_REJECT = 8, 1, 2
+# EntryAction (dispatch_index.h) of the EntryState's first word.
+_ACTION_SERVE, _ACTION_REJECT = 1, 2
 _SEQ_MASK = (1 << 56) - 1
 # torch.cuda, through one name: the CPU tests run this module's glue with stand-in kernels.
 _cuda = torch.cuda
@@ -114,14 +138,8 @@ def _bytes_view(ptr: int, nbytes: int, owner, device: torch.device) -> torch.Ten
     return torch.as_tensor(_DeviceMemory(ptr, nbytes, owner), device=device)
 
 
-def _part(ws: torch.Tensor, layout: dict, name: str, dtype: torch.dtype, count: int):
-    start = layout[name]
-    size = torch.empty((), dtype=dtype).element_size() * count
-    return ws[start : start + size].view(dtype)
-
-
 # ---------------------------------------------------------------------------- lanes
-class _Lane:
+class _Lane(LaneCombine):
     """One encoding's regions, peer table, configs and workspaces (see the module docstring)."""
 
     def __init__(self, path, shape: LLShape, use_fp8: bool, device: torch.device):
@@ -205,7 +223,11 @@ class _Lane:
             device, torch.int32
         )
         self.sink_ids = torch.arange(e, e + nr, **i64)
-        self.x_exp = torch.zeros(self.max_tokens, h, dtype=torch.bfloat16, device=device)
+        if use_fp8:  # the cast rows, sent as they are (DispatchArgs.x_scales)
+            self.x_exp = torch.zeros(self.max_tokens, h, dtype=torch.uint8, device=device)
+            self.s_exp = torch.zeros(self.max_tokens, h // SCALE_BLOCK, device=device)
+        else:
+            self.x_exp = torch.zeros(self.max_tokens, h, dtype=torch.bfloat16, device=device)
         self.ids_exp = torch.full((self.max_tokens, 1), -1, **i64)
         # The score column carries the source token index (exact in f32 below 2^24).
         self.w_exp = (torch.arange(self.max_tokens, **i64) // kk).float().view(-1, 1)
@@ -244,8 +266,9 @@ class _Lane:
                 for _ in range(NUM_SLOTS)
             ]
             self.scale_store = [None] * NUM_SLOTS
+        self.ue8m0_store: list[torch.Tensor | None] = [None] * NUM_SLOTS  # made at first use
         self.count = 0  # dispatches of this lane
-        self.in_flight: list[DeviceHandle | None] = [None] * NUM_SLOTS
+        self.num_combines = 0  # combines of this lane: their own sequence space
         self.pending_status: list[tuple[int, torch.Tensor]] = []
 
     def _slot_fields(self, c) -> None:
@@ -253,20 +276,36 @@ class _Lane:
         c.max_tokens, c.hidden, c.topk = lay.max_tokens, lay.hidden, lay.topk
         c.encoding, c.out_encoding = int(lay.encoding), int(lay.out_encoding)
 
-    def recv_tensors(self, slot: int):
+    def recv_tensors(self, slot: int, use_ue8m0: bool = False):
         lc = self.num_local
-        if self.use_fp8:
-            data = self.data_store[slot][:lc].view(torch.float8_e4m3fn)
+        if not self.use_fp8:
+            return self.data_store[slot][:lc]
+        data = self.data_store[slot][:lc].view(torch.float8_e4m3fn)
+        if not use_ue8m0:
             return data, self.scale_store[slot][:lc].transpose(1, 2)
-        return self.data_store[slot][:lc]
+        if self.ue8m0_store[slot] is None:
+            s, rows = self.shape, self.data_store[slot].shape[1]
+            n = s.hidden // (SCALE_BLOCK * UE8M0_PACK)
+            self.ue8m0_store[slot] = torch.zeros(lc, n, rows, dtype=torch.int32, device=self.device)
+        return data, self.ue8m0_store[slot].transpose(1, 2)
 
     # -------------------------------------------------------------- dispatch: sends
-    def send(self, x: torch.Tensor, topk_idx: torch.Tensor, stream) -> tuple[int, int]:
+    def send(self, x, topk_idx, round_scale: bool, handle: DeviceHandle, stream) -> None:
+        """Launches the dispatch into slot ``count % 2`` and copies the route's per-server
+        results into `handle` (the slot's client workspace is rewritten two dispatches later)."""
         slot = self.count % NUM_SLOTS
-        n = expand_dispatch(x, topk_idx, self.x_exp, self.ids_exp, self.sink_ids)
+        nr, kk = self.path.buf.num_ranks, topk_idx.shape[1]
         k = self.path.k
         a = k.DispatchArgs()
-        a.x, a.x_dtype, a.x_row_stride = self.x_exp.data_ptr(), int(_C.Encoding.BF16), x.shape[1]
+        if self.use_fp8:
+            n = expand_dispatch(x, topk_idx, None, self.ids_exp, self.sink_ids)
+            expand_quantized(x, kk, round_scale, self.x_exp, self.s_exp, nr)
+            a.x, a.x_dtype = self.x_exp.data_ptr(), int(_C.Encoding.FP8_E4M3_B128)
+            a.x_scales = self.s_exp.data_ptr()
+        else:
+            n = expand_dispatch(x, topk_idx, self.x_exp, self.ids_exp, self.sink_ids)
+            a.x, a.x_dtype = self.x_exp.data_ptr(), int(_C.Encoding.BF16)
+        a.x_row_stride = x.shape[1]
         a.topk_ids, a.ids_int64 = self.ids_exp.data_ptr(), True
         a.topk_weights, a.weights_dtype = self.w_exp.data_ptr(), int(_C.Encoding.F32)
         a.num_tokens, a.topk = n, 1
@@ -275,39 +314,55 @@ class _Lane:
         a.num_experts, a.layer_id, a.slot = self.expert_server.shape[0], slot, slot
         a.next_seq, a.workspace = self.next_seq.data_ptr(), self.c_ws[slot].data_ptr()
         k.client_dispatch(self.peers, self.ccfg, a, stream.cuda_stream)
+        ws, lay = self.c_ws[slot], self.c_layout
+        handle.sent_seq = part(ws, lay, "sent_seq", torch.int64, nr).clone()
+        handle.count = part(ws, lay, "count", torch.int32, nr).clone()
+        handle.rows_at = part(ws, lay, "pos", torch.int32, self.max_tokens * nr).view(-1, nr)
+        handle.rows_at = handle.rows_at.clone()
+        handle.slot, handle.index_in_lane = slot, self.count
         self.count += 1
-        return slot, self.count  # seq of this dispatch at every server
 
     # -------------------------------------------------------------- dispatch: receive
-    def gather_all(self, slot: int, seq: int, stream) -> None:
-        """Re-launches the gather of `slot` until every rank's request `seq` is admitted."""
+    def gather_all(self, slot: int, seq: int, cost, stream) -> None:
+        """Re-launches the gather of `slot` until every rank's request `seq` is admitted. A
+        request of an older sequence (a dispatch two earlier, never answered), even one the
+        gather rejected (its header already being overwritten by ours), is not arrived yet.
+        `cost` (int64 [R] or None): ns from the start until each rank's request was seen."""
         k, buf = self.path.k, self.path.buf
         nr = buf.num_ranks
         ga = k.ServerGatherArgs()
         ga.layer_id, ga.layer_hosted, ga.num_layers = slot, self.layer_hosted.data_ptr(), NUM_SLOTS
         ga.arrival_timeout_ns, ga.block_m = ARRIVAL_TIMEOUT_NS, 1
         ga.workspace = self.s_ws[slot].data_ptr()
-        entries = _part(
-            self.s_ws[slot], self.s_layout, "entries", torch.int32, nr * NUM_SLOTS * _ENTRY_WORDS
-        ).view(nr, NUM_SLOTS, _ENTRY_WORDS)[:, slot]
+        entries = part(
+            self.s_ws[slot], self.s_layout, "entries", torch.int32, nr * NUM_SLOTS * ENTRY_WORDS
+        ).view(nr, NUM_SLOTS, ENTRY_WORDS)[:, slot]
+        t0 = time.monotonic_ns()
+        seen: list[int | None] = [None] * nr
         deadline = time.monotonic() + buf.timeout
         sleep = 0.0
         while True:
             k.server_gather(self.peers, self.scfg, ga, stream.cuda_stream)
             got = entries.cpu()  # the receive's host synchronisation
             self.check_statuses()
+            now = time.monotonic_ns()
             missing = []
             for p in range(nr):
                 action, code, layer = (int(v) for v in got[p, [0, 1, 4]])
                 got_seq = (int(got[p, 6]) & 0xFFFFFFFF) | (int(got[p, 7]) << 32)
-                if action == _ACTION_REJECT:
+                ours = got_seq & _SEQ_MASK == seq
+                if action == _ACTION_REJECT and ours:
                     raise ProtocolError(
                         f"deep_ep.Buffer rank {buf.rank}: the request of rank {p} in slot {slot}"
                         f" was rejected by the gather (code {code})"
                     )
-                if action != _ACTION_SERVE or layer != slot or got_seq & _SEQ_MASK != seq:
+                if action != _ACTION_SERVE or layer != slot or not ours:
                     missing.append(p)
+                elif seen[p] is None:
+                    seen[p] = now - t0
             if not missing:
+                if cost is not None:
+                    cost.add_(torch.tensor(seen, dtype=torch.int64).to(cost.device))
                 return
             for p in missing:
                 idx = self.peer_index.get(p)
@@ -324,10 +379,10 @@ class _Lane:
             time.sleep(sleep)
             sleep = min(MAX_POLL_SLEEP_S, sleep * 2 or 10e-6)
 
-    def receive(self, handle: DeviceHandle, recv_x, recv_count, stats, stream) -> None:
-        seq = handle.index_in_lane + 1
-        self.gather_all(handle.slot, seq, stream)
-        ws, lay = self.s_ws[handle.slot], self.s_layout
+    def receive(self, handle: DeviceHandle, recv_x, recv_count, stats, cost, use_ue8m0, stream):
+        slot = handle.slot
+        self.gather_all(slot, handle.index_in_lane + 1, cost, stream)
+        ws, lay = self.s_ws[slot], self.s_layout
         nr, lc, mr = self.path.buf.num_ranks, self.num_local, self.max_rows
         h = self.shape.hidden
         step = int(self.scfg.max_step_tokens)
@@ -337,75 +392,36 @@ class _Lane:
         scales = None
         if self.use_fp8:
             spt = h // SCALE_BLOCK
-            scales = _part(ws, lay, "scales", torch.float32, step * spt).view(step, spt)
+            scales = part(ws, lay, "scales", torch.float32, step * spt).view(step, spt)
         got = scatter_receive(
-            _part(ws, lay, "counts", torch.int32, lc + 1),
-            _part(ws, lay, "offsets", torch.int64, lc + 2),
-            _part(ws, lay, "src_batch", torch.int32, mr),
-            _part(ws, lay, "src_token", torch.int64, mr),
-            _part(ws, lay, "row_scores", torch.float32, mr),
+            part(ws, lay, "counts", torch.int32, lc + 1),
+            part(ws, lay, "offsets", torch.int64, lc + 2),
+            part(ws, lay, "src_batch", torch.int32, mr),
+            part(ws, lay, "src_token", torch.int64, mr),
+            part(ws, lay, "row_scores", torch.float32, mr),
             rows,
             scales,
-            self.data_store[handle.slot],
-            self.scale_store[handle.slot],
+            self.data_store[slot],
+            self.scale_store[slot],
             nr,
             NUM_SLOTS,
         )
+        if use_ue8m0:
+            ue8m0_scales(self.scale_store[slot][:lc], self.ue8m0_store[slot])
         handle[0].copy_(got.src_info)
         handle[1].copy_(got.layout_range)
         recv_count.copy_(got.recv_count)
         if stats is not None:
             stats.add_(got.recv_count)
         handle.expert, handle.pos, handle.valid = got.expert, got.pos, got.valid
+        # What the combine's respond needs of this gather, kept: the next gather of the slot
+        # (dispatch i + 2) rewrites the workspace.
+        ent = part(ws, lay, "entries", torch.int32, nr * NUM_SLOTS * ENTRY_WORDS)
+        handle.entries = ent.view(nr, NUM_SLOTS, ENTRY_WORDS)[:, slot].clone()
+        first = part(ws, lay, "batch_offsets", torch.int64, nr * NUM_SLOTS + 1)
+        handle.first = first[: nr * NUM_SLOTS].view(nr, NUM_SLOTS)[:, slot].clone()
+        handle.slot_of = part(ws, lay, "slot_of", torch.int64, mr).clone()
         handle.received = True
-
-    # -------------------------------------------------------------- combine
-    def respond(self, y: torch.Tensor, handle: DeviceHandle, stream) -> None:
-        k = self.path.k
-        expert_rows(y, handle.expert, handle.pos, handle.valid, self.expert_out)
-        ra = k.ServerRespondArgs()
-        ra.expert_out, ra.expert_out_dtype = self.expert_out.data_ptr(), int(_C.Encoding.BF16)
-        ra.workspace = self.s_ws[handle.slot].data_ptr()
-        k.server_respond(self.peers, self.scfg, ra, stream.cuda_stream)
-
-    def reduce(self, handle: DeviceHandle, topk_idx, weights, out, stream) -> None:
-        k, buf = self.path.k, self.path.buf
-        nr, slot = buf.num_ranks, handle.slot
-        ca = k.CombineArgs()
-        ca.num_tokens, ca.layer_id, ca.slot = 0, slot, slot  # wait only: we reduce below
-        ca.workspace, ca.out, ca.out_dtype = self.c_ws[slot].data_ptr(), 0, int(_C.Encoding.BF16)
-        ca.timeout_ns = int(buf.timeout * 1e9)
-        k.client_combine(self.peers, self.ccfg, ca, stream.cuda_stream)
-        h = self.shape.hidden
-        start = self.resp_base + _C.slot_offset(self.resp_slot_bytes, slot) + _C.PAYLOAD_OFFSET
-        answers = torch.as_strided(
-            self.region_bytes.view(torch.bfloat16),
-            (nr, self.max_tokens, h),
-            (self.resp_ring // 2, h, 1),
-            start // 2,
-        )
-        ws = self.c_ws[slot]
-        pos = _part(ws, self.c_layout, "pos", torch.int32, self.max_tokens * nr)
-        combine_from_answers(answers, pos.view(-1, nr), topk_idx, weights, self.num_local, out)
-        status = _part(ws, self.c_layout, "status", torch.int32, nr)
-        self.pending_status.append((handle.index, status.clone()))
-        handle.reduced = True
-
-    def check_statuses(self) -> None:
-        """Raises for a combine whose wait failed (read where the host synchronised anyway)."""
-        pending, self.pending_status = self.pending_status, []
-        names = {v: n for n, v in self.path.k.SERVER_STATUS.items()}
-        errors = {"PEER_LOST": PeerLostError, "TIMEOUT": TimeoutError}
-        errors["PAYLOAD_TIMEOUT"] = TimeoutError
-        for index, status in pending:
-            for q, code in enumerate(status.tolist()):
-                name = names.get(code, str(code))
-                if name not in ("OK", "NOT_SENT"):
-                    raise errors.get(name, ProtocolError)(
-                        f"deep_ep.Buffer rank {self.path.buf.rank}: the combine of dispatch "
-                        f"{index} got no valid answer from rank {q} ({name}); its output was "
-                        "wrong"
-                    )
 
     def close(self) -> None:
         _cuda.synchronize(self.device)

@@ -18,6 +18,10 @@ Wire mapping (what makes the device kernels give DeepEP's layout and the host pa
 - **Slots**: dispatch ``i`` of a lane uses slot ``i % 2`` and sends ``layer_id = slot``; the
   server gather of slot ``s`` serves only requests of layer ``s`` (the other slot's wait for
   their own receive), into its own workspace.
+- **fp8**: cast in torch with DeepEP's formula (``_ll_cast.deepep_cast``, the host path's
+  function: every op of it is exact f32 arithmetic, the same on the device) once per token,
+  expanded, and sent as they are (``DispatchArgs.x_scales``: the pack kernel copies the bytes
+  and scales instead of quantizing).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moecomm.compat._ll_cast import UE8M0_PACK, deepep_cast, logfmt_roundtrip, pack_ue8m0
 from moecomm.compat._ll_support import LowLatencyHandle
 from moecomm.protocol import SCALE_BLOCK
 
@@ -33,13 +38,18 @@ __all__ = [
     "DeviceHandle",
     "Received",
     "check_device_combine",
+    "check_device_cost",
     "check_device_inputs",
     "check_mode",
+    "check_ue8m0_hidden",
     "combine_from_answers",
     "expand_dispatch",
+    "expand_quantized",
     "expert_rows",
     "input_device",
+    "part",
     "scatter_receive",
+    "ue8m0_scales",
 ]
 
 
@@ -73,37 +83,89 @@ def check_mode(mode: str | None, on_cuda: bool) -> str:
 
 # ---------------------------------------------------------------------------- events
 class DeviceHandle(LowLatencyHandle):
-    """The handle of a CUDA dispatch: DeepEP's tuple plus what the device combine needs."""
+    """The handle of a CUDA dispatch: DeepEP's tuple plus what the device combine needs, copied
+    out of the slot's workspaces (which dispatch ``i + 2`` reuses), so it can be combined at any
+    time and any number of times."""
 
     lane: object  # the _ll_device lane that sent it
     slot: int
+    # Client side, copied at the dispatch: the route kernel's per-server results.
+    sent_seq: torch.Tensor | None = None  # [R] int64 request seq per server (0: not sent)
+    count: torch.Tensor | None = None  # [R] int32 request rows per server
+    rows_at: torch.Tensor | None = None  # [max_tokens, R] int32 row of each expanded row there
+    # Server side, copied at the receive: the gather's admitted entries of this slot.
+    entries: torch.Tensor | None = None  # [R, 8] int32 EntryState of (client, slot)
+    first: torch.Tensor | None = None  # [R] int64 first step token of each client's request
+    slot_of: torch.Tensor | None = None  # [max_rows] int64 layout row of each step token
     expert: torch.Tensor | None = None  # [max_rows] int64 local expert of each layout row
     pos: torch.Tensor | None = None  # [max_rows] int64 row inside recv_x[expert]
     valid: torch.Tensor | None = None  # [max_rows] bool: a real copy (not a sink, not unused)
     received: bool = False
-    reduced: bool = False  # the combine's receive was launched
+
+
+def part(ws: torch.Tensor, layout: dict, name: str, dtype: torch.dtype, count: int):
+    """`count` elements of `dtype` at the workspace part `name` (a byte offset of `layout`)."""
+    start = layout[name]
+    size = torch.empty((), dtype=dtype).element_size() * count
+    return ws[start : start + size].view(dtype)
 
 
 # ---------------------------------------------------------------------------- pure torch
+def _expand_rows(src: torch.Tensor, k: int, dst: torch.Tensor, num_sinks: int) -> None:
+    """dst row ``t*K + k`` = src row t, then `num_sinks` zero rows."""
+    t = src.shape[0]
+    n = t * k
+    if t:
+        dst[:n].view(t, k, -1).copy_(src.unsqueeze(1).expand(t, k, src.shape[1]))
+    dst[n : n + num_sinks].zero_()
+
+
 def expand_dispatch(
     x: torch.Tensor,
     topk_idx: torch.Tensor,
-    x_exp: torch.Tensor,
+    x_exp: torch.Tensor | None,
     ids_exp: torch.Tensor,
     sink_ids: torch.Tensor,
 ) -> int:
     """Writes the expanded batch the dispatch kernels send: row ``t*K + k`` = ``x[t]`` with the
     id ``topk_idx[t, k]``, then one sink row per rank (id ``sink_ids[q]``, zero activations).
+    ``x_exp`` None: the ids only (the fp8 lane expands its cast rows, :func:`expand_quantized`).
     Returns the number of rows."""
     t, k = topk_idx.shape
     n = t * k
-    if t:
-        x_exp[:n].view(t, k, -1).copy_(x.unsqueeze(1).expand(t, k, x.shape[1]))
-        ids_exp[:n].copy_(topk_idx.reshape(n, 1))
     r = sink_ids.shape[0]
-    x_exp[n : n + r].zero_()
+    if x_exp is not None:
+        _expand_rows(x, k, x_exp, r)
+    if t:
+        ids_exp[:n].copy_(topk_idx.reshape(n, 1))
     ids_exp[n : n + r].copy_(sink_ids.view(r, 1))
     return n + r
+
+
+def expand_quantized(
+    x: torch.Tensor,
+    num_topk: int,
+    round_scale: bool,
+    q_exp: torch.Tensor,
+    s_exp: torch.Tensor,
+    num_sinks: int,
+) -> None:
+    """The fp8 lane's expanded rows: each token cast once with DeepEP's formula
+    (:func:`moecomm.compat._ll_cast.deepep_cast`, ``round_scale`` included), its e4m3 bytes
+    into ``q_exp`` [rows, H] uint8 and its scales into ``s_exp`` [rows, H/128] f32 at rows
+    ``t*K .. t*K + K - 1``; the sink rows are zero (the receiver drops them)."""
+    q, s = deepep_cast(x, round_scale)
+    _expand_rows(q.view(torch.uint8), num_topk, q_exp, num_sinks)
+    _expand_rows(s, num_topk, s_exp, num_sinks)
+
+
+def ue8m0_scales(scale_store: torch.Tensor, out: torch.Tensor) -> None:
+    """DeepEP's ``use_ue8m0`` receive scales from the f32 ones: ``scale_store`` [L, H/128, R*M]
+    f32 (power-of-two scales: ``round_scale``), ``out`` [L, H/512, R*M] int32, the exponent
+    bytes packed four per word (:func:`moecomm.compat._ll_cast.pack_ue8m0`)."""
+    num_local, blocks, rows = scale_store.shape
+    flat = scale_store.transpose(1, 2).reshape(num_local * rows, blocks)
+    out.transpose(1, 2).copy_(pack_ue8m0(flat).view(num_local, rows, -1))
 
 
 @dataclass
@@ -197,6 +259,7 @@ def combine_from_answers(
     weights: torch.Tensor,
     num_local: int,
     out: torch.Tensor,
+    use_logfmt: bool = False,
 ) -> torch.Tensor:
     """``out[t] = Σ_k w[t, k] · y(t, k)`` in f32, k ascending, cast to ``out``'s dtype: the host
     path's :func:`moecomm.compat._ll_layout.weighted_sum` operation by operation (product
@@ -204,7 +267,9 @@ def combine_from_answers(
 
     ``answers`` [R, rows, H] bf16: rank q's answer rows (any strides); ``pos`` [>= T*K, R]
     int32: row of expanded row ``t*K + k`` in rank q's request (the client workspace's ``pos``).
-    Ids outside ``[0, R*L)`` count as -1."""
+    Ids outside ``[0, R*L)`` count as -1. ``use_logfmt``: each answer row as DeepEP's receiver
+    decodes its LogFMT-10 encoding (:func:`moecomm.compat._ll_cast.logfmt_roundtrip`, the host
+    path's function; the rows themselves travel as bf16)."""
     t, k = topk_idx.shape
     num_ranks, hidden = answers.shape[0], answers.shape[2]
     valid = (topk_idx >= 0) & (topk_idx < num_ranks * num_local)
@@ -215,7 +280,8 @@ def combine_from_answers(
     acc = torch.zeros(t, hidden, dtype=torch.float32, device=answers.device)
     w = weights.float()
     for j in range(k):
-        prod = answers[dest[:, j], row[:, j]].float().mul_(w[:, j : j + 1])
+        got = answers[dest[:, j], row[:, j]]
+        prod = (logfmt_roundtrip(got) if use_logfmt else got.float()).mul_(w[:, j : j + 1])
         acc.add_(prod.masked_fill_(~valid[:, j : j + 1], -0.0))
     return out.copy_(acc)
 
@@ -248,6 +314,26 @@ def check_device_inputs(x, topk_idx, num_max, num_experts, use_fp8: bool) -> Non
         raise ValueError(
             f"use_fp8 needs hidden to be a multiple of {SCALE_BLOCK}, got hidden={x.shape[1]}"
         )
+
+
+def check_ue8m0_hidden(use_ue8m0: bool, hidden: int) -> None:
+    if use_ue8m0 and hidden % (SCALE_BLOCK * UE8M0_PACK):
+        raise ValueError(f"use_ue8m0 packs 4 scales per int32: hidden % 512, got {hidden}")
+
+
+def check_device_cost(name: str, t, num_ranks: int, device: torch.device) -> None:
+    """DeepEP's cost statistics: int64 ``[num_ranks]`` contiguous, on the call's device."""
+    if t is None:
+        return
+    if (
+        not isinstance(t, torch.Tensor)
+        or t.dtype != torch.int64
+        or tuple(t.shape) != (num_ranks,)
+        or not t.is_contiguous()
+        or t.device != device
+    ):
+        got = f"{t.dtype} {list(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else t
+        raise ValueError(f"{name} must be contiguous int64 [{num_ranks}] on {device}, got {got}")
 
 
 def check_device_combine(x, topk_idx, topk_weights, out, handle, want: tuple) -> None:

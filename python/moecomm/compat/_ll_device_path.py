@@ -10,7 +10,9 @@ from moecomm.compat import _ll_device as dev
 from moecomm.compat._ll_device_ops import (
     DeviceHandle,
     check_device_combine,
+    check_device_cost,
     check_device_inputs,
+    check_ue8m0_hidden,
 )
 from moecomm.compat._ll_layout import LLShape, check_shape
 from moecomm.compat._ll_support import NUM_SLOTS
@@ -35,6 +37,7 @@ class DevicePath:
         self.last_event = None
         self.last_stream = None
         self.num_dispatches = 0
+        self.combine_buffers: dict[tuple[bool, int], torch.Tensor] = {}
 
     def _stream(self, device: torch.device):
         if self.device is None:
@@ -51,9 +54,15 @@ class DevicePath:
         self.last_event, self.last_stream = ev.event, stream
         return ev
 
-    def dispatch(self, x, topk_idx, num_max, num_experts, stats, use_fp8, return_recv_hook, device):
+    def dispatch(
+        self, x, topk_idx, num_max, num_experts, stats, cost, flags, return_recv_hook, device
+    ):
+        """`flags`: (use_fp8, round_scale, use_ue8m0) as given to low_latency_dispatch."""
         buf = self.buf
+        use_fp8, round_scale, use_ue8m0 = flags
         check_device_inputs(x, topk_idx, num_max, num_experts, use_fp8)
+        check_ue8m0_hidden(use_ue8m0, x.shape[1])  # as the host path checks it
+        use_ue8m0 = use_ue8m0 and use_fp8  # bf16 rows have no scales (DeepEP ignores it)
         shape = LLShape(num_max, x.shape[1], num_experts, topk_idx.shape[1])
         if buf.shape is None:
             buf.shape = check_shape(shape, buf.num_ranks)
@@ -71,18 +80,12 @@ class DevicePath:
                 f"cumulative_local_expert_recv_stats must be int32 [{num_local}] on the device, "
                 f"got {stats.dtype} {list(stats.shape)} on {stats.device}"
             )
+        check_device_cost("dispatch_wait_recv_cost_stats", cost, buf.num_ranks, device)
         stream = self._stream(device)
         with dev._cuda.device(device), dev._cuda.stream(stream):
             lane = self.lanes.get(use_fp8)
             if lane is None:
                 lane = self.lanes[use_fp8] = dev._Lane(self, shape, use_fp8, device)
-            slot = lane.count % NUM_SLOTS
-            prev = lane.in_flight[slot]
-            if prev is not None and not prev.reduced:
-                raise RuntimeError(
-                    f"dispatch {prev.index} is not combined yet (its combine hook included) and "
-                    f"its slot is needed: at most {NUM_SLOTS} dispatches per use_fp8 may wait"
-                )
             rows = buf.num_ranks * num_max
             handle = DeviceHandle(
                 torch.full((num_local, rows), -1, dtype=torch.int32, device=device),
@@ -94,11 +97,11 @@ class DevicePath:
             handle.owner, handle.index = id(buf), self.num_dispatches
             # The reduce reads the ids the kernels routed, whatever the caller does with theirs.
             handle.topk_idx, handle.lane = topk_idx.clone(), lane
-            handle.index_in_lane = lane.count
-            handle.slot, _ = lane.send(x, topk_idx, stream)
+            # Whatever became of the dispatch two earlier (combined or not), its slot is reused,
+            # as DeepEP's buffers are: its handle keeps what its combine needs.
+            lane.send(x, topk_idx, round_scale, handle, stream)
             self.num_dispatches += 1
-            lane.in_flight[slot] = handle
-            recv_x = lane.recv_tensors(slot)
+            recv_x = lane.recv_tensors(handle.slot, use_ue8m0)
             recv_count = torch.zeros(num_local, dtype=torch.int32, device=device)
             event = self._done(stream)
 
@@ -108,7 +111,7 @@ class DevicePath:
             buf._check_open()
             s = self._stream(device)
             with dev._cuda.device(device), dev._cuda.stream(s):
-                lane.receive(handle, recv_x, recv_count, stats, s)
+                lane.receive(handle, recv_x, recv_count, stats, cost, use_ue8m0, s)
                 self._done(s)
 
         if return_recv_hook:
@@ -116,16 +119,31 @@ class DevicePath:
         hook()
         return recv_x, recv_count, handle, self._done(stream), None
 
-    def combine(self, x, topk_idx, topk_weights, handle, return_recv_hook, out):
+    def combine_buffer(self, handle: DeviceHandle) -> torch.Tensor:
+        """The bf16 [L, R*M, H] device tensor the next zero_copy combine of `handle`'s lane
+        reads (one per response slot: reused two combines of the lane later)."""
+        lane, s = handle.lane, self.buf.shape
+        key = (lane.use_fp8, lane.num_combines % NUM_SLOTS)
+        got = self.combine_buffers.get(key)
+        if got is None:
+            want = (lane.num_local, self.buf.num_ranks * s.num_max_dispatch_tokens_per_rank)
+            with dev._cuda.device(lane.device):
+                got = torch.zeros(*want, s.hidden, dtype=torch.bfloat16, device=lane.device)
+            self.combine_buffers[key] = got
+        return got
+
+    def combine(self, x, topk_idx, topk_weights, handle, flags, return_recv_hook, out):
+        """`flags`: (use_logfmt, zero_copy) as given to low_latency_combine."""
         buf = self.buf
+        use_logfmt, zero_copy = flags
         if not handle.received:
             raise RuntimeError("call the dispatch's receive hook before combining it")
         lane = handle.lane
-        if handle.combined or lane.in_flight[handle.slot] is not handle:
-            raise RuntimeError(f"dispatch {handle.index} was already combined")
         s = buf.shape
         want = (s.num_experts // buf.num_ranks, buf.num_ranks * s.num_max_dispatch_tokens_per_rank)
         check_device_combine(x, topk_idx, topk_weights, out, handle, (*want, s.hidden))
+        if zero_copy:
+            x = self.combine_buffer(handle)
         device = x.device
         stream = self._stream(device)
         t = topk_idx.shape[0]
@@ -135,19 +153,23 @@ class DevicePath:
                 if out is not None
                 else torch.empty(t, s.hidden, dtype=torch.bfloat16, device=device)
             )
-            lane.respond(x, handle, stream)
-            handle.combined = True
+            slot, seq = lane.respond(x, handle, stream)
+            # The host path's rule: a copy the combine's topk_idx no longer selects (-1 now)
+            # is left out; the others are read where the dispatch routed them.
+            idx = torch.where(topk_idx >= 0, handle.topk_idx, -1)
             weights = topk_weights.clone() if return_recv_hook else topk_weights
             event = self._done(stream)
+        done = []
 
         def hook() -> None:
-            if handle.reduced:
+            if done:
                 return
             buf._check_open()
             st = self._stream(device)
             with dev._cuda.device(device), dev._cuda.stream(st):
-                lane.reduce(handle, handle.topk_idx, weights, combined, st)
+                lane.reduce(handle, slot, seq, idx, weights, combined, use_logfmt, st)
                 self._done(st)
+            done.append(True)
 
         if return_recv_hook:
             return combined, event, hook

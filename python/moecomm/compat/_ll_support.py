@@ -48,7 +48,6 @@ class LowLatencyHandle(tuple):
     sent_rows: list  # per destination rank: int64 t*K + k of each copy, in request order
     requests: list | None = None  # per source rank, after the receive: its Request (or None)
     layout: ReceiveLayout | None = None
-    combined: bool = False  # the CUDA path's (DeviceHandle): one combine per dispatch there
 
 
 def slot_layout(shape: LLShape, num_ranks: int, max_local: int | None = None) -> SlotLayout:

@@ -23,9 +23,9 @@ goes on without it. Differences from DeepEP (docs/compat-deep-ep.md lists them a
 1. **Order inside an expert is deterministic**: source rank major, token index ascending
    (DeepEP: arrival order). ``layout_range`` describes it exactly as in DeepEP.
 2. **CPU or CUDA tensors, one kind per Buffer**. On the host, calls complete before they return
-   and ``event`` is a :class:`CompletedEvent`. The CUDA path has not taken this file's newer
-   contract (see ``_ll_device.py``): it still needs each dispatch combined before the one two
-   later, and refuses ``round_scale``, ``use_ue8m0``, ``use_logfmt``, ``zero_copy`` and shrink.
+   and ``event`` is a :class:`CompletedEvent`. The CUDA path (``_ll_device.py``, not yet run on
+   a GPU) keeps the same contract and flags, but refuses shrink mode and
+   ``combine_wait_recv_cost_stats``.
 3. ``use_logfmt``: the answers travel as bf16 and the receiver reduces their LogFMT-10
    round trip (``_ll_cast.logfmt_roundtrip``: DeepEP's formula in exact f32, where DeepEP uses
    approximate lg2/ex2): DeepEP's numerics within its tolerance, not its bits nor its bandwidth.
@@ -51,8 +51,12 @@ import dataclasses
 
 import torch
 
-from moecomm.compat._ll_cast import UE8M0_PACK
-from moecomm.compat._ll_device_ops import DeviceHandle, check_mode, input_device
+from moecomm.compat._ll_device_ops import (
+    DeviceHandle,
+    check_mode,
+    check_ue8m0_hidden,
+    input_device,
+)
 from moecomm.compat._ll_device_path import DevicePath
 from moecomm.compat._ll_host import HostPath
 from moecomm.compat._ll_layout import (
@@ -272,19 +276,19 @@ class Buffer(RoundsMixin, NormalCalls, HostPath):
         device = input_device(x=x, topk_idx=topk_idx, cumulative_local_expert_recv_stats=stats)
         self._mode = check_mode(self._mode, device is not None)
         if device is not None:
-            if round_scale or use_ue8m0 or self.enable_shrink or cost is not None:
+            if self.enable_shrink:
                 raise NotImplementedError(
-                    "round_scale, use_ue8m0, dispatch_wait_recv_cost_stats and enable_shrink "
-                    "are implemented on the host path only (CPU tensors)"
+                    "enable_shrink is implemented on the host path only (CPU tensors): on CUDA "
+                    "tensors the kernels would have to skip a masked rank on the device"
                 )
             self._device = self._device or DevicePath(self)
             m, e, hook = num_max_dispatch_tokens_per_rank, num_experts, return_recv_hook
-            return self._device.dispatch(x, topk_idx, m, e, stats, use_fp8, hook, device)
+            flags = (use_fp8, round_scale, use_ue8m0)
+            return self._device.dispatch(x, topk_idx, m, e, stats, cost, flags, hook, device)
         x, topk_idx = check_dispatch_inputs(
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8
         )
-        if use_ue8m0 and x.shape[1] % (128 * UE8M0_PACK):
-            raise ValueError(f"use_ue8m0 packs 4 scales per int32: hidden % 512, got {x.shape[1]}")
+        check_ue8m0_hidden(use_ue8m0, x.shape[1])
         shape = LLShape(
             num_max_dispatch_tokens_per_rank, x.shape[1], num_experts, topk_idx.shape[1]
         )
@@ -324,7 +328,9 @@ class Buffer(RoundsMixin, NormalCalls, HostPath):
         reads its expert outputs from (fill it yourself). Reused two combines later."""
         self._check_ll()
         if isinstance(handle, DeviceHandle):
-            raise NotImplementedError("zero_copy combine is implemented on the host path only")
+            if handle.owner != id(self) or self._device is None:
+                raise ValueError("handle must come from low_latency_dispatch of this buffer")
+            return self._device.combine_buffer(handle)
         _, _, m, hidden, _ = handle
         key = self._num_combines % NUM_SLOTS
         want = (self._num_local, self.num_ranks * m, hidden)
@@ -352,12 +358,13 @@ class Buffer(RoundsMixin, NormalCalls, HostPath):
         self._check_ll()
         cost = combine_wait_recv_cost_stats
         if self._mode == "cuda" and isinstance(handle, DeviceHandle) and handle.owner == id(self):
-            if use_logfmt or zero_copy or cost is not None:
+            if cost is not None:
                 raise NotImplementedError(
-                    "use_logfmt, zero_copy and combine_wait_recv_cost_stats are implemented on "
-                    "the host path only (CPU tensors)"
+                    "combine_wait_recv_cost_stats is implemented on the host path only (CPU "
+                    "tensors): on CUDA tensors the combine waits inside a kernel, not on the host"
                 )
-            return self._device.combine(x, topk_idx, topk_weights, handle, return_recv_hook, out)
+            flags, hook = (use_logfmt, zero_copy), return_recv_hook
+            return self._device.combine(x, topk_idx, topk_weights, handle, flags, hook, out)
         on_cuda = input_device(x=x, topk_idx=topk_idx, topk_weights=topk_weights, out=out)
         check_mode(self._mode or "cpu", on_cuda is not None)
         if not isinstance(handle, LowLatencyHandle) or handle.owner != id(self):
