@@ -166,7 +166,7 @@ def _dispatch_args(k, **over):
         ({}, {"num_tokens": 9}, "9 tokens exceed max_tokens 8"),
         ({}, {"topk": 3}, "topk must be in \\[1, 2\\], got 3"),
         ({}, {"x_row_stride": 63}, "x_row_stride must be >= hidden"),
-        ({}, {"x_dtype": int(Encoding.INT8)}, "x must be BF16, FP16, F32 or already quantized FP8_E4M3_B128"),
+        ({}, {"x_dtype": int(Encoding.INT8)}, "x must be BF16, FP16, F32 or already quantized"),
         ({}, {"workspace": 4097}, "64-byte aligned"),
         ({}, {"next_seq": 0}, "next_seq"),
         ({}, {"num_experts": 0}, "expert map"),
