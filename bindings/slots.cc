@@ -90,6 +90,19 @@ void register_slots(py::module_& m) {
       py::arg("expert_ids"), py::arg("scores"), py::arg("doorbell") = nullptr,
       py::arg("wake") = true, py::call_guard<py::gil_scoped_release>());
 
+  m.def(
+      "commit_request",
+      [](Transport& t, Region& server, const SlotRing& ring, uint32_t slot, uint64_t client_id,
+         uint64_t seq, uint32_t layer_id, uint32_t num_tokens, uint32_t topk, Encoding encoding,
+         std::shared_ptr<Region> doorbell, bool wake) {
+        commit_request(t, server, ring, slot, client_id, seq,
+                       {layer_id, num_tokens, topk, encoding}, doorbell.get(), wake);
+      },
+      py::arg("transport"), py::arg("server"), py::arg("ring"), py::arg("slot"),
+      py::arg("client_id"), py::arg("seq"), py::arg("layer_id"), py::arg("num_tokens"),
+      py::arg("topk"), py::arg("encoding"), py::arg("doorbell") = nullptr, py::arg("wake") = true,
+      py::call_guard<py::gil_scoped_release>());
+
   m.def("ring_doorbell", &ring_doorbell, py::arg("transport"), py::arg("doorbell"),
         py::call_guard<py::gil_scoped_release>());
 
@@ -122,6 +135,11 @@ void register_slots(py::module_& m) {
       py::arg("response_ring"), py::arg("slot"), py::arg("client_id"), py::arg("seq"),
       py::arg("layer_id"), py::arg("num_tokens"), py::arg("encoding"), py::arg("activations"),
       py::call_guard<py::gil_scoped_release>());
+
+  m.def("commit_response", &commit_response, py::arg("transport"), py::arg("local"),
+        py::arg("request_ring"), py::arg("client"), py::arg("response_ring"), py::arg("slot"),
+        py::arg("client_id"), py::arg("seq"), py::arg("layer_id"), py::arg("num_tokens"),
+        py::arg("encoding"), py::call_guard<py::gil_scoped_release>());
 
   m.def("send_error", &send_error, py::arg("transport"), py::arg("local"), py::arg("request_ring"),
         py::arg("client"), py::arg("response_ring"), py::arg("slot"), py::arg("client_id"),

@@ -194,26 +194,30 @@ void SlotRing::check(const Region& r, uint32_t slot) const {
            " bytes, the slot ring needs ", region_bytes());
 }
 
-void check_request(const SlotRing& ring, const RequestData& req) {
+void check_request_shape(const SlotRing& ring, const RequestShape& shape) {
   const SlotConfig& c = ring.config;
   MC_CHECK(ring.request, "requests go into a request ring");
-  MC_CHECK(req.num_tokens >= 1, "a request needs at least one token");
-  MC_CHECK(req.num_tokens <= c.max_tokens, "request of ", req.num_tokens,
+  MC_CHECK(shape.num_tokens >= 1, "a request needs at least one token");
+  MC_CHECK(shape.num_tokens <= c.max_tokens, "request of ", shape.num_tokens,
            " tokens exceeds the slot's max_tokens ", c.max_tokens);
-  MC_CHECK(req.topk >= 1 && req.topk <= c.topk, "request topk ", req.topk, " must be in [1, ",
+  MC_CHECK(shape.topk >= 1 && shape.topk <= c.topk, "request topk ", shape.topk, " must be in [1, ",
            c.topk, "]");
-  MC_CHECK(protocol::encoding_known(static_cast<uint8_t>(req.encoding)), "unknown encoding ",
-           static_cast<int>(req.encoding));
+  MC_CHECK(protocol::encoding_known(static_cast<uint8_t>(shape.encoding)), "unknown encoding ",
+           static_cast<int>(shape.encoding));
+  const PayloadLayout p =
+      protocol::request_payload_layout(shape.num_tokens, c.hidden, shape.topk, shape.encoding);
+  MC_CHECK(kPayloadOffset + p.total <= ring.slot_bytes(), "request payload of ", p.total,
+           " bytes does not fit the slot (", ring.slot_bytes() - kPayloadOffset, " bytes)");
+}
+
+void check_request(const SlotRing& ring, const RequestData& req) {
+  check_request_shape(ring, {req.layer_id, req.num_tokens, req.topk, req.encoding});
   const bool quantized = protocol::encoding_quantized(req.encoding);
   MC_CHECK(quantized == (req.scales != nullptr), quantized
                                                      ? "a quantized request needs scales"
                                                      : "scales given for an unquantized request");
   MC_CHECK(req.activations != nullptr && req.expert_ids != nullptr && req.scores != nullptr,
            "request activations, expert ids and scores are required");
-  const PayloadLayout p =
-      protocol::request_payload_layout(req.num_tokens, c.hidden, req.topk, req.encoding);
-  MC_CHECK(kPayloadOffset + p.total <= ring.slot_bytes(), "request payload of ", p.total,
-           " bytes does not fit the slot (", ring.slot_bytes() - kPayloadOffset, " bytes)");
 }
 
 void send_request(Transport& t, Region& server, const SlotRing& ring, uint32_t slot,
@@ -222,16 +226,28 @@ void send_request(Transport& t, Region& server, const SlotRing& ring, uint32_t s
   ring.check(server, slot);
   check_request(ring, req);
   check_seq(seq);
-  const SlotConfig& c = ring.config;
   const PayloadLayout p =
-      protocol::request_payload_layout(req.num_tokens, c.hidden, req.topk, req.encoding);
+      protocol::request_payload_layout(req.num_tokens, ring.config.hidden, req.topk, req.encoding);
   const uint64_t base = ring.slot_offset(slot) + kPayloadOffset;
   t.put(server, base + p.act_offset, req.activations, p.act_bytes);
   if (p.scale_bytes > 0) t.put(server, base + p.scale_offset, req.scales, p.scale_bytes);
   t.put(server, base + p.ids_offset, req.expert_ids, p.ids_bytes);
   t.put(server, base + p.scores_offset, req.scores, p.scores_bytes);
-  const SlotHeader h = make_header(MessageKind::kRequest, c, req.layer_id, req.num_tokens, req.topk,
-                                   req.encoding, p.total, client_id, seq, 0);
+  commit_request(t, server, ring, slot, client_id, seq,
+                 {req.layer_id, req.num_tokens, req.topk, req.encoding}, doorbell, wake);
+}
+
+void commit_request(Transport& t, Region& server, const SlotRing& ring, uint32_t slot,
+                    uint64_t client_id, uint64_t seq, const RequestShape& shape, Region* doorbell,
+                    bool wake) {
+  ring.check(server, slot);
+  check_request_shape(ring, shape);
+  check_seq(seq);
+  const SlotConfig& c = ring.config;
+  const PayloadLayout p =
+      protocol::request_payload_layout(shape.num_tokens, c.hidden, shape.topk, shape.encoding);
+  const SlotHeader h = make_header(MessageKind::kRequest, c, shape.layer_id, shape.num_tokens,
+                                   shape.topk, shape.encoding, p.total, client_id, seq, 0);
   t.put(server, ring.slot_offset(slot) + kHeaderOffset, &h, sizeof(h));
   t.signal(server, ring.slot_offset(slot) + kSignalOffset,
            make_signal(SlotState::kRequestReady, seq), SignalOp::kSet);
@@ -342,10 +358,12 @@ transport::WaitResult wait_doorbell(Transport& t, Region& local, uint64_t seen, 
   return t.wait(local, kDoorbellOffset, pred, timeout_ns, peer);
 }
 
-void send_response(Transport& t, Region& local, const SlotRing& request_ring, Region& client,
-                   const SlotRing& response_ring, uint32_t slot, uint64_t client_id, uint64_t seq,
-                   uint32_t layer_id, uint32_t num_tokens, Encoding encoding,
-                   const void* activations) {
+namespace {
+
+// Both ways of answering check the same things; returns the response's payload layout.
+PayloadLayout check_response(Region& local, const SlotRing& request_ring, Region& client,
+                             const SlotRing& response_ring, uint32_t slot, uint64_t seq,
+                             uint32_t num_tokens, Encoding encoding) {
   request_ring.check(local, slot);
   response_ring.check(client, slot);
   check_seq(seq);
@@ -358,7 +376,28 @@ void send_response(Transport& t, Region& local, const SlotRing& request_ring, Re
       protocol::response_payload_layout(num_tokens, response_ring.config.hidden, encoding);
   MC_CHECK(kPayloadOffset + p.total <= response_ring.slot_bytes(), "response payload of ", p.total,
            " bytes does not fit the slot");
+  return p;
+}
+
+}  // namespace
+
+void send_response(Transport& t, Region& local, const SlotRing& request_ring, Region& client,
+                   const SlotRing& response_ring, uint32_t slot, uint64_t client_id, uint64_t seq,
+                   uint32_t layer_id, uint32_t num_tokens, Encoding encoding,
+                   const void* activations) {
+  const PayloadLayout p =
+      check_response(local, request_ring, client, response_ring, slot, seq, num_tokens, encoding);
   t.put(client, response_ring.slot_offset(slot) + kPayloadOffset, activations, p.act_bytes);
+  const SlotHeader h = make_header(MessageKind::kResponse, response_ring.config, layer_id,
+                                   num_tokens, 0, encoding, p.total, client_id, seq, 0);
+  finish_response(t, local, request_ring, client, response_ring, slot, seq, h);
+}
+
+void commit_response(Transport& t, Region& local, const SlotRing& request_ring, Region& client,
+                     const SlotRing& response_ring, uint32_t slot, uint64_t client_id, uint64_t seq,
+                     uint32_t layer_id, uint32_t num_tokens, Encoding encoding) {
+  const PayloadLayout p =
+      check_response(local, request_ring, client, response_ring, slot, seq, num_tokens, encoding);
   const SlotHeader h = make_header(MessageKind::kResponse, response_ring.config, layer_id,
                                    num_tokens, 0, encoding, p.total, client_id, seq, 0);
   finish_response(t, local, request_ring, client, response_ring, slot, seq, h);

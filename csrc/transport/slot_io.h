@@ -61,12 +61,29 @@ struct RequestData {
 // Checks everything about a request before a single byte is written. Throws with a reason.
 void check_request(const SlotRing& ring, const RequestData& req);
 
+// What a request's header says about its payload; `check_request` checks these and its pointers.
+struct RequestShape {
+  uint32_t layer_id = 0;
+  uint32_t num_tokens = 0;
+  uint32_t topk = 0;
+  Encoding encoding = Encoding::kBF16;
+};
+void check_request_shape(const SlotRing& ring, const RequestShape& shape);
+
 // Client: writes `req` into `slot` of the server's request region and signals REQUEST_READY|seq.
 // Then bumps the doorbell: the line at offset 0 of `doorbell` when given (a server that serves
 // many clients sleeps on one shared doorbell), else the one at offset 0 of `server`.
 void send_request(Transport& t, Region& server, const SlotRing& ring, uint32_t slot,
                   uint64_t client_id, uint64_t seq, const RequestData& req,
                   Region* doorbell = nullptr, bool wake = true);
+
+// Client, zero copy: the payload of `shape` was written straight into `slot` of the server's
+// mapped request region (at the offsets of protocol::request_payload_layout); writes the header,
+// signals REQUEST_READY|seq (a release: the payload is visible before it) and rings as
+// send_request does. The shape is checked before the header is written.
+void commit_request(Transport& t, Region& server, const SlotRing& ring, uint32_t slot,
+                    uint64_t client_id, uint64_t seq, const RequestShape& shape,
+                    Region* doorbell = nullptr, bool wake = true);
 
 // Client: bumps the doorbell at offset 0 of `doorbell` (a server's shared doorbell, or its
 // request region). To reach several servers, write every request with wake = false first, then
@@ -100,6 +117,13 @@ void send_response(Transport& t, Region& local, const SlotRing& request_ring, Re
                    const SlotRing& response_ring, uint32_t slot, uint64_t client_id, uint64_t seq,
                    uint32_t layer_id, uint32_t num_tokens, Encoding encoding,
                    const void* activations);
+
+// Server, zero copy: the response payload of `num_tokens` rows was written straight into
+// `slot` of the client's mapped response region; writes the header, releases the request slot
+// and signals, as send_response does after its put.
+void commit_response(Transport& t, Region& local, const SlotRing& request_ring, Region& client,
+                     const SlotRing& response_ring, uint32_t slot, uint64_t client_id, uint64_t seq,
+                     uint32_t layer_id, uint32_t num_tokens, Encoding encoding);
 
 // Server: answers with an error `status` and a reason string (truncated to fit the slot).
 void send_error(Transport& t, Region& local, const SlotRing& request_ring, Region& client,

@@ -30,7 +30,7 @@ from moecomm.protocol import (
     ValidateCode,
     validate_reason,
 )
-from moecomm.slots import (
+from moecomm.slot_channel import (
     DEFAULT_NUM_SLOTS,
     DEFAULT_TIMEOUT_S,
     POISON_SLOTS,

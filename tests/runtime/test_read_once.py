@@ -4,6 +4,7 @@ suite sets MOECOMM_POISON_SLOTS=1 in conftest.py) a release overwrites the slot,
 fails every time: the server loop of the release before this rule read its statistics from the
 released slot and died on the poison (expert id 0x00BADBAD) at the first request."""
 
+import moecomm.slot_channel as slot_channel
 import moecomm.slots as slots
 import pytest
 import torch
@@ -12,6 +13,7 @@ from moecomm.protocol import SlotLayout
 from moecomm.runtime import ExpertServer
 from moecomm.runtime.experts import LayerExperts, random_experts
 from moecomm.slots import ClientChannel, ServerChannel
+from moecomm.transport import RegionViews
 
 HIDDEN, INTER, EXPERTS, TOPK, MAX_TOKENS = 32, 16, 4, 2, 8
 EXPERT_WEIGHTS = random_experts(1, EXPERTS, HIDDEN, INTER, seed=7)
@@ -22,7 +24,7 @@ POISON_ID = 0x00BADBAD  # protocol/poison.h
 @pytest.fixture(autouse=True)
 def poison_on(monkeypatch):
     """Channels read the switch when they are made: force it for the in-process ones here."""
-    monkeypatch.setattr(slots, "POISON_SLOTS", True)
+    monkeypatch.setattr(slot_channel, "POISON_SLOTS", True)
 
 
 @pytest.fixture
@@ -101,7 +103,7 @@ def test_a_released_request_slot_is_poisoned_before_the_client_sees_the_answer(p
     x, ids, w = request(3, 2)
     seq = client.send(0, x, ids, w)
     (req,) = server.poll()
-    views = slots.RegionViews(server.region)
+    views = RegionViews(server.region)
     off = server.request_ring.slot_offset(0) + _C.PAYLOAD_OFFSET
     server.respond(req, x)
     assert req.activations is None  # the view is dropped with the release

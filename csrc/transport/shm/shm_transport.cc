@@ -304,12 +304,12 @@ WaitResult ShmTransport::wait(Region& local, uint64_t offset, const WaitPredicat
   check_word(r, offset);
   const ShmRegion* watched = peer != nullptr ? &as_shm(*peer) : nullptr;
   auto word = word_at(r, offset);
+  // The hot path finds the word already there: check it before paying for a clock read.
+  uint64_t w = word.load(std::memory_order_acquire);
+  if (pred.satisfied(w)) return {WaitStatus::kOk, w};
   const int64_t start = now_ns();
   const int64_t deadline = timeout_ns < 0 ? INT64_MAX : start + timeout_ns;
   const int64_t spin_until = std::min(deadline, start + options_.spin_ns);
-
-  uint64_t w = word.load(std::memory_order_acquire);
-  if (pred.satisfied(w)) return {WaitStatus::kOk, w};
   // Spin phase: check the clock only every few iterations; it costs more than the load.
   constexpr int kSpinsPerClockRead = 64;
   for (int64_t now = start; now < spin_until; now = now_ns()) {

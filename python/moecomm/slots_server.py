@@ -1,0 +1,237 @@
+"""The server's end of a (client, server) connection over the slot protocol (moecomm.slots has
+the client's end and what both share): request slots in the server's memory, responses written
+into the client's, in place when the client's memory is mapped here (zero copy)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from moecomm import _C
+from moecomm.errors import PeerLostError, TimeoutError
+from moecomm.protocol import (
+    ENCODING_DTYPE,
+    PAYLOAD_OFFSET,
+    Encoding,
+    ResponseStatus,
+    SlotLayout,
+    ValidateCode,
+    scales_per_token,
+    validate_reason,
+)
+from moecomm.slot_channel import (
+    _DTYPE_OF_CODE,
+    _ENC_OF_CODE,
+    _QUANTIZED_CODES,
+    _VALID,
+    DEFAULT_NUM_SLOTS,
+    DEFAULT_TIMEOUT_S,
+    _Channel,
+    _host_tensor,
+    _ns,
+)
+from moecomm.slot_views import mapped_views
+from moecomm.transport import Region, Transport, WaitStatus, reap_stale_segments
+
+
+@dataclass
+class Request:
+    """A request taken from a slot. Header fields, expert ids, scores and scales are the
+    server's own copies, read once; `activations` is a zero-copy view of the slot, to be
+    consumed (gathered, dequantized) before the answer, and dropped when the slot is released
+    by respond() or reject()."""
+
+    slot: int
+    seq: int
+    client_id: int
+    code: ValidateCode
+    layer_id: int = 0
+    num_tokens: int = 0
+    topk: int = 0
+    encoding: Encoding | None = None
+    activations: torch.Tensor | None = None  # view into the request slot, until the release
+    scales: torch.Tensor | None = None  # owned copies from here on
+    expert_ids: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
+
+    @property
+    def valid(self) -> bool:
+        return self.code == ValidateCode.OK
+
+
+class ServerChannel(_Channel):
+    """The server's end: request slots in our memory, responses written into the client's."""
+
+    owns_requests = True
+
+    def __init__(
+        self,
+        transport: Transport,
+        layout: SlotLayout,
+        client_id: int,
+        num_slots: int = DEFAULT_NUM_SLOTS,
+        name: str = "client",
+    ):
+        super().__init__(transport, layout, client_id, num_slots, name)
+        self.client: Region | None = None
+        self._client_views = None  # the client's response region, when this process maps it
+        self._doorbell = 0
+        self._out_dtype = ENCODING_DTYPE[layout.out_encoding]
+
+    def connect(self, client_handle: str) -> None:
+        self.client = self._attach_peer(client_handle, self.response_ring)
+        self._client_views = mapped_views(self.client)
+
+    def response_view(self, req: Request) -> torch.Tensor | None:
+        """The client's response slot for `req` as ``[num_tokens, hidden]`` of the layout's
+        output dtype, to compute the answer into and then :meth:`commit_response`; None when
+        the client's memory is not mapped here (answer with :meth:`respond`)."""
+        if self._client_views is None or not req.valid:
+            return None
+        off = self.response_ring.slot_offset(req.slot) + PAYLOAD_OFFSET
+        return self._client_views.get(off, (req.num_tokens, self.layout.hidden), self._out_dtype)
+
+    def commit_response(self, req: Request) -> None:
+        """Answers `req` with what was computed into :meth:`response_view`: header, release of
+        the request slot, signal."""
+        _C.commit_response(
+            self.transport,
+            self.region,
+            self.request_ring,
+            self.client,
+            self.response_ring,
+            req.slot,
+            self.client_id,
+            req.seq,
+            req.layer_id,
+            req.num_tokens,
+            self.layout.out_encoding,
+        )
+        req.activations = None  # released, as in respond()
+
+    def poll(self) -> list[Request]:
+        """Every request slot in REQUEST_READY with its header validated; valid ones carry
+        copies of their ids, scores and scales and a view of their activations."""
+        self._doorbell = self.transport.load(self.region, 0)
+        out = []
+        for inc in _C.poll_requests(self.transport, self.region, self.request_ring, self.client_id):
+            req = Request(inc.slot, inc.seq, self.client_id, inc.code)
+            if inc.code == _VALID:
+                h = inc.header
+                code = h.encoding
+                base = inc.payload_offset
+                n, hid, k = h.num_tokens, h.hidden, h.topk
+                req.layer_id, req.num_tokens, req.topk = h.layer_id, n, k
+                req.encoding = _ENC_OF_CODE[code]
+                views = self._views
+                req.activations = views.get(base + inc.act_offset, (n, hid), _DTYPE_OF_CODE[code])
+                if code in _QUANTIZED_CODES:
+                    s = scales_per_token(req.encoding, hid)
+                    req.scales = views.get(base + inc.scale_offset, (n, s), torch.float32).clone()
+                # Copied once: the server validates and indexes with these, and a client that
+                # rewrites its slot meanwhile must not change what was validated.
+                req.expert_ids = views.get(base + inc.ids_offset, (n, k), torch.int32).clone()
+                req.scores = views.get(base + inc.scores_offset, (n, k), torch.float32).clone()
+            out.append(req)
+        return out
+
+    def wait(self, timeout: float = DEFAULT_TIMEOUT_S) -> list[Request]:
+        """Ready requests; [] when the deadline passes first. Raises PeerLostError when the
+        client process dies."""
+        reqs = self.poll()
+        if reqs:
+            return reqs
+        status, _ = _C.wait_doorbell(
+            self.transport, self.region, self._doorbell, _ns(timeout), self.client
+        )
+        if status == WaitStatus.PEER_LOST:
+            reap_stale_segments()
+            raise PeerLostError(f"{self.name}: the client process died ({self.client.describe()})")
+        return self.poll()
+
+    def wait_slot(self, slot: int, timeout: float = DEFAULT_TIMEOUT_S) -> Request:
+        """Waits for the request in one `slot`, ignoring ready requests in the other slots (which
+        may stay unanswered meanwhile). Returns it valid or not: the caller checks `valid` and
+        its `seq`. Raises TimeoutError when the deadline passes, PeerLostError when the client
+        process dies."""
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot must be in [0, {self.num_slots}), got {slot}")
+        deadline = time.monotonic() + _ns(timeout) / 1e9
+        while True:
+            for req in self.poll():  # poll() also samples the doorbell we sleep on below
+                if req.slot == slot:
+                    return req
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{self.name}: no request in slot {slot} within {timeout:.3f} s")
+            status, _ = _C.wait_doorbell(
+                self.transport, self.region, self._doorbell, _ns(remaining), self.client
+            )
+            if status == WaitStatus.PEER_LOST:
+                reap_stale_segments()
+                raise PeerLostError(
+                    f"{self.name}: the client process died ({self.client.describe()})"
+                )
+
+    def respond(self, req: Request, y: torch.Tensor) -> None:
+        """Answers `req` with y [num_tokens, hidden]. y may be a view of the request itself."""
+        y = _host_tensor(
+            y, "y", ENCODING_DTYPE[self.layout.out_encoding], (req.num_tokens, self.layout.hidden)
+        )
+        _C.send_response(
+            self.transport,
+            self.region,
+            self.request_ring,
+            self.client,
+            self.response_ring,
+            req.slot,
+            self.client_id,
+            req.seq,
+            req.layer_id,
+            req.num_tokens,
+            self.layout.out_encoding,
+            y.data_ptr(),
+        )
+        # Released: the client may be writing its next request into the slot already.
+        req.activations = None
+
+    def reject(
+        self,
+        req: Request,
+        status: int | ValidateCode | ResponseStatus | None = None,
+        reason: str | None = None,
+    ) -> None:
+        """Answers `req` with an error; by default the validation failure that it carries."""
+        code = int(req.code if status is None else status)
+        if reason is None:
+            reason = validate_reason(req.code)
+        _C.send_error(
+            self.transport,
+            self.region,
+            self.request_ring,
+            self.client,
+            self.response_ring,
+            req.slot,
+            self.client_id,
+            req.seq,
+            req.layer_id,
+            code,
+            reason,
+        )
+        req.activations = None  # released, as in respond()
+
+    def announce_offline(self) -> None:
+        """Tells the client that this server no longer answers: every response slot of the
+        connection goes OFFLINE, so a client waiting there fails over at once instead of at its
+        deadline."""
+        if self.client is None:
+            return
+        for s in range(self.num_slots):
+            _C.mark_offline(self.transport, self.client, self.response_ring, s, 0)
+
+    def mark_offline(self) -> None:
+        """Marks every slot OFFLINE (the client is gone)."""
+        for s in range(self.num_slots):
+            _C.mark_offline(self.transport, self.region, self.request_ring, s, 0)
