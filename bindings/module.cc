@@ -9,4 +9,5 @@ PYBIND11_MODULE(_C, m) {
   moecomm::bindings::register_slots(m);
   moecomm::bindings::register_kernels_moe(m);
   moecomm::bindings::register_eplb(m);
+  moecomm::bindings::register_kernels_dispatch(m);
 }

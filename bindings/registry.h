@@ -12,5 +12,6 @@ void register_nixl(pybind11::module_& m);
 void register_slots(pybind11::module_& m);
 void register_kernels_moe(pybind11::module_& m);
 void register_eplb(pybind11::module_& m);
+void register_kernels_dispatch(pybind11::module_& m);
 
 }  // namespace moecomm::bindings

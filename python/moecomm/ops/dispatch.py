@@ -13,12 +13,17 @@ least one token, exactly the arrays of a request payload (``csrc/protocol/layout
 
 Rows keep batch order; columns keep the ``k`` order of ``topk_ids``. Nothing is computed on
 values except the quantization, so packing is bit-exact against the pure-Python reference.
+
+Zero copy: with ``into``, the caller hands out the memory each server's arrays are packed into
+— the server's request slot itself when the transport maps it (``ClientChannel.request_views``)
+— so a request is written once, by the gather that packs it, with no staging tensor.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -143,6 +148,8 @@ class ServerBatch:
     expert_ids: torch.Tensor  # [n, K] int32, local expert index or -1
     scores: torch.Tensor  # [n, K] f32
     token_index: torch.Tensor  # [n] int64, rows of the dispatched batch
+    # Packed into memory from `into` (the server's slot): nothing is left to copy before sending.
+    in_place: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -221,6 +228,7 @@ def pack_dispatch(
     expert_map: ExpertMap,
     encoding: Encoding | None = None,
     replica: torch.Tensor | None = None,
+    into: Callable[[int, int, int], Any] | None = None,
 ) -> list[ServerBatch]:
     """Packs one request per server for a routed batch.
 
@@ -229,30 +237,85 @@ def pack_dispatch(
     ``x.dtype``); ``replica`` as in :meth:`ExpertMap.resolve`. Returns the batches of the servers
     that got at least one token, in increasing server order, all tensors contiguous on
     ``x.device``. Inputs are not modified.
+
+    ``into(server, num_tokens, topk)`` may return an object with contiguous ``activations``
+    [n, H] (wire dtype), ``scales`` [n, S] (or None), ``expert_ids`` [n, K] int32 and
+    ``scores`` [n, K] f32 to pack that server's request into (every element is written); the
+    batch then holds those tensors and ``in_place`` is set. Returning None packs into new
+    tensors, as without ``into``.
     """
     enc = _check_dispatch_args(x, topk_ids, topk_weights, expert_map, encoding, replica)
-    server, local = expert_map.resolve(topk_ids, replica)
     if enc in QUANTIZED_ENCODINGS:
         wire, scales = quantize(x, enc)
     else:
         wire, scales = x.to(encoding_dtype(enc)), None
-    weights = topk_weights.float()
+    k = int(topk_ids.shape[1])
     batches = []
+    for s, rows, ids, sc in _route(topk_ids, topk_weights, expert_map, replica):
+        dst = into(s, int(rows.numel()), k) if into is not None else None
+        if dst is None:
+            act = wire.index_select(0, rows)
+            sca = None if scales is None else scales.index_select(0, rows)
+            ids, sc = ids.contiguous(), sc.contiguous()
+        else:
+            # The gather writes the slot directly: the request's one copy of its activations.
+            act = torch.index_select(wire, 0, rows, out=dst.activations)
+            sca = None if scales is None else torch.index_select(scales, 0, rows, out=dst.scales)
+            ids, sc = dst.expert_ids.copy_(ids), dst.scores.copy_(sc)
+        batches.append(ServerBatch(s, act, sca, ids, sc, rows, in_place=dst is not None))
+    return batches
+
+
+def _route(topk_ids, topk_weights, expert_map: ExpertMap, replica):
+    """(server, rows, expert_ids, scores) of every server that got a token, in server order."""
+    weights = topk_weights.float()
+    native = _native_router()
+    if native is not None and topk_ids.device.type == "cpu":
+        return _route_native(native, topk_ids, weights, expert_map, replica)
+    server, local = expert_map.resolve(topk_ids, replica)
+    out = []
     for s in torch.unique(server[server >= 0]).tolist():
         mine = server == s
         rows = torch.nonzero(mine.any(dim=1)).squeeze(1)
         mine_rows = mine.index_select(0, rows)
-        batches.append(
-            ServerBatch(
-                server=s,
-                activations=wire.index_select(0, rows),
-                scales=None if scales is None else scales.index_select(0, rows),
-                expert_ids=torch.where(mine_rows, local.index_select(0, rows), NO_EXPERT).int(),
-                scores=torch.where(mine_rows, weights.index_select(0, rows), 0.0),
-                token_index=rows,
-            )
-        )
-    return batches
+        ids = torch.where(mine_rows, local.index_select(0, rows), NO_EXPERT).int()
+        sc = torch.where(mine_rows, weights.index_select(0, rows), 0.0)
+        out.append((s, rows, ids, sc))
+    return out
+
+
+def _native_router():
+    """moecomm._C.route_dispatch, or None in a source checkout without the built extension."""
+    try:
+        from moecomm import _C
+    except ImportError:
+        return None
+    return getattr(_C, "route_dispatch", None)
+
+
+def _route_native(native, topk_ids, weights, expert_map: ExpertMap, replica):
+    """_route in one native pass (csrc/kernels/cpu/dispatch_route.h); the same results."""
+    t, k = topk_ids.shape
+    ids64 = topk_ids.to(torch.int64).contiguous()
+    weights = weights.contiguous()
+    counts, offsets, servers, locals_ = expert_map.tables(topk_ids.device)
+    rule, rep = 0, None
+    if replica is not None:
+        rule, rep = (1 if replica.dim() == 1 else 2), replica.to(torch.int64).contiguous()
+    n_srv = expert_map.num_servers
+    per_server = torch.empty(n_srv, dtype=torch.int64)
+    rows = torch.empty(n_srv, t, dtype=torch.int64)
+    ids = torch.empty(n_srv, t, k, dtype=torch.int32)
+    scores = torch.empty(n_srv, t, k, dtype=torch.float32)
+    native(
+        t, k, ids64.data_ptr(), weights.data_ptr(), expert_map.num_experts, counts.data_ptr(),
+        offsets.data_ptr(), servers.data_ptr(), locals_.data_ptr(), rule,
+        0 if rep is None else rep.data_ptr(), n_srv, per_server.data_ptr(), rows.data_ptr(),
+        ids.data_ptr(), scores.data_ptr(),
+    )  # fmt: skip
+    return [
+        (s, rows[s, :n], ids[s, :n], scores[s, :n]) for s, n in enumerate(per_server.tolist()) if n
+    ]
 
 
 def pack_dispatch_reference(

@@ -256,31 +256,43 @@ class AttentionClient:
 
     def _send(self, slot: int, layer_id: int, x, topk_ids, topk_weights, emap) -> tuple:
         replica = self._replicas(emap, layer_id)
+
+        def into(server: int, n: int, k: int):
+            # Zero copy: a server whose slots this process maps gets its request packed in place.
+            ch = self.channels[server]
+            return ch.request_views(slot, n, k, self.encoding) if ch is not None else None
+
         batches = pack_dispatch(
-            x, topk_ids, topk_weights, emap, encoding=self.encoding, replica=replica
+            x, topk_ids, topk_weights, emap, encoding=self.encoding, replica=replica, into=into
         )
         sent = []
         for b in batches:
             ch = self.channels[b.server]
+            n, k = b.num_tokens, int(b.expert_ids.shape[1])
+            # Read before the commit: from then on an in-place batch's arrays are the server's.
+            pairs = b.expert_ids >= 0
             try:
-                seq = ch.send(
-                    slot,
-                    b.activations,
-                    b.expert_ids,
-                    b.scores,
-                    layer_id=layer_id,
-                    scales=b.scales,
-                    wake=False,
-                )
+                if b.in_place:
+                    seq = ch.commit(slot, n, k, layer_id, self.encoding, wake=False)
+                else:
+                    seq = ch.send(
+                        slot,
+                        b.activations,
+                        b.expert_ids,
+                        b.scores,
+                        layer_id=layer_id,
+                        scales=b.scales,
+                        wake=False,
+                    )
             except (PeerLostError, TimeoutError) as exc:  # the server is gone or stopped
                 lost = type(exc)(f"server {self.urls[b.server]} layer {layer_id}: {exc}")
                 self.outstanding[b.server] += b.num_tokens
-                sent.append(Sent(b.server, -1, b.token_index, b.expert_ids >= 0, lost))
+                sent.append(Sent(b.server, -1, b.token_index, pairs, lost))
                 continue
             except MoecommError as exc:
                 raise type(exc)(f"server {self.urls[b.server]} layer {layer_id}: {exc}") from exc
             self.outstanding[b.server] += b.num_tokens
-            sent.append(Sent(b.server, seq, b.token_index, b.expert_ids >= 0))
+            sent.append(Sent(b.server, seq, b.token_index, pairs))
         # Wake the servers only once every request is written: a woken server can preempt us
         # on a busy core, and the next server would then start late.
         for s in sent:
