@@ -145,15 +145,13 @@ bool detect_avx2() {
 
 const bool kHasAvx2 = detect_avx2();
 
-// One expert: h = x @ w13^T into scratch [rows, 2I]; gate = silu(gate) * up in place; then
+// One expert: h = x @ w13^T into h [rows, 2I]; gate = silu(gate) * up in place; then
 // out = (gate @ w2^T) * score.
-void run_expert(const ExpertMlpArgs& a, int32_t e, std::vector<float>& scratch) {
+void run_expert(const ExpertMlpArgs& a, int32_t e, float* h) {
   const int64_t begin = a.row_begin[e];
   const int64_t rows = a.row_count[e];
   if (rows <= 0) return;
   const int64_t two_i = 2 * a.inter;
-  scratch.resize(static_cast<size_t>(rows * two_i));
-  float* h = scratch.data();
   const float* w13 = a.w13 + e * two_i * a.hidden;
   const float* w2 = a.w2 + e * a.hidden * a.inter;
   const float* x = a.x + begin * a.ldx;
@@ -206,10 +204,29 @@ void expert_mlp_f32(const ExpertMlpArgs& a, int threads) {
   }
   // A failure on a helper thread (scratch allocation) must reach the caller, not terminate.
   std::vector<std::exception_ptr> errors(t_count);
-  auto work = [&a, &plan, &errors](int t) {
+  // Thread t's part of a caller-owned scratch: room for its largest expert.
+  const int64_t two_i = 2 * a.inter;
+  std::vector<int64_t> part(t_count + 1, 0);
+  for (int t = 0; t < t_count; ++t) {
+    int64_t most = 0;
+    for (int32_t e : plan[t]) most = std::max(most, a.row_count[e]);
+    part[t + 1] = part[t] + most * two_i;
+  }
+  MC_CHECK(a.scratch == nullptr || part[t_count] <= a.scratch_floats, "expert_mlp: scratch holds ",
+           a.scratch_floats, " floats, the call needs ", part[t_count]);
+  auto work = [&a, &plan, &errors, &part, two_i](int t) {
     try {
-      std::vector<float> scratch;
-      for (int32_t e : plan[t]) run_expert(a, e, scratch);
+      std::vector<float> own;  // only without a caller-owned scratch
+      for (int32_t e : plan[t]) {
+        float* h = nullptr;
+        if (a.scratch != nullptr) {
+          h = a.scratch + part[t];
+        } else {
+          own.resize(static_cast<size_t>(std::max<int64_t>(a.row_count[e], 0) * two_i));
+          h = own.data();
+        }
+        run_expert(a, e, h);
+      }
     } catch (...) {
       errors[t] = std::current_exception();
     }
@@ -221,6 +238,46 @@ void expert_mlp_f32(const ExpertMlpArgs& a, int threads) {
   for (const auto& err : errors) {
     if (err) std::rethrow_exception(err);
   }
+}
+
+int64_t expert_layout(const ExpertLayoutArgs& a, int64_t* num_active) {
+  MC_CHECK(a.topk >= 1, "expert_layout: expected topk >= 1, got ", a.topk);
+  MC_CHECK(a.num_experts >= 1, "expert_layout: expected num_experts >= 1, got ", a.num_experts);
+  const int64_t num_experts = a.num_experts;
+  std::fill(a.counts, a.counts + num_experts, 0);
+  for (int64_t j = 0; j < a.num_copies; ++j) {
+    const int32_t e = a.ids[j];
+    MC_CHECK(e >= -1 && e < num_experts, "expert_layout: expected ids in [-1, ", num_experts,
+             "), got ", e, " at copy ", j);
+    if (e >= 0) ++a.counts[e];
+  }
+  int64_t active = 0;
+  a.offsets[0] = 0;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    a.offsets[e + 1] = a.offsets[e] + a.counts[e];
+    a.cursor[e] = a.offsets[e];
+    if (a.counts[e] > 0) a.active[active++] = static_cast<int32_t>(e);
+  }
+  // One pass in flat order: the batch of the current token only moves forward.
+  int64_t batch = 0;
+  for (int64_t j = 0; j < a.num_copies; ++j) {
+    const int32_t e = a.ids[j];
+    if (e < 0) {
+      a.slot_of[j] = -1;
+      continue;
+    }
+    const int64_t token = j / a.topk;
+    while (batch + 1 < a.num_batches && token >= a.batch_offsets[batch + 1]) ++batch;
+    const int64_t row = a.cursor[e]++;
+    a.slot_of[j] = row;
+    a.src_token[row] = token;
+    a.src_batch[row] = static_cast<int32_t>(batch);
+    a.src_row[row] = static_cast<int32_t>(token - a.batch_offsets[batch]);
+    a.src_k[row] = static_cast<int32_t>(j - token * a.topk);
+    a.row_scores[row] = a.scores[j];
+  }
+  *num_active = active;
+  return a.offsets[num_experts];
 }
 
 }  // namespace moecomm::kernels::cpu

@@ -32,11 +32,43 @@ struct ExpertMlpArgs {
   int64_t ldo;
   int64_t hidden;
   int64_t inter;
+  // Caller-owned room for the [rows, 2*inter] gate|up product of every expert (a warm
+  // workspace: no allocation per call), or nullptr to allocate it per call. Threads take
+  // disjoint parts; 2*inter * (rows of the listed experts) floats always suffice.
+  float* scratch = nullptr;
+  int64_t scratch_floats = 0;
 };
 
 // out[rows of e] = scores · w2[e] @ (silu(w1[e] @ x) ⊙ (w3[e] @ x)) for every listed expert.
 // Experts are split over `threads` threads (1 = the calling thread only).
 void expert_mlp_f32(const ExpertMlpArgs& args, int threads);
+
+// The per-expert layout of a server step's token copies (EaaS Algorithm 1), a stable counting
+// sort: copy j of the flat (batch, row, k) list with ids[j] = e >= 0 becomes layout row
+// offsets[e] + (copies of e before j). Every output is caller-owned; nothing is allocated.
+struct ExpertLayoutArgs {
+  const int32_t* ids;            // [num_copies] local expert id or -1
+  const float* scores;           // [num_copies] router score of each copy
+  int64_t num_copies;            // tokens * topk
+  int64_t topk;                  // >= 1
+  const int64_t* batch_offsets;  // [num_batches + 1], first token of each batch
+  int64_t num_batches;
+  int64_t num_experts;
+  int32_t* counts;     // [E] copies per expert
+  int64_t* offsets;    // [E + 1] exclusive prefix sum of counts
+  int64_t* cursor;     // [E] scratch
+  int32_t* active;     // [E] experts with copies, ascending (first *num_active valid)
+  int64_t* src_token;  // [num_copies] per layout row (first N valid)
+  int32_t* src_batch;  // [num_copies]
+  int32_t* src_row;    // [num_copies]
+  int32_t* src_k;      // [num_copies]
+  float* row_scores;   // [num_copies]
+  int64_t* slot_of;    // [num_copies] layout row of each copy, or -1
+};
+
+// Fills the layout; returns N, the rows routed here, and the active-expert count in num_active.
+// Throws on an id outside [-1, E).
+int64_t expert_layout(const ExpertLayoutArgs& args, int64_t* num_active);
 
 // True when the AVX2+FMA kernels run on this CPU (otherwise the portable loop does).
 bool expert_mlp_has_avx2();

@@ -22,11 +22,13 @@ from moecomm.ops.quant import (
 )
 from moecomm.ops.reorg import ExpertLayout, combine_rows, gather_tokens, reorganize
 from moecomm.ops.triton_quant import triton_quantize
+from moecomm.ops.workspace import ExpertWorkspace
 
 __all__ = [
     "DEFAULT_BLOCK_M",
     "ExpertLayout",
     "ExpertMap",
+    "ExpertWorkspace",
     "ServerBatch",
     "ShrunkGroups",
     "combine",

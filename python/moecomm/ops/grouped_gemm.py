@@ -31,6 +31,7 @@ use torch GEMMs per active expert, whose results depend on the number of rows.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -162,12 +163,11 @@ def _check_contiguous_args(x, offsets, w13, w2, scores) -> tuple[int, int]:
     check_tensor("offsets", offsets, dtypes=_INT_DTYPES, dim=1, device=x.device)
     if offsets.shape[0] != num_experts + 1:
         raise ValueError(f"offsets: expected shape [{num_experts + 1}], got {list(offsets.shape)}")
-    if int(offsets[0]) != 0 or int(offsets[-1]) != x.shape[0]:
-        raise ValueError(
-            f"offsets: expected to run from 0 to N={x.shape[0]}, "
-            f"got {int(offsets[0])}..{int(offsets[-1])}"
-        )
-    if num_experts and bool((offsets[1:] < offsets[:-1]).any()):
+    offs = offsets.tolist()  # E + 1 ints: checked in Python without allocating a tensor
+    if offs[0] != 0 or offs[-1] != x.shape[0]:
+        raise ValueError(f"offsets: expected to run from 0 to N={x.shape[0]}, "
+                         f"got {offs[0]}..{offs[-1]}")  # fmt: skip
+    if any(b < a for a, b in itertools.pairwise(offs)):
         raise ValueError("offsets: expected a non-decreasing prefix sum, got a decrease")
     _check_scores(scores, [x.shape[0]], x.device)
     return num_experts, inter
@@ -223,15 +223,18 @@ def _mlp_into(
     w2_e: torch.Tensor,
     inter: int,
     scores: torch.Tensor | None,
+    h: torch.Tensor | None = None,
 ) -> None:
-    """Fast path of one group: one GEMM for gate and up, in-place SiLU·mul, one GEMM into out."""
-    h = torch.mm(x, w13_e.t())
+    """Fast path of one group: one GEMM for gate and up, in-place SiLU·mul, one GEMM into out.
+    ``h`` is optional room for the ``[rows, 2I]`` gate|up product; ``scores`` already in
+    out's dtype or f32."""
+    h = torch.mm(x, w13_e.t()) if h is None else torch.mm(x, w13_e.t(), out=h)
     gate = h[:, :inter]
     F.silu(gate, inplace=True)
     gate.mul_(h[:, inter:])
     torch.mm(gate, w2_e.t(), out=out)
     if scores is not None:
-        out.mul_(scores[:, None].to(out.dtype))
+        out.mul_(scores[:, None] if scores.dtype == out.dtype else scores[:, None].to(out.dtype))
 
 
 def _visit_list(groups: ShrunkGroups | None, counts: torch.Tensor, num_experts: int) -> list[int]:
@@ -275,16 +278,21 @@ def _split_native(visit: list[int], rows: list[int], native_ok: bool) -> tuple[l
     return small, large
 
 
-def _run_native(x2d, row_begin, row_count, experts, w13, w2, scores, out2d) -> None:
-    """Runs the listed experts in moecomm._C; every tensor stays referenced across the call."""
-    ex = torch.tensor(experts, dtype=torch.int32)
+def _run_native(
+    x2d, row_begin, row_count, experts, w13, w2, scores, out2d, scratch=None, ex=None
+) -> None:
+    """Runs the listed experts in moecomm._C; every tensor stays referenced across the call.
+    ``scratch`` (f32, contiguous) holds the gate|up products; ``ex`` is ``experts`` as an int32
+    tensor already (both allocated here when omitted)."""
+    ex = torch.tensor(experts, dtype=torch.int32) if ex is None else ex
     begin = row_begin.to(torch.int64).contiguous()
     count = row_count.to(torch.int64).contiguous()
     _native_module().expert_mlp_f32(
         x2d.data_ptr(), x2d.stride(0), begin.data_ptr(), count.data_ptr(), ex.data_ptr(),
         len(experts), w13.data_ptr(), w2.data_ptr(), 0 if scores is None else scores.data_ptr(),
         out2d.data_ptr(), out2d.stride(0), out2d.shape[1], w2.shape[2],
-        torch.get_num_threads(),
+        torch.get_num_threads(), 0 if scratch is None else scratch.data_ptr(),
+        0 if scratch is None else scratch.numel(),
     )  # fmt: skip
 
 
@@ -296,6 +304,8 @@ def grouped_mlp_contiguous(
     scores: torch.Tensor | None = None,
     *,
     groups: ShrunkGroups | None = None,
+    out: torch.Tensor | None = None,
+    workspace=None,
 ) -> torch.Tensor:
     """Grouped expert MLP over rows sorted by expert: ``out[i] = scores[i] · mlp_e(x[i])``.
 
@@ -307,24 +317,32 @@ def grouped_mlp_contiguous(
         scores: optional ``[N]`` float32 router scores; omitted means 1.
         groups: the experts to visit (default: :func:`group_shrink` of the counts); rows of
             experts not visited come out zero.
+        out: optional ``[N, H]`` tensor of x's dtype with unit column stride to write into.
+        workspace: optional :class:`~moecomm.ops.workspace.ExpertWorkspace` for the gate|up
+            products and the per-call index tensors (no allocation proportional to N or H).
 
     Returns:
-        ``[N, H]`` in x's dtype.
+        ``[N, H]`` in x's dtype (``out`` when given).
     """
-    num_experts, inter = _check_contiguous_args(x, offsets, w13, w2, scores)
-    out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
-    offs = offsets.tolist()
-    counts = offsets[1:] - offsets[:-1]
-    visit = _visit_list(groups, counts, num_experts)
-    rows = [offs[e + 1] - offs[e] for e in range(num_experts)]
-    small, large = _split_native(visit, rows, _native_ok(x, w13, w2, scores))
-    if small:
-        _run_native(x, offsets[:-1], counts, small, w13, w2, scores, out)
-    for e in large:
-        s, t = offs[e], offs[e + 1]
-        sc = None if scores is None else scores[s:t]
-        _mlp_into(out[s:t], x[s:t], w13[e], w2[e], inter, sc)
-    return out
+    if out is None and workspace is None:
+        num_experts, inter = _check_contiguous_args(x, offsets, w13, w2, scores)
+        out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+        offs = offsets.tolist()
+        counts = offsets[1:] - offsets[:-1]
+        visit = _visit_list(groups, counts, num_experts)
+        rows = [offs[e + 1] - offs[e] for e in range(num_experts)]
+        small, large = _split_native(visit, rows, _native_ok(x, w13, w2, scores))
+        if small:
+            _run_native(x, offsets[:-1], counts, small, w13, w2, scores, out)
+        for e in large:
+            s, t = offs[e], offs[e + 1]
+            sc = None if scores is None else scores[s:t]
+            _mlp_into(out[s:t], x[s:t], w13[e], w2[e], inter, sc)
+        return out
+    # Imported here: the workspace path builds on this module's kernels.
+    from moecomm.ops.workspace import grouped_mlp_into
+
+    return grouped_mlp_into(x, offsets, w13, w2, scores, groups=groups, out=out, ws=workspace)
 
 
 def grouped_mlp_masked(
@@ -381,6 +399,9 @@ def expert_forward(
     scores: Sequence[torch.Tensor],
     w13: torch.Tensor,
     w2: torch.Tensor,
+    *,
+    workspace=None,
+    out: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """One expert-server step over several client batches (CPU fast path; works on any device).
 
@@ -393,12 +414,23 @@ def expert_forward(
         scores: one ``[n_b, K]`` float32 tensor per batch.
         w13: ``[E, 2I, H]`` gate|up weights, dtype of the activations.
         w2: ``[E, H, I]`` down weights.
+        workspace: optional :class:`~moecomm.ops.workspace.ExpertWorkspace`: every buffer of
+            the step comes from it (grown if the step is larger), so a warm step allocates no
+            storage proportional to tokens or H. Same bits as without it.
+        out: optional caller-owned ``[n_b, H]`` float tensors (f32/bf16/f16, unit column
+            stride; may be memory of another process): y_b is written into ``out[b]``.
 
     Returns:
-        One ``[n_b, H]`` tensor per batch: ``Σ_k score · expert_k(x)`` over this server's experts.
+        One ``[n_b, H]`` tensor per batch: ``Σ_k score · expert_k(x)`` over this server's
+        experts — ``out`` when given; with a workspace and no ``out``, views of the workspace
+        valid until its next step.
     """
     check_tensor("w13", w13, dtypes=_FLOAT_DTYPES, dim=3)
-    layout = reorganize(ids, scores, int(w13.shape[0]))
-    x_rows = gather_tokens(xs, layout)
-    rows = grouped_mlp_contiguous(x_rows, layout.offsets, w13, w2, layout.scores)
-    return combine_rows(rows, layout)
+    if workspace is None and out is None:
+        layout = reorganize(ids, scores, int(w13.shape[0]))
+        x_rows = gather_tokens(xs, layout)
+        rows = grouped_mlp_contiguous(x_rows, layout.offsets, w13, w2, layout.scores)
+        return combine_rows(rows, layout)
+    from moecomm.ops.workspace import expert_forward_into  # see grouped_mlp_contiguous
+
+    return expert_forward_into(xs, ids, scores, w13, w2, ws=workspace, out=out)

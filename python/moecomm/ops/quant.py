@@ -164,15 +164,27 @@ def dequantize(
     scales: torch.Tensor,
     encoding: Encoding,
     dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x̂ = q · s`` computed in f32, then cast to ``dtype`` (bf16/fp16/f32).
 
     ``q`` [T, H] in the wire dtype of ``encoding``; ``scales`` [T, S] f32 as returned by
     :func:`quantize`. The bounds of the module docstring hold for ``dtype=torch.float32``; a
     narrower ``dtype`` adds its own rounding (half an ulp of bf16/fp16).
+
+    ``out`` (optional, ``[T, H]`` of ``dtype``, unit column stride, e.g. a view of
+    :meth:`moecomm.ops.ExpertWorkspace.token_views`) receives the result, bit-identical to the
+    returned tensor without it. An f32 ``out`` is filled in place (the exact widening of q, then
+    one f32 multiply per element, as without ``out``) with no allocation; a bf16/fp16 ``out``
+    still goes through one f32 temporary.
     """
     enc = _check_quantized_pair(q, scales, encoding, dtype)
     t, h = q.shape
+    if out is not None:
+        _check_out(out, (t, h), dtype, q.device)
+        if dtype == torch.float32:
+            return _dequantize_into(out, q, scales, enc)
+        return out.copy_(_dequantize_into(torch.empty(t, h, device=q.device), q, scales, enc))
     qf = q.float()
     if enc == Encoding.FP8_E4M3_B128:
         qb = _blocked(qf)
@@ -180,6 +192,34 @@ def dequantize(
     else:
         out = qf * scales
     return out.to(dtype).contiguous()
+
+
+def _check_out(out: object, shape: tuple[int, int], dtype: torch.dtype, device) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if out.dtype != dtype or tuple(out.shape) != shape or out.device != device:
+        raise ValueError(
+            f"out must be {dtype} of shape {shape} on {device}, "
+            f"got {out.dtype} {tuple(out.shape)} on {out.device}"
+        )
+    if shape[0] and out.stride(1) != 1:
+        raise ValueError(f"out must have unit column stride, got strides {out.stride()}")
+
+
+def _dequantize_into(out: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, enc) -> torch.Tensor:
+    """out (f32) = q · s: the exact widening of q into out, then one in-place f32 multiply per
+    element by its token's (block's) scale — the same single rounding as ``q.float() * s``."""
+    t, h = q.shape
+    out.copy_(q)
+    if enc != Encoding.FP8_E4M3_B128:
+        return out.mul_(scales)
+    full = h // SCALE_BLOCK
+    if full:
+        # Whole 128-channel blocks as [T, blocks, 128] (a view: unit column stride).
+        out[:, : full * SCALE_BLOCK].view(t, full, SCALE_BLOCK).mul_(scales[:, :full, None])
+    if h % SCALE_BLOCK:
+        out[:, full * SCALE_BLOCK :].mul_(scales[:, full:])
+    return out
 
 
 def _check_quantized_pair(q: object, scales: object, encoding: object, dtype: object) -> Encoding:

@@ -18,6 +18,7 @@ flat list of copies, never the batches one by one.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -77,7 +78,9 @@ class ExpertLayout:
 
     @property
     def batch_sizes(self) -> list[int]:
-        return (self.batch_offsets[1:] - self.batch_offsets[:-1]).tolist()
+        # From a list: no tensor is allocated (the warm step calls this a few times).
+        bo = self.batch_offsets.tolist()
+        return [b - a for a, b in itertools.pairwise(bo)]
 
 
 def _batch_offsets(sizes: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -130,7 +133,10 @@ def reorganize_reference(
 
 
 def reorganize(
-    ids: Sequence[torch.Tensor], scores: Sequence[torch.Tensor], num_experts: int
+    ids: Sequence[torch.Tensor],
+    scores: Sequence[torch.Tensor],
+    num_experts: int,
+    workspace=None,
 ) -> ExpertLayout:
     """Per-expert layout of the token copies of several client batches (torch, any device).
 
@@ -138,6 +144,9 @@ def reorganize(
         ids: one ``[n_b, K]`` int32 tensor per batch: local expert index in ``[0, E)`` or -1.
         scores: one ``[n_b, K]`` float32 tensor per batch: router score of each copy.
         num_experts: E, experts hosted by this server.
+        workspace: optional :class:`~moecomm.ops.workspace.ExpertWorkspace`: the layout is
+            built there by the native counting sort (same layout, bit for bit) and its tensors
+            are views of the workspace, valid until its next step.
 
     Returns:
         The :class:`ExpertLayout`; rows of one expert keep the flat (batch, row, k) order.
@@ -145,6 +154,8 @@ def reorganize(
     Raises:
         TypeError / ValueError: on a wrong dtype, shape, device or an id outside ``[-1, E)``.
     """
+    if workspace is not None:
+        return workspace.layout(ids, scores, num_experts)
     topk, device = check_batches(ids, scores, num_experts)
     sizes = [int(i.shape[0]) for i in ids]
     batch_offsets = _batch_offsets(sizes, device)
@@ -205,15 +216,58 @@ def _check_xs(xs: Sequence[torch.Tensor], layout: ExpertLayout) -> torch.dtype:
     return dtype
 
 
-def gather_tokens(xs: Sequence[torch.Tensor], layout: ExpertLayout) -> torch.Tensor:
+def _tokens_of(xs: Sequence[torch.Tensor], workspace) -> torch.Tensor:
+    """All batches' activations as one ``[T, H]`` tensor, copying only when it must.
+
+    No copy when one batch holds every token, or when the batches are consecutive rows of one
+    buffer (e.g. :meth:`ExpertWorkspace.token_views`, dequantized in place); else they are
+    concatenated into the workspace (or a new tensor without one)."""
+    full = [x for x in xs if x.shape[0]]
+    if len(full) <= 1:
+        # Empty batches own no token, so the single non-empty one starts at global token 0.
+        return full[0] if full else xs[0]
+    first, hidden = full[0], full[0].shape[1]
+    if all(x.is_contiguous() for x in full):
+        step = first.element_size() * hidden
+        nxt, chained = first.data_ptr(), True
+        for x in full:
+            chained = chained and x.data_ptr() == nxt
+            nxt = x.data_ptr() + x.shape[0] * step
+        if chained and all(x.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                           for x in full):  # fmt: skip
+            return first.as_strided((sum(x.shape[0] for x in full), hidden), (hidden, 1))
+    if workspace is None:
+        return torch.cat(list(xs))
+    total = sum(x.shape[0] for x in xs)
+    workspace.ensure(tokens=total, hidden=hidden, dtype=first.dtype)
+    return torch.cat(list(xs), out=workspace.buffer("tokens", total))
+
+
+def gather_tokens(
+    xs: Sequence[torch.Tensor], layout: ExpertLayout, out: torch.Tensor | None = None, *,
+    workspace=None,
+) -> torch.Tensor:  # fmt: skip
     """Activations in layout order: ``out[i] = xs[src_batch[i]][src_row[i]]``, shape ``[N, H]``.
 
-    Pure data movement: the result is bit-identical to indexing the inputs."""
-    _check_xs(xs, layout)
+    Pure data movement: the result is bit-identical to indexing the inputs. ``out`` (``[N, H]``,
+    the activations' dtype) receives the rows; ``workspace`` holds the concatenation of several
+    batches when they are not already consecutive rows of one buffer."""
+    dtype = _check_xs(xs, layout)
     if not xs:
         raise ValueError("expected at least one batch to take the hidden size from, got none")
-    x_all = xs[0] if len(xs) == 1 else torch.cat(list(xs))
-    return x_all.index_select(0, layout.src_token)
+    if out is None and workspace is None:
+        x_all = xs[0] if len(xs) == 1 else torch.cat(list(xs))
+        return x_all.index_select(0, layout.src_token)
+    x_all = _tokens_of(xs, workspace)
+    if out is None:
+        return x_all.index_select(0, layout.src_token)
+    want = [layout.num_rows, xs[0].shape[1]]
+    if not isinstance(out, torch.Tensor) or list(out.shape) != want or out.dtype != dtype:
+        raise ValueError(
+            f"out: expected a {dtype} tensor of shape {want}, got "
+            f"{getattr(out, 'dtype', type(out).__name__)} {list(getattr(out, 'shape', []))}"
+        )
+    return torch.index_select(x_all, 0, layout.src_token, out=out)
 
 
 def combine_rows_reference(rows: torch.Tensor, layout: ExpertLayout) -> list[torch.Tensor]:
@@ -227,16 +281,40 @@ def combine_rows_reference(rows: torch.Tensor, layout: ExpertLayout) -> list[tor
     return list(out.to(rows.dtype).split(layout.batch_sizes))
 
 
-def combine_rows(rows: torch.Tensor, layout: ExpertLayout) -> list[torch.Tensor]:
+def _check_out(out, layout: ExpertLayout, hidden: int, device: torch.device) -> None:
+    sizes = layout.batch_sizes
+    if isinstance(out, torch.Tensor) or len(out) != len(sizes):
+        got = f"{type(out).__name__} of {len(out)}"
+        raise ValueError(f"out: expected a list of {len(sizes)} per-batch tensors, got {got}")
+    for b, (o, n) in enumerate(zip(out, sizes, strict=True)):
+        if not isinstance(o, torch.Tensor) or not o.is_floating_point():
+            raise TypeError(f"out[{b}]: expected a floating torch.Tensor, got {type(o).__name__}")
+        if list(o.shape) != [n, hidden] or o.device != device:
+            raise ValueError(
+                f"out[{b}]: expected shape [{n}, {hidden}] on {device}, "
+                f"got {list(o.shape)} on {o.device}"
+            )
+
+
+def combine_rows(
+    rows: torch.Tensor, layout: ExpertLayout, out: Sequence[torch.Tensor] | None = None, *,
+    workspace=None,
+) -> list[torch.Tensor]:  # fmt: skip
     """The server's half of combine: sums the score-weighted expert outputs of each token.
 
     Args:
         rows: ``[N, H]`` float, one expert output per layout row (already times its score).
         layout: the layout ``rows`` follows.
+        out: optional caller-owned ``[n_b, H]`` float tensors (any float dtype, any row stride,
+            possibly memory of another process): y_b is written into ``out[b]`` and ``out`` is
+            returned. ``out[b]`` holds the result without ``out``, converted to its dtype.
+        workspace: optional :class:`~moecomm.ops.workspace.ExpertWorkspace` holding the
+            accumulator; without ``out`` the result is then views of the workspace, valid until
+            its next step.
 
     Returns:
-        One ``[n_b, H]`` tensor per batch (views of one buffer); tokens with no copy on this
-        server are zero.
+        One ``[n_b, H]`` tensor per batch (views of one buffer, or ``out``); tokens with no copy
+        on this server are zero.
     """
     if not isinstance(rows, torch.Tensor) or not rows.is_floating_point():
         raise TypeError(
@@ -244,9 +322,32 @@ def combine_rows(rows: torch.Tensor, layout: ExpertLayout) -> list[torch.Tensor]
         )
     if rows.dim() != 2 or rows.shape[0] != layout.num_rows:
         raise ValueError(f"rows: expected shape [{layout.num_rows}, H], got {list(rows.shape)}")
+    if out is not None:
+        _check_out(out, layout, rows.shape[1], rows.device)
     # Half-precision rows are summed in float32, like the reference and the Triton kernel.
     acc_dtype = torch.float32 if rows.dtype in (torch.float16, torch.bfloat16) else rows.dtype
-    out = torch.zeros(layout.num_tokens, rows.shape[1], dtype=acc_dtype, device=rows.device)
+    tokens, hidden = layout.num_tokens, rows.shape[1]
+    if workspace is None or acc_dtype != torch.float32:
+        acc = torch.zeros(tokens, hidden, dtype=acc_dtype, device=rows.device)
+        wide = rows.to(acc_dtype)
+    else:
+        workspace.ensure(tokens=tokens, rows=rows.shape[0], hidden=hidden, dtype=rows.dtype)
+        acc = workspace.buffer("acc", tokens).zero_()
+        wide = rows
+        if rows.dtype != acc_dtype:
+            wide = workspace.buffer("rows_f32", rows.shape[0]).copy_(rows)
     # index_add_ on the CPU adds rows in layout order, so the result is deterministic.
-    out.index_add_(0, layout.src_token, rows.to(acc_dtype))
-    return list(out.to(rows.dtype).split(layout.batch_sizes))
+    acc.index_add_(0, layout.src_token, wide)
+    # The result is the sum rounded to rows' dtype (as without out); out[b] receives that,
+    # converted — straight from the accumulator when out has rows' dtype (the same one rounding).
+    if acc.dtype != rows.dtype and (out is None or any(o.dtype != rows.dtype for o in out)):
+        acc = (
+            acc.to(rows.dtype)
+            if workspace is None
+            else workspace.buffer("result", tokens).copy_(acc)
+        )
+    if out is None:
+        return list(acc.split(layout.batch_sizes))
+    for o, part in zip(out, acc.split(layout.batch_sizes), strict=True):
+        o.copy_(part)
+    return out

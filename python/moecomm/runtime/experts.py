@@ -129,13 +129,30 @@ class LayerExperts:
         slots[local] = -1
         return LayerExperts(self.layer_id, experts, slots)
 
-    def forward(self, xs, ids, scores) -> list[torch.Tensor]:
+    def forward(self, xs, ids, scores, *, workspace=None, out=None) -> list[torch.Tensor]:
         """Server step for this layer: y_b = Σ_k score · expert_{ids[b]}(x_b), in float32.
-        `ids` are local indices of live experts (or -1); the caller checked them."""
-        xs = [x if x.dtype == self.dtype else x.to(self.dtype) for x in xs]
+        `ids` are local indices of live experts (or -1); the caller checked them.
+
+        ``workspace`` (a :class:`moecomm.ops.ExpertWorkspace`) and ``out`` (caller-owned
+        ``[n_b, H]`` outputs) are passed to :func:`moecomm.ops.expert_forward`; with a workspace
+        the dtype conversion and the local-index remap also go into its buffers, so a warm step
+        allocates nothing proportional to the tokens."""
+        if workspace is None:
+            xs = [x if x.dtype == self.dtype else x.to(self.dtype) for x in xs]
+            if not self.contiguous:
+                ids = [torch.where(i >= 0, self.rows[i.clamp(min=0).long()], -1) for i in ids]
+            return expert_forward(xs, ids, scores, self.w13, self.w2, out=out)
+        if any(x.dtype != self.dtype for x in xs):
+            views = workspace.token_views([x.shape[0] for x in xs], self.dtype)
+            xs = [v.copy_(x) for v, x in zip(views, xs, strict=True)]
         if not self.contiguous:
-            ids = [torch.where(i >= 0, self.rows[i.clamp(min=0).long()], -1) for i in ids]
-        return expert_forward(xs, ids, scores, self.w13, self.w2)
+            # table[i + 1] = storage row of local index i; table[0] = -1 stands for "not here".
+            table = getattr(self, "_row_table", None)
+            if table is None:
+                table = torch.cat([torch.tensor([-1], dtype=torch.int32), self.rows])
+                self._row_table = table
+            ids = workspace.remap_ids(ids, table)
+        return expert_forward(xs, ids, scores, self.w13, self.w2, workspace=workspace, out=out)
 
     def nbytes(self, expert: int | None = None) -> int:
         """Weight bytes of one expert (or of every hosted one)."""
