@@ -46,11 +46,11 @@ class Exploding:
     def __getattr__(self, name):
         return getattr(self.layer, name)
 
-    def forward(self, *args):
+    def forward(self, *args, **kwargs):
         if self.armed:
             self.armed = False
             raise RuntimeError("kernel fault")
-        return self.layer.forward(*args)
+        return self.layer.forward(*args, **kwargs)
 
 
 @pytest.mark.timeout(60)

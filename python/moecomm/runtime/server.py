@@ -21,12 +21,12 @@ import torch
 
 from moecomm import _C
 from moecomm.errors import MoecommError
-from moecomm.ops.quant import dequantize
-from moecomm.protocol import ENCODING_DTYPE, ResponseStatus, SlotLayout
+from moecomm.protocol import ResponseStatus, SlotLayout
 from moecomm.runtime.experts import ExpertWeights, LayerExperts
 from moecomm.runtime.health import LoopHealth, ServerStats
 from moecomm.runtime.registry import ClientRegistry
 from moecomm.runtime.server_placement import ServerPlacement
+from moecomm.runtime.server_step import StepBuffers, answer_layer
 from moecomm.runtime.transports import Doorbells, ShmProbe, TransportSet, boot_id
 from moecomm.runtime.weights import WeightExports
 from moecomm.slots import Request, ServerChannel
@@ -86,6 +86,7 @@ class ExpertServer:
         if len(hidden) != 1:
             raise ValueError(f"hosted layers disagree on the hidden size: {sorted(hidden)}")
         self.hidden = hidden.pop()
+        self.buffers = StepBuffers(self.layers)
         self.transports = TransportSet(transport, host, SERVER_XFER_TIMEOUT_S)
         self.transport = self.transports.primary
         self.batching_window_s = batching_window_s
@@ -182,6 +183,7 @@ class ExpertServer:
             return channel
 
         new = self.clients.admit(client_id, session, make_channel)
+        self.buffers.reserve(layout, num_slots)
         channel = new.channel
         table = self.placement.describe(client_id)
         return {
@@ -302,29 +304,21 @@ class ExpertServer:
 
     def _run_layer(self, layer_id: int, items) -> None:
         layer = self.layers[layer_id]
-        xs, ids, scores = [], [], []
         counts = torch.zeros(layer.num_local, dtype=torch.int64)
-        for _, req in items:
-            x = req.activations
-            if req.scales is not None:
-                x = dequantize(x, req.scales, req.encoding, dtype=torch.float32)
-            xs.append(x)
-            ids.append(req.expert_ids)
-            scores.append(req.scores)
+        for _, req in items:  # the server's own copies of the ids: never the slot
             valid = req.expert_ids[req.expert_ids >= 0].to(torch.int64)
             counts += torch.bincount(valid, minlength=layer.num_local)
-        ys = layer.forward(xs, ids, scores)  # consumes the activation views of the slots
         self.stats.batches += 1
-        for (ch, req), y in zip(items, ys, strict=True):
-            n = req.num_tokens
-            try:
-                ch.respond(req, y.to(ENCODING_DTYPE[ch.layout.out_encoding]))
-            except Exception as exc:  # this answer only; the batch's others go on
-                log.exception("%s: answer to client %d failed", self.server_id, ch.client_id)
-                self._reject(ch, req, int(ResponseStatus.SERVER_ERROR), f"{exc}")
-                continue
+
+        def answered(ch, req) -> None:
             self.stats.requests += 1
-            self.stats.tokens += n
+            self.stats.tokens += req.num_tokens
+
+        def failed(ch, req, exc) -> None:
+            log.exception("%s: answer to client %d failed", self.server_id, ch.client_id)
+            self._reject(ch, req, int(ResponseStatus.SERVER_ERROR), f"{exc}")
+
+        answer_layer(layer, items, self.buffers, answered, failed)
         self.stats.last_served = time.monotonic()
         for local, n in enumerate(counts.tolist()):
             if n:
