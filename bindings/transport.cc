@@ -4,8 +4,9 @@
 
 #include <pybind11/stl.h>
 #include <algorithm>
-
+#include <chrono>
 #include <memory>
+#include <vector>
 
 #include "common/error.h"
 #include "registry.h"
@@ -25,6 +26,13 @@ namespace {
 // enough that other Python threads never notice.
 constexpr int64_t kHeldSpinNs = 2'000;
 
+// Signals and loads of the shm transport are a store or a load (plus at most a futex wake): they
+// never block, so they keep the GIL — releasing and re-taking it would cost more than the call
+// and hand the interpreter to another thread at every signal of a round trip.
+bool never_blocks(Transport& t) {
+  return dynamic_cast<shm::ShmTransport*>(&t) != nullptr;
+}
+
 // Turns a wait outcome into a value or the matching exception.
 uint64_t wait_or_throw(Transport& t, Region& local, uint64_t offset, const WaitPredicate& pred,
                        int64_t timeout_ns, const Region* peer) {
@@ -42,6 +50,32 @@ uint64_t wait_or_throw(Transport& t, Region& local, uint64_t offset, const WaitP
     MC_THROW(ErrorKind::kPeerLost, "peer died while waiting: ", peer->describe());
   }
   return r.value;
+}
+
+// The transport's own round-trip floor, for benchmarks: `iters` signal/wait exchanges on the word
+// at `offset` (the lead signals i and waits for i in its own region; the other side waits for i
+// and answers with i), all in C++ with the GIL released. The lead returns each round trip's ns.
+std::vector<int64_t> ping_pong(Transport& t, Region& local, Region& peer, uint64_t offset,
+                               int64_t iters, bool lead, int64_t timeout_ns) {
+  std::vector<int64_t> out;
+  if (lead) out.reserve(static_cast<size_t>(std::max<int64_t>(iters, 0)));
+  for (int64_t i = 1; i <= iters; ++i) {
+    const auto value = static_cast<uint64_t>(i);
+    const auto t0 = std::chrono::steady_clock::now();
+    if (lead) t.signal(peer, offset, value, SignalOp::kSet);
+    const WaitResult r = t.wait(local, offset, WaitPredicate{WaitOp::kEqual, ~uint64_t{0}, value},
+                                timeout_ns, &peer);
+    MC_CHECK(r.status == WaitStatus::kOk, "ping_pong: no answer to exchange ", i, " within ",
+             timeout_ns, " ns");
+    if (lead) {
+      out.push_back(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                        std::chrono::steady_clock::now() - t0)
+                        .count());
+    } else {
+      t.signal(peer, offset, value, SignalOp::kSet);
+    }
+  }
+  return out;
 }
 
 }  // namespace
@@ -79,8 +113,14 @@ void register_transport(py::module_& m) {
           },
           py::arg("dst"), py::arg("offset"), py::arg("src_address"), py::arg("bytes"),
           py::call_guard<py::gil_scoped_release>())
-      .def("signal", &Transport::signal, py::arg("dst"), py::arg("offset"), py::arg("value"),
-           py::arg("op") = SignalOp::kSet, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "signal",
+          [](Transport& t, Region& dst, uint64_t offset, uint64_t value, SignalOp op) {
+            if (never_blocks(t)) return t.signal(dst, offset, value, op);
+            py::gil_scoped_release release;
+            t.signal(dst, offset, value, op);
+          },
+          py::arg("dst"), py::arg("offset"), py::arg("value"), py::arg("op") = SignalOp::kSet)
       .def(
           "wait",
           [](Transport& t, Region& local, uint64_t offset, WaitOp op, uint64_t value, uint64_t mask,
@@ -97,12 +137,21 @@ void register_transport(py::module_& m) {
           },
           py::arg("region"), py::arg("offset"), py::arg("dst_address"), py::arg("bytes"),
           py::call_guard<py::gil_scoped_release>())
-      .def("load", &Transport::load, py::arg("local"), py::arg("offset"),
-           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "load",
+          [](Transport& t, Region& local, uint64_t offset) {
+            if (never_blocks(t)) return t.load(local, offset);
+            py::gil_scoped_release release;
+            return t.load(local, offset);
+          },
+          py::arg("local"), py::arg("offset"))
       .def("compare_exchange", &Transport::compare_exchange, py::arg("local"), py::arg("offset"),
            py::arg("expected"), py::arg("desired"))
       .def("fence", &Transport::fence, py::call_guard<py::gil_scoped_release>())
       .def("peer_alive", &Transport::peer_alive, py::arg("peer"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("ping_pong", &ping_pong, py::arg("local"), py::arg("peer"), py::arg("offset"),
+           py::arg("iters"), py::arg("lead"), py::arg("timeout_ns"),
            py::call_guard<py::gil_scoped_release>());
 
   py::class_<shm::ShmTransport, Transport, std::shared_ptr<shm::ShmTransport>>(m, "ShmTransport")
