@@ -128,3 +128,27 @@ def test_combine_rejects_bad_arguments():
         combine(p, i, -1)
     with pytest.raises(TypeError, match="dtype must be bfloat16, float16 or float32"):
         combine(p, i, 4, dtype=torch.int8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_combine_into_caller_owned_memory_is_the_same_and_reuses_it(dtype):
+    """out= and acc= give the plain combine's bits, sizes changing every call, the warm
+    accumulator reused dirty (poisoned with NaN) between calls."""
+    acc = torch.full((64, H), float("nan"))
+    for step, t in enumerate([64, 3, 40, 1, 0, 64]):
+        partials, index = make_partials(t, 3, dtype, seed=step)
+        want = combine(partials, index, t, dtype=dtype)
+        out = torch.full((t, H), float("nan"), dtype=dtype)
+        got = combine(partials, index, t, dtype=dtype, out=out, acc=acc)
+        assert got is out and torch.equal(got, want)
+        acc.fill_(float("nan"))
+
+
+def test_combine_refuses_wrong_caller_memory():
+    partials, index = make_partials(4, 2, torch.float32)
+    with pytest.raises(ValueError, match=r"out must be \[4, "):
+        combine(partials, index, 4, out=torch.empty(3, H))
+    with pytest.raises(TypeError, match="out: expected dtype torch.float32"):
+        combine(partials, index, 4, out=torch.empty(4, H, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"acc must hold \[4, "):
+        combine(partials, index, 4, dtype=torch.bfloat16, acc=torch.empty(2, H))

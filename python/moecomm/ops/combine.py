@@ -18,6 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
+from moecomm.ops._checks import check_tensor
+
 __all__ = ["combine", "combine_reference"]
 
 _PARTIAL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -84,6 +86,8 @@ def combine(
     *,
     hidden: int | None = None,
     dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
+    acc: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sums per-server partial results into ``y`` [num_tokens, H].
 
@@ -91,13 +95,31 @@ def combine(
     values in [0, num_tokens). Accumulates in f32 in list order, then casts to ``dtype``
     (default: the promoted dtype of the partials, f32 when there are none; ``hidden`` is then
     required). Deterministic: same inputs, same bits. Inputs are not modified.
+
+    Caller-owned memory: ``out`` [num_tokens, H] of ``dtype`` receives the result (and is
+    returned); ``acc``, an f32 tensor of at least [num_tokens, H], is the accumulator to use
+    (an f32 ``out`` is its own accumulator). With both, an f32 combine allocates nothing.
     """
     h, out_dtype, device = _check_combine_args(partials, token_index, num_tokens, hidden, dtype)
-    acc = torch.zeros(num_tokens, h, dtype=torch.float32, device=device)
+    if out is not None:
+        check_tensor("out", out, dtypes=(out_dtype,), dim=2, device=device)
+        if tuple(out.shape) != (num_tokens, h):
+            raise ValueError(f"out must be [{num_tokens}, {h}], got {list(out.shape)}")
+    if out is not None and out_dtype == torch.float32:
+        acc = out.zero_()
+    elif acc is not None:
+        check_tensor("acc", acc, dtypes=(torch.float32,), dim=2, device=device)
+        if acc.shape[0] < num_tokens or acc.shape[1] != h:
+            raise ValueError(f"acc must hold [{num_tokens}, {h}], got {list(acc.shape)}")
+        acc = acc[:num_tokens].zero_()
+    else:
+        acc = torch.zeros(num_tokens, h, dtype=torch.float32, device=device)
     for p, idx in zip(partials, token_index, strict=True):
         # Rows of one server are distinct tokens, so each index_add_ adds at most once per
         # output row: no order inside a call to worry about, only the order between calls.
-        acc.index_add_(0, idx, p.float())
+        acc.index_add_(0, idx, p if p.dtype == torch.float32 else p.float())
+    if out is not None:
+        return out if out.data_ptr() == acc.data_ptr() else out.copy_(acc)
     return acc if out_dtype == torch.float32 else acc.to(out_dtype)
 
 

@@ -143,6 +143,9 @@ class AttentionClient:
         self._watcher = None
         self._busy = [False] * num_slots
         self._next_slot = 0
+        # The combine's f32 accumulator, warm from the start (a fresh one per call would be
+        # allocated, and first-touched, on every layer of every step).
+        self._acc = torch.zeros(max_tokens, hidden, dtype=torch.float32)
         # Round-robin position per layer: one shared counter would advance by the number of
         # layers between two calls of a layer, and with an even layer count a layer whose
         # experts have two replicas would always pick the same one.
@@ -351,8 +354,15 @@ class AttentionClient:
             raise PeerLostError(f"server {self.urls[server]} left (membership or removal)")
         return ch
 
-    def combine(self, handle: DispatchHandle, timeout: float | None = None) -> torch.Tensor:
-        """Waits for every server of `handle` and sums their partial results in server order.
+    def combine(
+        self,
+        handle: DispatchHandle,
+        timeout: float | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Waits for every server of `handle` and sums their partial results in server order,
+        straight from the response slots; into `out` ([num_tokens, hidden] of the client's
+        out_dtype, caller-owned) when given, else into a new tensor.
 
         A server that misses the deadline or dies is evicted and its share is re-sent at once
         to replicas (at most MAX_ATTEMPTS attempts, each on servers not tried before); its
@@ -389,6 +399,8 @@ class AttentionClient:
                 handle.num_tokens,
                 hidden=self.layout.hidden,
                 dtype=handle.out_dtype,
+                out=out,
+                acc=self._acc if out is not None or handle.out_dtype != torch.float32 else None,
             )
         finally:
             handle.done = True
