@@ -148,7 +148,7 @@ def test_combine_refuses_wrong_caller_memory():
     partials, index = make_partials(4, 2, torch.float32)
     with pytest.raises(ValueError, match=r"out must be \[4, "):
         combine(partials, index, 4, out=torch.empty(3, H))
-    with pytest.raises(TypeError, match="out: expected dtype torch.float32"):
+    with pytest.raises(TypeError, match=r"out: expected dtype torch\.float32"):
         combine(partials, index, 4, out=torch.empty(4, H, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"acc must hold \[4, "):
         combine(partials, index, 4, dtype=torch.bfloat16, acc=torch.empty(2, H))
