@@ -4,12 +4,17 @@ split against bubble-aware redistribution.
     python bench/pipeline.py [--json PATH] [--stages 2 3] [--quick] [--predictor-only]
 
 Part 1 (predictor): one layer (and the sampling step: final norm, LM head, a temperature /
-top-p draw per sequence) of the tiny reference model is timed in-process over chunks of mixed
-decode / prefill requests with random context lengths. Each sample is the minimum over
-PASSES x REPEATS calls (bench/common.py time_calls), passes spread apart in time. The
-models are fitted on half the chunks and the relative error |pred − measured| / measured is
-reported on the other half (held out), mean and p90: over mixed chunks (85% decode requests,
-15% prefill chunks of 8-64 tokens) and, fitted separately, over pure decode chunks.
+top-p draw per sequence) of the tiny reference model is timed in-process over random chunks:
+mixed (85% decode requests, 15% prefill chunks of 8-64 tokens) and pure decode, random context
+lengths. Every chunk is timed in PASSES passes spread apart in time; a pass gives its *cold* time
+(the first call on freshly built tensors, a new shape right after other work) and its *warm* time
+(the minimum of REPEATS further calls). Models are fitted on the even chunks (values: median over
+all passes) and evaluated on the odd ones, held out: median over chunks of |pred − measured| /
+measured, measured = median of 3 passes; the noise floor next to it is the same error when the
+median of the 3 other passes is the prediction (the best any model can do), and the spread is
+MAD / median over the passes. Three layer models: DynaPipe's formula, + a per-chunk constant
+(both fitted per regime), and the machine model (+ Σ L context term + cold terms, one fit over
+warm and cold samples); sampling: α·N + β.
 
 Part 2 (end to end): the same sampled decode workload (every prompt decoded to the same length,
 micro-batches = stages) through S stage processes, three ways, alternating rounds so both see the
@@ -28,6 +33,7 @@ import argparse
 import functools
 import os
 import random
+import statistics
 import sys
 import tempfile
 
@@ -37,7 +43,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import format_table, percentile, time_calls, write_json
 from moecomm.pipeline.driver import Pipeline, run_decode
-from moecomm.pipeline.predictor import LatencyPredictor, LayerSample, LayerTimeModel, SampleSample
+from moecomm.pipeline.predictor import (
+    MACHINE_LAYER_TERMS,
+    FitReport,
+    LatencyPredictor,
+    LayerSample,
+    LayerTimeModel,
+    SampleSample,
+    SampleTimeModel,
+)
 from moecomm.pipeline.scheduler import BubbleScheduler, max_moves
 from moecomm.pipeline.testing import EmulatedCost, make_fake_stage
 from moecomm.protocol import SlotLayout
@@ -51,11 +65,11 @@ SEED = 0
 # 8 layers so two stages can trade up to three; a 16k vocabulary makes the LM head cost about
 # as much as a few layers, the regime where the last stage is the bottleneck.
 LAYERS, VOCAB = 8, 16384
-# Each timing sample is the minimum over PASSES passes of REPEATS calls each: the machine is
-# shared (2 cores, other tenants' test runs), the uncontended cost is what the model predicts,
-# and passes spread apart in time keep one burst of contention from spoiling a whole sample.
-REPEATS, WARMUP, PASSES = 3, 1, 3
-STAT_Q = 0  # percentile taken over the repeats (0: the minimum)
+# Every chunk is timed in PASSES passes over all chunks, spread apart in time (the machine is
+# shared: 2 cores, other tenants' test runs, so contention comes in bursts of seconds): an even
+# count, half of them the measurement and half the noise-floor oracle (held_out). A pass's warm
+# time is the minimum of REPEATS calls (the uncontended cost); sampling has WARMUP calls first.
+PASSES, REPEATS, WARMUP = 6, 3, 1
 # Sampling as production serving does it (temperature, top-p, a seeded draw per sequence): its
 # cost per sequence (a sort over the vocabulary) is what makes the last stage the slow one.
 SAMPLING = SamplingParams(max_new_tokens=1, temperature=0.8, top_p=0.95, seed=SEED)
@@ -71,20 +85,24 @@ EMULATED_TOKENS = 1000
 E2E_SEQS, E2E_PROMPT, E2E_NEW, E2E_ROUNDS = 16, 8, 96, 3
 
 
-# Predictor error targets of the issue (mean relative error on held-out samples).
+# Predictor error targets of the issue (median relative error on held-out chunks).
 LAYER_TARGET = 0.05
 SAMPLE_TARGET = 0.01
 
 
-def _error_row(model: str, fit: dict, target: float) -> dict:
-    held = fit["held_out"]
+def _row(quantity, chunks, h: dict, dynapipe: float, chunk: float | None, target) -> dict:
     return {
-        "model": model,
-        "mean": held.mean_rel_error * 100,
-        "p90": held.p90_rel_error * 100,
-        "fit_mean": fit["fit"].mean_rel_error * 100,
+        "quantity": quantity,
+        "chunks": f"{chunks} ({h['items']})",
+        "dynapipe": dynapipe * 100,
+        "chunk": None if chunk is None else chunk * 100,
+        "new": h["model"] * 100,
+        "new_p90": h["model_p90"] * 100,
+        "floor": h["floor"] * 100,
+        "spread": h["spread"] * 100,
         "target": target * 100,
-        "met": held.mean_rel_error <= target,
+        "met": h["model"] <= target,
+        "floor_met": h["floor"] <= target,
     }
 
 
@@ -102,7 +120,10 @@ def random_chunk(rng: random.Random) -> tuple[list[int], list[int]]:
     return nn, past
 
 
-def time_layer(model, layer: int, nn: list[int], past: list[int]) -> float:
+def time_layer(model, layer: int, nn: list[int], past: list[int]) -> tuple[float, float]:
+    """``(cold, warm)`` seconds of one layer over a chunk: the first call on freshly built
+    tensors (a new shape, right after other work: what a stage sees on a new step), then the
+    minimum of REPEATS further calls (the uncontended cost of the same shape)."""
     c = model.config
     caches = []
     for p in past:
@@ -128,7 +149,8 @@ def time_layer(model, layer: int, nn: list[int], past: list[int]) -> float:
         for cache, p in zip(caches, past, strict=True):
             cache.layer(layer).truncate(p)
 
-    return percentile(time_calls(call, REPEATS, WARMUP), STAT_Q) / 1e9
+    cold, *warm = time_calls(call, 1 + REPEATS, 0)
+    return cold / 1e9, min(warm) / 1e9
 
 
 def time_sample(model, n: int) -> float:
@@ -140,84 +162,120 @@ def time_sample(model, n: int) -> float:
         logits = model.logits(h)
         return [sample_next(logits[i], SAMPLING, gens[i]) for i in range(n)]
 
-    return percentile(time_calls(call, REPEATS, WARMUP), STAT_Q) / 1e9
+    return min(time_calls(call, REPEATS, WARMUP)) / 1e9
+
+
+def held_out(pred: list[float], passes: list[list[float]]) -> dict:
+    """Errors on held-out items, each with its measurements over PASSES passes.
+
+    measured = median of the even passes; ``model`` = median over items of |pred − measured| /
+    measured. ``floor`` = the same error for the median of the odd passes used as the prediction:
+    the best any model can do against this measurement (pessimistic by up to √2, the oracle being
+    as noisy as the measurement). ``spread`` = median over items of MAD / median of all passes."""
+    meas = [statistics.median(m[0::2]) for m in passes]
+    oracle = [statistics.median(m[1::2]) for m in passes]
+    model = FitReport.of(pred, meas)
+
+    def rel_mad(m: list[float]) -> float:
+        mid = statistics.median(m)
+        return statistics.median(abs(x - mid) for x in m) / mid
+
+    return {
+        "items": len(pred),
+        "model": model.median_rel_error,
+        "model_p90": model.p90_rel_error,
+        "floor": FitReport.of(oracle, meas).median_rel_error,
+        "spread": statistics.median(rel_mad(m) for m in passes),
+    }
+
+
+def _fitted(model, samples):
+    for s in samples:
+        model.add(s)
+    model.fit()
+    return model
 
 
 def bench_predictor(path: str, chunks: int) -> dict:
     model = load_model(path, dtype=torch.float32)
+    load_before = os.getloadavg()  # the machine is shared: say how busy it was
     rng = random.Random(SEED)
     layer = LAYERS // 2
-    chunk_list = [random_chunk(rng) for _ in range(chunks)]
+    mixed = [random_chunk(rng) for _ in range(chunks)]
     # Pure decode chunks (every request n = 1): the regime of a decode-heavy load.
-    chunk_list += [
+    decode = [
         ([1] * r, [rng.randint(0, MAX_CONTEXT) for _ in range(r)])
         for r in (rng.randint(1, MAX_REQS) for _ in range(chunks // 2))
     ]
+    chunk_list = mixed + decode
     sizes = [n for n in range(1, MAX_DECODE + 1) for _ in range(2)]
     rng.shuffle(sizes)
-    best_layer = [float("inf")] * len(chunk_list)
-    best_sample = [float("inf")] * len(sizes)
-    for _ in range(PASSES):
+    cold: list[list[float]] = [[] for _ in chunk_list]
+    warm: list[list[float]] = [[] for _ in chunk_list]
+    samp: list[list[float]] = [[] for _ in sizes]
+    for _ in range(PASSES):  # passes spread in time: a burst of contention spoils one pass
         for j, (nn, past) in enumerate(chunk_list):
-            best_layer[j] = min(best_layer[j], time_layer(model, layer, nn, past))
+            c, w = time_layer(model, layer, nn, past)
+            cold[j].append(c)
+            warm[j].append(w)
         for j, n in enumerate(sizes):
-            best_sample[j] = min(best_sample[j], time_sample(model, n))
-    layer_samples = [
-        LayerSample(tuple(nn), tuple(p + n for p, n in zip(past, nn, strict=True)), t)
-        for (nn, past), t in zip(chunk_list, best_layer, strict=True)
-    ]
-    sample_samples = [SampleSample(n, t) for n, t in zip(sizes, best_sample, strict=True)]
-    decode_samples, layer_samples = layer_samples[chunks:], layer_samples[:chunks]
-    decode = LayerTimeModel(chunk_term=True)
-    for s in decode_samples[::2]:
-        decode.add(s)
-    decode_fit, decode_held = decode.fit(), decode.evaluate(decode_samples[1::2])
-    # DynaPipe's formula as stated, and the same plus a per-chunk constant (chunk_term).
-    plain = LayerTimeModel()
-    for s in layer_samples[::2]:
-        plain.add(s)
-    plain_fit, plain_held = plain.fit(), plain.evaluate(layer_samples[1::2])
-    pred = LatencyPredictor(chunk_term=True)
-    for s in layer_samples[::2]:
-        pred.layer.add(s)
-    for s in sample_samples[::2]:
-        pred.sample.add(s)
-    fit_layer, fit_sample = pred.fit()
-    held_layer = pred.layer.evaluate(layer_samples[1::2])
-    held_sample = pred.sample.evaluate(sample_samples[1::2])
+            samp[j].append(time_sample(model, n))
+    lengths = [tuple(p + n for p, n in zip(past, nn, strict=True)) for nn, past in chunk_list]
+
+    def sample(j: int, regime: str) -> LayerSample:
+        t = statistics.median((cold if regime == "cold" else warm)[j])
+        return LayerSample(tuple(chunk_list[j][0]), lengths[j], t, regime == "cold")
+
+    # Even chunks fit, odd chunks are held out (different random chunks, mixed and decode).
+    fit_idx = range(0, len(chunk_list), 2)
+    forms = {"dynapipe": {}, "chunk": {"chunk_term": True}}
+    models = {
+        (form, regime): _fitted(LayerTimeModel(**kw), [sample(j, regime) for j in fit_idx])
+        for form, kw in forms.items()
+        for regime in ("warm", "cold")
+    }
+    new = _fitted(
+        LayerTimeModel(**MACHINE_LAYER_TERMS),
+        [sample(j, r) for j in fit_idx for r in ("warm", "cold")],
+    )
+    rows = []
+    subsets = {"mixed": range(1, chunks, 2), "decode": range(chunks + 1, len(chunk_list), 2)}
+    for regime, passes in (("warm", warm), ("cold", cold)):
+        for subset, idx in subsets.items():
+            errs = {
+                form: held_out(
+                    [m.predict(chunk_list[j][0], lengths[j]) for j in idx],
+                    [passes[j] for j in idx],
+                )["model"]
+                for (form, reg), m in models.items()
+                if reg == regime
+            }
+            h = held_out(
+                [new.predict(chunk_list[j][0], lengths[j], regime == "cold") for j in idx],
+                [passes[j] for j in idx],
+            )
+            rows.append(
+                _row(f"T_layer {regime}", subset, h, errs["dynapipe"], errs["chunk"], LAYER_TARGET)
+            )
+    samples = [SampleSample(n, statistics.median(m)) for n, m in zip(sizes, samp, strict=True)]
+    lin = _fitted(SampleTimeModel(), samples[::2])
+    h = held_out([lin.predict(n) for n in sizes[1::2]], samp[1::2])
+    rows.append(_row("T_sample", "1-32 seqs", h, h["model"], None, SAMPLE_TARGET))
+    pred = LatencyPredictor()
+    pred.layer, pred.sample = new, lin
     nn, ll = [1] * 16, [512] * 16
     cost = percentile(time_calls(lambda: pred.predict(nn, ll, 16), 2000, 100), 50) / 1e3
+    coefs = ("phi1", "phi2", "eps", "chunk", "lam", "cold_chunk", "cold_req")
+    chunk_warm = models[("chunk", "warm")]
     return {
-        "layer": {
-            "phi1": pred.layer.phi1,
-            "phi2": pred.layer.phi2,
-            "eps": pred.layer.eps,
-            "chunk": pred.layer.chunk,
-            "fit": fit_layer,
-            "held_out": held_layer,
-        },
-        "layer_plain": {
-            "phi1": plain.phi1,
-            "phi2": plain.phi2,
-            "eps": plain.eps,
-            "fit": plain_fit,
-            "held_out": plain_held,
-        },
-        "layer_decode": {
-            "phi1": decode.phi1,
-            "phi2": decode.phi2,
-            "eps": decode.eps,
-            "chunk": decode.chunk,
-            "fit": decode_fit,
-            "held_out": decode_held,
-        },
-        "sample": {
-            "alpha": pred.sample.alpha,
-            "beta": pred.sample.beta,
-            "fit": fit_sample,
-            "held_out": held_sample,
-        },
+        "repeats": {"passes": PASSES, "measured": "median of passes 0,2,4", "calls": REPEATS},
+        "layer_new": {k: getattr(new, k) for k in coefs},
+        "layer_chunk": {k: getattr(chunk_warm, k) for k in coefs[:4]},
+        "layer_dynapipe": {k: getattr(models[("dynapipe", "warm")], k) for k in coefs[:3]},
+        "sample": {"alpha": lin.alpha, "beta": lin.beta},
+        "rows": rows,
         "predict_us": cost,
+        "load_average": {"before": load_before, "after": os.getloadavg()},
     }
 
 
@@ -235,7 +293,8 @@ def e2e_once(make_pipe, stages: int, mode: str, k: int, prompts) -> dict:
     pred = sched = None
     initial = k if mode == "best_static" else 0
     if mode == "dynapipe":
-        pred, sched = LatencyPredictor(chunk_term=True), BubbleScheduler(LAYERS, stages)
+        pred = LatencyPredictor(**MACHINE_LAYER_TERMS)
+        sched = BubbleScheduler(LAYERS, stages)
     with make_pipe(stages, initial) as pipe:
         run = run_decode(pipe, prompts, E2E_NEW, scheduler=sched, predictor=pred)
     decode_steps = max(1, run.steps // stages - 1)
@@ -290,34 +349,40 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         make_checkpoint(tmp)
         pr = bench_predictor(tmp, CHUNKS // 4 if args.quick else CHUNKS)
-        lay, sam = pr["layer"], pr["sample"]
-        print("predictor (held-out relative error; targets: layer <= 5%, sampling <= 1%)")
-        plain, dec = pr["layer_plain"], pr["layer_decode"]
-        rows = [
-            _error_row("T_layer (formula)", plain, LAYER_TARGET),
-            _error_row("T_layer (+chunk)", lay, LAYER_TARGET),
-            _error_row("T_layer decode-only (+chunk)", dec, LAYER_TARGET),
-            _error_row("T_sample", sam, SAMPLE_TARGET),
-        ]
+        print(
+            "predictor: held-out median relative error % of DynaPipe's formula, + per-chunk "
+            "constant, the machine model (new); noise floor and spread of repeat measurements"
+        )
         cols = [
-            ("model", "model", "s"),
-            ("mean", "held_mean_%", ".2f"),
-            ("p90", "held_p90_%", ".2f"),
-            ("fit_mean", "fit_mean_%", ".2f"),
+            ("quantity", "quantity", "s"),
+            ("chunks", "chunks (n)", "s"),
+            ("dynapipe", "dynapipe_%", ".2f"),
+            ("chunk", "+chunk_%", ".2f"),
+            ("new", "new_%", ".2f"),
+            ("new_p90", "new_p90_%", ".2f"),
+            ("floor", "floor_%", ".2f"),
+            ("spread", "spread_%", ".2f"),
             ("target", "target_%", ".1f"),
             ("met", "met", ""),
+            ("floor_met", "floor_met", ""),
         ]
+        rows = pr.pop("rows")  # written once, as predictor_table
         print(format_table(rows, cols))
+        new, sa = pr["layer_new"], pr["sample"]
         print(
-            f"phi1 {lay['phi1']:.3e} s/token, phi2 {lay['phi2']:.3e} s/(token*ctx), "
-            f"eps {lay['eps']:.3e} s/request, chunk {lay['chunk']:.3e} s; "
-            f"alpha {sam['alpha']:.3e} s/seq, "
-            f"beta {sam['beta']:.3e} s; one prediction {pr['predict_us']:.2f} us"
+            f"new: phi1 {new['phi1']:.3e} s/token, phi2 {new['phi2']:.3e} s/(token*ctx), "
+            f"eps {new['eps']:.3e} s/request, chunk {new['chunk']:.3e} s, "
+            f"lam {new['lam']:.3e} s/ctx, cold {new['cold_chunk']:.3e} s + "
+            f"{new['cold_req']:.3e} s/request; sampling alpha {sa['alpha']:.3e} s/seq, "
+            f"beta {sa['beta']:.3e} s; "
+            f"one prediction {pr['predict_us']:.2f} us; load average {os.getloadavg()}"
         )
         if args.predictor_only:
             write_json(args.json, {"predictor": pr, "predictor_table": rows})
             return
         rounds = 1 if args.quick else E2E_ROUNDS
+        # The emulated device sleeps by the + chunk model, whose terms EmulatedCost has.
+        lay, sam = pr["layer_chunk"], pr["sample"]
         cost = EmulatedCost(
             lay["phi1"], lay["phi2"], lay["eps"], lay["chunk"], sam["alpha"], sam["beta"]
         )

@@ -44,7 +44,10 @@ class PipelinedModel:
     def __init__(self, pipe: Pipeline, config: MoEConfig, dynapipe: bool = True):
         self.pipe, self.config = pipe, config
         self.experts = None  # the stages hold their own experts backends
-        self.predictor = LatencyPredictor() if dynapipe else None
+        # The per-chunk and per-request context terms the formula lacks (docs/pipeline.md: held-
+        # out error 2-3% with them against 8-11% without); the stages profile one regime per
+        # step, so there are no cold samples to fit a cold term from.
+        self.predictor = LatencyPredictor(chunk_term=True, context_term=True) if dynapipe else None
         self.scheduler = BubbleScheduler(pipe.num_layers, pipe.num_stages) if dynapipe else None
         self._ids = itertools.count()
         self._freed: list[int] = []  # appended by finalizers (any thread), drained by forward

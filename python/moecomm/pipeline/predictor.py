@@ -1,24 +1,39 @@
 """DynaPipe latency predictor: per-layer time of a chunk and sampling time, fitted online.
 
 A chunk (one micro-batch through one layer) holds requests i with ``n_i`` new tokens computed
-and context length ``L_i`` (tokens attended to: cached + new). Its time is modelled as
+and context length ``L_i`` (tokens attended to: cached + new). DynaPipe models its time as
 
     T_layer = Σ_i (φ1·n_i + φ2·n_i·L_i + ε)  =  φ1·Σn + φ2·Σ(n·L) + ε·R
 
 (``R`` requests): projections and experts cost per token, attention per (token, context) pair,
-and every request pays a fixed overhead (its own attention call, cache append). Sampling on the
-last stage is ``T_sample = α·N_decode + β`` over the ``N_decode`` sequences that sample a token.
+and every request pays a fixed overhead (its own attention call, cache append). Measured on the
+CPU reference model (docs/pipeline.md) that formula misses three things, each an optional term:
+
+- ``chunk_term``: ``+ c``, paid once per micro-batch whatever its requests (projections, router
+  and expert dispatch are one call each): most of a small decode chunk.
+- ``context_term``: ``+ λ·ΣL``, attention work per request proportional to its context alone
+  (reading the cache, the causal mask, the softmax row): a prefill request of n tokens costs
+  less than n decode requests at the same context, which Σn·L alone cannot express.
+- ``cold_term``: ``+ cold·(κ + ρ·R)``, the extra of a *cold* call: the first call of a layer on
+  a new batch shape after other work ran (fresh activation and attention buffers, caches evicted
+  by other layers). Samples and predictions say whether they are cold.
+
+Sampling on the last stage is ``T_sample = α·N_decode + β`` over the ``N_decode`` sequences that
+sample a token (a draw per sequence dominates it; measured, extra terms in N fit no better than
+the noise, docs/pipeline.md).
 
 Both are linear in their coefficients, so they are fitted by least squares over samples that the
 pipeline stages profile themselves (:class:`LayerSample`, :class:`SampleSample`). A prediction
-from already-reduced features is three multiplies; from a request list it is one pass over it.
+from a request list is one pass over it.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -27,15 +42,27 @@ import torch
 DEFAULT_HISTORY = 2048
 # Least squares on fewer points than a few times the coefficient count just memorizes noise.
 MIN_SAMPLES_PER_COEF = 3
+# Every layer term the reference model on a CPU needs (the bench's measurement, docs/pipeline.md);
+# read-only, being shared by every caller that spreads it into a model.
+MACHINE_LAYER_TERMS = MappingProxyType(
+    {"chunk_term": True, "context_term": True, "cold_term": True}
+)
+
+
+def _check_seconds(what: str, seconds: float) -> None:
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"{what}: seconds must be finite and >= 0, got {seconds}")
 
 
 @dataclass(frozen=True)
 class LayerSample:
-    """One profiled layer execution: the chunk's requests and the measured seconds."""
+    """One profiled layer execution: the chunk's requests, the measured seconds, and whether it
+    was a cold call (first on a new shape after other work)."""
 
     num_new: tuple[int, ...]
     lengths: tuple[int, ...]
     seconds: float
+    cold: bool = False
 
     def __post_init__(self):
         if len(self.num_new) != len(self.lengths) or not self.num_new:
@@ -43,6 +70,13 @@ class LayerSample:
                 f"a layer sample needs one length per request, got {len(self.num_new)} "
                 f"token counts and {len(self.lengths)} lengths"
             )
+        for n, length in zip(self.num_new, self.lengths, strict=True):
+            if n < 0 or length < n:
+                raise ValueError(
+                    f"a request needs 0 <= new tokens <= context length (the context includes "
+                    f"the new tokens), got n = {n}, L = {length}"
+                )
+        _check_seconds("layer sample", self.seconds)
 
 
 @dataclass(frozen=True)
@@ -52,20 +86,36 @@ class SampleSample:
     num_decode: int
     seconds: float
 
+    def __post_init__(self):
+        if self.num_decode < 0:
+            raise ValueError(f"num_decode must be >= 0, got {self.num_decode}")
+        _check_seconds("sampling sample", self.seconds)
 
-def layer_features(num_new: Sequence[int], lengths: Sequence[int]) -> tuple[float, float, float]:
-    """``(Σn, Σn·L, R)`` of a chunk: the regressors of the per-layer model."""
+
+def chunk_features(
+    num_new: Sequence[int], lengths: Sequence[int]
+) -> tuple[float, float, float, float]:
+    """``(Σn, Σn·L, R, ΣL)`` of a chunk: the regressors of the per-layer model."""
     if len(num_new) != len(lengths):
         raise ValueError(f"{len(num_new)} token counts but {len(lengths)} lengths")
-    sn = snl = 0
+    sn = snl = sl = 0
     for n, length in zip(num_new, lengths, strict=True):
         sn += n
         snl += n * length
-    return float(sn), float(snl), float(len(num_new))
+        sl += length
+    return float(sn), float(snl), float(len(num_new)), float(sl)
+
+
+def layer_features(num_new: Sequence[int], lengths: Sequence[int]) -> tuple[float, float, float]:
+    """``(Σn, Σn·L, R)`` of a chunk: the regressors of DynaPipe's formula."""
+    return chunk_features(num_new, lengths)[:3]
 
 
 def _lstsq(rows: list[list[float]], targets: list[float]) -> list[float]:
-    """Least squares with each column scaled to unit norm (Σn·L is orders above Σn), in float64."""
+    """Least squares with each column scaled to unit norm (Σn·L is orders above Σn), in float64.
+
+    gelsd gives the minimum-norm solution when a column is all zero (a cold term with no cold
+    sample yet), so such a coefficient comes out 0 instead of breaking the fit."""
     a = torch.tensor(rows, dtype=torch.float64)
     b = torch.tensor(targets, dtype=torch.float64)[:, None]
     scale = a.norm(dim=0).clamp_min(1e-30)
@@ -91,59 +141,96 @@ class FitReport:
         errs = sorted(_relative_errors(pred, actual))
         if not errs:
             return cls(0, float("nan"), float("nan"), float("nan"))
+        mid = len(errs) // 2
+        median = errs[mid] if len(errs) % 2 else (errs[mid - 1] + errs[mid]) / 2
         return cls(
             len(errs),
             sum(errs) / len(errs),
-            errs[len(errs) // 2],
+            median,
             errs[min(len(errs) - 1, int(0.9 * len(errs)))],
         )
 
 
 class LayerTimeModel:
-    """``T_layer = φ1·Σn + φ2·Σn·L + ε·R [+ c]``, fitted from :class:`LayerSample` s.
+    """``T_layer = φ1·Σn + φ2·Σn·L + ε·R [+ c] [+ λ·ΣL] [+ cold·(κ + ρ·R)]``, fitted from
+    :class:`LayerSample` s; each bracket is switched on by its flag (see the module docstring).
+    Without flags it is DynaPipe's formula."""
 
-    With `chunk_term`, a per-chunk constant ``c`` is fitted too: the cost a layer pays once per
-    micro-batch whatever its requests (projections and router launched once, the expert
-    dispatch). DynaPipe's formula has none; on a CPU reference model it is a large share of a
-    small decode chunk (see docs/pipeline.md for the measured difference).
-    """
-
-    def __init__(self, history: int = DEFAULT_HISTORY, chunk_term: bool = False):
+    def __init__(
+        self,
+        history: int = DEFAULT_HISTORY,
+        chunk_term: bool = False,
+        context_term: bool = False,
+        cold_term: bool = False,
+    ):
         self.samples: deque[LayerSample] = deque(maxlen=history)
         self.phi1 = self.phi2 = self.eps = self.chunk = 0.0
-        self.chunk_term = chunk_term
+        self.lam = self.cold_chunk = self.cold_req = 0.0
+        self.chunk_term, self.context_term, self.cold_term = chunk_term, context_term, cold_term
         self.fitted = False
+
+    @property
+    def num_coefs(self) -> int:
+        return 3 + self.chunk_term + self.context_term + 2 * self.cold_term
+
+    def _row(self, sn: float, snl: float, r: float, sl: float, cold: bool) -> list[float]:
+        row = [sn, snl, r]
+        if self.chunk_term:
+            row.append(1.0)
+        if self.context_term:
+            row.append(sl)
+        if self.cold_term:
+            c = 1.0 if cold else 0.0
+            row += [c, c * r]
+        return row
 
     def add(self, sample: LayerSample) -> None:
         self.samples.append(sample)
 
     def fit(self) -> FitReport:
         """Refits on the kept samples; returns the in-sample relative error."""
-        if len(self.samples) < 3 * MIN_SAMPLES_PER_COEF:
+        need = self.num_coefs * MIN_SAMPLES_PER_COEF
+        if len(self.samples) < need:
             raise ValueError(
-                f"need at least {3 * MIN_SAMPLES_PER_COEF} layer samples to fit, "
+                f"need at least {need} layer samples to fit {self.num_coefs} coefficients, "
                 f"have {len(self.samples)}"
             )
-        extra = [1.0] if self.chunk_term else []
-        rows = [[*layer_features(s.num_new, s.lengths), *extra] for s in self.samples]
-        coef = _lstsq(rows, [s.seconds for s in self.samples])
-        self.phi1, self.phi2, self.eps = coef[:3]
-        self.chunk = coef[3] if self.chunk_term else 0.0
+        rows = [self._row(*chunk_features(s.num_new, s.lengths), s.cold) for s in self.samples]
+        coef = iter(_lstsq(rows, [s.seconds for s in self.samples]))
+        self.phi1, self.phi2, self.eps = next(coef), next(coef), next(coef)
+        self.chunk = next(coef) if self.chunk_term else 0.0
+        self.lam = next(coef) if self.context_term else 0.0
+        if self.cold_term:
+            self.cold_chunk, self.cold_req = next(coef), next(coef)
         self.fitted = True
         return self.evaluate(self.samples)
 
-    def predict_features(self, sum_new: float, sum_new_len: float, requests: float) -> float:
-        # A fit on few, noisy samples can extrapolate below zero; no layer takes negative time.
+    def predict_features(
+        self,
+        sum_new: float,
+        sum_new_len: float,
+        requests: float,
+        sum_len: float | None = None,
+        cold: bool = False,
+    ) -> float:
+        if sum_len is None and self.context_term:
+            raise ValueError("this model has a context term: pass sum_len (Σ L)")
         t = self.phi1 * sum_new + self.phi2 * sum_new_len + self.eps * requests + self.chunk
+        if self.context_term:
+            t += self.lam * sum_len
+        if cold:
+            t += self.cold_chunk + self.cold_req * requests
+        # A fit on few, noisy samples can extrapolate below zero; no layer takes negative time.
         return max(0.0, t)
 
-    def predict(self, num_new: Sequence[int], lengths: Sequence[int]) -> float:
+    def predict(self, num_new: Sequence[int], lengths: Sequence[int], cold: bool = False) -> float:
         """Seconds for one layer over a chunk of requests (``num_new[i]``, ``lengths[i]``)."""
-        return self.predict_features(*layer_features(num_new, lengths))
+        sn, snl, r, sl = chunk_features(num_new, lengths)
+        return self.predict_features(sn, snl, r, sl, cold)
 
     def evaluate(self, samples: Iterable[LayerSample]) -> FitReport:
         samples = list(samples)
-        pred = [self.predict(s.num_new, s.lengths) for s in samples]
+        pred = [self.predict(s.num_new, s.lengths, s.cold) for s in samples]
         return FitReport.of(pred, [s.seconds for s in samples])
 
 
@@ -179,14 +266,23 @@ class SampleTimeModel:
 
 
 class LatencyPredictor:
-    """Both models together: what the bubble-aware scheduler asks about a batch."""
+    """Both models together: what the bubble-aware scheduler asks about a batch. The keyword
+    flags are :class:`LayerTimeModel`'s; all off is DynaPipe's formula."""
 
-    def __init__(self, history: int = DEFAULT_HISTORY, chunk_term: bool = False):
-        self.layer = LayerTimeModel(history, chunk_term)
+    def __init__(
+        self,
+        history: int = DEFAULT_HISTORY,
+        chunk_term: bool = False,
+        context_term: bool = False,
+        cold_term: bool = False,
+    ):
+        self.layer = LayerTimeModel(history, chunk_term, context_term, cold_term)
         self.sample = SampleTimeModel(history)
 
-    def add_layer(self, num_new: Sequence[int], lengths: Sequence[int], seconds: float) -> None:
-        self.layer.add(LayerSample(tuple(num_new), tuple(lengths), float(seconds)))
+    def add_layer(
+        self, num_new: Sequence[int], lengths: Sequence[int], seconds: float, cold: bool = False
+    ) -> None:
+        self.layer.add(LayerSample(tuple(num_new), tuple(lengths), float(seconds), cold))
 
     def add_sample(self, num_decode: int, seconds: float) -> None:
         self.sample.add(SampleSample(int(num_decode), float(seconds)))
@@ -199,7 +295,7 @@ class LatencyPredictor:
         return self.layer.fit(), self.sample.fit()
 
     def predict(
-        self, num_new: Sequence[int], lengths: Sequence[int], num_decode: int
+        self, num_new: Sequence[int], lengths: Sequence[int], num_decode: int, cold: bool = False
     ) -> tuple[float, float]:
         """``(T_layer, T_sample)`` in seconds for a micro-batch."""
-        return self.layer.predict(num_new, lengths), self.sample.predict(num_decode)
+        return self.layer.predict(num_new, lengths, cold), self.sample.predict(num_decode)
