@@ -148,3 +148,18 @@ def test_own_segments_are_never_reaped(transport):
     r = transport.create_region(64)
     assert _C.shm_reap_stale_segments(os.getpid()) == 0
     assert r.handle[4:] in moecomm.list_segments(os.getpid())
+
+
+def test_the_shm_spin_comes_from_the_environment(monkeypatch):
+    from moecomm.transport import SHM_SPIN_ENV, make_transport
+
+    monkeypatch.delenv(SHM_SPIN_ENV, raising=False)
+    assert make_transport("shm").spin_ns == moecomm._C.SHM_DEFAULT_SPIN_NS
+    monkeypatch.setenv(SHM_SPIN_ENV, "0")
+    assert make_transport("shm").spin_ns == 0
+    monkeypatch.setenv(SHM_SPIN_ENV, "12.5")
+    assert make_transport("shm").spin_ns == 12_500
+    for bad in ("fast", "-1", "2e6"):
+        monkeypatch.setenv(SHM_SPIN_ENV, bad)
+        with pytest.raises(ValueError, match=SHM_SPIN_ENV):
+            make_transport("shm")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from moecomm import _C
@@ -84,6 +86,26 @@ class RegionViews:
         return v
 
 
+# How long an shm waiter spins before it sleeps on the futex, in µs (default: the transport's,
+# 50 µs). Spinning pays off when every waiting process has a core of its own; on a host with
+# fewer cores than busy processes a spinning waiter takes the core its peer needs.
+SHM_SPIN_ENV = "MOECOMM_SHM_SPIN_US"
+
+
+def shm_spin_ns() -> int:
+    """The shm spin of this process: MOECOMM_SHM_SPIN_US, else the transport's default."""
+    raw = os.environ.get(SHM_SPIN_ENV, "")
+    if not raw:
+        return int(_C.SHM_DEFAULT_SPIN_NS)
+    try:
+        us = float(raw)
+    except ValueError:
+        raise ValueError(f"{SHM_SPIN_ENV} must be a number of µs, got {raw!r}") from None
+    if not 0 <= us <= 1e6:
+        raise ValueError(f"{SHM_SPIN_ENV} must be in [0, 1e6] µs, got {raw!r}")
+    return int(us * 1000)
+
+
 # What `transport=` accepts across the runtime and the CLI: one backend, or "auto" (shm with
 # peers that share this host's /dev/shm, nixl with everyone else).
 TRANSPORT_CHOICES = ("shm", "nixl", "auto")
@@ -96,7 +118,7 @@ def make_transport(
     serves on (nixl carries bytes over that interface); `xfer_timeout_s`: how long a nixl write
     may wait for a peer that does not take it (stopped, unreachable)."""
     if name == "shm":
-        return ShmTransport()
+        return ShmTransport(spin_ns=shm_spin_ns())
     if name == "nixl":
         from moecomm.nixl import NixlTransport  # optional: pip install 'moecomm[nixl]'
 
