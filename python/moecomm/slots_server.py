@@ -96,7 +96,12 @@ class ServerChannel(_Channel):
     def commit_response(self, req: Request) -> None:
         """Answers `req` with what was computed into :meth:`response_view`: header, release of
         the request slot, signal."""
-        _C.commit_response(
+        _C.commit_response(*self._answer(req))
+        req.activations = None  # released, as in respond()
+
+    def _answer(self, req: Request) -> tuple:
+        """The arguments every answer to `req` starts with (send_response / commit_response)."""
+        return (
             self.transport,
             self.region,
             self.request_ring,
@@ -109,7 +114,6 @@ class ServerChannel(_Channel):
             req.num_tokens,
             self.layout.out_encoding,
         )
-        req.activations = None  # released, as in respond()
 
     def poll(self) -> list[Request]:
         """Every request slot in REQUEST_READY with its header validated; valid ones carry
@@ -180,20 +184,7 @@ class ServerChannel(_Channel):
         y = _host_tensor(
             y, "y", ENCODING_DTYPE[self.layout.out_encoding], (req.num_tokens, self.layout.hidden)
         )
-        _C.send_response(
-            self.transport,
-            self.region,
-            self.request_ring,
-            self.client,
-            self.response_ring,
-            req.slot,
-            self.client_id,
-            req.seq,
-            req.layer_id,
-            req.num_tokens,
-            self.layout.out_encoding,
-            y.data_ptr(),
-        )
+        _C.send_response(*self._answer(req), y.data_ptr())
         # Released: the client may be writing its next request into the slot already.
         req.activations = None
 
