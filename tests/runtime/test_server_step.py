@@ -149,3 +149,29 @@ def test_the_counter_sees_the_allocations_of_a_plain_forward():
     layer = LayerExperts(0, WEIGHTS[0])
     layer.forward([x], [ids], [w])
     assert large_allocations(lambda: layer.forward([x], [ids], [w]))
+
+
+@pytest.mark.timeout(120)
+def test_a_prefill_sized_layout_reserves_a_bounded_workspace(transport, monkeypatch):
+    """A client whose slots could carry far more rows than the reservation cap (here lowered
+    to 64 KiB of activations) does not make the server hold buffers for all of them up front;
+    steps of the sizes it really sends are answered, growing the buffers as they need."""
+    import moecomm.runtime.server_step as server_step
+
+    monkeypatch.setattr(server_step, "RESERVE_BYTES", 64 << 10)
+    server = ExpertServer(WEIGHTS, "reserve", transport)
+    ch = connect(server, transport, 1, SlotLayout(1024, HIDDEN, TOPK, "f32", "f32"))
+    try:
+        for step, n in enumerate([5, 700, 3]):
+            x, ids, w = request(n, step)
+            seq = ch.send(0, x, ids, w)
+            server.step(timeout=1.0)
+            got = ch.wait(0, seq, timeout=10.0).activations
+            assert torch.equal(got, reference(0, x, ids, w))
+            ch.release(0)
+            if step == 0:  # reserved: capped, not 2 slots x 1024 tokens x top-2
+                assert server.buffers.ws.max_rows * HIDDEN * 4 <= 64 << 10
+        assert server.buffers.ws.max_rows > (64 << 10) // (HIDDEN * 4)  # grown by the big step
+    finally:
+        server.close()
+        ch.close()

@@ -25,6 +25,11 @@ from moecomm.runtime.experts import LayerExperts
 
 # A buffer that must grow grows at least this much, so a creeping load reallocates rarely.
 GROWTH = 1.5
+# What connects may reserve up front, per activation-sized buffer: a decode layout (128 tokens x
+# top-8 x 7168 f32 = 29 MiB) is warm from the first pass, while a prefill layout of thousands of
+# tokens per slot does not make an idle server hold gigabytes; steps beyond it grow the buffers
+# to what they actually need (once, then warm).
+RESERVE_BYTES = 256 << 20
 
 
 class StepBuffers:
@@ -50,7 +55,8 @@ class StepBuffers:
         return list(buf[:need].split(sizes))
 
     def reserve(self, layout: SlotLayout, num_slots: int) -> None:
-        """A client of `layout` connected: one pass may bring a request of its per slot."""
+        """A client of `layout` connected: one pass may bring a request of its per slot (the
+        reservation is capped by RESERVE_BYTES; bigger steps grow the buffers when they come)."""
         tokens = layout.max_tokens * num_slots
         with self._lock:
             self._need["tokens"] = max(self._need["tokens"], tokens)
@@ -60,6 +66,8 @@ class StepBuffers:
         """The warm workspace, grown first if a connect raised the need or `layer` is wider."""
         with self._lock:
             tokens, rows = self._need["tokens"], self._need["rows"]
+        cap = max(1, RESERVE_BYTES // (layer.hidden * 4))  # rows of f32 activations
+        tokens, rows = min(tokens, cap), min(rows, cap)
         experts = max(le.num_local for le in self._layers.values())
         inter = max(le.intermediate for le in self._layers.values())
         if self.ws is None:
