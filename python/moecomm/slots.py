@@ -93,7 +93,7 @@ class ClientChannel(_Channel):
     def request_views(
         self, slot: int, num_tokens: int, topk: int, encoding: Encoding | str | None = None
     ) -> RequestViews | None:
-        """Views of the server's request `slot` for an `num_tokens` x `topk` request, to fill in
+        """Views of the server's request `slot` for a `num_tokens` x `topk` request, to fill in
         place and then :meth:`commit`; None when the server's memory is not mapped here (write
         local tensors and :meth:`send` instead). Only for a slot whose previous answer was read
         (or abandoned): the server no longer reads it."""

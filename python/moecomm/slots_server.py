@@ -96,11 +96,12 @@ class ServerChannel(_Channel):
     def commit_response(self, req: Request) -> None:
         """Answers `req` with what was computed into :meth:`response_view`: header, release of
         the request slot, signal."""
-        _C.commit_response(*self._answer(req))
+        _C.commit_response(*self._answer(req), req.num_tokens, self.layout.out_encoding)
         req.activations = None  # released, as in respond()
 
     def _answer(self, req: Request) -> tuple:
-        """The arguments every answer to `req` starts with (send_response / commit_response)."""
+        """The arguments every answer to `req` starts with (send_response, commit_response,
+        send_error): where it goes and which request it answers."""
         return (
             self.transport,
             self.region,
@@ -111,8 +112,6 @@ class ServerChannel(_Channel):
             self.client_id,
             req.seq,
             req.layer_id,
-            req.num_tokens,
-            self.layout.out_encoding,
         )
 
     def poll(self) -> list[Request]:
@@ -184,7 +183,8 @@ class ServerChannel(_Channel):
         y = _host_tensor(
             y, "y", ENCODING_DTYPE[self.layout.out_encoding], (req.num_tokens, self.layout.hidden)
         )
-        _C.send_response(*self._answer(req), y.data_ptr())
+        enc = self.layout.out_encoding
+        _C.send_response(*self._answer(req), req.num_tokens, enc, y.data_ptr())
         # Released: the client may be writing its next request into the slot already.
         req.activations = None
 
@@ -198,19 +198,7 @@ class ServerChannel(_Channel):
         code = int(req.code if status is None else status)
         if reason is None:
             reason = validate_reason(req.code)
-        _C.send_error(
-            self.transport,
-            self.region,
-            self.request_ring,
-            self.client,
-            self.response_ring,
-            req.slot,
-            self.client_id,
-            req.seq,
-            req.layer_id,
-            code,
-            reason,
-        )
+        _C.send_error(*self._answer(req), code, reason)
         req.activations = None  # released, as in respond()
 
     def announce_offline(self) -> None:

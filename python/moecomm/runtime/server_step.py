@@ -68,9 +68,9 @@ class StepBuffers:
             tokens, rows = self._need["tokens"], self._need["rows"]
         cap = max(1, RESERVE_BYTES // (layer.hidden * 4))  # rows of f32 activations
         tokens, rows = min(tokens, cap), min(rows, cap)
-        experts = max(le.num_local for le in self._layers.values())
-        inter = max(le.intermediate for le in self._layers.values())
         if self.ws is None:
+            experts = max(le.num_local for le in self._layers.values())
+            inter = max(le.intermediate for le in self._layers.values())
             self.ws = ExpertWorkspace(
                 max(rows, 1), layer.hidden, inter, max(experts, layer.num_local),
                 max(tokens, 1), layer.dtype,
