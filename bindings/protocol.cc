@@ -101,6 +101,7 @@ void register_protocol(py::module_& m) {
   m.attr("HEADER_BYTES") = sizeof(SlotHeader);
   m.attr("PAYLOAD_OFFSET") = kPayloadOffset;
   m.attr("DOORBELL_BYTES") = kDoorbellBytes;
+  m.attr("ARRIVAL_OFFSET") = kArrivalOffset;
 
   m.def("make_signal", &make_signal, py::arg("state"), py::arg("seq"));
   m.def("signal_state", [](uint64_t w) {
@@ -144,6 +145,21 @@ void register_protocol(py::module_& m) {
   });
   m.def("slot_offset", &slot_offset);
   m.def("region_bytes", &region_bytes);
+  m.def(
+      "stamp_message",
+      [](uint64_t arrival_sent, uint64_t payload_bytes, uint64_t bytes_put, bool peer_alive) {
+        const MessageStamp s = stamp_message(arrival_sent, payload_bytes, bytes_put, peer_alive);
+        py::dict d;
+        d["put_header"] = s.put_header;
+        d["arrival_sent"] = s.arrival_sent;
+        d["arrival_target"] = s.arrival_target;
+        return d;
+      },
+      py::arg("arrival_sent"), py::arg("payload_bytes"), py::arg("bytes_put"),
+      py::arg("peer_alive"),
+      "a device writer's decision for one chunked message (layout.h): whether its header goes "
+      "out, the writer's new arrival total and the header's arrival_target; what the kernels' "
+      "finish_message runs, for host stand-ins of a device writer");
 
   py::class_<SlotHeader>(m, "SlotHeader")
       .def(py::init([]() {

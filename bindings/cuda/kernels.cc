@@ -3,13 +3,17 @@
 // (csrc/kernels/cuda/), which throw moecomm::Error; this file only converts and releases the GIL.
 #include <pybind11/pybind11.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "common/error.h"
 #include "kernels/cuda/device_dispatch.h"
 #include "kernels/cuda/dispatch_index.h"
+#include "kernels/cuda/launch_check.h"
 #include "registry.h"
+#include "transport/device/wait_trace.h"
 
 namespace py = pybind11;
 
@@ -121,6 +125,7 @@ void bind_configs(py::module_& m) {
   pointer_property(peers, "local_base", &kc::IpcPeers::local_base);
   pointer_property(peers, "peer_base", &kc::IpcPeers::peer_base);
   pointer_property(peers, "alive", &kc::IpcPeers::alive);
+  pointer_property(peers, "wait_trace", &kc::IpcPeers::wait_trace);
 
   py::class_<kc::ClientConfig> cc(m, "ClientConfig", "a device client's connection settings");
   cc.def(py::init<>())
@@ -189,6 +194,49 @@ void bind_configs(py::module_& m) {
   pointer_property(ra, "workspace", &kc::ServerRespondArgs::workspace);
 }
 
+// The debug trace's layout (transport/device/wait_trace.h), for the host decoder
+// (moecomm.runtime.device_debug) and the test that checks it against its own copy.
+py::dict wait_trace_layout() {
+  namespace td = transport::device;
+  py::dict fields;
+  for (const auto& [name, offset] :
+       {std::pair<const char*, size_t>{"index", offsetof(td::WaitRecord, index)},
+        {"offset", offsetof(td::WaitRecord, offset)},
+        {"mask", offsetof(td::WaitRecord, mask)},
+        {"value", offsetof(td::WaitRecord, value)},
+        {"observed", offsetof(td::WaitRecord, observed)},
+        {"start_ns", offsetof(td::WaitRecord, start_ns)},
+        {"elapsed_ns", offsetof(td::WaitRecord, elapsed_ns)},
+        {"op", offsetof(td::WaitRecord, op)},
+        {"status", offsetof(td::WaitRecord, status)},
+        {"peer", offsetof(td::WaitRecord, peer)},
+        {"site", offsetof(td::WaitRecord, site)},
+        {"block", offsetof(td::WaitRecord, block)},
+        {"thread", offsetof(td::WaitRecord, thread)}}) {
+    fields[name] = offset;
+  }
+  py::dict sites;
+  for (const auto& [name, site] :
+       {std::pair<const char*, td::WaitSite>{"UNKNOWN", td::WaitSite::kUnknown},
+        {"PROBE", td::WaitSite::kProbe},
+        {"COMBINE_SIGNAL", td::WaitSite::kCombineSignal},
+        {"COMBINE_ARRIVAL", td::WaitSite::kCombineArrival},
+        {"GATHER_SIGNAL", td::WaitSite::kGatherSignal},
+        {"GATHER_ARRIVAL", td::WaitSite::kGatherArrival}}) {
+    sites[name] = static_cast<uint32_t>(site);
+  }
+  py::dict d;
+  d["bytes"] = td::kWaitTraceBytes;
+  d["header_bytes"] = sizeof(td::WaitTraceHeader);
+  d["record_bytes"] = sizeof(td::WaitRecord);
+  d["records"] = td::kWaitTraceRecords;
+  d["next_offset"] = offsetof(td::WaitTraceHeader, next);
+  d["fields"] = fields;
+  d["sites"] = sites;
+  d["op_at_least"] = td::kWaitOpAtLeast;
+  return d;
+}
+
 }  // namespace
 
 void register_kernels(py::module_& m) {
@@ -206,6 +254,11 @@ void register_kernels(py::module_& m) {
   status["PAYLOAD_TIMEOUT"] = static_cast<int>(kc::ServerStatus::kPayloadTimeout);
   status["SLOT_BUSY"] = static_cast<int>(kc::ServerStatus::kSlotBusy);
   m.attr("SERVER_STATUS") = status;
+  m.attr("WAIT_TRACE") = wait_trace_layout();
+  m.attr("DEVICE_DEBUG_ENV") = kc::kDeviceDebugEnv;
+  m.def("device_debug", &kc::device_debug_enabled,
+        "whether the launchers run in the device debug mode (synchronize and check after every "
+        "kernel); read once per process from MOECOMM_DEVICE_DEBUG");
 
   m.def("client_workspace_layout", &client_layout_dict, py::arg("config"),
         "byte offsets of every part of one client workspace (one per micro-batch slot)");

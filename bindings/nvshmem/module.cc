@@ -64,6 +64,7 @@ void register_kernels(py::module_& m) {
   pointer_property(peers, "local_base", &kc::NvshmemPeers::local_base);
   pointer_property(peers, "peer_pe", &kc::NvshmemPeers::peer_pe);
   pointer_property(peers, "alive", &kc::NvshmemPeers::alive);
+  pointer_property(peers, "wait_trace", &kc::NvshmemPeers::wait_trace);
   bind_launcher<kc::ClientConfig, kc::DispatchArgs>(
       m, "client_dispatch", &kc::launch_client_dispatch,
       "enqueues route + pack + put on `stream`; args.workspace must be symmetric");

@@ -33,7 +33,35 @@ constexpr uint64_t kSignalOffset = 0;
 // message look complete early or keep it from completing. Host writers put every byte before
 // the signal and send arrival_target 0. (shm uses bytes 8-11 for its sleeper count; this word
 // stays clear of them.)
+//
+// The writer's total counts the bytes it ADDed, not the messages it signalled (stamp_message
+// below): a warp that found the peer dead puts no chunk, another warp of the same message that
+// found it alive may have put its chunks already, and the peer index may be marked alive again
+// later without either side being reset. So every chunk put is counted whether or not its
+// message's header follows; the header (and signal) goes out only for a message whose every
+// chunk was put, to a peer found alive when the last warp decides, once, for the whole message.
+// Counting a message that was not sent would leave every later target out of reach (the reader
+// times out); not counting chunks that did land would let them complete a later message early.
 constexpr uint64_t kArrivalOffset = 16;
+
+// The last warp's decision for one message of a device writer (message_io.cuh finish_message;
+// host stand-ins in tests call the same function): `arrival_sent` is the writer's total before
+// this message, `bytes_put` what this message's warps ADDed to the peer's counter (every chunk,
+// or fewer when some warp found the peer dead), `peer_alive` the liveness read once, now.
+struct MessageStamp {
+  bool put_header = false;      // put the header and raise the signal
+  uint64_t arrival_sent = 0;    // the writer's new total: + bytes_put, header or not
+  uint64_t arrival_target = 0;  // the header's arrival_target (0: no payload)
+};
+
+MC_HOST_DEVICE inline MessageStamp stamp_message(uint64_t arrival_sent, uint64_t payload_bytes,
+                                                 uint64_t bytes_put, bool peer_alive) {
+  MessageStamp m;
+  m.arrival_sent = arrival_sent + bytes_put;
+  m.put_header = peer_alive && bytes_put == payload_bytes;
+  m.arrival_target = m.put_header && payload_bytes != 0 ? m.arrival_sent : 0;
+  return m;
+}
 constexpr uint64_t kHeaderOffset = kSignalLineBytes;
 constexpr uint64_t kPayloadOffset = kHeaderOffset + align_up(sizeof(SlotHeader), kSlotAlign);
 // A region-wide arrival counter: writers bump it after signalling a slot, so a reader that

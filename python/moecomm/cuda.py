@@ -14,12 +14,17 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import os
 from types import ModuleType
 
 from moecomm.errors import MoecommError
 
 # sizeof(cudaIpcMemHandle_t) (CUDA_IPC_HANDLE_SIZE).
 IPC_HANDLE_BYTES = 64
+# Multiplies every device-side deadline (client combine waits, the server's arrival wait, the
+# adapter's gathers). Device deadlines count wall time, so a process run under compute-sanitizer
+# (10-100x slower kernels) or a debugger would otherwise time out and evict healthy peers.
+DEADLINE_SCALE_ENV = "MOECOMM_DEVICE_DEADLINE_SCALE"
 
 _BUILD_HINT = {
     "_cuda": "nvcc was not found when moecomm was built; install a CUDA toolkit and rebuild "
@@ -79,6 +84,22 @@ def why_unavailable() -> str | None:
     """Why no GPU can be used (the CUDA error, or what is missing); None when one can."""
     n, reason = _device_count_and_reason()
     return None if n > 0 else reason
+
+
+def deadline_scale() -> float:
+    """The factor ``MOECOMM_DEVICE_DEADLINE_SCALE`` sets on every device deadline (1.0 when
+    unset). Read at each call, so a test can set it for one process; a value that is not a
+    positive number is an error, not a silent 1.0."""
+    raw = os.environ.get(DEADLINE_SCALE_ENV, "").strip()
+    if not raw:
+        return 1.0
+    try:
+        scale = float(raw)
+    except ValueError:
+        scale = float("nan")
+    if not scale > 0 or scale == float("inf"):
+        raise ValueError(f"{DEADLINE_SCALE_ENV} must be a positive number, got {raw!r}")
+    return scale
 
 
 def built(name: str = "_cuda") -> bool:
@@ -169,6 +190,7 @@ __all__ = [
     "built",
     "close_ipc_handle",
     "cuda_module",
+    "deadline_scale",
     "device_count",
     "ipc_handle",
     "nvshmem_module",

@@ -209,30 +209,62 @@ def build_server(args: argparse.Namespace, hosted, weight_source) -> ExpertServe
     )
 
 
-def run(args: argparse.Namespace, ready: threading.Event | None = None) -> int:
-    set_threads(args)
-    hosted, layers, experts, weight_source = load_hosted(args)
-    server = build_server(args, hosted, weight_source)
-    http = HttpServer(make_app(server, args.token), args.host, args.port)
-    stop, drain = threading.Event(), threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    signal.signal(signal.SIGTERM, lambda *_: drain.set())  # what orchestrators send first
+def warm_up(server: ExpertServer) -> None:
+    """A server with device kernels (``--device cuda``) compiles and loads them all now, with a
+    forward pass of every hosted layer: a cold Triton cache takes seconds, longer than a
+    client's combine deadline, so the first request must not be the one that pays for it (the
+    client would evict a healthy server)."""
+    warm = getattr(server, "warm_up", None)
+    if warm is None:
+        return
+    # Not "expert server ...": launchers take the first line with that prefix as the ready line.
+    print(f"warm-up of {server.server_id}: compiling and loading the device kernels", flush=True)
+    print(f"warm-up of {server.server_id}: warm in {warm():.1f} s", flush=True)
+
+
+def start_serving(
+    args: argparse.Namespace, server: ExpertServer, layers: list[int], experts: list[int]
+) -> HttpServer:
+    """Warm-up, the loop, the control plane, NVSHMEM and membership, in that order; then the
+    'listening' line, which launchers and tests wait for: a server that printed it serves at
+    full speed from its first request."""
+    warm_up(server)
     server.start()
+    http = HttpServer(make_app(server, args.token), args.host, args.port)
     url = http.start()
-    if args.id is None:
-        # Unique across hosts: two machines serve on the same port.
-        server.server_id = f"expert-server-{url.split('://', 1)[1]}"
-    if is_cuda(args):
-        start_nvshmem(args, server, server.server_id)
-    if args.monitor:
-        server.join_membership(
-            connect_membership(args.monitor, os.environ.get(TOKEN_ENV, "")), url, args.ttl
-        )
+    try:
+        if args.id is None:
+            # Unique across hosts: two machines serve on the same port.
+            server.server_id = f"expert-server-{url.split('://', 1)[1]}"
+        if is_cuda(args):
+            start_nvshmem(args, server, server.server_id)
+        if args.monitor:
+            server.join_membership(
+                connect_membership(args.monitor, os.environ.get(TOKEN_ENV, "")), url, args.ttl
+            )
+    except BaseException:
+        http.stop()
+        raise
     print(
         f"expert server {server.server_id} listening on {url}: layers {layers}, "
         f"experts {experts[0]}..{experts[-1]} ({len(experts)})",
         flush=True,
     )
+    return http
+
+
+def run(args: argparse.Namespace, ready: threading.Event | None = None) -> int:
+    set_threads(args)
+    hosted, layers, experts, weight_source = load_hosted(args)
+    server = build_server(args, hosted, weight_source)
+    stop, drain = threading.Event(), threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: drain.set())  # what orchestrators send first
+    try:
+        http = start_serving(args, server, layers, experts)
+    except BaseException:
+        server.close()
+        raise
     if ready is not None:
         ready.set()
     try:

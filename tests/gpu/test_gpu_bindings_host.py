@@ -72,6 +72,16 @@ def test_peer_tables_give_the_kernels_their_view_directly(nvshmem_native, cuda_n
     assert "streams" in doc and "= 0" not in doc.split("->")[0], doc
 
 
+def test_both_peer_views_carry_the_debug_wait_trace(nvshmem_native, cuda_native):
+    """MOECOMM_DEVICE_DEBUG hands its trace ring to the kernels through the peers view; null
+    (no recording) unless set."""
+    for peers in (cuda_native.IpcPeers(), nvshmem_native.NvshmemPeers()):
+        assert peers.wait_trace == 0
+        peers.wait_trace = 0x7F00_0000_1000
+        assert peers.wait_trace == 0x7F00_0000_1000
+    assert cuda_native.DEVICE_DEBUG_ENV == "MOECOMM_DEVICE_DEBUG"
+
+
 @pytest.mark.skipif(not NO_GPU, reason="checks what a GPU-less run of a gpu test reports")
 def test_require_gpu_turns_a_skipped_gpu_test_into_a_failure(nvshmem_native):
     test = "tests/gpu/test_nvshmem_gpu.py::test_single_pe_put_signal_and_wait_outcomes"

@@ -130,3 +130,71 @@ def test_an_nvshmem_job_hands_out_its_id_and_ranks_over_the_control_plane(host_s
     finally:
         http.stop()
         server.close()
+
+
+# ------------------------------------------------------------------ warm-up before "listening"
+class _WarmingServer(ExpertServer):
+    """A host server with the GPU server's warm-up hook: records what had been printed and
+    whether the loop or the control plane were up when it ran."""
+
+    def __init__(self, capsys):
+        super().__init__(random_experts(1, 2, 64, 32), "warm-server", transport="shm")
+        self.capsys, self.seen = capsys, None
+
+    def warm_up(self) -> float:
+        self.seen = {
+            "printed": self.capsys.readouterr().out,
+            "loop running": self._thread is not None,
+        }
+        return 0.5
+
+
+@pytest.mark.timeout(60)
+def test_a_server_warms_up_before_it_says_it_listens(capsys):
+    import argparse
+
+    from moecomm_serving.expert_server import start_serving
+
+    args = argparse.Namespace(
+        token="", host="127.0.0.1", port=0, id=None, device="cpu", monitor=None, ttl=5.0
+    )
+    server = _WarmingServer(capsys)
+    http = start_serving(args, server, [0], [0, 1])
+    try:
+        assert server.seen is not None, "the warm-up hook was not called"
+        assert "listening" not in server.seen["printed"], "ready before the kernels were warm"
+        assert not server.seen["loop running"], "the loop (and its first pass) ran before warm-up"
+        after = capsys.readouterr().out
+        assert "warm in 0.5 s" in after and "listening on http://127.0.0.1:" in after
+        assert after.index("warm in") < after.index("listening")
+        # Launchers (demo, tests) take the first line starting "expert server" as the ready one.
+        ready = [ln for ln in after.splitlines() if ln.startswith("expert server")]
+        assert " listening on " in ready[0]
+    finally:
+        http.stop()
+        server.close()
+
+
+def test_the_gpu_server_warms_up_before_its_loop_takes_a_pass():
+    """DeviceExpertServer.start: warm-up first, then the loop (whose passes a client's first
+    request meets). Driven without a device: the server's own start() with stand-in passes."""
+    import threading
+
+    from moecomm.runtime.device_server import DeviceExpertServer
+
+    order, stepped = [], threading.Event()
+    server = DeviceExpertServer.__new__(DeviceExpertServer)
+    server.server_id, server._thread, server._stop = "gpu-stand-in", None, threading.Event()
+    server.warm_up = lambda: order.append("warm-up") or 0.0
+
+    def step(timeout):
+        order.append("pass")
+        stepped.set()
+        server._stop.set()
+        return 0
+
+    server.step = step
+    server.start()
+    assert stepped.wait(10)
+    server._thread.join(10)
+    assert order[:2] == ["warm-up", "pass"]

@@ -22,6 +22,7 @@
 #include "kernels/cuda/client_dispatch.cuh"
 #include "kernels/cuda/device_common.cuh"
 #include "kernels/cuda/device_dispatch.h"
+#include "kernels/cuda/launch_check.h"
 #include "protocol/validate.h"
 #include "transport/device/device_ops.cuh"
 
@@ -63,7 +64,8 @@ __device__ ServerStatus await_server(const Backend& b, const CombineParams& p, u
   if (seq == kBusySeq) return ServerStatus::kSlotBusy;
   const uint64_t slot = response_slot(p, s);
   const uint64_t want = protocol::make_signal(protocol::SlotState::kResponseReady, seq);
-  uint64_t word = read_signal(b, slot + protocol::kSignalOffset, s);
+  using transport::device::WaitSite;
+  uint64_t word = read_signal(b, slot + protocol::kSignalOffset, s, WaitSite::kCombineSignal);
   // Wait for the word to change until it is ours: older answers (a server we failed over from)
   // pass by without ending the wait.
   while (word != want) {
@@ -71,7 +73,7 @@ __device__ ServerStatus await_server(const Backend& b, const CombineParams& p, u
       return ServerStatus::kOffline;
     const transport::WaitPredicate changed{transport::WaitOp::kNotEqual, ~uint64_t{0}, word};
     const DeviceWait w = transport::device::wait_word(b, slot + protocol::kSignalOffset, changed,
-                                                      deadline, s, &word);
+                                                      deadline, s, &word, WaitSite::kCombineSignal);
     if (w != DeviceWait::kOk) return static_cast<ServerStatus>(w);
   }
   protocol::Expectation e;
@@ -102,8 +104,8 @@ __device__ ServerStatus await_server(const Backend& b, const CombineParams& p, u
   }
   // Only an answer we will read needs its bytes; 0 = the writer put them before the signal.
   if (status == ServerStatus::kOk && h.arrival_target != 0) {
-    const DeviceWait w =
-        wait_at_least(b, slot + protocol::kArrivalOffset, h.arrival_target, deadline, s);
+    const DeviceWait w = wait_at_least(b, slot + protocol::kArrivalOffset, h.arrival_target,
+                                       deadline, s, WaitSite::kCombineArrival);
     if (w == DeviceWait::kTimeout) status = ServerStatus::kPayloadTimeout;
     if (w == DeviceWait::kPeerLost) status = ServerStatus::kPeerLost;
   }
@@ -191,10 +193,10 @@ void launch_combine(const Backend& backend, uint32_t max_peers, const ClientConf
   auto s = static_cast<cudaStream_t>(stream);
   const auto wait_blocks = static_cast<uint32_t>(ceil_div(cfg.num_servers, kWaitThreads));
   wait_kernel<Backend><<<wait_blocks, kWaitThreads, 0, s>>>(backend, p);
-  MC_CUDA_CHECK(cudaGetLastError());
+  check_kernel(s, "combine wait");
   if (a.num_tokens > 0) {
     reduce_kernel<Backend><<<a.num_tokens, kReduceThreads, 0, s>>>(backend, p);
-    MC_CUDA_CHECK(cudaGetLastError());
+    check_kernel(s, "combine reduce");
   }
 }
 

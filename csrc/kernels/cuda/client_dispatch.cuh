@@ -20,6 +20,7 @@
 #include "common/error.h"
 #include "kernels/cuda/device_common.cuh"
 #include "kernels/cuda/device_dispatch.h"
+#include "kernels/cuda/launch_check.h"
 #include "kernels/cuda/message_io.cuh"
 #include "protocol/signal.h"
 #include "transport/device/device_ops.cuh"
@@ -44,6 +45,8 @@ constexpr int kPutWarps = kPutThreads / dev::kWarpSize;
 // Blocks per server: 4 x 8 warps = 32 warps in flight per destination covers NVLink bandwidth
 // for decode-sized payloads without flooding the grid when there are many servers.
 constexpr int kPutBlocksPerServer = 4;
+static_assert(uint64_t{kPutBlocksPerServer} * kPutWarps <= kProgressWarpMask,
+              "the warps of one message must fit the progress word's count (message_io.cuh)");
 
 // The workspace carved per client_workspace_layout.
 struct ClientWorkspace {
@@ -57,7 +60,7 @@ struct ClientWorkspace {
   int32_t* detail;
   uint64_t* arrival_sent;
   uint64_t* pending_seq;
-  uint32_t* done_warps;
+  uint64_t* done_warps;
 };
 
 // sent_seq of a server skipped because its slot is still busy (no real sequence is all ones:
@@ -77,7 +80,7 @@ inline ClientWorkspace carve_client_workspace(void* base, const ClientConfig& cf
                          reinterpret_cast<int32_t*>(b + l.detail),
                          reinterpret_cast<uint64_t*>(b + l.arrival_sent),
                          reinterpret_cast<uint64_t*>(b + l.pending_seq),
-                         reinterpret_cast<uint32_t*>(b + l.done_warps)};
+                         reinterpret_cast<uint64_t*>(b + l.done_warps)};
 }
 
 // Everything the dispatch kernels read, by value.
@@ -332,18 +335,22 @@ __global__ void __launch_bounds__(kPutThreads)
   const uint8_t* stage = p.ws.staging + uint64_t{s} * p.ws.staging_stride;
   const uint32_t warp = blockIdx.y * kPutWarps + threadIdx.x / dev::kWarpSize;
   const uint32_t num_warps = gridDim.y * kPutWarps;
-  // The liveness mask may flip mid-kernel: checked per warp, and every warp still counts itself.
-  const bool alive = backend.peer_alive(s);
+  const uint32_t lane = threadIdx.x % dev::kWarpSize;
+  // The liveness mask may flip mid-kernel: read once per warp, and every warp still counts
+  // itself, with the bytes it put (finish_message counts those, sent or not: layout.h).
+  const bool alive = warp_peer_alive(backend, s, lane);
+  uint64_t put_bytes = 0;
   for (uint64_t off = uint64_t{warp} * kPutChunkBytes; alive && off < total;
        off += uint64_t{num_warps} * kPutChunkBytes) {
     const uint64_t bytes = total - off < kPutChunkBytes ? total - off : kPutChunkBytes;
     backend.put_signal_warp(s, slot + protocol::kPayloadOffset + off, stage + off, bytes,
                             slot + protocol::kArrivalOffset, bytes, transport::SignalOp::kAdd);
+    put_bytes += bytes;
   }
-  finish_message(backend, s, p.ws.done_warps + s, num_warps, p.ws.arrival_sent + s,
+  finish_message(backend, s, p.ws.done_warps + s, num_warps, put_bytes, p.ws.arrival_sent + s,
                  p.ws.headers + s, slot,
-                 protocol::make_signal(protocol::SlotState::kRequestReady, seq),
-                 threadIdx.x % dev::kWarpSize, [](protocol::SlotHeader*) {});
+                 protocol::make_signal(protocol::SlotState::kRequestReady, seq), lane,
+                 [](protocol::SlotHeader*) {});
   // The staging is rewritten by the next dispatch on this slot: our puts must have left it.
   backend.quiet_warp();
 }
@@ -434,7 +441,7 @@ void launch_dispatch(const Backend& backend, uint32_t max_peers, const ClientCon
                          protocol::response_slot_bytes(cfg.slot)};
   auto s = static_cast<cudaStream_t>(stream);
   route_kernel<<<cfg.num_servers, kRouteThreads, 0, s>>>(p);
-  MC_CUDA_CHECK(cudaGetLastError());
+  check_kernel(s, "dispatch route");
   if (a.num_tokens > 0) {
     switch (a.x_dtype) {
       case Encoding::kFP8E4M3B128:
@@ -450,12 +457,12 @@ void launch_dispatch(const Backend& backend, uint32_t max_peers, const ClientCon
         pack_kernel<float><<<a.num_tokens, kPackThreads, 0, s>>>(p);
         break;
     }
-    MC_CUDA_CHECK(cudaGetLastError());
+    check_kernel(s, "dispatch pack");
   }
   const dim3 grid(cfg.num_servers, kPutBlocksPerServer);
   put_kernel<Backend>
       <<<grid, kPutThreads, 0, s>>>(backend, p, protocol::request_slot_bytes(cfg.slot));
-  MC_CUDA_CHECK(cudaGetLastError());
+  check_kernel(s, "dispatch put");
 }
 
 }  // namespace moecomm::kernels::cuda::client

@@ -17,6 +17,7 @@ transport::cuda_ipc::IpcBackend backend_of(const IpcPeers& p) {
   b.peer_base = p.peer_base;
   b.alive = p.alive;
   b.max_peers = p.max_peers;
+  b.wait_trace = p.wait_trace;
   return b;
 }
 

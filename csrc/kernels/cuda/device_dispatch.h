@@ -21,15 +21,19 @@
 #include "kernels/cuda/dispatch_index.h"
 #include "protocol/header.h"
 #include "protocol/layout.h"
+#include "transport/device/wait_trace.h"
 
 namespace moecomm::kernels::cuda {
 
 // Host-side descriptions of the two device backends (the device structs themselves need nvcc).
+// `wait_trace`: the device debug mode's ring of wait records (transport/device/wait_trace.h,
+// kWaitTraceBytes of zeroed device memory), or nullptr (the default): nothing is recorded.
 struct IpcPeers {
   uint8_t* local_base = nullptr;        // our region (device memory)
   uint8_t* const* peer_base = nullptr;  // [max_peers] device array of mapped peer regions
   const uint32_t* alive = nullptr;      // [max_peers] device liveness mask
   uint32_t max_peers = 0;
+  transport::device::WaitTrace* wait_trace = nullptr;
 };
 
 struct NvshmemPeers {
@@ -37,6 +41,7 @@ struct NvshmemPeers {
   const int32_t* peer_pe = nullptr;  // [max_peers] device array: NVSHMEM PE of each peer
   const uint32_t* alive = nullptr;   // [max_peers] device liveness mask
   uint32_t max_peers = 0;
+  transport::device::WaitTrace* wait_trace = nullptr;
 };
 
 // What a client and all its servers agreed on, plus where the rings are.

@@ -140,7 +140,9 @@ struct ClientWorkspaceLayout {
   // Kept across steps (zero at start; zero an entry when its server index gets a new server):
   uint64_t arrival_sent = 0;  // [num_servers] u64: bytes ever added to s's arrival counter
   uint64_t pending_seq = 0;   // [num_servers] u64: a request that timed out, 0 = none
-  uint64_t done_warps = 0;    // [num_servers] u32: put warps finished (the last one signals)
+  // [num_servers] u64: put warps finished (low 16 bits) and the payload bytes they put
+  // (above); the last warp to finish signals and zeroes it (message_io.cuh finish_message).
+  uint64_t done_warps = 0;
   uint64_t total = 0;
 };
 
@@ -160,7 +162,7 @@ MC_HOST_DEVICE inline ClientWorkspaceLayout client_workspace_layout(uint32_t num
   w.arrival_sent = align_up(w.detail + s * sizeof(int32_t), kCacheLine);
   w.pending_seq = align_up(w.arrival_sent + s * sizeof(uint64_t), kCacheLine);
   w.done_warps = align_up(w.pending_seq + s * sizeof(uint64_t), kCacheLine);
-  w.total = align_up(w.done_warps + s * sizeof(uint32_t), kCacheLine);
+  w.total = align_up(w.done_warps + s * sizeof(uint64_t), kCacheLine);
   return w;
 }
 
@@ -212,7 +214,7 @@ struct ServerWorkspaceLayout {
   uint64_t headers = 0;        // [B] SlotHeader, the source of the response header puts
   // Kept across steps (zero at start; zero a client's entries when its index gets a new one):
   uint64_t arrival_sent = 0;  // [B] u64: bytes ever added to the entry's response counter
-  uint64_t done_warps = 0;    // [B] u32: put warps finished (the last one signals)
+  uint64_t done_warps = 0;    // [B] u64: put warps finished and bytes put (as the client's)
   uint64_t num_entries = 0;
   uint64_t max_rows = 0;  // max_step_tokens * topk: every copy of every token
   uint64_t num_tiles = 0;
@@ -266,7 +268,7 @@ MC_HOST_DEVICE inline ServerWorkspaceLayout server_workspace_layout(const protoc
   w.response = part(t * out_row + protocol::kSlotAlign);
   w.headers = part(b * sizeof(protocol::SlotHeader));
   w.arrival_sent = part(b * sizeof(uint64_t));
-  w.done_warps = part(b * sizeof(uint32_t));
+  w.done_warps = part(b * sizeof(uint64_t));
   w.total = at;
   return w;
 }

@@ -4,6 +4,7 @@
 
 #include "common/align.h"
 #include "common/error.h"
+#include "kernels/cuda/launch_check.h"
 #include "kernels/cuda/reorg.h"
 
 namespace moecomm::kernels::cuda {
@@ -146,7 +147,7 @@ void launch_reorg_histogram(const ReorgInputs& in, int32_t* tile_hist, void* str
   MC_CUDA_CHECK(cudaMemsetAsync(
       tile_hist, 0, static_cast<size_t>(num_tiles) * in.num_experts * sizeof(int32_t), s));
   histogram_kernel<<<grid_for(num_tiles), kThreadsPerBlock, 0, s>>>(in, num_tiles, tile_hist);
-  MC_CUDA_CHECK(cudaGetLastError());
+  check_kernel(s, "reorg histogram");
 }
 
 void launch_reorg_column_scan(const int32_t* tile_hist, int64_t num_tiles, int32_t num_experts,
@@ -156,7 +157,7 @@ void launch_reorg_column_scan(const int32_t* tile_hist, int64_t num_tiles, int32
       static_cast<int>(ceil_div(static_cast<uint64_t>(num_experts), kScanThreadsPerBlock));
   column_scan_kernel<<<blocks, kScanThreadsPerBlock, 0, static_cast<cudaStream_t>(stream)>>>(
       tile_hist, num_tiles, num_experts, tile_prefix, counts);
-  MC_CUDA_CHECK(cudaGetLastError());
+  check_kernel(static_cast<cudaStream_t>(stream), "reorg column scan");
 }
 
 void launch_reorg_scatter(const ReorgInputs& in, const ReorgRows& rows, const int64_t* offsets,
@@ -174,7 +175,7 @@ void launch_reorg_scatter(const ReorgInputs& in, const ReorgRows& rows, const in
     scatter_kernel<uint16_t><<<grid_for(num_tiles), kThreadsPerBlock, 0, s>>>(
         in, rows, offsets, tile_prefix, out, num_tiles);
   }
-  MC_CUDA_CHECK(cudaGetLastError());
+  check_kernel(s, "reorg scatter");
 }
 
 }  // namespace moecomm::kernels::cuda

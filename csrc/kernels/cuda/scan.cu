@@ -4,6 +4,7 @@
 #include "common/align.h"
 #include "common/error.h"
 #include "kernels/cuda/device_common.cuh"
+#include "kernels/cuda/launch_check.h"
 #include "kernels/cuda/scan.h"
 
 namespace moecomm::kernels::cuda {
@@ -98,7 +99,7 @@ void launch_group_shrink(const int32_t* counts, int32_t num_experts, int32_t blo
   MC_CHECK(block_m > 0, "group_shrink: expected block_m > 0, got ", block_m);
   group_shrink_kernel<<<1, kScanThreads, 0, static_cast<cudaStream_t>(stream)>>>(
       counts, num_experts, block_m, out);
-  MC_CUDA_CHECK(cudaGetLastError());
+  check_kernel(static_cast<cudaStream_t>(stream), "group shrink");
 }
 
 void launch_tile_map(const int32_t* tile_offsets, const int32_t* active, const int32_t* totals,
@@ -108,7 +109,7 @@ void launch_tile_map(const int32_t* tile_offsets, const int32_t* active, const i
   const int blocks = static_cast<int>(ceil_div(static_cast<uint64_t>(max_tiles), kTileMapThreads));
   tile_map_kernel<<<blocks, kTileMapThreads, 0, static_cast<cudaStream_t>(stream)>>>(
       tile_offsets, active, totals, max_tiles, tile_expert, tile_mblock);
-  MC_CUDA_CHECK(cudaGetLastError());
+  check_kernel(static_cast<cudaStream_t>(stream), "tile map");
 }
 
 }  // namespace moecomm::kernels::cuda

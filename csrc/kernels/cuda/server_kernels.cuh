@@ -93,7 +93,8 @@ __device__ EntryState examine(const Backend& b, const ServerParams& p, const Ser
                               uint32_t entry) {
   EntryState st{};
   const uint64_t slot = request_slot(p, entry);
-  const uint64_t word = client::read_signal(b, slot + protocol::kSignalOffset, entry / p.num_slots);
+  const uint64_t word = client::read_signal(b, slot + protocol::kSignalOffset, entry / p.num_slots,
+                                            transport::device::WaitSite::kGatherSignal);
   if (protocol::signal_state(word) != protocol::SlotState::kRequestReady) return st;
   st.seq = protocol::signal_seq(word);
   protocol::Expectation e;
@@ -126,9 +127,10 @@ __device__ EntryState examine(const Backend& b, const ServerParams& p, const Ser
     return st;
   }
   if (h.arrival_target != 0) {
-    const auto w = client::wait_at_least(b, slot + protocol::kArrivalOffset, h.arrival_target,
-                                         transport::device::now_ns() + a.arrival_timeout_ns,
-                                         entry / p.num_slots);
+    const auto w =
+        client::wait_at_least(b, slot + protocol::kArrivalOffset, h.arrival_target,
+                              transport::device::now_ns() + a.arrival_timeout_ns,
+                              entry / p.num_slots, transport::device::WaitSite::kGatherArrival);
     if (w != transport::device::DeviceWait::kOk) return EntryState{};  // next step
   }
   st.action = static_cast<int32_t>(EntryAction::kServe);
@@ -253,7 +255,6 @@ __global__ void __launch_bounds__(kPutThreads) respond_put_kernel(Backend b, Ser
   const uint64_t remote =
       ring_slot_offset(p.response_ring_offset[client], p.response_slot_bytes, entry % p.num_slots);
   const uint64_t local = request_slot(p, entry);
-  const bool alive = b.peer_alive(client);
   const uint32_t warp = blockIdx.y * kPutWarps + threadIdx.x / dev::kWarpSize;
   const uint32_t lane = threadIdx.x % dev::kWarpSize;
   const uint64_t total =
@@ -297,16 +298,20 @@ __global__ void __launch_bounds__(kPutThreads) respond_put_kernel(Backend b, Ser
   const uint8_t* src =
       part<uint8_t>(p, p.lay.response) + part<int64_t>(p, p.lay.batch_offsets)[entry] * out_row;
   const uint32_t num_warps = gridDim.y * kPutWarps;
-  // Every warp counts itself done below, even when the client is dead (see finish_message).
+  // Liveness read once per warp; every warp counts itself done below, with the bytes it put,
+  // even when the client is dead (see finish_message).
+  const bool alive = client::warp_peer_alive(b, client, lane);
+  uint64_t put_bytes = 0;
   for (uint64_t off = uint64_t{warp} * client::kPutChunkBytes; alive && off < total;
        off += uint64_t{num_warps} * client::kPutChunkBytes) {
     const uint64_t left = total - off;
     const uint64_t bytes = left < client::kPutChunkBytes ? left : client::kPutChunkBytes;
     b.put_signal_warp(client, remote + protocol::kPayloadOffset + off, src + off, bytes,
                       remote + protocol::kArrivalOffset, bytes, transport::SignalOp::kAdd);
+    put_bytes += bytes;
   }
-  client::finish_message(b, client, part<uint32_t>(p, p.lay.done_warps) + entry, num_warps,
-                         part<uint64_t>(p, p.lay.arrival_sent) + entry, hdr, remote,
+  client::finish_message(b, client, part<uint64_t>(p, p.lay.done_warps) + entry, num_warps,
+                         put_bytes, part<uint64_t>(p, p.lay.arrival_sent) + entry, hdr, remote,
                          protocol::make_signal(protocol::SlotState::kResponseReady, st.seq), lane,
                          fill);
   // The response staging is rewritten by the next step's rows kernel.

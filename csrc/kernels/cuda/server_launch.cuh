@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "common/error.h"
+#include "kernels/cuda/launch_check.h"
 #include "kernels/cuda/reorg.h"
 #include "kernels/cuda/scan.h"
 #include "kernels/cuda/server_kernels.cuh"
@@ -77,14 +78,14 @@ void launch_gather(const Backend& b, uint32_t max_peers, const ServerConfig& cfg
   auto* ws = static_cast<uint8_t*>(a.workspace);
   auto s = static_cast<cudaStream_t>(stream);
   poll_kernel<Backend><<<1, kPollThreads, 0, s>>>(b, p, a);
-  MC_CUDA_CHECK(cudaGetLastError());
+  check_kernel(s, "server gather poll");
   // Tokens past the step's real count must route nowhere: all-ones bytes are int32 -1.
   constexpr int kAllOnes = 0xff;
   MC_CUDA_CHECK(cudaMemsetAsync(ws + l.ids, kAllOnes, l.max_rows * sizeof(int32_t), s));
   const dim3 copy_grid(static_cast<uint32_t>(l.num_entries),
                        static_cast<uint32_t>(ceil_div(cfg.slot.max_tokens, kRowsPerBlock)));
   copy_kernel<Backend><<<copy_grid, kRowThreads, 0, s>>>(b, p);
-  MC_CUDA_CHECK(cudaGetLastError());
+  check_kernel(s, "server gather copy");
 
   ReorgInputs in{};
   in.ids = reinterpret_cast<const int32_t*>(ws + l.ids);
@@ -136,10 +137,10 @@ void launch_respond(const Backend& b, uint32_t max_peers, const ServerConfig& cf
   const dim3 rows_grid(
       entries, static_cast<uint32_t>(ceil_div(cfg.slot.max_tokens, kRespondTokensPerBlock)));
   respond_rows_kernel<<<rows_grid, kRespondThreads, 0, s>>>(p, a.expert_out, a.expert_out_dtype);
-  MC_CUDA_CHECK(cudaGetLastError());
+  check_kernel(s, "server respond rows");
   const dim3 put_grid(entries, kPutBlocksPerEntry);
   respond_put_kernel<Backend><<<put_grid, kPutThreads, 0, s>>>(b, p);
-  MC_CUDA_CHECK(cudaGetLastError());
+  check_kernel(s, "server respond put");
 }
 
 }  // namespace moecomm::kernels::cuda::server

@@ -8,6 +8,8 @@
 
 #include <cstdint>
 
+#include "transport/device/wait_trace.h"
+
 #if defined(__CUDACC__)
 #include "transport/device/device_ops.cuh"
 #endif
@@ -25,6 +27,8 @@ struct IpcBackend {
   uint8_t* const* peer_base = nullptr;  // [max_peers] mapped peer regions (nullptr = no peer)
   const uint32_t* alive = nullptr;      // [max_peers] 1 = alive, 0 = gone or never joined
   uint32_t max_peers = 0;
+  // The debug mode's wait trace (device memory), or nullptr: nothing recorded.
+  device::WaitTrace* wait_trace = nullptr;
 
 #if defined(__CUDACC__)
   __device__ uint32_t num_peers() const { return max_peers; }

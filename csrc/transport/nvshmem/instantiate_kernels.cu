@@ -21,6 +21,7 @@ transport::nvshmem::NvshmemBackend backend_of(const NvshmemPeers& p) {
   b.peer_pe = p.peer_pe;
   b.alive = p.alive;
   b.max_peers = p.max_peers;
+  b.wait_trace = p.wait_trace;
   return b;
 }
 

@@ -8,6 +8,8 @@
 
 #include <cstdint>
 
+#include "transport/device/wait_trace.h"
+
 #if defined(__CUDACC__)
 #include <nvshmem.h>
 #include <nvshmemx.h>
@@ -24,6 +26,8 @@ struct NvshmemBackend {
   const int32_t* peer_pe = nullptr;  // [max_peers] NVSHMEM PE of each moecomm peer
   const uint32_t* alive = nullptr;   // [max_peers] liveness mask
   uint32_t max_peers = 0;
+  // The debug mode's wait trace (device memory), or nullptr: nothing recorded.
+  device::WaitTrace* wait_trace = nullptr;
 
 #if defined(__CUDACC__)
   __device__ uint32_t num_peers() const { return max_peers; }

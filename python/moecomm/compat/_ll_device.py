@@ -58,6 +58,7 @@ import time
 
 import torch
 
+import moecomm.cuda
 from moecomm import _C
 from moecomm.compat._ll_cast import UE8M0_PACK
 from moecomm.compat._ll_device_combine import ENTRY_WORDS, LaneCombine
@@ -78,7 +79,7 @@ from moecomm.errors import MoecommError, PeerLostError, ProtocolError, TimeoutEr
 from moecomm.protocol import SCALE_BLOCK, SlotLayout
 
 # How long one gather waits for the payload of a request whose header arrived (the rest of the
-# payload is picked up by the next pass).
+# payload is picked up by the next pass); times MOECOMM_DEVICE_DEADLINE_SCALE, see below.
 ARRIVAL_TIMEOUT_NS = 20_000
 # Host back-off between gather passes while requests are missing.
 MAX_POLL_SLEEP_S = 200e-6
@@ -97,6 +98,12 @@ __all__ = [
     "input_device",
     "scatter_receive",
 ]
+
+
+def arrival_timeout_ns() -> int:
+    """The gather's payload wait, scaled by ``MOECOMM_DEVICE_DEADLINE_SCALE``
+    (:func:`moecomm.cuda.deadline_scale`: sanitizers and debuggers slow the writer down)."""
+    return int(ARRIVAL_TIMEOUT_NS * moecomm.cuda.deadline_scale())
 
 
 # ---------------------------------------------------------------------------- selection
@@ -332,7 +339,7 @@ class _Lane(LaneCombine):
         nr = buf.num_ranks
         ga = k.ServerGatherArgs()
         ga.layer_id, ga.layer_hosted, ga.num_layers = slot, self.layer_hosted.data_ptr(), NUM_SLOTS
-        ga.arrival_timeout_ns, ga.block_m = ARRIVAL_TIMEOUT_NS, 1
+        ga.arrival_timeout_ns, ga.block_m = arrival_timeout_ns(), 1
         ga.workspace = self.s_ws[slot].data_ptr()
         entries = part(
             self.s_ws[slot], self.s_layout, "entries", torch.int32, nr * NUM_SLOTS * ENTRY_WORDS

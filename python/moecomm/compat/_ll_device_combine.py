@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+import moecomm.cuda
 from moecomm import _C
 from moecomm.compat._ll_device_ops import (
     DeviceHandle,
@@ -96,7 +97,8 @@ class LaneCombine:
         ca = k.CombineArgs()
         ca.num_tokens, ca.layer_id, ca.slot = 0, slot, slot  # wait only: we reduce below
         ca.workspace, ca.out, ca.out_dtype = ws.data_ptr(), 0, int(_C.Encoding.BF16)
-        ca.timeout_ns = int(buf.timeout * 1e9)
+        # Scaled like every device deadline (a sanitizer or debugger slows the server down).
+        ca.timeout_ns = int(buf.timeout * 1e9 * moecomm.cuda.deadline_scale())
         k.client_combine(self.peers, self.ccfg, ca, stream.cuda_stream)
         h = self.shape.hidden
         start = self.resp_base + _C.slot_offset(self.resp_slot_bytes, slot) + _C.PAYLOAD_OFFSET

@@ -15,12 +15,20 @@ the step runs again with its experts on their replicas — the host path's failo
 
 One region holds the response rings of every server (``max_servers`` of them); server ``s`` is
 peer ``s`` of the CUDA-IPC peer table, which hands its kernel view to the launchers directly.
+The expert map the kernels route by is allocated once per layer and rewritten in place on every
+membership change (:mod:`moecomm.runtime.device_maps`), so a captured graph survives failover.
+
+Every device deadline (the combine's ``timeout``) is multiplied by
+:func:`moecomm.cuda.deadline_scale` (``MOECOMM_DEVICE_DEADLINE_SCALE``, for sanitizers and
+debuggers). ``MOECOMM_DEVICE_DEBUG=1`` records every device wait and prints them with the
+per-server statuses on a failed step (:mod:`moecomm.runtime.device_debug`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +38,9 @@ from moecomm import _C
 from moecomm.errors import MoecommError
 from moecomm.ops._checks import check_tensor
 from moecomm.protocol import ENCODING_DTYPE, SlotLayout, as_encoding
+from moecomm.runtime import device_debug
 from moecomm.runtime.client import random_client_id
+from moecomm.runtime.device_maps import DEFAULT_MAX_EXPERTS, ExpertMaps
 
 log = logging.getLogger("moecomm.device_client")
 
@@ -75,12 +85,20 @@ def _stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
+def combine_timeout_ns(timeout_s: float) -> int:
+    """The combine kernel's deadline for a ``timeout_s`` wait: scaled by
+    ``MOECOMM_DEVICE_DEADLINE_SCALE`` (:func:`moecomm.cuda.deadline_scale`)."""
+    return int(timeout_s * 1e9 * moecomm.cuda.deadline_scale())
+
+
 class DeviceClient:
     """Device dispatch/combine over CUDA IPC with expert servers started ``--device cuda``.
 
     Build it with :meth:`connect` (the handshake), or construct it and :meth:`add_server` one
     URL at a time. ``layout`` is the slot layout every server agreed to (servers of the GPU path
-    fix theirs at start); ``num_slots`` micro-batches may be in flight."""
+    fix theirs at start); ``num_slots`` micro-batches may be in flight. ``max_experts`` sizes
+    the per-layer expert maps once (a server hosting a higher logical expert id is refused:
+    :mod:`moecomm.runtime.device_maps`)."""
 
     def __init__(
         self,
@@ -91,6 +109,7 @@ class DeviceClient:
         client_id: int | None = None,
         timeout: float = 1.0,
         token: str = "",
+        max_experts: int = DEFAULT_MAX_EXPERTS,
     ):
         self._k = moecomm.cuda.cuda_module()  # a clear error without a build or a device
         if num_slots < 1 or max_servers < 1:
@@ -130,7 +149,10 @@ class DeviceClient:
         # peer index -> its response ring (peer indices of retiring peers are not reused at
         # once, so the two numberings differ)
         self._rings: dict[int, int] = {}
-        self._maps: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (server, local)
+        # layer -> (server, local) device tensors, allocated once, rewritten in place
+        self._maps = ExpertMaps(dev, max_experts)
+        # The debug mode's wait trace, handed to every launch (None: nothing recorded).
+        self._trace = device_debug.WaitTraceBuffer(dev) if device_debug.enabled() else None
         self._next_slot = 0
         self._inflight: list[DeviceHandle | None] = [None] * num_slots
 
@@ -187,7 +209,9 @@ class DeviceClient:
         # A ring an evicted server wrote into starts clean: signal words, arrival counters.
         self.transport.write(self.region, ring * self.ring_bytes, bytes(self.ring_bytes))
         answer = connect_device(self, url, ring * self.ring_bytes)
+        hosted = {int(k): [int(e) for e in v] for k, v in answer["hosted"].items()}
         try:
+            self._maps.check(hosted, url)  # refused before it is routed to (fixed-size maps)
             index = self.table.add_peer(answer["server_handle"])
         except BaseException:
             from moecomm.runtime.control import http_disconnect
@@ -198,7 +222,6 @@ class DeviceClient:
         self.response_ring_offset[index] = ring * self.ring_bytes
         self._rings[index] = ring
         self._reset_peer(index)
-        hosted = {int(k): [int(e) for e in v] for k, v in answer["hosted"].items()}
         self.servers[index] = _Server(url, answer["server_id"], answer["session"], hosted)
         self._rebuild_maps()
         return index
@@ -230,31 +253,37 @@ class DeviceClient:
 
     def _rebuild_maps(self) -> None:
         """Per layer, logical expert -> (server, local index): the lowest live server hosting
-        it (replicas are spread by the caller's placement, not here)."""
-        maps: dict[int, dict[int, tuple[int, int]]] = {}
-        for index in sorted(self.servers):
-            for layer, slots in self.servers[index].hosted.items():
-                for local, expert in enumerate(slots):
-                    if expert >= 0:
-                        maps.setdefault(layer, {}).setdefault(expert, (index, local))
-        self._maps = {}
-        for layer, m in maps.items():
-            n = max(m) + 1
-            server = torch.full((n,), -1, dtype=torch.int32)
-            local = torch.full((n,), -1, dtype=torch.int32)
-            for e, (s, i) in m.items():
-                server[e], local[e] = s, i
-            self._maps[layer] = (server.to(self.device), local.to(self.device))
+        it, rewritten in place in the tensors every launch (and captured graph) reads."""
+        self._maps.update({index: s.hosted for index, s in self.servers.items()})
 
     def routable(self, layer_id: int) -> set[int]:
-        server, _ = self._maps.get(layer_id, (torch.empty(0), None))
-        return {i for i, s in enumerate(server.tolist()) if s >= 0}
+        """Logical experts of ``layer_id`` that have a live server (no device read)."""
+        return self._maps.routable(layer_id)
+
+    def expert_map(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``(server, local)`` device tensors the kernels route ``layer_id`` by
+        (``[max_experts]`` int32, persistent)."""
+        return self._maps.tensors(layer_id)
 
     # ------------------------------------------------------------------ kernel-level step
     def _part(self, ws: torch.Tensor, name: str, dtype: torch.dtype, count: int) -> torch.Tensor:
         start = self.workspace_layout[name]
         size = torch.empty((), dtype=dtype).element_size() * count
         return ws[start : start + size].view(dtype)
+
+    def _peers(self):
+        """The kernels' view of the peer table, with the debug trace when the mode is on."""
+        return device_debug.attach(self.table.kernel_peers(), self._trace)
+
+    def _native(self, what: str, launch: Callable[[], None]) -> None:
+        """Runs one native launch; in the debug mode a failure (a CUDA error the launcher
+        caught after the kernel) prints the report before it propagates."""
+        try:
+            launch()
+        except Exception as exc:
+            if self._trace is not None:
+                self.debug_report(f"{what} failed: {type(exc).__name__}: {exc}")
+            raise
 
     def status(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(status, detail) int32 device views [max_servers] of the last combine on ``slot``
@@ -278,9 +307,9 @@ class DeviceClient:
             raise ValueError("topk_ids and topk_weights must both be [T, K] with T = x.shape[0]")
         if not (topk_ids.is_contiguous() and topk_weights.is_contiguous()):
             raise ValueError("topk_ids and topk_weights must be contiguous")
-        if layer_id not in self._maps:
+        if not self._maps.routable(layer_id):  # the layer's tensors outlive its servers
             raise MoecommError(f"no connected server hosts layer {layer_id}")
-        server, local = self._maps[layer_id]
+        server, local = self._maps.tensors(layer_id)
         a = self._k.DispatchArgs()
         a.x, a.x_dtype, a.x_row_stride = x.data_ptr(), int(as_encoding(x.dtype)), x.stride(0)
         a.topk_ids, a.ids_int64 = topk_ids.data_ptr(), topk_ids.dtype == torch.int64
@@ -288,9 +317,11 @@ class DeviceClient:
         a.weights_dtype = int(as_encoding(topk_weights.dtype))
         a.num_tokens, a.topk = t, topk_ids.shape[1]
         a.expert_server, a.expert_local = server.data_ptr(), local.data_ptr()
-        a.num_experts, a.layer_id, a.slot = server.shape[0], layer_id, slot
+        # The maps' fixed capacity: the same for every launch, before and after a failover.
+        a.num_experts, a.layer_id, a.slot = self._maps.max_experts, layer_id, slot
         a.next_seq, a.workspace = self.next_seq.data_ptr(), self.workspaces[slot].data_ptr()
-        self._k.client_dispatch(self.table.kernel_peers(), self.config, a, _stream(self.device))
+        peers, stream = self._peers(), _stream(self.device)
+        self._native("dispatch", lambda: self._k.client_dispatch(peers, self.config, a, stream))
 
     def wait(self, num_tokens: int, layer_id: int, slot: int, out: torch.Tensor) -> torch.Tensor:
         """Enqueues wait + reduce into ``out`` [num_tokens, hidden] on the current stream."""
@@ -300,8 +331,9 @@ class DeviceClient:
         a = self._k.CombineArgs()
         a.num_tokens, a.layer_id, a.slot = num_tokens, layer_id, slot
         a.workspace, a.out = self.workspaces[slot].data_ptr(), out.data_ptr()
-        a.out_dtype, a.timeout_ns = int(as_encoding(out.dtype)), int(self.timeout * 1e9)
-        self._k.client_combine(self.table.kernel_peers(), self.config, a, _stream(self.device))
+        a.out_dtype, a.timeout_ns = int(as_encoding(out.dtype)), combine_timeout_ns(self.timeout)
+        peers, stream = self._peers(), _stream(self.device)
+        self._native("combine", lambda: self._k.client_combine(peers, self.config, a, stream))
         return out
 
     # ------------------------------------------------------------------ the seam
@@ -343,6 +375,8 @@ class DeviceClient:
             }
             if not failed:
                 return out
+            if self._trace is not None:
+                self.debug_report(f"layer {handle.layer_id}: combine attempt {attempt} failed")
             busy = {i for i, (s, _) in failed.items() if s == codes.get("SLOT_BUSY", -1)}
             for index, (s, d) in failed.items():
                 if index not in busy:
@@ -352,7 +386,7 @@ class DeviceClient:
             needed = {int(e) for e in handle.topk_ids.flatten().tolist() if e >= 0}
             missing = needed - self.routable(handle.layer_id)
             if missing:
-                raise DeviceStepFailed(
+                self._raise_failed(
                     f"layer {handle.layer_id}: experts {sorted(missing)[:8]} have no live server "
                     f"left (last failures: {failed})"
                 )
@@ -360,7 +394,60 @@ class DeviceClient:
                      handle.layer_id)  # fmt: skip
             h = handle
             self.launch(h.x, h.topk_ids, h.topk_weights, h.layer_id, h.slot)
-        raise DeviceStepFailed(f"layer {handle.layer_id}: failing after {MAX_FAILOVERS} retries")
+        self._raise_failed(f"layer {handle.layer_id}: failing after {MAX_FAILOVERS} retries")
+
+    def _raise_failed(self, message: str) -> None:
+        if self._trace is not None:
+            self.debug_report(f"DeviceStepFailed: {message}")
+        raise DeviceStepFailed(message)
+
+    # ------------------------------------------------------------------ debugging
+    def debug_state(self) -> dict[str, str]:
+        """The client's side of a debug report: its servers, and per slot every server index
+        that has state (status/detail of the last combine, the sequence sent, a pending one,
+        the arrival bytes sent, the tokens)."""
+        codes = {v: k for k, v in self._k.SERVER_STATUS.items()}
+        servers = [
+            f"    server {i}: {s.url} ({s.server_id}), response ring {self._rings.get(i)}"
+            for i, s in sorted(self.servers.items())
+        ]
+        n = self.config.num_servers
+        slots = []
+        for slot, ws in enumerate(self.workspaces):
+            status, detail = (v.tolist() for v in self.status(slot))
+            sent = self._part(ws, "sent_seq", _U64, n).tolist()
+            pending = self._part(ws, "pending_seq", _U64, n).tolist()
+            arrival = self._part(ws, "arrival_sent", _U64, n).tolist()
+            count = self._part(ws, "count", torch.int32, n).tolist()
+            for i in range(n):
+                if i not in self.servers and not (sent[i] or pending[i] or arrival[i]):
+                    continue
+                slots.append(
+                    f"    slot {slot} server {i}: {codes.get(status[i], status[i])} detail "
+                    f"{detail[i]}, sent seq {sent[i] & 0xFFFFFFFFFFFFFFFF:#x}, pending "
+                    f"{pending[i]}, arrival sent {arrival[i]}, tokens {count[i]}"
+                )
+        return {
+            "servers": "\n".join(servers) or "    (none)",
+            "per-slot status": "\n".join(slots) or "    (nothing sent yet)",
+        }
+
+    def debug_report(self, title: str) -> str:
+        """Prints (stderr) and returns the client's state and, in the debug mode, its recorded
+        device waits; never raises (it runs on failure paths, where the device may be gone)."""
+        sections: dict[str, str] = {}
+        try:
+            sections.update(self.debug_state())
+        except Exception as exc:  # a sticky CUDA error makes every device read fail
+            sections["client state"] = f"    unreadable: {type(exc).__name__}: {exc}"
+        if self._trace is None:
+            sections["device waits"] = f"    not recorded ({device_debug.DEBUG_ENV} is off)"
+        else:
+            try:
+                sections["device waits"] = device_debug.format_trace(*self._trace.read())
+            except Exception as exc:
+                sections["device waits"] = f"    unreadable: {type(exc).__name__}: {exc}"
+        return device_debug.report(f"client {self.client_id:#x}: {title}", sections)
 
     def close(self) -> None:
         """Disconnects from every server (they free this client's slots)."""
@@ -372,4 +459,4 @@ class DeviceClient:
             http_disconnect(server.url, self.client_id, self.token, session=server.session)
             self.table.remove_peer(index, [_stream(self.device)])
         self._rings.clear()
-        self._maps = {}
+        self._maps.clear()

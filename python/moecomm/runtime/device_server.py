@@ -18,6 +18,15 @@ The host reads one small status block per pass (entries served, rejected; tokens
 for the statistics and the idle back-off; it never reads a count it would need to launch.
 Clients connect over CUDA IPC (same node; the handshake carries the IPC handles, see
 runtime/device_handshake.py). Every client shares the server's slot layout, fixed at start.
+
+Before the loop starts (and before ``moecomm expert-server`` says it listens), :meth:`warm_up`
+runs every hosted layer's expert MLP as a pass calls it, on a one-row batch, and one empty pass:
+Triton's JIT compiles take seconds on a cold cache, longer than a client's combine deadline, and
+would otherwise fall on the first request and get a healthy server evicted.
+
+The payload wait of the gather (``ARRIVAL_TIMEOUT_S``) is multiplied by
+:func:`moecomm.cuda.deadline_scale`; ``MOECOMM_DEVICE_DEBUG=1`` records the device waits and
+prints them with the entry states when a pass fails (:mod:`moecomm.runtime.device_debug`).
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from moecomm.errors import MoecommError
 from moecomm.ops.grouped_gemm import DEFAULT_BLOCK_M
 from moecomm.ops.quant import QUANTIZED_ENCODINGS, scales_per_token
 from moecomm.protocol import ENCODING_DTYPE, SlotLayout, as_encoding
+from moecomm.runtime import device_debug
 from moecomm.runtime.experts import ExpertWeights
 from moecomm.runtime.registry import SESSION_BYTES, ClientIdInUse, UnknownSession
 from moecomm.runtime.server import CLIENT_CHECK_S, MAX_SLOTS_PER_CLIENT, ExpertServer
@@ -52,8 +62,16 @@ ARRIVAL_TIMEOUT_S = 20e-6
 MAX_IDLE_SLEEP_S = 1e-3
 MIN_IDLE_SLEEP_S = 20e-6
 # EntryState is 8 int32 (dispatch_index.h): action, code, num_tokens, ...
-_ENTRY_WORDS = 8
+_ENTRY_WORDS = device_debug.ENTRY_WORDS
 _ACTION_SERVE, _ACTION_REJECT = 1, 2
+# The warm-up batch: one row, to local expert 0 (what matters is that every kernel a pass
+# launches is compiled and loaded, with the step's shapes and dtypes, before the first client).
+WARM_UP_ROWS = 1
+
+
+def arrival_timeout_ns() -> int:
+    """The gather's payload wait, scaled by ``MOECOMM_DEVICE_DEADLINE_SCALE``."""
+    return int(ARRIVAL_TIMEOUT_S * 1e9 * moecomm.cuda.deadline_scale())
 
 
 class DeviceExpertServer(ExpertServer):
@@ -132,6 +150,9 @@ class DeviceExpertServer(ExpertServer):
         self._clients: dict[int, tuple[int, str]] = {}  # peer index -> (client id, session)
         self._lock = threading.Lock()  # connects change the tables the loop launches with
         self._idle_sleep = MIN_IDLE_SLEEP_S
+        self._warm = False
+        # The debug mode's wait trace, handed to every launch (None: nothing recorded).
+        self._trace = device_debug.WaitTraceBuffer(dev) if device_debug.enabled() else None
 
     # ------------------------------------------------------------------ what is served
     def served_transports(self) -> list[str]:
@@ -218,7 +239,7 @@ class DeviceExpertServer(ExpertServer):
         """The server's per-entry protocol state of peer `index` starts from zero."""
         lay = self.ws_layout
         first, n = index * self.num_slots, self.num_slots
-        for name, width in (("arrival_sent", 8), ("done_warps", 4)):
+        for name, width in (("arrival_sent", 8), ("done_warps", 8)):
             start = lay[name] + first * width
             self.workspace[start : start + n * width].zero_()
 
@@ -247,15 +268,54 @@ class DeviceExpertServer(ExpertServer):
         self.stats.dead_clients_dropped += len(dead)
 
     # ------------------------------------------------------------------ the loop
+    def warm_up(self) -> float:
+        """Compiles and loads everything a pass runs, before any client can connect: per hosted
+        layer, the step's expert MLP (the same call on the same workspace views, so the same
+        Triton specializations) on a one-row batch of the server's encoding, then one pass of
+        gather and respond with no client (nothing is read or answered). Returns the seconds it
+        took; runs once (start() calls it)."""
+        if self._warm:
+            return 0.0
+        start = time.perf_counter()
+        offsets = self._part("offsets", torch.int64, (self.num_experts + 1,))
+        with self._lock, torch.cuda.stream(self.stream):
+            for i, layer in enumerate(sorted(self.layers)):
+                offsets.zero_()
+                offsets[1:] = WARM_UP_ROWS  # rows [0, 1) to local expert 0, the others empty
+                out = self._expert_mlp(layer)
+                if not bool(torch.isfinite(out[:WARM_UP_ROWS]).all()):  # synchronizes
+                    raise MoecommError(
+                        f"{self.server_id}: the warm-up forward of layer {layer} produced "
+                        "non-finite values"
+                    )
+                self._run_device_layer(i, layer)
+            self.stream.synchronize()
+        self._warm = True
+        seconds = time.perf_counter() - start
+        log.info("%s: warm in %.1f s (%d layers)", self.server_id, seconds, len(self.layers))
+        return seconds
+
+    def start(self) -> None:
+        """Warms up (:meth:`warm_up`), then runs the loop."""
+        self.warm_up()
+        super().start()
+
     def step(self, timeout: float = 0.1) -> int:
         if time.monotonic() >= self._next_client_check:
             self._drop_dead_clients()
-        with self._lock, torch.cuda.stream(self.stream):
-            for i, layer in enumerate(sorted(self.layers)):
-                self._run_device_layer(i, layer)
-            self.stream.synchronize()
-            entries = self._entries_out.cpu()
-            counts = self._counts_out.cpu()
+        try:
+            with self._lock, torch.cuda.stream(self.stream):
+                for i, layer in enumerate(sorted(self.layers)):
+                    self._run_device_layer(i, layer)
+                self.stream.synchronize()
+                entries = self._entries_out.cpu()
+                counts = self._counts_out.cpu()
+        except Exception as exc:
+            if self._trace is not None:
+                self.debug_report(f"a pass failed: {type(exc).__name__}: {exc}")
+            raise
+        if self._trace is not None and bool((entries[..., 0] == _ACTION_REJECT).any()):
+            self.debug_report("a pass rejected requests", entries)
         served = self._account(entries, counts)
         if served == 0:
             time.sleep(min(self._idle_sleep, timeout))
@@ -272,15 +332,37 @@ class DeviceExpertServer(ExpertServer):
         size = n * torch.empty((), dtype=dtype).element_size()
         return self.workspace[start : start + size].view(dtype).view(shape)
 
-    def _run_device_layer(self, i: int, layer: int) -> None:
-        k, lay, stream = self._k, self.ws_layout, self.stream.cuda_stream
-        peers = self.table.kernel_peers()
-        g = k.ServerGatherArgs()
+    def _peers(self):
+        """The kernels' view of the client table, with the debug trace when the mode is on."""
+        return device_debug.attach(self.table.kernel_peers(), self._trace)
+
+    def _gather_args(self, layer: int):
+        g = self._k.ServerGatherArgs()
         g.layer_id, g.num_layers = layer, self.layer_hosted.shape[0]
         g.layer_hosted, g.workspace = self.layer_hosted.data_ptr(), self.workspace.data_ptr()
-        g.arrival_timeout_ns, g.block_m = int(ARRIVAL_TIMEOUT_S * 1e9), DEFAULT_BLOCK_M
+        g.arrival_timeout_ns, g.block_m = arrival_timeout_ns(), DEFAULT_BLOCK_M
         g.draining = self.draining
-        k.server_gather(peers, self.config, g, stream)
+        return g
+
+    def _run_device_layer(self, i: int, layer: int) -> None:
+        k, stream = self._k, self.stream.cuda_stream
+        peers = self._peers()
+        k.server_gather(peers, self.config, self._gather_args(layer), stream)
+        out = self._expert_mlp(layer)
+        if self._trace is not None:
+            self._debug_sync(f"the expert MLP of layer {layer}")
+        r = k.ServerRespondArgs()
+        r.expert_out, r.expert_out_dtype = out.data_ptr(), int(as_encoding(out.dtype))
+        r.workspace = self.workspace.data_ptr()
+        k.server_respond(peers, self.config, r, stream)
+        b, e = self.max_clients * self.num_slots, self.num_experts
+        self._entries_out[i].copy_(self._part("entries", torch.int32, (b, _ENTRY_WORDS)))
+        self._counts_out[i].copy_(self._part("counts", torch.int32, (e,)))
+
+    def _expert_mlp(self, layer: int) -> torch.Tensor:
+        """The pass's grouped expert MLP of `layer` on the gathered rows (workspace views):
+        score-weighted outputs in layout order."""
+        lay = self.ws_layout
         rows_n, hidden, e = lay["max_rows"], self.hidden, self.num_experts
         enc = self.layout.encoding
         rows = self._part("rows", ENCODING_DTYPE[enc], (rows_n, hidden))
@@ -296,14 +378,44 @@ class DeviceExpertServer(ExpertServer):
         from moecomm.ops.triton_moe import triton_grouped_mlp_contiguous
 
         w13, w2 = self.weights[layer]
-        out = triton_grouped_mlp_contiguous(rows, offsets, w13, w2, scores, x_scales=x_scales)
-        r = k.ServerRespondArgs()
-        r.expert_out, r.expert_out_dtype = out.data_ptr(), int(as_encoding(out.dtype))
-        r.workspace = self.workspace.data_ptr()
-        k.server_respond(peers, self.config, r, stream)
-        b = self.max_clients * self.num_slots
-        self._entries_out[i].copy_(self._part("entries", torch.int32, (b, _ENTRY_WORDS)))
-        self._counts_out[i].copy_(self._part("counts", torch.int32, (e,)))
+        return triton_grouped_mlp_contiguous(rows, offsets, w13, w2, scores, x_scales=x_scales)
+
+    # ------------------------------------------------------------------ debugging
+    def _debug_sync(self, what: str) -> None:
+        """Debug mode: the device work queued so far has finished without an error (a fault
+        is raised naming `what`, not some later call)."""
+        try:
+            self.stream.synchronize()
+        except Exception as exc:
+            raise MoecommError(f"{self.server_id}: device debug: {what} failed: {exc}") from exc
+
+    def debug_report(self, title: str, entries: torch.Tensor | None = None) -> str:
+        """Prints (stderr) and returns the server's entry states (of the last pass, or
+        `entries`), its clients and, in the debug mode, its recorded device waits; never
+        raises."""
+        clients = {i: cid for i, (cid, _) in self._clients.items()}
+        sections = {
+            "clients": "\n".join(f"    client {i}: id {c:#x}" for i, c in sorted(clients.items()))
+            or "    (none)"
+        }
+        try:
+            rows = (entries if entries is not None else self._entries_out.cpu()).view(
+                len(self.layers), -1, _ENTRY_WORDS
+            )
+            for i, layer in enumerate(sorted(self.layers)):
+                sections[f"entry states, layer {layer}"] = device_debug.format_entries(
+                    device_debug.decode_entries(rows[i]), self.num_slots, clients
+                )
+        except Exception as exc:  # a sticky CUDA error makes every device read fail
+            sections["entry states"] = f"    unreadable: {type(exc).__name__}: {exc}"
+        if self._trace is None:
+            sections["device waits"] = f"    not recorded ({device_debug.DEBUG_ENV} is off)"
+        else:
+            try:
+                sections["device waits"] = device_debug.format_trace(*self._trace.read())
+            except Exception as exc:
+                sections["device waits"] = f"    unreadable: {type(exc).__name__}: {exc}"
+        return device_debug.report(f"server {self.server_id}: {title}", sections)
 
     def _account(self, entries: torch.Tensor, counts: torch.Tensor) -> int:
         """Statistics of one pass from the copied entry states; returns entries answered."""
