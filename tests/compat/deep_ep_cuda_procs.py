@@ -7,19 +7,61 @@ results against an independent reference without exchanging tensors, and against
 DeepEP's shape scaled down: hidden 2048, 16 experts, top-4, 32 tokens per rank; and the
 contract scenarios walk the host contract test's flags and configs (deep_ep_ll_contract_procs,
 shrink mode aside: refused on CUDA tensors) on CUDA tensors.
+
+Each scenario is reported on its own (run_scenarios): one group of rank processes runs the
+scenarios in order, each with fresh Buffers; a scenario's failure is caught in the ranks, which
+then meet at a barrier (so a rank that failed early waits for the others to finish or time out)
+and go on with the next one. A scenario has its own deadline in the parent: one that does not
+finish in time is reported as timed out by name, the group is killed and a new one runs the
+scenarios after it. So is a rank that dies, or whose CUDA context a failure broke.
 """
 
 from __future__ import annotations
 
+import itertools
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import signal
 import time
 import traceback
+from datetime import timedelta
+from pathlib import Path
 
 import deep_ep_ll_contract_procs as contract
 import deep_ep_procs
+import moecomm
+import moecomm.cuda
 import torch
 
 M, HIDDEN, TOPK, NUM_EXPERTS = 32, 2048, 4, 16
+# The Buffers' own deadline (every wait in the adapter), scaled like every device deadline.
 TIMEOUT_S = 30.0
+# Each scenario's deadline in the parent, from when the previous one ended everywhere (or the
+# group was ready): generous, it only catches a hang. Scaled by MOECOMM_DEVICE_DEADLINE_SCALE.
+DEFAULT_SCENARIO_TIMEOUT_S = 90.0
+SCENARIO_TIMEOUT_S = {
+    "pressure": 150.0,
+    "contract_main": 240.0,
+    "contract_logfmt": 240.0,
+    "contract_h7168": 240.0,
+}
+# Spawn, import torch, the CUDA context, the store: until every rank said it is ready.
+SETUP_TIMEOUT_S = 180.0
+
+
+def deadline_scale() -> float:
+    return moecomm.cuda.deadline_scale()
+
+
+def buffer_timeout() -> float:
+    return TIMEOUT_S * deadline_scale()
+
+
+def scenario_timeout(name: str, kind: str = "cuda") -> float:
+    if kind != "cuda":
+        return SELFTEST_TIMEOUT_S
+    return SCENARIO_TIMEOUT_S.get(name, DEFAULT_SCENARIO_TIMEOUT_S) * deadline_scale()
 
 
 def make_inputs(seed: int, rank: int, num_tokens: int, masked: int = 3):
@@ -239,9 +281,12 @@ def _contract(ctx, name: str) -> None:
 
     hidden, num_experts, num_tokens, num_topk, use_logfmt, _ = contract.CONFIGS[name]
     dev, nr, r = ctx["device"], ctx["buf"].num_ranks, ctx["buf"].rank
-    kw = dict(low_latency_mode=True, rank=r, num_ranks=nr, store=ctx["store"], timeout=TIMEOUT_S)
-    buf = Buffer(None, **kw, store_prefix=f"cuda-{name}")
-    twin = Buffer(None, **kw, store_prefix=f"cpu-{name}")
+    kw = dict(
+        low_latency_mode=True, rank=r, num_ranks=nr, store=ctx["store"], timeout=buffer_timeout()
+    )
+    prefix = ctx["prefix"]
+    buf = Buffer(None, **kw, store_prefix=f"{prefix}/cuda-{name}")
+    twin = Buffer(None, **kw, store_prefix=f"{prefix}/cpu-{name}")
     args = (1, num_tokens, hidden, num_experts, num_topk, use_logfmt)
     inputs = [contract.rank_inputs(args[0], p, *args[1:]) for p in range(nr)]
     x_list, idx, w = inputs[r]
@@ -350,41 +395,299 @@ SCENARIOS = {
 }
 
 
-def rank_main(rank: int, num_ranks: int, store_path: str, names: list[str], conn) -> None:
-    results = {}
+def _buffers(store, dev, rank: int, num_ranks: int, prefix: str) -> dict:
+    """A scenario's context: fresh Buffers (CUDA and its host twin), unique store prefixes."""
+    from moecomm.compat.deep_ep import Buffer
+
+    kw = dict(
+        low_latency_mode=True,
+        rank=rank,
+        num_ranks=num_ranks,
+        store=store,
+        timeout=buffer_timeout(),
+    )
+    return {
+        "store": store,
+        "device": dev,
+        "prefix": prefix,
+        "buf": Buffer(None, **kw, store_prefix=f"{prefix}/cuda"),
+        "cpu": Buffer(None, **kw, store_prefix=f"{prefix}/cpu-twin"),
+    }
+
+
+def _barrier(store, key: str, rank: int, num_ranks: int, timeout_s: float) -> None:
+    store.set(f"{key}/{rank}", "1")
+    store.wait([f"{key}/{p}" for p in range(num_ranks)], timedelta(seconds=timeout_s))
+
+
+def _context_error(dev) -> str | None:
+    """None when the CUDA context still works after a failed scenario, else why not (a sticky
+    error such as an illegal address poisons every later CUDA call of the process)."""
     try:
+        torch.cuda.synchronize(dev)
+        torch.ones(1, device=dev).add_(1).item()
+    except BaseException as exc:
+        return repr(exc)
+    return None
+
+
+class _CudaRank:
+    """What rank_main needs of the CUDA scenarios."""
+
+    def __init__(self, rank: int, num_ranks: int):
+        self.rank, self.num_ranks = rank, num_ranks
         torch.set_num_threads(1)
+        self.dev = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(self.dev)
+        torch.ones(1, device=self.dev).item()  # the CUDA context, before "ready"
+
+    def context(self, store, prefix: str) -> dict:
+        return _buffers(store, self.dev, self.rank, self.num_ranks, prefix)
+
+    def run(self, name: str, ctx: dict) -> None:
+        SCENARIOS[name](ctx)
+        torch.cuda.synchronize(self.dev)
+
+    def broken(self, name: str) -> str | None:
+        return _context_error(self.dev)
+
+    def release(self, ctx: dict) -> None:
+        ctx["buf"].destroy()
+        ctx["cpu"].destroy()
+
+
+class _SelfTestRank:
+    """Stand-in scenarios on the host, for the driver's own test (test_deep_ep_cuda.py): each
+    name says what one rank does — pass, fail, hang, die, or break its context."""
+
+    def __init__(self, rank: int, num_ranks: int):
+        self.rank = rank
+
+    def context(self, store, prefix: str) -> dict:
+        return {}
+
+    def run(self, name: str, ctx: dict) -> None:
+        verb, _, who = name.partition("_rank")
+        if not who or int(who) != self.rank:
+            time.sleep(0.2)  # the others: a short scenario that passes
+            return
+        if verb.startswith(("fail", "broken")):
+            raise AssertionError(f"{name}: this rank fails")
+        if verb.startswith("hang"):
+            time.sleep(3600)
+        if verb.startswith("die"):
+            os._exit(3)
+
+    def broken(self, name: str) -> str | None:
+        return "stand-in for a sticky CUDA error" if name.startswith("broken") else None
+
+    def release(self, ctx: dict) -> None:
+        pass
+
+
+RANK_KINDS = {"cuda": _CudaRank, "selftest": _SelfTestRank}
+SELFTEST_TIMEOUT_S = 5.0
+
+
+def rank_main(
+    rank: int, num_ranks: int, store_path: str, names: list[str], conn, kind: str = "cuda"
+) -> None:
+    """One rank: runs `names` in order and reports each over `conn` as it goes:
+    ("ready",), then per scenario ("start", name) and ("end", name, outcome, seconds) with
+    outcome "ok" or a traceback, finally ("done",). ("setup", traceback) when it cannot start,
+    ("fatal", name, why) when it cannot go on after `name`."""
+    try:
         import torch.distributed as dist
-        from moecomm.compat.deep_ep import Buffer
 
-        dev = torch.device("cuda", rank % torch.cuda.device_count())
-        torch.cuda.set_device(dev)
+        runner = RANK_KINDS[kind](rank, num_ranks)
         store = dist.FileStore(store_path, num_ranks)
-        kw = dict(
-            low_latency_mode=True, rank=rank, num_ranks=num_ranks, store=store, timeout=TIMEOUT_S
-        )
-        ctx = {
-            "store": store,
-            "device": dev,
-            "buf": Buffer(None, **kw),
-            "cpu": Buffer(None, **kw, store_prefix="cpu-twin"),
-        }
     except BaseException:
-        conn.send({"setup": (traceback.format_exc(), 0.0)})
+        conn.send(("setup", traceback.format_exc()))
         return
-    for name in names:
+    conn.send(("ready",))
+    for i, name in enumerate(names):
+        conn.send(("start", name))
         t0 = time.monotonic()
+        ctx = None
         try:
-            SCENARIOS[name](ctx)
-            torch.cuda.synchronize(dev)
-            results[name] = ("ok", time.monotonic() - t0)
+            ctx = runner.context(store, f"{i}-{name}")
+            runner.run(name, ctx)
+            outcome = "ok"
         except BaseException:
-            results[name] = (traceback.format_exc(), time.monotonic() - t0)
-            break  # the other ranks may now be out of step: stop here
-    ctx["buf"].destroy()
-    ctx["cpu"].destroy()
-    conn.send(results)
+            outcome = traceback.format_exc()
+        conn.send(("end", name, outcome, time.monotonic() - t0))
+        broken = runner.broken(name) if outcome != "ok" else None
+        if broken is not None:
+            conn.send(("fatal", name, f"the CUDA context is unusable after {name}: {broken}"))
+            return
+        try:
+            # Every rank is done with this scenario (or failed it) before any Buffer goes: a
+            # rank that failed early must not free what a peer still waits on.
+            _barrier(store, f"end/{i}-{name}", rank, num_ranks, scenario_timeout(name, kind))
+            if ctx is not None:
+                runner.release(ctx)
+        except BaseException:
+            conn.send(("fatal", name, "barrier or destroy after it: " + traceback.format_exc()))
+            return
+    conn.send(("done",))
 
 
-def launch(num_ranks: int, store_path: str, names: list[str], reaper, timeout: float) -> list:
-    return deep_ep_procs.launch(num_ranks, store_path, names, reaper, timeout, target=rank_main)
+class _Group:
+    """One launch of `num_ranks` rank processes over `names`, driven by deadlines."""
+
+    def __init__(self, num_ranks: int, store_path: str, names: list[str], kind: str):
+        ctx = mp.get_context("spawn")
+        self.names, self.kind, self.procs, self.conns = names, kind, [], []
+        for r in range(num_ranks):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(
+                target=rank_main,
+                args=(r, num_ranks, store_path, names, child, kind),
+                daemon=True,
+            )
+            p.start()
+            child.close()
+            self.procs.append(p)
+            self.conns.append(parent)
+
+    def _messages(self, until: float, once: bool = False):
+        """(rank, message) as they come until `until`; message None: the rank's pipe closed.
+        `once`: one message per rank at most (the others stay in the pipe)."""
+        live = {c: r for r, c in enumerate(self.conns)}
+        while live:
+            left = until - time.monotonic()
+            if left <= 0:
+                return
+            for c in mp.connection.wait(list(live), timeout=left):
+                try:
+                    msg = c.recv()
+                except (EOFError, OSError):
+                    yield live.pop(c), None
+                    continue
+                yield (live.pop(c) if once else live[c]), msg
+
+    def _exit(self, rank: int) -> str:
+        p = self.procs[rank]
+        p.join(5)
+        return f"rank {rank} died (exit code {p.exitcode})"
+
+    def run(self, results: dict, end: float) -> tuple[int, str]:
+        """Runs until every scenario is reported, the group cannot go on, or the run's time
+        (`end`, monotonic) is up; fills `results` {name: [(outcome, seconds) per rank]} and
+        returns (how many of `names` it settled, why it stopped early or ""). The rest run in
+        a new group."""
+        n = len(self.procs)
+        ready: set[int] = set()
+        setup_s = SETUP_TIMEOUT_S * deadline_scale()
+        why = f"the ranks were not ready within {setup_s:.0f} s"
+        # Each rank's first message only: its scenario messages may follow at once.
+        until = min(time.monotonic() + setup_s, end)
+        for rank, msg in self._messages(until, once=True):
+            if msg is None:
+                why = self._exit(rank) + " while setting up"
+                break
+            if msg[0] == "setup":
+                why = f"rank {rank} could not set up:\n{msg[1]}"
+                break
+            ready.add(rank)
+            if len(ready) == n:
+                break
+        if len(ready) < n:
+            if time.monotonic() >= end:
+                why = "the run's time ran out while the ranks set up"
+            for name in self.names:
+                results[name] = [(why, 0.0)] * n
+            return len(self.names), why
+        # Messages of the next scenario read while waiting for the last end of this one.
+        backlog: list = []
+        for idx, name in enumerate(self.names):
+            if time.monotonic() >= end:
+                return idx, "the run's time ran out"
+            got: dict[int, tuple[str, float]] = {}
+            gone: dict[int, str] = {}  # ranks that will report nothing more, and why
+            started: set[int] = set()
+            t0 = time.monotonic()
+            limit = scenario_timeout(name, self.kind)
+            cut = t0 + limit > end  # the run's time ends first
+            early, backlog = backlog, []
+            for rank, msg in itertools.chain(early, self._messages(min(t0 + limit, end))):
+                if msg is None:
+                    gone.setdefault(rank, self._exit(rank))
+                elif msg[0] in ("start", "end") and msg[1] != name:
+                    backlog.append((rank, msg))
+                elif msg[0] == "start":
+                    started.add(rank)
+                elif msg[0] == "end":
+                    got[rank] = (msg[2], msg[3])
+                elif msg[0] == "fatal":
+                    gone[rank] = f"rank {rank} after {msg[1]}: {msg[2]}"
+                if all(r in got or r in gone for r in range(n)):
+                    break  # every rank ended it, or can say nothing more about it
+                if gone and not started:
+                    break  # a rank left between scenarios: nobody gets past the barrier
+            trouble = next((gone[r] for r in sorted(gone)), None)
+            if len(got) == n:
+                results[name] = [got[r] for r in range(n)]
+                if trouble is None:
+                    continue
+                return idx + 1, trouble  # every rank ended it; one of them cannot go on
+            if trouble is not None and not started and not got:
+                return idx, trouble  # stopped between scenarios: this one was not run
+            timed_out = (
+                f"timed out: no result within {time.monotonic() - t0:.0f} s, when the run's "
+                "time (pytest-timeout, less a margin) ran out"
+                if cut
+                else f"timed out: no result within {limit:.0f} s (scenario deadline)"
+            )
+            results[name] = [
+                got.get(r) or (gone.get(r, timed_out), time.monotonic() - t0) for r in range(n)
+            ]
+            return idx + 1, trouble or timed_out
+        return len(self.names), ""
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+            p.join(5)
+            moecomm.reap_stale_segments(p.pid)
+        for c in self.conns:
+            c.close()
+
+
+def run_scenarios(
+    num_ranks: int,
+    tmp_dir: Path,
+    names: list[str],
+    kind: str = "cuda",
+    budget_s: float | None = None,
+) -> dict:
+    """{name: [(outcome, seconds) per rank]} for every name: "ok", a traceback, or why there is
+    no result (timed out, a rank died, not run). A new group of ranks (a new store) takes over
+    the scenarios after one that hung or left a rank unable to go on; a scenario that a group
+    could not start twice in a row is reported with the reason instead of being tried again.
+    `budget_s`: the whole run's time (the caller's test timeout, less a margin): a scenario
+    still running then is reported as timed out, the ones after it as not run."""
+    results: dict[str, list] = {}
+    end = time.monotonic() + (budget_s if budget_s is not None else float("inf"))
+    pending, attempt, unstarted = list(names), 0, None
+    while pending:
+        if time.monotonic() >= end:
+            for name in pending:
+                results[name] = [(f"not run: the run's time ({budget_s:.0f} s) ran out", 0.0)] * (
+                    num_ranks
+                )
+            break
+        attempt += 1
+        group = _Group(num_ranks, str(Path(tmp_dir) / f"store{attempt}"), pending, kind)
+        try:
+            settled, why = group.run(results, end)
+        finally:
+            group.kill()
+        if settled == 0:
+            if unstarted == pending[0]:
+                results[pending[0]] = [(f"not run: {why}", 0.0)] * num_ranks
+                settled = 1
+            unstarted = pending[0]
+        pending = pending[settled:]
+    return results

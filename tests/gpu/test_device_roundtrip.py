@@ -1,6 +1,6 @@
 """The GPU path end to end: `moecomm expert-server --device cuda` processes, a DeviceClient in
-this process, CUDA IPC between them on one GPU. Also the target of compute-sanitizer in
-`make gpu-check` (memcheck, racecheck).
+this process, CUDA IPC between them on one GPU (stage `core` of `make gpu-check`; the
+sanitizer runs on the one-process loopback test, test_smoke_loopback.py, instead).
 
 Attacks timing the way production does: a new token count every step, slots reused the
 instant they are released, a server stopped (SIGSTOP) until the client's deadline passes and the
@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 LAYERS, EXPERTS, HIDDEN, INTER, SEED = 2, 8, 256, 128, 3
 SPEC = f"layers={LAYERS},experts={EXPERTS},hidden={HIDDEN},intermediate={INTER},seed={SEED}"
 TOPK, MAX_TOKENS = 4, 64
-# Steps of the sizes test; `make gpu-check` runs it with a few under compute-sanitizer.
+# Steps of the sizes test (MOECOMM_ROUNDTRIP_STEPS: fewer for a quick look, more for a soak).
 STEPS = int(os.environ.get("MOECOMM_ROUNDTRIP_STEPS", "40"))
 CLI = [sys.executable, "-m", "moecomm_serving.cli"]
 START_TIMEOUT_S = 180

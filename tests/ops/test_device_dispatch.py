@@ -236,21 +236,43 @@ def test_device_client_refuses_a_cpu_device_and_a_missing_build(monkeypatch):
         DeviceClient(layout, device="cuda")
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_nvcc_program_is_built_once_per_run(nvcc_program, tmp_path):
+    """The session fixture behind the GPU checks below: the first request builds, the next
+    ones with the same sources and flags reuse the binary; an edited source builds anew; a
+    failed build fails the test with nvcc's message (and again, without rebuilding)."""
+    src = tmp_path / "tiny.cu"
+    src.write_text("__global__ void k(int* p) { *p = 1; }\nint main() { return 0; }\n")
+    flags = ["-arch=sm_90"]  # any real arch: this only compiles
+    first = nvcc_program("tiny", [src], flags)
+    stamp = first.stat().st_mtime_ns
+    assert first.is_file() and nvcc_program("tiny", [src], flags) == first
+    assert first.stat().st_mtime_ns == stamp, "rebuilt"
+    src.write_text(src.read_text() + "// edited\n")
+    assert nvcc_program("tiny", [src], flags) != first
+    bad = tmp_path / "bad.cu"
+    bad.write_text("this is not CUDA\n")
+    for _ in range(2):
+        with pytest.raises(pytest.fail.Exception, match="bad: nvcc failed"):
+            nvcc_program("bad", [bad], flags)
+
+
 # ------------------------------------------------------------------------------ on a GPU
-def _gpu_check(tmp_path: Path, blob: bytes, mode: str) -> str:
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("needs nvcc to build the CUDA check")
+@pytest.fixture
+def check_exe(nvcc_program) -> Path:
+    """tests/ops/cuda/device_dispatch_check.cu with the kernels, built once per test run (the
+    session fixture in tests/conftest.py; 20-35 s of nvcc) and shared by every test here."""
     kernels = ROOT / "csrc" / "kernels" / "cuda"
-    exe = tmp_path / "device_dispatch_check"
     sources = [
         HERE / "cuda" / "device_dispatch_check.cu",
         kernels / "device_dispatch.cu",
         kernels / "reorg.cu",
         kernels / "scan.cu",
     ]
-    cmd = [nvcc, "-std=c++17", "-arch=native", f"-I{ROOT / 'csrc'}", *map(str, sources)]
-    subprocess.run([*cmd, "-o", str(exe)], check=True)
+    return nvcc_program("device_dispatch_check", sources, ["-arch=native"])
+
+
+def _gpu_check(exe: Path, tmp_path: Path, blob: bytes, mode: str) -> str:
     (tmp_path / "case.bin").write_bytes(blob)
     run = subprocess.run(
         [str(exe), mode, str(tmp_path / "case.bin")], capture_output=True, text=True, timeout=300
@@ -304,18 +326,18 @@ def _gpu_case(
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("enc", ENCODINGS, ids=lambda e: e.name)
-def test_gpu_dispatch_server_combine_bit_exact(tmp_path, enc):
-    assert _gpu_check(tmp_path, _gpu_case(enc, steps=1), "roundtrip").strip() == "OK"
+def test_gpu_dispatch_server_combine_bit_exact(check_exe, tmp_path, enc):
+    assert _gpu_check(check_exe, tmp_path, _gpu_case(enc, steps=1), "roundtrip").strip() == "OK"
 
 
 @pytest.mark.gpu
-def test_gpu_client_step_graph_replays(tmp_path):
+def test_gpu_client_step_graph_replays(check_exe, tmp_path):
     # Captured once, replayed with new inputs: new sequence numbers, bit-exact every time.
-    out = _gpu_check(tmp_path, _gpu_case(Encoding.FP8_E4M3, steps=4), "graph")
+    out = _gpu_check(check_exe, tmp_path, _gpu_case(Encoding.FP8_E4M3, steps=4), "graph")
     assert out.strip() == "OK"
 
 
 @pytest.mark.gpu
-def test_gpu_combine_times_out_when_no_server_answers(tmp_path):
-    out = _gpu_check(tmp_path, _gpu_case(Encoding.BF16, steps=1), "timeout")
+def test_gpu_combine_times_out_when_no_server_answers(check_exe, tmp_path):
+    out = _gpu_check(check_exe, tmp_path, _gpu_case(Encoding.BF16, steps=1), "timeout")
     assert out.strip() == "OK"

@@ -6,7 +6,6 @@ x_b[r, 0] = b, x_b[r, 1] = r, so a gathered row says where it came from.
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -207,20 +206,16 @@ def test_gather_and_combine_reject_bad_arguments():
 
 
 @pytest.mark.gpu
-def test_cuda_reorg_and_scan(tmp_path):
-    """Builds tests/ops/cuda/reorg_scan_check.cu with the kernels and runs it on the device: the
-    CUDA reorganization, group-shrink and tile map must match a host reference bit-exactly."""
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("needs nvcc to build the CUDA check")
+def test_cuda_reorg_and_scan(nvcc_program):
+    """Builds tests/ops/cuda/reorg_scan_check.cu with the kernels (once per test run: the session
+    fixture in tests/conftest.py) and runs it on the device: the CUDA reorganization,
+    group-shrink and tile map must match a host reference bit-exactly."""
     root = Path(__file__).resolve().parents[2]
     kernels = root / "csrc" / "kernels" / "cuda"
-    exe = tmp_path / "reorg_scan_check"
     sources = [Path(__file__).parent / "cuda" / "reorg_scan_check.cu", kernels / "reorg.cu",
                kernels / "scan.cu"]  # fmt: skip
-    cmd = [nvcc, "-std=c++17", "-arch=native", f"-I{root / 'csrc'}", *map(str, sources)]
-    subprocess.run([*cmd, "-o", str(exe)], check=True)
-    run = subprocess.run([str(exe)], capture_output=True, text=True, check=False)
+    exe = nvcc_program("reorg_scan_check", sources, ["-arch=native"])
+    run = subprocess.run([str(exe)], capture_output=True, text=True, check=False, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.strip() == "OK"
 
