@@ -11,7 +11,7 @@ BUILD_INPUTS := $(shell find csrc bindings cmake -type f 2>/dev/null) CMakeLists
 PY_SOURCES := python serving tests bench tools
 CXX_SOURCES = $(shell find csrc bindings -name '*.h' -o -name '*.cc' -o -name '*.cu' -o -name '*.cuh')
 
-.PHONY: demo test lint format pytest build venv bench clean etcd gpu-check gpu-wheels
+.PHONY: demo test lint format pytest build venv bench clean etcd gpu-check gpu-check-plan gpu-wheels
 
 venv: $(PKG_STAMP)
 
@@ -68,13 +68,21 @@ test: lint pytest
 bench: $(PKG_STAMP)
 	$(PY) bench/rtt.py --json bench/results/rtt.json
 
-# The GPU check (docs/gpu-check.md): on a GPU machine it builds moecomm against that machine's
-# CUDA torch, runs every gpu test, compute-sanitizer on the device round trip and the GPU bench
-# row; without a device it runs what it can and says what it skipped. Logs + summary in OUT.
-# PACK=1 folds the logs into OUT/logs.tar.gz (the device tool returns at most 8 files).
+# The GPU check (docs/gpu-check.md), in stages that fit a lent GPU machine's device time:
+# CALL=1 runs preflight, build, smoke, core (<= 6 min); CALL=2 preflight, build (reused on the
+# warm machine), deepep, bench, sanitizer (<= 4 min). STAGE=a,b runs those stages (and the
+# preflight and build they need); neither runs every stage. Without a device it runs preflight,
+# build (make build) and host, and lists each device stage as skipped with the reason.
+# Results in OUT: summary.md/.json (rewritten after every test file), logs/<stage>.log,
+# junit/<stage>.<file>.xml; PACK=1 folds logs and junit into two archives (the device tool
+# returns at most 8 files). gpu-check-plan prints each call's stage budgets against its limit.
 OUT ?= gpu-check-results
 gpu-check:
-	$(PYTHON) tools/gpu_check.py --out $(OUT) $(if $(PACK),--pack) $(GPU_CHECK_ARGS)
+	$(PYTHON) tools/gpu_check.py --out $(OUT) $(if $(CALL),--call $(CALL)) \
+		$(if $(STAGE),--only $(STAGE)) $(if $(PACK),--pack) $(GPU_CHECK_ARGS)
+
+gpu-check-plan:
+	$(PYTHON) tools/gpu_check.py --plan
 
 # Wheels the GPU image lacks (tests' imports), for cp312, into .gpu-wheels/ (carried by the
 # device tool: carry=[".gpu-wheels"]).

@@ -1,15 +1,19 @@
-"""tools/gpu_check.py on a machine without a GPU: how it reads pytest's and compute-sanitizer's
-reports, when a gpu test run counts as failed, what it does with no device, a step over its
-timeout, a missing round-trip test, and what it writes. Fake steps (tiny Python commands) stand
-in for the real ones; nothing here needs a device or builds anything."""
+"""tools/gpu_check.py on a machine without a GPU: the plan fits the device budget, how it reads
+pytest's and compute-sanitizer's reports (also what a killed pytest leaves), what it does with no
+device, a stage over its budget, files a stage had no time for, the build's reuse, the preflight's
+verdict, one pytest per DeepEP scenario, and what it writes as it goes. A fake Python (a tiny
+script that answers like pytest, pip and the import check) stands in for the real commands;
+nothing here needs a device or builds anything, and it all takes seconds."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 import tarfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -22,8 +26,93 @@ sys.modules["gpu_check"] = gc  # dataclasses look their module up by name
 _spec.loader.exec_module(gc)
 import gpu_check_reports as rp  # noqa: E402  (importable once gpu_check put tools/ on the path)
 import gpu_check_run as gr  # noqa: E402
+import gpu_check_stages as gs  # noqa: E402
 
 PY = sys.executable
+
+# Answers like the commands the stages run: `-c <import check>`, `-m pip ...`, and `-m pytest`
+# over a "file" whose name says what to do (fail, hang, hang_noint: SIGINT ignored, peek: copy
+# the summary as it is while this file runs).
+FAKE_PYTHON = textwrap.dedent(
+    """\
+    #!{python}
+    import json, os, shutil, signal, sys, time
+    args = sys.argv[1:]
+    if os.environ.get("FAKE_ARGS_LOG"):
+        with open(os.environ["FAKE_ARGS_LOG"], "a") as f:
+            keep = ("MOECOMM_DEVICE_DEADLINE_SCALE", "CUDA_LAUNCH_BLOCKING", "MOECOMM_REQUIRE_GPU")
+            env = {{k: os.environ.get(k) for k in keep}}
+            f.write(json.dumps({{"argv": args, "env": env}}) + "\\n")
+    if args[:1] == ["-c"]:
+        info = dict(built_cuda=True, built_nvshmem=True, available=True, device_count=1,
+                    why_unavailable=None, torch="2.11", torch_cuda_available=True, moecomm="m")
+        print("GPU-CHECK-IMPORT " + json.dumps(info))
+        sys.exit(0)
+    if args[:2] == ["-m", "pip"]:
+        print("Successfully installed moecomm-0.1.0")
+        sys.exit(0)
+    if args[:2] != ["-m", "pytest"]:
+        sys.exit(3)
+    junit = next(a.split("=", 1)[1] for a in args if a.startswith("--junitxml="))
+    target = next(a for a in args[2:] if ".py" in a and not a.startswith("-"))
+
+    def write(failed=False):
+        cases = "".join(
+            f'<testcase classname="x" name="t{{i}}" time="0.1"/>' for i in (1, 2))
+        if failed:
+            cases += '<testcase classname="x" name="t3"><failure message="boom"/></testcase>'
+        with open(junit, "w") as f:
+            f.write(f'<testsuites><testsuite name="pytest">{{cases}}</testsuite></testsuites>')
+
+    print(f"{{target}}::t1 PASSED  [ 33%]")
+    print(f"{{target}}::t2 PASSED  [ 66%]", flush=True)
+    if "fail" in target:
+        print(f"{{target}}::t3 FAILED  [100%]")
+        write(failed=True)
+        print("1 failed, 2 passed in 0.10s")
+        sys.exit(1)
+    if "peek" in target:
+        shutil.copy(os.environ["FAKE_PEEK_SRC"], os.environ["FAKE_PEEK_DST"])
+    if "hang" in target:
+        if "noint" in target:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        else:  # like pytest: on SIGINT it still writes its junit
+            signal.signal(signal.SIGINT, lambda *_: (write(), sys.exit(2)))
+        time.sleep(60)
+    write()
+    print("2 passed in 0.10s")
+    """
+)
+
+
+@pytest.fixture
+def fake_python(tmp_path) -> str:
+    path = tmp_path / "fakebin" / "python"
+    path.parent.mkdir()
+    path.write_text(FAKE_PYTHON.format(python=PY))
+    path.chmod(0o755)
+    return str(path)
+
+
+@pytest.fixture
+def fast(monkeypatch):
+    """The runner's margins shrunk, so that budgets of a few seconds behave as real ones do."""
+    for name, value in {
+        "MIN_RUN_S": 0.3,
+        "SIGINT_GRACE_S": 0.5,
+        "SIGTERM_GRACE_S": 0.5,
+        "KILL_GRACE_S": 1.0,
+        "PYTEST_MARGIN_S": 0.5,
+    }.items():
+        monkeypatch.setattr(gr, name, value)
+
+
+def make_ctx(tmp_path: Path, device: bool, python: str = PY, **kw) -> gr.Context:
+    out = tmp_path / "out"
+    c = gr.Context(out=out, device=device, device_reason="test", python=python, **kw)
+    c.root = kw.get("root", tmp_path)
+    c.deadline = time.monotonic() + 60
+    return c
 
 
 def junit(path: Path, cases: list[str]) -> Path:
@@ -49,10 +138,73 @@ def junit(path: Path, cases: list[str]) -> Path:
     return path
 
 
-def ctx(tmp_path: Path, device: bool, **kw) -> gc.Context:
-    c = gc.Context(out=tmp_path, device=device, device_reason="test", **kw)
-    c.deadline = time.monotonic() + 60
-    return c
+# ---------------------------------------------------------------------------------------------
+# The plan
+
+
+def test_the_plan_fits_the_device_budget():
+    """Call 1 within 6 minutes, call 2 within 4, both within 10 minutes of device time (the
+    limits are written here, not read from the module, so that a budget raised there fails)."""
+    call1, call2 = gs.stage_total(gs.PLAN[1]), gs.stage_total(gs.PLAN[2])
+    assert call1 <= 360, f"call 1 takes {call1:.0f} s of its 360"
+    assert call2 <= 240, f"call 2 takes {call2:.0f} s of its 240"
+    assert call1 + call2 <= 600, f"the two calls take {call1 + call2:.0f} s of 600"
+    assert gs.stage_total(gs.plain_budgets()) <= 600  # the plain run: one command
+    assert gs.plan_problems() == []
+    # Each stage in a call has a budget (and overhead) counted.
+    assert call1 >= sum(gs.PLAN[1].values()) + len(gs.PLAN[1]) * gr.STAGE_OVERHEAD_S
+    assert list(gs.PLAN[1]) == ["preflight", "build", "smoke", "core"]
+    assert {"deepep", "bench", "sanitizer"} <= set(gs.PLAN[2])
+    assert gs.PLAN[2]["build"] <= 30  # reused, not built again
+    assert set(gs.PLAIN_STAGES) == set(gs.STAGE_ORDER) - {"racecheck"}
+
+
+def test_a_plan_that_does_not_fit_is_named(monkeypatch, capsys):
+    monkeypatch.setitem(gs.PLAN, 2, {**gs.PLAN[2], "deepep": 400.0})
+    problems = gs.plan_problems()
+    assert any(p.startswith("call 2") for p in problems)
+    assert any("two calls" in p for p in problems)
+    assert gc.main(["--plan"]) == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+def test_the_plan_prints_each_call_with_its_total(capsys):
+    assert gc.main(["--plan"]) == 0
+    out = capsys.readouterr().out
+    assert "call 1: make gpu-check CALL=1" in out and "call 2: make gpu-check CALL=2" in out
+    assert out.count("fits (<= ") == 4  # two calls, both together, the plain run
+
+
+@pytest.mark.parametrize(
+    ("call", "only", "device", "names"),
+    [
+        (1, None, True, ["preflight", "build", "smoke", "core"]),
+        (2, None, True, ["preflight", "build", "deepep", "bench", "sanitizer"]),
+        (None, ["smoke"], True, ["preflight", "build", "smoke"]),
+        (None, ["smoke", "core"], True, ["preflight", "build", "smoke", "core"]),
+        (None, ["preflight", "host"], False, ["preflight", "host"]),
+        (None, ["smoke"], False, ["smoke"]),  # skipped here: the build need not run
+        (None, None, False, list(gs.PLAIN_STAGES)),
+    ],
+)
+def test_which_stages_a_run_selects(call, only, device, names):
+    chosen, limit, _ = gs.select(call, only, device)
+    assert [n for n, _ in chosen] == names
+    if call and device:
+        assert limit == gs.CALL_LIMITS_S[call]
+        assert dict(chosen) == gs.PLAN[call]
+    if not device:
+        assert limit <= 600
+
+
+def test_an_unknown_stage_is_refused(tmp_path, capsys):
+    with pytest.raises(ValueError, match="unknown stage"):
+        gs.select(None, ["smok"], True)
+    assert gc.main(["--out", str(tmp_path), "--only", "smok", "--device", "no"]) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading reports
 
 
 def test_parse_junit_counts_and_skip_reasons(tmp_path):
@@ -64,6 +216,7 @@ def test_parse_junit_counts_and_skip_reasons(tmp_path):
     assert (c["tests"], c["passed"], c["failed"], c["errors"], c["skipped"]) == (6, 2, 1, 1, 2)
     assert c["skip_reasons"] == ["2× no device"]
     assert len(c["not_passed"]) == 2
+    assert c["first_failure"] == "assert 0"
 
 
 @pytest.mark.parametrize(
@@ -84,107 +237,47 @@ def test_parse_pytest_summary(text, want):
         assert {k: got.get(k) for k in want} == want
 
 
-@pytest.mark.parametrize(
-    ("cases", "status", "words"),
-    [
-        (["skipped:needs a CUDA device", "skipped:needs a CUDA device"], "failed", "no gpu test"),
-        ([], "failed", "no gpu test passed"),
-        (["passed", "skipped:needs 2 GPUs"], "passed", "1 passed, 1 skipped"),
-    ],
-)
-def test_a_gpu_run_counts_only_if_tests_passed(tmp_path, cases, status, words):
-    res = gc.Result("gpu-tests", gc.PASSED, log=None)
-    gc.judge_gpu_tests(res, ctx(tmp_path, True), junit(tmp_path / "g.xml", cases))
-    assert res.status == status
-    assert words in res.reason
-
-
-def test_a_gpu_run_without_junit_falls_back_to_the_summary_line(tmp_path):
-    log = tmp_path / "gpu-tests.log"
-    log.write_text("....\n4 skipped in 2.00s\n")
-    res = gc.Result("gpu-tests", gc.PASSED, log=str(log))
-    gc.judge_gpu_tests(res, ctx(tmp_path, True), tmp_path / "absent.xml")
-    assert res.status == gc.FAILED and res.figures["skipped"] == 4
-
-
-def test_without_a_device_device_steps_are_skipped_and_the_run_exits_0(tmp_path, capsys):
-    steps = [
-        gc.Step("cpu-part", [PY, "-c", "print('host ok')"], timeout_s=30),
-        gc.Step("device-part", [PY, "-c", "raise SystemExit(3)"], 30, needs_device=True),
-    ]
-    code = gc.main(["--out", str(tmp_path / "out"), "--device", "no"], steps=steps)
-    assert code == 0
-    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    got = {s["name"]: s for s in summary["steps"]}
-    assert got["cpu-part"]["status"] == "passed"
-    assert got["device-part"]["status"] == "skipped"
-    assert "no CUDA device" in got["device-part"]["reason"]
-    assert "host ok" in (tmp_path / "out" / got["cpu-part"]["log"]).read_text()
-    md = (tmp_path / "out" / "summary.md").read_text()
-    assert "| device-part | skipped |" in md
-    out = capsys.readouterr().out
-    assert "skipped: device-part" in out
-
-
-def test_with_a_device_a_failed_step_fails_the_run_and_its_dependants(tmp_path):
-    steps = [
-        gc.Step("build", [PY, "-c", "raise SystemExit(2)"], timeout_s=30),
-        gc.Step("tests", [PY, "-c", "pass"], timeout_s=30, needs_device=True, requires=("build",)),
-    ]
-    code = gc.main(["--out", str(tmp_path / "out"), "--device", "yes"], steps=steps)
-    assert code == 1
-    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    build, tests = summary["steps"]
-    assert (build["status"], build["reason"], build["returncode"]) == ("failed", "exit status 2", 2)
-    assert tests["status"] == "failed" and "build failed" in tests["reason"]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie waiting for a reaper is dead for our purpose
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def test_a_step_over_its_timeout_is_killed_with_its_children(tmp_path):
-    pidfile = tmp_path / "child.pid"
-    script = (
-        "import subprocess, sys, time;"
-        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
-        f"open({str(pidfile)!r}, 'w').write(str(p.pid));"
-        "time.sleep(60)"
+def test_the_progress_lines_of_a_killed_pytest_give_its_counts():
+    text = (
+        "tests/a.py::test_x[1] PASSED                                   [ 20%]\n"
+        "tests/a.py::test_x[2] FAILED                                   [ 40%]\n"
+        "tests/a.py::test_y SKIPPED (needs 2 GPUs)                      [ 60%]\n"
+        "tests/a.py::test_z PASSED                                      [ 80%]\n"
+        "tests/a.py::test_z ERROR                                       [ 80%]\n"
+        "tests/a.py::test_hangs \n"
+        "[gpu-check] timed out after 40 s: process group killed\n"
     )
-    step = gc.Step("slow", [PY, "-c", script], timeout_s=1.5)
-    start = time.monotonic()
-    res = gr.run_step(step, ctx(tmp_path, True))
-    assert time.monotonic() - start < 10
-    assert res.status == gc.FAILED and res.timed_out
-    assert "timed out" in res.reason
-    child = int(pidfile.read_text())
-    deadline = time.monotonic() + 5
-    while _alive(child) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(child), "the step's child outlived the timeout"
-    assert "process group killed" in Path(res.log).read_text()
+    got = rp.parse_pytest_progress(text)
+    assert (got["passed"], got["failed"], got["skipped"], got["errors"]) == (2, 1, 1, 1)
+    assert got["tests"] == 4
+    assert rp.parse_pytest_progress("collecting ...\n") is None
 
 
-def test_the_budget_caps_every_step(tmp_path):
-    c = ctx(tmp_path, True)
-    c.deadline = time.monotonic() + gr.RESERVE_S + 1  # less than a step needs
-    res = gr.run_step(gc.Step("late", [PY, "-c", "pass"], timeout_s=30), c)
-    assert res.status == gc.FAILED and "no time left" in res.reason
+def test_progress_lines_and_junit_agree_on_a_real_pytest_run(tmp_path):
+    (tmp_path / "test_mini.py").write_text(
+        "import pytest\n"
+        "def test_a(): pass\n"
+        "@pytest.mark.parametrize('n', [1, 2])\n"
+        "def test_b(n): assert n == 1\n"
+        "def test_c(): pytest.skip('no device')\n"
+    )
+    xml = tmp_path / "r.xml"
+    junit_opt = [f"--junitxml={xml}", "-o", "addopts="]
+    out = subprocess.run(
+        [PY, "-m", "pytest", "-v", "-rA", "-p", "no:cacheprovider", "test_mini.py", *junit_opt],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    from_lines, from_junit = rp.parse_pytest_progress(out), rp.parse_junit(xml)
+    for k in ("passed", "failed", "skipped", "errors", "tests"):
+        assert from_lines[k] == from_junit[k], k
+    assert (from_junit["passed"], from_junit["failed"], from_junit["skipped"]) == (2, 1, 1)
 
 
-def test_a_missing_round_trip_test_fails_the_sanitizer_steps_as_missing(tmp_path):
-    c = ctx(tmp_path, True, root=tmp_path)  # a tree without tests/gpu/test_device_roundtrip.py
-    for tool in ("memcheck", "racecheck"):
-        res = gr.run_step(gc.sanitizer_step(tool), c)
-        assert res.status == gc.FAILED
-        assert res.reason.startswith("missing")
+def test_slug_of_a_test_file():
+    assert rp.slug("tests/ops/test_reorg.py") == "ops_test_reorg"
 
 
 def test_sanitizer_reports_are_summed_over_processes():
@@ -198,58 +291,405 @@ def test_sanitizer_reports_are_summed_over_processes():
     assert (got["race_hazards"], got["race_errors"], got["race_warnings"]) == (3, 1, 2)
 
 
-@pytest.mark.parametrize(("device", "status"), [(False, "skipped"), (True, "failed")])
-def test_a_gpu_bench_row_that_did_not_run(tmp_path, device, status):
-    c = ctx(tmp_path, device)
-    c.path("x").parent.mkdir(parents=True, exist_ok=True)
-    c.path("vs_deepep.json").write_text(json.dumps({"gpu_row": {"not_run": "no CUDA device"}}))
-    res = gc.Result("bench", gc.PASSED)
-    gc.judge_bench(res, c)
-    assert res.status == status and "no CUDA device" in res.reason
+# ---------------------------------------------------------------------------------------------
+# Running stages
 
 
-def test_pack_leaves_the_summaries_and_one_archive(tmp_path):
+def test_without_a_device_device_stages_are_skipped_and_the_run_exits_0(tmp_path, capsys):
+    def cpu(run):
+        r = run.command([PY, "-c", "print('host ok')"], label="host part")
+        run.res.status, run.res.reason = gr.PASSED, r.output.strip().splitlines()[-1]
+
+    stages = [
+        gr.Stage("cpu-part", cpu),
+        gr.Stage("device-part", lambda run: 1 / 0, needs_device=True),
+    ]
+    code = gc.main(["--out", str(tmp_path / "out"), "--device", "no"], stages=stages)
+    assert code == 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    got = {s["name"]: s for s in summary["stages"]}
+    assert got["cpu-part"]["status"] == "passed"
+    assert got["device-part"]["status"] == "skipped"
+    assert "no CUDA device" in got["device-part"]["reason"]
+    assert "host ok" in (tmp_path / "out" / got["cpu-part"]["log"]).read_text()
+    assert summary["complete"] and summary["exit_code"] == 0
+    md = (tmp_path / "out" / "summary.md").read_text()
+    assert "| device-part | skipped |" in md
+    assert "skipped: device-part" in capsys.readouterr().out
+
+
+def test_a_failed_stage_blocks_what_needs_it_and_fails_the_run(tmp_path):
+    def fail(run):
+        step = run.command([PY, "-c", "raise SystemExit(2)"], label="x")
+        gs.step_ok(run, step, "the build")
+
+    stages = [
+        gr.Stage("build", fail),
+        gr.Stage("tests", lambda run: None, needs_device=True, requires=("build",)),
+        gr.Stage("other", lambda run: setattr(run.res, "status", gr.PASSED)),
+    ]
+    code = gc.main(["--out", str(tmp_path / "out"), "--device", "yes"], stages=stages)
+    assert code == 1
+    build, tests, other = json.loads((tmp_path / "out" / "summary.json").read_text())["stages"]
+    assert build["status"] == "failed" and build["reason"].startswith("the build: exit status 2")
+    assert gr.exit_text(-11) == "killed by SIGSEGV"
+    assert tests["status"] == "not-run" and "stage build failed" in tests["reason"]
+    assert other["status"] == "passed"  # what does not need the build still runs
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie waiting for a reaper is dead for our purpose
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_stage_over_its_budget_is_killed_with_its_children_and_the_next_runs(tmp_path, fast):
+    pidfile = tmp_path / "child.pid"
+    script = (
+        "import signal, subprocess, sys, time;"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN);"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+        f"open({str(pidfile)!r}, 'w').write(str(p.pid));"
+        "time.sleep(60)"
+    )
+
+    def slow(run):
+        gs.step_ok(run, run.command([PY, "-c", script], label="slow"), "slow")
+
+    ctx = make_ctx(tmp_path, True)
+    start = time.monotonic()
+    res = gr.run_stage(gr.Stage("slow", slow), 2.5, ctx)
+    assert time.monotonic() - start < 6
+    assert res.status == gr.FAILED and "killed by the stage timeout" in res.reason
+    child = int(pidfile.read_text())
+    deadline = time.monotonic() + 5
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child), "the stage's child outlived its budget"
+    assert "process group killed" in ctx.path("slow.log").read_text()
+    after = gr.run_stage(gr.Stage("next", lambda run: setattr(run.res, "status", "passed")), 5, ctx)
+    assert after.status == gr.PASSED
+
+
+def test_files_report_as_they_come_killed_ones_with_what_ran(tmp_path, fake_python, fast):
+    """One pytest per file; the summary is rewritten after each; a file killed by its timeout
+    still reports what had finished (from its junit, written on SIGINT, or else from its -v
+    lines); the files left when the stage's budget is spent are "not run"."""
+    ctx = make_ctx(tmp_path, True, python=fake_python)
+    os.environ["FAKE_PEEK_SRC"] = str(ctx.out / "summary.json")
+    os.environ["FAKE_PEEK_DST"] = str(tmp_path / "peek.json")
+    try:
+
+        def body(run):
+            run.pytest_file("tests/ok.py", ["tests/ok.py"])
+            run.pytest_file("tests/peek.py", ["tests/peek.py"])
+            run.pytest_file("tests/fail.py", ["tests/fail.py"])
+            run.pytest_file("tests/hang.py", ["tests/hang.py"], cap=1.0)
+            run.pytest_file("tests/hang_noint.py", ["tests/hang_noint.py"])
+            run.pytest_file("tests/late.py", ["tests/late.py"])
+
+        res = gr.run_stage(gr.Stage("core", body, require_pass=True), 5.0, ctx)
+    finally:
+        del os.environ["FAKE_PEEK_SRC"], os.environ["FAKE_PEEK_DST"]
+    rows = {f.name: f for f in res.files}
+    assert rows["tests/ok.py"].status == gr.PASSED and rows["tests/ok.py"].passed == 2
+    assert rows["tests/ok.py"].junit == "junit/core.ok.xml"
+    assert (rows["tests/fail.py"].status, rows["tests/fail.py"].failed) == (gr.FAILED, 1)
+    hang = rows["tests/hang.py"]
+    assert hang.killed and hang.reason.startswith("killed by its 1 s timeout")
+    assert (hang.passed, hang.counts_from) == (2, "junit")
+    noint = rows["tests/hang_noint.py"]
+    assert noint.killed and noint.reason.startswith("killed by the stage timeout after")
+    assert (noint.passed, noint.counts_from, noint.junit) == (2, "output", None)
+    assert "2 passed, 0 failed" in noint.reason
+    assert rows["tests/late.py"].status == gr.NOT_RUN
+    assert rows["tests/late.py"].reason == "not run: stage budget spent"
+    assert res.status == gr.FAILED and "3 of 6 failed" in res.reason and "1 not run" in res.reason
+    # While peek.py ran, the summary already held ok.py's row.
+    peek = json.loads((tmp_path / "peek.json").read_text())
+    assert peek["in_progress"] == "core" and not peek["complete"]
+    assert [f["name"] for f in peek["stages"][0]["files"]] == ["tests/ok.py"]
+    md = gr.summary_markdown(gr.summary_data(ctx, 1))
+    assert "| core | tests/hang_noint.py | failed | 2 | 0 | 0 | 0 |" in md
+    assert "not run: stage budget spent" in md
+
+
+def test_a_stage_the_call_has_no_time_for_is_not_run(tmp_path):
+    ctx = make_ctx(tmp_path, True)
+    ctx.deadline = time.monotonic() + 1
+    res = gr.run_stage(gr.Stage("late", lambda run: 1 / 0), 30, ctx)
+    assert (res.status, res.reason) == (gr.NOT_RUN, "not run: call budget spent")
+
+
+def test_on_a_device_a_stage_where_nothing_passed_fails(tmp_path):
+    res = gr.Result("smoke")
+    res.files = [gr.FileResult("smoke", "a.py", gr.SKIPPED, "all 2 skipped", tests=2, skipped=2)]
+    gr.settle_from_files(res, require_pass=True)
+    assert res.status == gr.FAILED and "no gpu test passed" in res.reason
+    res = gr.Result("host", files=list(res.files))
+    gr.settle_from_files(res, require_pass=False)
+    assert res.status == gr.PASSED
+
+
+def test_pack_leaves_the_summaries_and_two_archives(tmp_path, fake_python, monkeypatch):
+    monkeypatch.setattr(gs, "test_python", lambda root, device: fake_python)
+    monkeypatch.setattr(gc, "test_python", lambda root, device: fake_python)
     out = tmp_path / "out"
-    steps = [gc.Step("a", [PY, "-c", "print('x')"], timeout_s=30)]
-    assert gc.main(["--out", str(out), "--device", "no", "--pack"], steps=steps) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["logs.tar.gz", "summary.json", "summary.md"]
+    stages = [gr.Stage("core", lambda run: run.pytest_file("tests/a.py", ["tests/a.py"]))]
+    assert gc.main(["--out", str(out), "--device", "yes", "--pack"], stages=stages) == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["junit.tar.gz", "logs.tar.gz", "summary.json", "summary.md"]
     with tarfile.open(out / "logs.tar.gz") as tar:
-        assert "logs/a.log" in tar.getnames()
-
-
-def test_the_default_steps_cover_the_brief(tmp_path):
-    no_dev = gc.default_steps(ctx(tmp_path, False))
-    names = [s.name for s in no_dev]
-    for want in ("build", "env", "import", "gpu-collect", "gpu-tests", "bench"):
-        assert want in names
-    assert {"sanitizer-memcheck", "sanitizer-racecheck", "host-tests"} <= set(names)
-    by = {s.name: s for s in no_dev}
-    assert by["gpu-tests"].needs_device and by["sanitizer-memcheck"].needs_device
-    assert by["gpu-tests"].env["MOECOMM_REQUIRE_GPU"] == "1"
-    dev = gc.default_steps(ctx(tmp_path, True))
-    assert [s.name for s in dev][:3] == ["env", "setup", "build"]
-    build = next(s for s in dev if s.name == "build")
-    assert build.env["MOECOMM_WITH_CUDA"] == "ON" and "-e" in build.cmd
-
-
-def test_a_gpu_test_file_whose_module_cannot_be_carried_is_left_out_and_said(tmp_path, monkeypatch):
-    monkeypatch.setattr(gc, "UNCARRIED", [("tests/x.py", "no_such_module_4711", "too big")])
-    c = ctx(tmp_path, True)
-    assert gc._left_out(c, PY) == ["--ignore=tests/x.py"]
-    res = gc.Result("gpu-tests", gc.PASSED)
-    gc.judge_gpu_tests(res, c, junit(tmp_path / "g.xml", ["passed"]))
-    assert res.status == gc.PASSED
-    assert "left out: tests/x.py: no_such_module_4711 not importable (too big)" in res.reason
-    monkeypatch.setattr(gc, "UNCARRIED", [("tests/y.py", "json", "")])
-    assert gc._left_out(ctx(tmp_path, True), PY) == []
+        assert "logs/core.log" in tar.getnames()
+    with tarfile.open(out / "junit.tar.gz") as tar:
+        assert "junit/core.a.xml" in tar.getnames()
 
 
 def test_a_rerun_replaces_its_own_files_and_nothing_else(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("not ours")
-    steps = [gc.Step("a", [PY, "-c", "print('x')"], timeout_s=30)]
+
+    def body(run):
+        run.command([PY, "-c", "print('x')"], label="x")
+        run.res.status = gr.PASSED
+
     for _ in range(2):
-        assert gc.main(["--out", str(out), "--device", "no"], steps=steps) == 0
+        assert gc.main(["--out", str(out), "--device", "no"], stages=[gr.Stage("a", body)]) == 0
     assert (out / "keep.txt").read_text() == "not ours"
     assert sorted(p.name for p in (out / "logs").iterdir()) == ["a.log"]
+    assert (out / "logs" / "a.log").read_text().count("$ ") == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The stages
+
+
+def _tree(root: Path, python: str) -> None:
+    for rel, text in {
+        "csrc/a.cc": "int a;",
+        "bindings/b.cc": "int b;",
+        "cmake/F.cmake": "#",
+        "CMakeLists.txt": "project(x)",
+        "pyproject.toml": "[project]",
+        "tools/gpu-requirements.txt": "pytest>=8\n",
+    }.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    venv_py = root / gs.GPU_VENV / "bin" / "python"
+    venv_py.parent.mkdir(parents=True)
+    venv_py.symlink_to(python)
+
+
+def test_the_build_stamp_follows_the_inputs_and_the_python(tmp_path):
+    _tree(tmp_path, PY)
+    assert gs.build_current(tmp_path, PY) == (
+        False,
+        "no build stamp (the last build did not finish)",
+    )
+    gs.write_stamp(tmp_path, PY)
+    assert gs.build_current(tmp_path, PY)[0]
+    assert not gs.build_current(tmp_path, "/usr/bin/false")[0]  # another Python
+    (tmp_path / "csrc" / "a.cc").write_text("int a = 1;")
+    assert gs.build_current(tmp_path, PY) == (False, "the build's inputs or its Python changed")
+
+
+def test_the_build_runs_once_and_is_reused_on_a_warm_machine(tmp_path, fake_python, fast):
+    _tree(tmp_path, fake_python)
+    ctx = make_ctx(tmp_path, True, python=str(tmp_path / gs.GPU_VENV / "bin" / "python"))
+    ctx.base_python = PY
+    stage = gs.all_stages()["build"]
+    first = gr.run_stage(stage, 15.0, ctx)  # call 2's budget, but nothing to reuse
+    assert first.status == gr.PASSED, first.reason
+    assert first.figures["reused"] is False and first.reason.startswith("built in")
+    assert first.budget_s == gs.BUILD_FULL_S and "not reused" in first.figures["budget_extended"]
+    assert gs.stamp_path(tmp_path).exists()
+    log = ctx.path("build.log").read_text()
+    assert "MOECOMM_WITH_CUDA=ON" in log and "-e ." in log
+    again = gr.run_stage(stage, 15.0, ctx)
+    assert again.status == gr.PASSED and again.reason.startswith("reused: the build is current")
+    assert again.budget_s == 15.0
+
+
+def _probe_info(**changes) -> dict:
+    info = {
+        "python": "3.12.3",
+        "gpu_count": 1,
+        "gpus": [{"name": "NVIDIA H100 80GB HBM3", "driver": "580.159.04"}],
+        "driver": "580.159.04",
+        "driver_cuda": "13.0",
+        "compute_mode": "Default",
+        "nvidia_smi": "/usr/bin/nvidia-smi",
+        "mps": "off",
+        "venv_pip": "ensurepip (bundled pip 24.0)",
+        "scikit_build_core": "0.11.1",
+        "pybind11": "2.13.6",
+        "cmake": {"path": "/usr/bin/cmake", "version": "3.31.6"},
+        "ninja": {"path": "/usr/bin/ninja", "version": "1.11.1"},
+        "nvshmem": "wheel /x/nvidia/nvshmem",
+        "triton": "3.6.0",
+        "torch": "2.11.0+cu130",
+        "torch_cuda": "13.0",
+        "torch_cuda_available": True,
+        "nvcc": {"path": "/usr/local/cuda/bin/nvcc", "version": "13.0.48"},
+        "compute_sanitizer": "/usr/local/cuda/bin/compute-sanitizer",
+        "test_requirements_missing": ["fastapi"],
+        "test_requirements_uncarried": [],
+    }
+    info.update(changes)
+    return info
+
+
+def test_preflight_fails_fast_in_one_line_naming_what_is_missing():
+    status, reason, _ = gs.judge_preflight(_probe_info(), device=True)
+    assert status == gr.PASSED and reason.startswith("nothing missing; 1× NVIDIA H100")
+    assert "MPS off" in reason and "pip: ensurepip" in reason
+    status, reason, _ = gs.judge_preflight(
+        _probe_info(nvcc={"path": None}, nvshmem=None, compute_sanitizer=None, venv_pip=None),
+        device=True,
+    )
+    assert status == gr.FAILED and "\n" not in reason
+    assert reason.startswith(
+        "missing: pip (no ensurepip and no pip in this Python), nvidia.nvshmem"
+    )
+    assert "nvcc" in reason and "compute-sanitizer" in reason and "not building" in reason
+    status, reason, _ = gs.judge_preflight(_probe_info(torch_cuda=None), device=True)
+    assert status == gr.FAILED and "torch with CUDA" in reason
+    status, reason, _ = gs.judge_preflight(
+        _probe_info(test_requirements_uncarried=["fastapi"]), device=True
+    )
+    assert status == gr.FAILED and "make gpu-wheels" in reason
+    # Without a device nothing is missing enough to stop: make build installs .venv's.
+    status, reason, _ = gs.judge_preflight(_probe_info(nvcc={"path": None}), device=False)
+    assert status == gr.PASSED and reason.startswith("missing: nvcc")
+
+
+def test_the_probe_runs_with_the_standard_library_alone(tmp_path):
+    """-I -S: no site-packages at all, as on a machine where nothing is installed yet."""
+    args = ["--requirements", str(ROOT / gs.REQUIREMENTS), "--wheels", str(tmp_path)]
+    out = subprocess.run(
+        [PY, "-I", "-S", str(ROOT / "tools" / "gpu_check_probe.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    info = gs.json_line(out, "GPU-CHECK-PREFLIGHT")
+    assert info is not None and info["python"] == sys.version.split()[0]
+    assert info["torch"].startswith("not importable")
+    assert "pytest" in info["test_requirements_uncarried"]
+    status, reason, _ = gs.judge_preflight(info, device=True)
+    assert status == gr.FAILED and "torch" in reason and "\n" not in reason
+
+
+def test_core_finds_its_files_by_the_gpu_marker():
+    assert gs.uses_gpu_marker("import pytest\npytestmark = [pytest.mark.gpu]\n")
+    assert gs.uses_gpu_marker("from pytest import mark\n@mark.gpu\ndef test_x(): pass\n")
+    assert not gs.uses_gpu_marker("TEXT = 'pytestmark = pytest.mark.gpu'  # mark.gpu\n")
+    found = gs.discover_gpu_files(ROOT)
+    assert "tests/test_gpu_check.py" not in found  # it only writes the marker into strings
+    assert "tests/gpu/test_device_roundtrip.py" in found and gs.DEEPEP_TEST in found
+    assert "tests/gpu/test_gpu_host.py" not in found  # no gpu marker in it
+    core = gs.core_files(ROOT)
+    assert gs.DEEPEP_TEST not in core and gs.SMOKE_TEST not in core
+    assert "tests/ops/test_reorg.py" in core and "tests/test_nixl_tensors.py" in core
+
+
+def test_a_file_whose_module_cannot_be_carried_is_left_out_and_said(
+    tmp_path, monkeypatch, fake_python, fast
+):
+    (tmp_path / "tests").mkdir()
+    for name in ("x_gpu", "y_gpu"):
+        (tmp_path / "tests" / f"test_{name}.py").write_text(
+            "import pytest\npytestmark = pytest.mark.gpu\n"
+        )
+    monkeypatch.setattr(gs, "UNCARRIED", [("tests/test_x_gpu.py", "no_such_module_4711", "big")])
+    ctx = make_ctx(tmp_path, True, python=PY)
+    assert gs.left_out(ctx) == {"tests/test_x_gpu.py": "no_such_module_4711 not importable (big)"}
+    ctx.python = fake_python  # runs the files; the probe above needed a real Python
+    monkeypatch.setattr(gs, "left_out", lambda c: {"tests/test_x_gpu.py": "nixl-like (big)"})
+    res = gr.run_stage(gs.all_stages()["core"], 20.0, ctx)
+    rows = {f.name: f for f in res.files}
+    assert rows["tests/test_x_gpu.py"].status == gr.SKIPPED
+    assert rows["tests/test_x_gpu.py"].reason == "left out: nixl-like (big)"
+    assert rows["tests/test_y_gpu.py"].status == gr.PASSED
+    assert res.status == gr.PASSED and res.figures["left_out"] == [
+        "tests/test_x_gpu.py: nixl-like (big)"
+    ]
+    monkeypatch.undo()
+    monkeypatch.setattr(gs, "UNCARRIED", [("tests/test_y_gpu.py", "json", "")])
+    assert gs.left_out(make_ctx(tmp_path, True)) == {}
+
+
+def test_deepep_runs_the_scenario_file_once_with_the_stage_budget(tmp_path, fake_python, fast):
+    """One pytest over the file (its fixture starts the rank group once and reports each
+    scenario itself); the per-test timeout is what the stage has left, since the first test's
+    setup runs every scenario."""
+    (tmp_path / gs.DEEPEP_TEST).parent.mkdir(parents=True)
+    (tmp_path / gs.DEEPEP_TEST).write_text("")
+    ctx = make_ctx(tmp_path, True, python=fake_python)
+    res = gr.run_stage(gs.all_stages()["deepep"], 20.0, ctx)
+    assert res.status == gr.PASSED, res.reason
+    (row,) = res.files
+    assert row.name == gs.DEEPEP_TEST and row.junit.startswith("junit/deepep.")
+    log = ctx.path("deepep.log").read_text()
+    (cmd,) = [ln for ln in log.splitlines() if ln.startswith("$ ") and "pytest" in ln]
+    assert f"{gs.DEEPEP_TEST} -m gpu" in cmd
+    timeout = int(next(a for a in cmd.split() if a.startswith("--timeout=")).split("=")[1])
+    assert 10 <= timeout <= 20
+
+
+def test_the_sanitizer_runs_memcheck_on_the_smoke_test_alone(tmp_path, fake_python, monkeypatch):
+    calls = tmp_path / "calls.jsonl"
+    fake_san = tmp_path / "compute-sanitizer"
+    fake_san.write_text(
+        f"#!{PY}\nimport os, subprocess, sys\n"
+        f"open({str(calls)!r}, 'a').write(' '.join(sys.argv[1:6]) + '\\n')\n"
+        "rc = subprocess.call(sys.argv[5:])\n"
+        "print('========= ERROR SUMMARY: 0 errors')\nsys.exit(rc)\n"
+    )
+    fake_san.chmod(0o755)
+    monkeypatch.setattr(gs, "find_sanitizer", lambda: str(fake_san))
+    monkeypatch.setenv("FAKE_ARGS_LOG", str(tmp_path / "args.jsonl"))
+    (tmp_path / gs.SMOKE_TEST).parent.mkdir(parents=True)
+    (tmp_path / gs.SMOKE_TEST).write_text("")
+    ctx = make_ctx(tmp_path, True, python=fake_python)
+    res = gr.run_stage(gs.all_stages()["sanitizer"], 30.0, ctx)
+    assert res.status == gr.PASSED, res.reason
+    assert res.figures["processes_checked"] == 1 and res.figures["sanitizer_errors"] == 0
+    assert calls.read_text().split() == [
+        "--tool",
+        "memcheck",
+        "--error-exitcode",
+        "86",
+        fake_python,
+    ]
+    (args,) = [json.loads(x) for x in (tmp_path / "args.jsonl").read_text().splitlines()]
+    assert gs.SMOKE_TEST in args["argv"] and "--target-processes" not in args["argv"]
+    assert args["argv"][args["argv"].index("-k") + 1] == gs.SANITIZER_SELECT
+    assert args["env"]["MOECOMM_DEVICE_DEADLINE_SCALE"] == "20"
+
+
+def test_a_missing_smoke_test_fails_the_device_stages_that_run_it(tmp_path):
+    ctx = make_ctx(tmp_path, True)  # a tree without tests/gpu/test_smoke_loopback.py
+    for name in ("smoke", "sanitizer"):
+        res = gr.run_stage(gs.all_stages()[name], 30.0, ctx)
+        assert res.status == gr.FAILED and res.reason.startswith("missing")
+    no_device = make_ctx(tmp_path / "nd", False, root=tmp_path)
+    res = gr.run_stage(gs.all_stages()["smoke"], 30.0, no_device)
+    assert res.status == gr.SKIPPED and "is also missing" in res.reason
+
+
+@pytest.mark.parametrize(("device", "status"), [(False, "skipped"), (True, "failed")])
+def test_a_gpu_bench_row_that_did_not_run(device, status):
+    res = gr.Result("bench")
+    gs.judge_bench(res, {"not_run": "no CUDA device"}, device)
+    assert res.status == status and "no CUDA device" in res.reason
+    gs.judge_bench(
+        res, {"ok": "yes", "dispatch_us": 80.0, "combine_us": 90.0, "calc_diff": 1e-4}, True
+    )
+    assert res.status == gr.PASSED and "dispatch 80.0 µs" in res.reason

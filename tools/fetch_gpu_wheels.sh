@@ -2,7 +2,8 @@
 # Downloads into .gpu-wheels/ (git-ignored) the wheels moecomm's tests need that the GPU image
 # ('cuda': Python 3.12, CUDA torch, Triton, nvcc 13, no network) may lack, for cp312
 # manylinux x86_64, so that `make gpu-check` there installs them with
-# `pip install --no-index --find-links .gpu-wheels ...` (tools/gpu_check.py does).
+# `pip install --no-index --find-links .gpu-wheels ...` (the build stage of the GPU check,
+# tools/gpu_check_stages.py, does; its preflight checks each is in the image or carried here).
 # torch, triton, numpy and NVSHMEM are NOT fetched: the image has them, and the build must use
 # its CUDA torch. docs/gpu-check.md lists every wheel and why.
 #
@@ -17,7 +18,7 @@ if [[ -z "${PYTHON:-}" ]]; then
 fi
 LIMIT_MIB=${GPU_WHEELS_LIMIT_MIB:-60}
 
-# The requirements, one place: tools/gpu_check.py installs exactly this list on the device.
+# The requirements, one place: the GPU check's build stage installs exactly this list there.
 mapfile -t REQS < <(grep -vE '^\s*(#|$)' tools/gpu-requirements.txt)
 
 PLATFORM=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3

@@ -1,6 +1,7 @@
-"""What tools/gpu_check.py reads back: pytest's junit XML and summary line, compute-sanitizer's
-error summaries, and the judges that turn them into a step's status; the sanitizer steps.
-Standard library only."""
+"""What tools/gpu_check.py reads back: pytest's junit XML, its ``-v`` progress lines and summary
+line (what a killed pytest leaves) and compute-sanitizer's
+error summaries. Pure functions over text and files: no import of the runner or the stages.
+Standard library only: it runs before anything is installed."""
 
 from __future__ import annotations
 
@@ -10,42 +11,35 @@ import shutil
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from gpu_check_run import FAILED, PASSED, ROOT, Context, Result, Step
-
-ROUNDTRIP_TEST = "tests/gpu/test_device_roundtrip.py"
-SANITIZER_TEST = "test_sizes_change_every_step_and_slots_are_reused_at_once"
-# Steps of that test under the sanitizer (the test reads MOECOMM_ROUNDTRIP_STEPS).
-SANITIZER_STEPS = "4"
-SANITIZER_TEST_TIMEOUT_S = 180
-# pytest-timeout per test inside the steps: a hung test fails alone instead of taking the step's
-# whole time (and its junit report) with it.
-GPU_TEST_TIMEOUT_S = 120
+COUNT_KEYS = ("passed", "failed", "skipped", "errors")
 
 
 # ---------------------------------------------------------------------------------------------
-# Reading pytest's reports.
+# pytest's junit XML
 
 
 def parse_junit(path: Path) -> dict:
-    """Counts of a pytest junit XML: tests, passed, failed, errors, skipped, and the distinct
-    skip reasons (most frequent first)."""
+    """Counts of a pytest junit XML: tests, passed, failed, errors, skipped; the distinct skip
+    reasons (most frequent first), the tests that did not pass and the first failure's message."""
     root = ET.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
     counts = {"tests": 0, "passed": 0, "failed": 0, "errors": 0, "skipped": 0}
     reasons: dict[str, int] = {}
-    failed_names = []
+    failed_names: list[str] = []
+    first_message = ""
     for suite in suites:
         for case in suite.iter("testcase"):
             counts["tests"] += 1
             name = f"{case.get('classname', '')}::{case.get('name', '')}"
-            kids = {child.tag for child in case}
-            if "error" in kids:
-                counts["errors"] += 1
+            bad = case.find("error")
+            if bad is None:
+                bad = case.find("failure")
+            if bad is not None:
+                counts["errors" if bad.tag == "error" else "failed"] += 1
                 failed_names.append(name)
-            elif "failure" in kids:
-                counts["failed"] += 1
-                failed_names.append(name)
-            elif "skipped" in kids:
+                if not first_message:
+                    first_message = (bad.get("message") or (bad.text or "")).strip()
+            elif case.find("skipped") is not None:
                 counts["skipped"] += 1
                 msg = case.find("skipped").get("message", "") or ""
                 reasons[msg] = reasons.get(msg, 0) + 1
@@ -60,8 +54,12 @@ def parse_junit(path: Path) -> dict:
         f"{n}× {r}" for r, n in sorted(reasons.items(), key=lambda kv: -kv[1])
     ][:5]
     counts["not_passed"] = failed_names[:10]
+    counts["first_failure"] = " ".join(first_message.split())[:240]
     return counts
 
+
+# ---------------------------------------------------------------------------------------------
+# pytest's text output
 
 _SUMMARY_WORDS = {
     "passed": "passed",
@@ -99,77 +97,72 @@ def parse_pytest_summary(text: str) -> dict | None:
     return found
 
 
-def judge_gpu_tests(res: Result, ctx: Context, junit: Path | None = None) -> None:
-    """A gpu test run counts only if tests passed: on a device, 0 passed or all skipped fails
-    the step whatever pytest's exit status."""
-    if ctx.results_notes:
-        res.figures["left_out"] = list(ctx.results_notes)
-    counts = None
-    if junit is not None and junit.exists():
-        try:
-            counts = parse_junit(junit)
-        except ET.ParseError as exc:
-            res.figures["junit_error"] = str(exc)
-    if counts is None and res.log:
-        summary = parse_pytest_summary(Path(res.log).read_text(errors="replace"))
-        if summary is not None:
-            counts = {k: summary.get(k, 0) for k in ("passed", "failed", "errors", "skipped")}
-            counts["tests"] = sum(counts.values())
-    if counts is None:
-        if res.status == PASSED:
-            res.status, res.reason = FAILED, "no pytest report (junit or summary line) found"
-        return
-    res.figures.update(counts)
-    if res.status != PASSED:
-        res.reason += f" ({counts['passed']} passed, {counts['failed']} failed, "
-        res.reason += f"{counts['errors']} errors, {counts['skipped']} skipped)"
-        return
-    if counts["tests"] == 0 or counts["passed"] == 0:
-        res.status = FAILED
-        res.reason = (
-            f"no gpu test passed ({counts['tests']} run, {counts['skipped']} skipped) on a "
-            "machine with a device"
-        )
-    elif counts["skipped"] == counts["tests"]:
-        res.status, res.reason = FAILED, "every gpu test was skipped on a machine with a device"
-    elif counts["failed"] or counts["errors"]:
-        res.status = FAILED
-        res.reason = f"{counts['failed']} failed, {counts['errors']} errors"
-    else:
-        res.reason = f"{counts['passed']} passed, {counts['skipped']} skipped"
-    if ctx.results_notes:
-        res.reason += f"; left out: {'; '.join(ctx.results_notes)}"
+# `pytest -v`: one line per test phase as it ends ("tests/a.py::test_x[1] PASSED   [ 50%]");
+# `-rA` adds "PASSED tests/a.py::test_x[1]" lines in the short summary at the end.
+_PROGRESS = re.compile(r"^(\S+::\S+)\s+(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
+_SHORT = re.compile(r"^(PASSED|FAILED|ERROR|XFAIL|XPASS)\s+(\S+::\S+)")
+_OUTCOME = {
+    "PASSED": "passed",
+    "XPASS": "passed",
+    "FAILED": "failed",
+    "SKIPPED": "skipped",
+    "XFAIL": "skipped",
+    "ERROR": "errors",
+}
 
 
-def judge_pytest(res: Result, ctx: Context, junit: Path | None = None) -> None:
-    """Plain pytest step: figures from the report; the exit status decides."""
-    counts = None
+def parse_pytest_progress(text: str) -> dict | None:
+    """Counts from the per-test lines of ``pytest -v -rA`` output, also when the run was killed
+    half-way (no junit, no summary line): each (test, outcome) pair counts once, so a test that
+    passed and then errored in teardown counts as pytest counts it (1 passed, 1 error). None
+    when there is no such line."""
+    seen: dict[tuple[str, str], None] = {}
+    for line in text.splitlines():
+        m = _PROGRESS.match(line.strip())
+        if m:
+            seen[(m.group(1), m.group(2))] = None
+            continue
+        m = _SHORT.match(line.strip())
+        if m:
+            seen[(m.group(2), m.group(1))] = None
+    if not seen:
+        return None
+    counts = dict.fromkeys(COUNT_KEYS, 0)
+    not_passed = []
+    for node, outcome in seen:
+        key = _OUTCOME[outcome]
+        counts[key] += 1
+        if key in ("failed", "errors"):
+            not_passed.append(node)
+    counts["tests"] = len({node for node, _ in seen})
+    counts["not_passed"] = not_passed[:10]
+    return counts
+
+
+def counts_of_run(junit: Path | None, text: str) -> tuple[dict | None, str]:
+    """A pytest run's counts and where they came from: its junit when it wrote one, else the
+    ``-v`` lines of its output, else its summary line; (None, "") when there is nothing."""
     if junit is not None and junit.exists():
         try:
-            counts = parse_junit(junit)
+            return parse_junit(junit), "junit"
         except ET.ParseError:
-            counts = None
-    if counts is None and res.log:
-        counts = parse_pytest_summary(Path(res.log).read_text(errors="replace"))
-    if counts:
-        res.figures.update(counts)
-        if res.status == PASSED:
-            res.reason = ", ".join(
-                f"{counts[k]} {k}" for k in ("passed", "skipped") if counts.get(k) is not None
-            )
+            pass
+    got = parse_pytest_progress(text)
+    if got is not None:
+        return got, "output"
+    summary = parse_pytest_summary(text)
+    if summary is not None and "collected" not in summary:
+        counts = {k: summary.get(k, 0) for k in COUNT_KEYS}
+        counts["tests"] = sum(counts.values())
+        return counts, "summary line"
+    return None, ""
 
 
-def judge_collect(res: Result, ctx: Context) -> None:
-    summary = parse_pytest_summary(Path(res.log).read_text(errors="replace")) if res.log else None
-    n = (summary or {}).get("collected")
-    if n is None and summary is not None and "errors" in summary:
-        n = 0
-    res.figures["gpu_tests_collected"] = n
-    if res.status == PASSED:
-        if not n:
-            res.status, res.reason = FAILED, "no gpu-marked test collected"
-        else:
-            res.reason = f"{n} gpu-marked tests collected"
+def slug(text: str) -> str:
+    """A file-name-safe form of a test file or id (letters, digits, '.', '_', '-' only: what the
+    device tool brings back)."""
+    text = text.removeprefix("tests/").replace(".py::", ".").removesuffix(".py")
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_")[:120] or "x"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,76 +201,3 @@ def parse_sanitizer(text: str) -> dict:
         out["race_errors"] = sum(int(h[1]) for h in hz)
         out["race_warnings"] = sum(int(h[2]) for h in hz)
     return out
-
-
-def sanitizer_step(tool: str) -> Step:
-    def precheck(ctx: Context):
-        if not (ctx.root / ROUNDTRIP_TEST).exists():
-            return FAILED, f"missing: {ROUNDTRIP_TEST} does not exist"
-        if find_sanitizer() is None:
-            return FAILED, "compute-sanitizer not found (PATH, /usr/local/cuda/bin)"
-        return None
-
-    def cmd(ctx: Context) -> list:
-        return [
-            find_sanitizer(),
-            "--tool",
-            tool,
-            "--target-processes",
-            "all",
-            "--error-exitcode",
-            "86",
-            ctx.python,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-m",
-            "gpu",
-            # One test, few steps: every kernel of the round trip runs, under a tool that slows
-            # kernels by orders of magnitude (the whole file is the gpu-tests step's job).
-            "-k",
-            SANITIZER_TEST,
-            ROUNDTRIP_TEST,
-            f"--timeout={SANITIZER_TEST_TIMEOUT_S}",
-            f"--junitxml={ctx.path(tool + '.xml')}",
-        ]
-
-    def judge(res: Result, ctx: Context) -> None:
-        text = Path(res.log).read_text(errors="replace") if res.log else ""
-        res.figures.update(parse_sanitizer(text))
-        junit = ctx.path(tool + ".xml")
-        if junit.exists():
-            c = parse_junit(junit)
-            res.figures.update({k: c[k] for k in ("tests", "passed", "skipped", "failed")})
-        if res.status != PASSED:
-            if res.returncode == 86:
-                res.reason = f"{tool} reported {res.figures['sanitizer_errors']} errors"
-            return
-        if res.figures["processes_checked"] == 0:
-            res.status, res.reason = FAILED, "no compute-sanitizer summary in the log"
-        elif res.figures["sanitizer_errors"]:
-            res.status = FAILED
-            res.reason = f"{tool} reported {res.figures['sanitizer_errors']} errors"
-        elif not res.figures.get("passed"):
-            res.status, res.reason = FAILED, "the round-trip test did not pass under the tool"
-        else:
-            res.reason = (
-                f"0 errors in {res.figures['processes_checked']} processes, "
-                f"{res.figures.get('passed', 0)} tests passed"
-            )
-
-    missing = "" if (ROOT / ROUNDTRIP_TEST).exists() else f"{ROUNDTRIP_TEST} is also missing"
-    return Step(
-        f"sanitizer-{tool}",
-        cmd,
-        timeout_s=200,
-        env={"MOECOMM_ROUNDTRIP_STEPS": SANITIZER_STEPS},
-        title=f"compute-sanitizer --tool {tool} on {ROUNDTRIP_TEST}",
-        needs_device=True,
-        precheck=precheck,
-        judge=judge,
-        no_device_reason=missing,
-        requires=("build",),
-    )

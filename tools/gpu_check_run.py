@@ -1,6 +1,12 @@
-"""The step runner of tools/gpu_check.py: steps with their own process group and timeout
-inside one time budget, their results, and the summary (summary.json, summary.md, the log
-archive). Standard library only: it runs before anything is installed."""
+"""The stage runner of tools/gpu_check.py: stages with their own time budget, commands and
+pytest runs in their own process group killed when the stage's time is spent, one result row
+per test file, and the summaries (summary.json, summary.md, the archives) rewritten as results
+come. Standard library only: it runs before anything is installed.
+
+A stage's body (tools/gpu_check_stages.py) runs its commands through a ``StageRun``: each
+command gets what is left of the stage's budget (or less), and is killed with its process group
+when that is spent; a test file that cannot start any more is recorded "not run: stage budget
+spent". Nothing here knows what the stages are."""
 
 from __future__ import annotations
 
@@ -14,69 +20,148 @@ import subprocess
 import sys
 import tarfile
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+from gpu_check_reports import COUNT_KEYS, counts_of_run, slug
+
 ROOT = Path(__file__).resolve().parents[1]
 PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
-# The whole run stays under the device tool's 10-minute limit per command.
-DEFAULT_BUDGET_S = 570.0
-# Kept free of the budget for the summary and the kill of a step that overran.
-RESERVE_S = 10.0
-KILL_GRACE_S = 5.0
+# A stage some of whose test files were not run (its budget was spent) with none failed.
+INCOMPLETE = "incomplete"
+# A stage or a test file that did not start: its budget was spent, or a stage it needs failed.
+NOT_RUN = "not-run"
+STATUSES = (PASSED, FAILED, SKIPPED, INCOMPLETE, NOT_RUN)
+# The run exits 0 only when every stage ended in one of these.
+OK_STATUSES = (PASSED, SKIPPED)
+
+# What the plan reserves beside the stages' budgets: per stage (starting its first process,
+# writing the summaries and the archives) and per call (the detection, the last summary).
+STAGE_OVERHEAD_S = 2.0
+CALL_RESERVE_S = 5.0
+# A command past its timeout gets SIGINT (pytest then still writes its junit), SIGTERM after
+# 3 s, SIGKILL after 2 more: it is started only with that much of its stage's time left over.
+SIGINT_GRACE_S = 3.0
+SIGTERM_GRACE_S = 2.0
+KILL_GRACE_S = SIGINT_GRACE_S + SIGTERM_GRACE_S
+# Nothing is started with less than this left.
+MIN_RUN_S = 5.0
+# pytest-timeout per test is this much below its file's timeout (start-up, the junit write).
+PYTEST_MARGIN_S = 5.0
 LOG_TAIL_LINES = 25
 
 
 @dataclasses.dataclass
-class Result:
+class FileResult:
+    """One test file (or one scenario) of a stage: one pytest process, one junit file."""
+
+    stage: str
     name: str
     status: str
     reason: str = ""
     duration_s: float = 0.0
+    tests: int = 0
+    passed: int = 0
+    failed: int = 0
+    skipped: int = 0
+    errors: int = 0
+    counts_from: str = ""
+    killed: bool = False
+    junit: str | None = None
+    not_passed: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Result:
+    """One stage."""
+
+    name: str
+    status: str = ""
+    reason: str = ""
+    budget_s: float = 0.0
+    duration_s: float = 0.0
     figures: dict = dataclasses.field(default_factory=dict)
     log: str | None = None
-    returncode: int | None = None
-    timed_out: bool = False
-    command: str | None = None
+    files: list = dataclasses.field(default_factory=list)
+    commands: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
 class Context:
+    """One run. ``out`` gets the summaries; ``work`` the logs and junit files (``out`` itself,
+    or a scratch folder packed into ``out`` after every stage with --pack)."""
+
     out: Path
     device: bool
     device_reason: str
+    base_python: str = sys.executable
     python: str = sys.executable
     root: Path = ROOT
+    work: Path | None = None
+    pack: bool = False
+    label: str = "all stages"
+    limit_s: float | None = None
     deadline: float = float("inf")
-    budget_s: float = DEFAULT_BUDGET_S
-    env: dict = dataclasses.field(default_factory=dict)
+    started: float = dataclasses.field(default_factory=time.time)
     results: dict = dataclasses.field(default_factory=dict)
-    results_notes: list = dataclasses.field(default_factory=list)
+    order: list = dataclasses.field(default_factory=list)
+    in_progress: str | None = None
+    notes: list = dataclasses.field(default_factory=list)
+    echo: Callable[[str], None] = print
+
+    def __post_init__(self) -> None:
+        if self.work is None:
+            self.work = self.out
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
 
     def path(self, name: str) -> Path:
-        return self.out / "logs" / name
+        return self.work / "logs" / name
+
+    def junit_path(self, stage: str, name: str) -> Path:
+        return self.work / "junit" / f"{stage}.{slug(name)}.xml"
+
+    def rel(self, path: Path | str) -> str:
+        return os.path.relpath(path, self.work)
 
 
 @dataclasses.dataclass
-class Step:
-    """One step. ``cmd`` (a list, or a callable of the context giving one) runs with its output
-    in logs/<name>.log; ``judge`` turns (result, context) into the final status and figures.
-    ``precheck`` may settle the step before it runs: it returns (status, reason) or None."""
+class Stage:
+    """A stage: ``body(run)`` does its work through ``run`` (a StageRun) and may settle the
+    result itself; otherwise its test files settle it. ``requires`` names stages that must have
+    passed (when they are part of this run); ``requires_without_device`` replaces it on a machine
+    without a device. ``require_pass``: on a device, a stage in which no test passed fails."""
 
     name: str
-    cmd: list | Callable[[Context], list] | None
-    timeout_s: float
+    body: Callable
     title: str = ""
     needs_device: bool = False
-    only_without_device: bool = False
-    env: dict | Callable[[Context], dict] = dataclasses.field(default_factory=dict)
-    precheck: Callable[[Context], tuple[str, str] | None] | None = None
-    judge: Callable[[Result, Context], None] | None = None
-    no_device_reason: str = ""
     requires: tuple = ()
+    requires_without_device: tuple | None = None
+    require_pass: bool = False
+    no_device_reason: str | Callable[[Context], str] = ""
+    # On failure the runner prints the last lines of the stage's log (not where the reason
+    # already says everything: the preflight's one line).
+    tail_on_failure: bool = True
+
+    def needs(self, device: bool) -> tuple:
+        if not device and self.requires_without_device is not None:
+            return self.requires_without_device
+        return self.requires
+
+
+@dataclasses.dataclass
+class Run:
+    """What one command did."""
+
+    returncode: int
+    timed_out: bool
+    duration_s: float
+    timeout_s: float
+    output: str
+    stage_bound: bool  # its timeout was what was left of the stage
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,19 +169,25 @@ class Step:
 
 
 def kill_group(proc: subprocess.Popen) -> None:
-    """SIGTERM to the step's process group, SIGKILL to what is left after a grace period."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(KILL_GRACE_S)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(KILL_GRACE_S)
+    """SIGINT to the process group (pytest writes its junit on it), then SIGTERM, then SIGKILL
+    to what is left."""
+    for sig, grace in (
+        (signal.SIGINT, SIGINT_GRACE_S),
+        (signal.SIGTERM, SIGTERM_GRACE_S),
+        (signal.SIGKILL, SIGTERM_GRACE_S),
+    ):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(grace)
+            # The leader is gone; children that ignored the signal must go too.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            return
 
 
 def run_command(cmd: list, log: Path, timeout_s: float, env: dict, cwd: Path) -> tuple[int, bool]:
-    """Runs cmd with stdout+stderr into log; returns (returncode, timed_out)."""
+    """Runs cmd with stdout+stderr appended to log; returns (returncode, timed_out)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as f:
         f.write(f"$ {' '.join(map(str, cmd))}\n".encode())
@@ -116,7 +207,7 @@ def run_command(cmd: list, log: Path, timeout_s: float, env: dict, cwd: Path) ->
             return 127, False
         try:
             rc = proc.wait(timeout_s)
-            # Leftovers of a finished step (a server it forgot) must not outlive it either.
+            # Leftovers of a finished command (a server it forgot) must not outlive it either.
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             return rc, False
@@ -128,6 +219,16 @@ def run_command(cmd: list, log: Path, timeout_s: float, env: dict, cwd: Path) ->
             return proc.returncode if proc.returncode is not None else -9, True
 
 
+def exit_text(returncode: int) -> str:
+    """ "exit status 2", or "killed by SIGSEGV" for a process a signal ended."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit status {returncode}"
+
+
 def tail(path: Path | None, lines: int = LOG_TAIL_LINES) -> str:
     if path is None or not path.exists():
         return ""
@@ -135,106 +236,320 @@ def tail(path: Path | None, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text[-lines:])
 
 
-def run_step(step: Step, ctx: Context) -> Result:
-    res = Result(step.name, SKIPPED)
-    start = time.monotonic()
-    try:
-        if step.needs_device and not ctx.device:
-            res.reason = f"no CUDA device ({ctx.device_reason})"
-            if step.no_device_reason:
-                res.reason += f"; {step.no_device_reason}"
-            return res
-        if step.only_without_device and ctx.device:
-            res.reason = "runs only without a device (covered by the device steps)"
-            return res
-        for need in step.requires:
-            got = ctx.results.get(need)
-            if got is not None and got.status != PASSED:
-                res.status, res.reason = FAILED, f"not run: step {need} {got.status}"
-                return res
-        if step.precheck is not None:
-            settled = step.precheck(ctx)
-            if settled is not None:
-                res.status, res.reason = settled
-                return res
-        if step.cmd is None:
-            res.status = PASSED
+# ---------------------------------------------------------------------------------------------
+# A stage at work
+
+
+class StageRun:
+    """The handle a stage's body works through: its budget, its log, its commands and files."""
+
+    def __init__(self, stage: Stage, ctx: Context, res: Result) -> None:
+        self.stage, self.ctx, self.res = stage, ctx, res
+        self.start = time.monotonic()
+        self.deadline = min(self.start + res.budget_s, ctx.deadline)
+        self.log = ctx.path(f"{stage.name}.log")
+
+    @property
+    def name(self) -> str:
+        return self.stage.name
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def echo(self, text: str) -> None:
+        self.ctx.echo(f"[gpu-check] {self.name}: {text}")
+
+    def note(self, text: str) -> None:
+        """A line in the stage's log (and nowhere else)."""
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "a") as f:
+            f.write(f"[gpu-check] {text}\n")
+
+    def extend(self, budget_s: float, why: str) -> None:
+        """Raises the stage's budget to budget_s, the call's deadline with it (the build of a
+        machine that was not warm: the plan assumed it reused)."""
+        extra = self.start + budget_s - self.deadline
+        if extra <= 0:
+            return
+        self.ctx.deadline += extra
+        self.deadline += extra
+        self.res.figures["budget_extended"] = f"{self.res.budget_s:.0f} -> {budget_s:.0f} s: {why}"
+        self.res.budget_s = budget_s
+        self.echo(f"budget raised to {budget_s:.0f} s ({why}); this call runs {extra:.0f} s longer")
+
+    def command(
+        self,
+        cmd: list,
+        *,
+        label: str,
+        env: dict | None = None,
+        timeout: float | None = None,
+    ) -> Run | None:
+        """Runs cmd in its own process group with its output appended to logs/<stage>.log, for
+        at most ``timeout`` seconds and never past the stage's budget; None when too little of
+        the budget is left to start it."""
+        avail = self.left() - KILL_GRACE_S
+        limit = avail if timeout is None else min(timeout, avail)
+        if limit < MIN_RUN_S:
+            return None
+        full_env = dict(os.environ)
+        full_env.update(env or {})
+        self.note(f"{label} (timeout {limit:.0f} s)")
+        offset = self.log.stat().st_size
+        self.res.log = self.ctx.rel(self.log)
+        self.res.commands.append(" ".join(map(str, cmd)))
+        t0 = time.monotonic()
+        rc, timed_out = run_command(cmd, self.log, limit, full_env, self.ctx.root)
+        duration = time.monotonic() - t0
+        with open(self.log, "rb") as f:
+            f.seek(offset)
+            output = f.read().decode(errors="replace")
+        return Run(rc, timed_out, round(duration, 2), limit, output, limit >= avail - 0.5)
+
+    def pytest_file(
+        self,
+        name: str,
+        args: list,
+        *,
+        env: dict | None = None,
+        cap: float | None = None,
+        test_timeout: float = 60.0,
+        prefix: tuple = (),
+        judge: Callable[[FileResult, Run], None] | None = None,
+    ) -> FileResult:
+        """One pytest process over one test file (or node id): ``-v -rA`` (progress lines a
+        killed run still leaves), its own junit, pytest-timeout per test below the file's
+        timeout (``cap``, or what is left of the stage). The row is added to the stage and the
+        summaries are rewritten at once."""
+        junit = self.ctx.junit_path(self.name, name)
+        junit.parent.mkdir(parents=True, exist_ok=True)
+        junit.unlink(missing_ok=True)
+        avail = self.left() - KILL_GRACE_S
+        limit = avail if cap is None else min(cap, avail)
+        if limit < MIN_RUN_S:
+            return self.add_file(
+                FileResult(self.name, name, NOT_RUN, "not run: stage budget spent")
+            )
+        per_test = int(max(3.0, min(test_timeout, limit - PYTEST_MARGIN_S)))
+        cmd = [
+            *prefix,
+            self.ctx.python,
+            "-m",
+            "pytest",
+            "-v",
+            "-rA",
+            "-p",
+            "no:cacheprovider",
+            *args,
+            f"--junitxml={junit}",
+            f"--timeout={per_test}",
+        ]
+        run = self.command(cmd, label=f"pytest {name}", env=env, timeout=limit)
+        if run is None:  # the budget went while the command was being prepared
+            return self.add_file(
+                FileResult(self.name, name, NOT_RUN, "not run: stage budget spent")
+            )
+        fr = file_result(self.name, name, run, junit)
+        if junit.exists():
+            fr.junit = self.ctx.rel(junit)
+        if judge is not None:
+            judge(fr, run)
+        return self.add_file(fr)
+
+    def add_file(self, fr: FileResult) -> FileResult:
+        self.res.files.append(fr)
+        line = f"  {fr.name}: {fr.status.upper()} ({fr.duration_s:.1f} s)"
+        self.ctx.echo(line + (f" — {fr.reason}" if fr.reason else ""))
+        write_summary(self.ctx)
+        return fr
+
+
+def _counts_text(fr: FileResult) -> str:
+    return (
+        f"{fr.passed} passed, {fr.failed} failed, {fr.skipped} skipped, {fr.errors} errors"
+        f" (from its {fr.counts_from})"
+    )
+
+
+def file_result(stage: str, name: str, run: Run, junit: Path | None) -> FileResult:
+    """A test file's row from what its pytest left: the junit, else the ``-v`` lines of its
+    output; a killed run says so, with what had finished before."""
+    counts, source = counts_of_run(junit, run.output)
+    fr = FileResult(stage, name, FAILED, duration_s=run.duration_s, counts_from=source)
+    if counts:
+        for k in (*COUNT_KEYS, "tests"):
+            setattr(fr, k, counts.get(k, 0))
+        fr.not_passed = list(counts.get("not_passed", []))
+    first = (counts or {}).get("first_failure", "")
+    if run.timed_out:
+        fr.killed = True
+        who = "the stage timeout" if run.stage_bound else f"its {run.timeout_s:.0f} s timeout"
+        fr.reason = f"killed by {who} after {run.duration_s:.0f} s"
+        fr.reason += f"; before that: {_counts_text(fr)}" if counts else "; no test had finished"
+    elif counts is None:
+        if run.returncode == 5:
+            fr.status, fr.reason = SKIPPED, "no test selected (pytest exit 5)"
         else:
-            left = ctx.remaining() - RESERVE_S
-            if left < 5:
-                res.status = FAILED
-                res.reason = f"no time left in the {ctx.budget_s:.0f} s budget"
-                return res
-            timeout = min(step.timeout_s, left)
-            cmd = step.cmd(ctx) if callable(step.cmd) else step.cmd
-            env = dict(os.environ)
-            env.update(ctx.env)
-            env.update(step.env(ctx) if callable(step.env) else step.env)
-            res.log = str(ctx.path(f"{step.name}.log"))
-            res.command = " ".join(map(str, cmd))
-            rc, timed_out = run_command(cmd, Path(res.log), timeout, env, ctx.root)
-            res.returncode, res.timed_out = rc, timed_out
-            if timed_out:
-                res.status = FAILED
-                res.reason = f"timed out after {timeout:.0f} s (process group killed)"
-            elif rc != 0:
-                res.status = FAILED
-                res.reason = f"exit status {rc}"
-            else:
-                res.status = PASSED
-        if step.judge is not None and not res.timed_out:
-            step.judge(res, ctx)
-        elif step.judge is not None:
-            # Figures from whatever the step wrote before it was killed; the status stays.
-            status, reason = res.status, res.reason
-            step.judge(res, ctx)
-            res.status, res.reason = status, reason
-        return res
-    except Exception as exc:  # a bug in a judge must not hide the other steps
+            fr.reason = f"{exit_text(run.returncode)}, and no pytest report"
+    elif fr.failed or fr.errors:
+        fr.reason = f"{fr.failed} failed, {fr.errors} errors"
+        if fr.not_passed:
+            fr.reason += f": {', '.join(n.split('::')[-1] for n in fr.not_passed[:3])}"
+        if first:
+            fr.reason += f" — {first[:160]}"
+    elif run.returncode not in (0, 5):
+        fr.reason = f"{exit_text(run.returncode)} ({fr.passed} passed)"
+    elif fr.passed == 0 and fr.skipped:
+        fr.status = SKIPPED
+        fr.reason = f"all {fr.skipped} skipped"
+        reasons = (counts or {}).get("skip_reasons") or []
+        if reasons:
+            fr.reason += f": {reasons[0]}"
+    elif fr.passed == 0:
+        fr.status, fr.reason = SKIPPED, "no test selected"
+    else:
+        fr.status = PASSED
+        fr.reason = f"{fr.passed} passed" + (f", {fr.skipped} skipped" if fr.skipped else "")
+    return fr
+
+
+def settle_from_files(res: Result, require_pass: bool) -> None:
+    """A stage's status from its test files, unless its body settled it."""
+    files = res.files
+    totals = {k: sum(getattr(f, k) for f in files) for k in (*COUNT_KEYS, "tests")}
+    if files:
+        res.figures.update(totals)
+        res.figures["files"] = len(files)
+    if res.status:
+        return
+    bad = [f for f in files if f.status == FAILED]
+    not_run = [f for f in files if f.status == NOT_RUN]
+    left = f"; {len(not_run)} not run: stage budget spent" if not_run else ""
+    if not files:
+        res.status, res.reason = FAILED, "nothing ran"
+    elif bad:
+        res.status = FAILED
+        res.reason = f"{len(bad)} of {len(files)} failed: " + "; ".join(
+            f"{f.name}: {f.reason}" for f in bad[:3]
+        )
+        res.reason += left
+    elif require_pass and totals["passed"] == 0 and not not_run:
+        res.status = FAILED
+        res.reason = (
+            f"no gpu test passed ({totals['tests']} run, {totals['skipped']} skipped) on a "
+            "machine with a device"
+        )
+    elif not_run:
+        res.status = INCOMPLETE
+        res.reason = f"{totals['passed']} passed in {len(files) - len(not_run)} files{left}"
+    else:
+        res.status = PASSED
+        res.reason = f"{totals['passed']} passed, {totals['skipped']} skipped in {len(files)} files"
+
+
+def _blocked(stage: Stage, ctx: Context) -> tuple[str, str] | None:
+    if stage.needs_device and not ctx.device:
+        why = f"no CUDA device ({ctx.device_reason})"
+        extra = stage.no_device_reason(ctx) if callable(stage.no_device_reason) else ""
+        extra = extra or (stage.no_device_reason if isinstance(stage.no_device_reason, str) else "")
+        return SKIPPED, why + (f"; {extra}" if extra else "")
+    for need in stage.needs(ctx.device):
+        got = ctx.results.get(need)
+        if got is not None and got.status != PASSED:
+            was = "was not run" if got.status == NOT_RUN else got.status
+            return NOT_RUN, f"not run: stage {need} {was}"
+    if ctx.remaining() < MIN_RUN_S + KILL_GRACE_S:
+        return NOT_RUN, "not run: call budget spent"
+    return None
+
+
+def run_stage(stage: Stage, budget_s: float, ctx: Context) -> Result:
+    res = Result(stage.name, budget_s=budget_s)
+    ctx.results[stage.name] = res
+    ctx.order.append(res)
+    ctx.in_progress = stage.name
+    t0 = time.monotonic()
+    try:
+        blocked = _blocked(stage, ctx)
+        if blocked:
+            res.status, res.reason = blocked
+        else:
+            write_summary(ctx)
+            stage.body(StageRun(stage, ctx, res))
+            settle_from_files(res, stage.require_pass and ctx.device)
+    except Exception as exc:  # a bug in a stage must not hide the other stages
         res.status = FAILED
         res.reason = f"gpu-check error: {type(exc).__name__}: {exc}"
-        return res
+        log = ctx.path(f"{stage.name}.log")
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "a") as f:
+            f.write(traceback.format_exc())
+        res.log = ctx.rel(log)
     finally:
-        res.duration_s = round(time.monotonic() - start, 2)
+        res.duration_s = round(time.monotonic() - t0, 2)
+        ctx.in_progress = None
+    return res
 
 
-def run_steps(steps: list[Step], ctx: Context, echo: Callable[[str], None] = print) -> list:
-    results = []
-    for step in steps:
-        echo(f"[gpu-check] {step.name}: {step.title or 'running'} ...")
-        res = run_step(step, ctx)
-        ctx.results[step.name] = res
-        results.append(res)
-        line = f"[gpu-check] {step.name}: {res.status.upper()} ({res.duration_s:.1f} s)"
-        if res.reason:
-            line += f" — {res.reason}"
-        echo(line)
-        if res.status == FAILED and res.log:
-            echo(f"[gpu-check] last lines of {res.log}:\n{tail(Path(res.log))}")
-    return results
+def run_stages(plan: list[tuple[Stage, float]], ctx: Context) -> list[Result]:
+    """Runs the stages in order, each within its budget; the summaries (and with --pack the
+    archives) are rewritten after every stage and every test file."""
+    for stage, budget in plan:
+        ctx.echo(f"[gpu-check] {stage.name} ({budget:.0f} s): {stage.title or 'running'} ...")
+        res = run_stage(stage, budget, ctx)
+        line = f"[gpu-check] {res.name}: {res.status.upper()} ({res.duration_s:.1f} s)"
+        ctx.echo(line + (f" — {res.reason}" if res.reason else ""))
+        if res.status == FAILED and res.log and not res.files and stage.tail_on_failure:
+            ctx.echo(f"[gpu-check] last lines of {res.log}:\n{tail(ctx.work / res.log)}")
+        write_summary(ctx)
+        if ctx.pack:
+            pack(ctx)
+    return ctx.order
 
 
 # ---------------------------------------------------------------------------------------------
 # Summary
 
 
-def write_summary(ctx: Context, results: list[Result], started: float, exit_code: int) -> None:
-    ctx.out.mkdir(parents=True, exist_ok=True)
-    data = {
+def exit_code_of(results: list[Result]) -> int:
+    return 0 if all(r.status in OK_STATUSES for r in results) else 1
+
+
+def summary_data(ctx: Context, exit_code: int | None = None) -> dict:
+    stages = [dataclasses.asdict(r) for r in ctx.order]
+    files = [f for r in ctx.order for f in r.files]
+    return {
+        "label": ctx.label,
         "device": ctx.device,
         "device_reason": ctx.device_reason,
         "python": ctx.python,
-        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
-        "duration_s": round(time.time() - started, 1),
+        "base_python": ctx.base_python,
+        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ctx.started)),
+        "duration_s": round(time.time() - ctx.started, 1),
+        "limit_s": ctx.limit_s,
+        "in_progress": ctx.in_progress,
+        "complete": exit_code is not None,
         "exit_code": exit_code,
-        "counts": {s: sum(r.status == s for r in results) for s in (PASSED, FAILED, SKIPPED)},
-        "steps": [dataclasses.asdict(r) for r in results],
+        "packed": ctx.pack,
+        "counts": {s: sum(r.status == s for r in ctx.order) for s in STATUSES},
+        "tests": {k: sum(getattr(f, k) for f in files) for k in ("tests", *COUNT_KEYS)},
+        "notes": list(ctx.notes),
+        "stages": stages,
     }
-    for r in data["steps"]:
-        if r["log"]:
-            r["log"] = os.path.relpath(r["log"], ctx.out)
-    (ctx.out / "summary.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
-    (ctx.out / "summary.md").write_text(summary_markdown(data))
+
+
+def write_summary(ctx: Context, exit_code: int | None = None) -> None:
+    """summary.json and summary.md in OUT, replaced atomically: a run killed at any point leaves
+    the last complete pair."""
+    ctx.out.mkdir(parents=True, exist_ok=True)
+    data = summary_data(ctx, exit_code)
+    for name, text in (
+        ("summary.json", json.dumps(data, indent=2, default=str) + "\n"),
+        ("summary.md", summary_markdown(data)),
+    ):
+        tmp = ctx.out / f".{name}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, ctx.out / name)
 
 
 def _figures_text(fig: dict) -> str:
@@ -248,54 +563,106 @@ def _figures_text(fig: dict) -> str:
     return ", ".join(keep)[:300]
 
 
+def _cell(text) -> str:
+    return str(text or "").replace("|", "\\|").replace("\n", " ")
+
+
 def summary_markdown(data: dict) -> str:
     where = "with a device" if data["device"] else "without a device"
+    if data["complete"]:
+        state = f"exit {data['exit_code']}"
+    else:
+        state = f"IN PROGRESS (stage {data['in_progress'] or '-'}), or killed"
+    limit = f" of the {data['limit_s']:.0f} s limit" if data.get("limit_s") else ""
+    t = data["tests"]
+    counts = ", ".join(f"{n} {s}" for s, n in data["counts"].items() if n)
     lines = [
-        "# gpu-check summary",
+        f"# gpu-check summary: {data['label']}",
         "",
-        f"{data['started_utc']}, {where} ({data['device_reason']}), python `{data['python']}`, "
-        f"{data['duration_s']} s, exit {data['exit_code']}; "
-        + ", ".join(f"{n} {s}" for s, n in data["counts"].items()),
-        "",
-        "| step | status | seconds | reason | key figures | log |",
-        "|---|---|---|---|---|---|",
+        f"{data['started_utc']}, {where} ({data['device_reason']}), python `{data['python']}`; "
+        f"{data['duration_s']} s{limit}; {state}. Stages: {counts or 'none yet'}. Tests: "
+        f"{t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped, "
+        f"{t['errors']} errors.",
     ]
-    for r in data["steps"]:
-        reason = (r["reason"] or "").replace("|", "\\|").replace("\n", " ")
-        figs = _figures_text(r["figures"]).replace("|", "\\|")
+    if data["packed"]:
+        lines += ["", "Logs and junit files are in logs.tar.gz and junit.tar.gz next to this."]
+    lines += [
+        "",
+        "| stage | status | seconds | budget | reason | key figures | log |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in data["stages"]:
         lines.append(
-            f"| {r['name']} | {r['status']} | {r['duration_s']:.1f} | {reason} | {figs} | "
-            f"{r['log'] or ''} |"
+            f"| {r['name']} | {r['status']} | {r['duration_s']:.1f} | {r['budget_s']:.0f} | "
+            f"{_cell(r['reason'])} | {_cell(_figures_text(r['figures']))} | {r['log'] or ''} |"
         )
-    for r in data["steps"]:
-        extra = {k: v for k, v in r["figures"].items() if isinstance(v, list) and v}
-        for k, v in extra.items():
-            lines.append(f"\n{r['name']} {k}:\n" + "\n".join(f"- {x}" for x in v))
+    rows = [f for r in data["stages"] for f in r["files"]]
+    if rows:
+        lines += [
+            "",
+            "## Test files",
+            "",
+            "| stage | test file | status | passed | failed | skipped | errors | seconds | note "
+            "| junit |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for f in rows:
+            lines.append(
+                f"| {f['stage']} | {_cell(f['name'])} | {f['status']} | {f['passed']} | "
+                f"{f['failed']} | {f['skipped']} | {f['errors']} | {f['duration_s']:.1f} | "
+                f"{_cell(f['reason'])} | {f['junit'] or ''} |"
+            )
+    for r in data["stages"]:
+        for k, v in r["figures"].items():
+            if isinstance(v, list) and v:
+                lines.append(f"\n{r['name']} {k}:\n" + "\n".join(f"- {x}" for x in v))
+    for note in data["notes"]:
+        lines.append(f"\nNote: {note}")
     return "\n".join(lines) + "\n"
 
 
-def print_summary(results: list[Result], ctx: Context, exit_code: int) -> None:
+def print_summary(ctx: Context, exit_code: int) -> None:
     where = "with a device" if ctx.device else f"WITHOUT a device ({ctx.device_reason})"
-    print(f"\n[gpu-check] summary, {where}:")
-    width = max(len(r.name) for r in results)
-    for r in results:
-        print(f"  {r.name:<{width}}  {r.status:<7}  {r.duration_s:6.1f} s  {r.reason}")
-    skipped = [r.name for r in results if r.status == SKIPPED]
+    print(f"\n[gpu-check] summary of {ctx.label}, {where}:")
+    width = max((len(r.name) for r in ctx.order), default=5)
+    for r in ctx.order:
+        print(
+            f"  {r.name:<{width}}  {r.status:<10} {r.duration_s:6.1f} s / {r.budget_s:3.0f} s  "
+            f"{r.reason}"
+        )
+        for f in r.files:
+            if f.status not in (PASSED,):
+                print(f"  {'':<{width}}    {f.name}: {f.status} — {f.reason}")
+    skipped = [r.name for r in ctx.order if r.status == SKIPPED]
     if skipped:
         print(f"[gpu-check] skipped: {', '.join(skipped)} (reasons above)")
+    took = time.time() - ctx.started
+    limit = f" (limit {ctx.limit_s:.0f} s)" if ctx.limit_s else ""
+    print(f"[gpu-check] took {took:.0f} s{limit}")
     print(f"[gpu-check] wrote {ctx.out / 'summary.json'} and {ctx.out / 'summary.md'}")
     print(f"[gpu-check] exit {exit_code}")
 
 
-def pack_logs(out: Path) -> None:
-    """Everything but the summaries into logs.tar.gz (the device tool returns 8 files)."""
-    logs = out / "logs"
-    if not logs.is_dir():
-        return
-    with tarfile.open(out / "logs.tar.gz", "w:gz") as tar:
-        tar.add(logs, arcname="logs")
-    shutil.rmtree(logs)
+ARCHIVES = {"logs": "logs.tar.gz", "junit": "junit.tar.gz"}
 
 
-def exit_code_of(results: list[Result]) -> int:
-    return 1 if any(r.status == FAILED for r in results) else 0
+def pack(ctx: Context) -> None:
+    """logs/ and junit/ of the scratch folder into OUT/logs.tar.gz and OUT/junit.tar.gz (the
+    device tool brings back at most 8 files), replaced atomically."""
+    for folder, archive in ARCHIVES.items():
+        src = ctx.work / folder
+        if not src.is_dir():
+            continue
+        tmp = ctx.out / f".{archive}.tmp"
+        with tarfile.open(tmp, "w:gz") as tar:
+            tar.add(src, arcname=folder)
+        os.replace(tmp, ctx.out / archive)
+
+
+def clear_outputs(out: Path) -> None:
+    """Only what an earlier run wrote goes: OUT may be a folder with other files in it (the
+    device tool's $OUT, or a mistyped path), which are never touched."""
+    for name in ("summary.json", "summary.md", *ARCHIVES.values()):
+        (out / name).unlink(missing_ok=True)
+    for folder in ARCHIVES:
+        shutil.rmtree(out / folder, ignore_errors=True)
