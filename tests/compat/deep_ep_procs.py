@@ -245,7 +245,7 @@ def sc_bad_inputs(buf):
     _raises(ValueError, lambda: d(x, bad, M, e_total), "same expert twice")
     _raises(ValueError, lambda: d(x, idx, M, e_total + nr), "set up for")
     _raises(ValueError, lambda: d(x[:, :128].contiguous(), idx, M, e_total), "set up for")
-    _raises(ValueError, lambda: d(x, idx[:, :2].contiguous(), M, e_total), "set up for")
+    # A different top-k is legal (per call, as in DeepEP): test_deep_ep_surface.py checks it.
     _raises(ValueError, lambda: d(x.to("meta"), idx, M, e_total), "CPU tensor")
     _raises(ValueError, lambda: d(x, idx, M, e_total, use_ue8m0=True), "round_scale")
     _raises(ValueError, lambda: d(x[:, :128].contiguous(), idx, M, e_total), "set up for")

@@ -58,7 +58,6 @@ import time
 
 import torch
 
-import moecomm.cuda
 from moecomm import _C
 from moecomm.compat._ll_cast import UE8M0_PACK
 from moecomm.compat._ll_device_combine import ENTRY_WORDS, LaneCombine
@@ -74,13 +73,12 @@ from moecomm.compat._ll_device_ops import (
     ue8m0_scales,
 )
 from moecomm.compat._ll_layout import MAX_TOKENS_PER_RANK, LLShape
-from moecomm.compat._ll_support import NUM_SLOTS, exchange
+from moecomm.compat._ll_support import NUM_SLOTS, EventOverlap, exchange
+from moecomm.cuda import arrival_timeout_ns
 from moecomm.errors import MoecommError, PeerLostError, ProtocolError, TimeoutError
 from moecomm.protocol import SCALE_BLOCK, SlotLayout
 
-# How long one gather waits for the payload of a request whose header arrived (the rest of the
-# payload is picked up by the next pass); times MOECOMM_DEVICE_DEADLINE_SCALE, see below.
-ARRIVAL_TIMEOUT_NS = 20_000
+# The gather's payload wait: the one fact in moecomm.cuda (ARRIVAL_TIMEOUT_NS, scaled).
 # Host back-off between gather passes while requests are missing.
 MAX_POLL_SLEEP_S = 200e-6
 # EntryAction (dispatch_index.h) of the EntryState's first word.
@@ -100,16 +98,10 @@ __all__ = [
 ]
 
 
-def arrival_timeout_ns() -> int:
-    """The gather's payload wait, scaled by ``MOECOMM_DEVICE_DEADLINE_SCALE``
-    (:func:`moecomm.cuda.deadline_scale`: sanitizers and debuggers slow the writer down)."""
-    return int(ARRIVAL_TIMEOUT_NS * moecomm.cuda.deadline_scale())
-
-
 # ---------------------------------------------------------------------------- selection
-class CudaEvent:
-    """DeepEP's ``EventOverlap`` on the CUDA path: a ``torch.cuda.Event`` recorded on the stream
-    the call ran on, after its last launch."""
+class DeviceEventHandle:
+    """DeepEP's ``EventHandle`` on the CUDA path: a ``torch.cuda.Event`` recorded on the stream
+    the call ran on, after its last launch; ``current_stream_wait()`` as DeepEP's."""
 
     def __init__(self, stream: torch.cuda.Stream) -> None:
         self.device = stream.device
@@ -119,11 +111,13 @@ class CudaEvent:
     def current_stream_wait(self) -> None:
         _cuda.current_stream(self.device).wait_event(self.event)
 
-    def __enter__(self) -> CudaEvent:
-        return self
 
-    def __exit__(self, *exc) -> None:
-        self.current_stream_wait()
+class CudaEvent(EventOverlap):
+    """DeepEP's ``EventOverlap`` of a call on the CUDA path (``event`` is its
+    :class:`DeviceEventHandle`)."""
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        super().__init__(DeviceEventHandle(stream))
 
 
 class _DeviceMemory:
@@ -236,8 +230,11 @@ class _Lane(LaneCombine):
         else:
             self.x_exp = torch.zeros(self.max_tokens, h, dtype=torch.bfloat16, device=device)
         self.ids_exp = torch.full((self.max_tokens, 1), -1, **i64)
-        # The score column carries the source token index (exact in f32 below 2^24).
-        self.w_exp = (torch.arange(self.max_tokens, **i64) // kk).float().view(-1, 1)
+        # The score column carries the source token index (exact in f32 below 2^24): row
+        # t*K + k of a dispatch with top-k K. One column per top-k used (the slots hold up to
+        # the lane's top-k; a dispatch may use fewer), kept for the kernels reading them.
+        self._w_exp: dict[int, torch.Tensor] = {}
+        self.w_exp = self.token_column(kk)
         # Server: client c's requests in our request ring c; our answers go to ring r of c's.
         self.s_clients = torch.arange(nr, **i64) + 1
         self.s_req_off = torch.arange(nr, **i64) * self.req_ring
@@ -278,6 +275,14 @@ class _Lane(LaneCombine):
         self.num_combines = 0  # combines of this lane: their own sequence space
         self.pending_status: list[tuple[int, torch.Tensor]] = []
 
+    def token_column(self, num_topk: int) -> torch.Tensor:
+        """[max_tokens, 1] f32: the source token index of each expanded row at this top-k."""
+        col = self._w_exp.get(num_topk)
+        if col is None:
+            rows = torch.arange(self.max_tokens, dtype=torch.int64, device=self.device)
+            col = self._w_exp[num_topk] = (rows // num_topk).float().view(-1, 1)
+        return col
+
     def _slot_fields(self, c) -> None:
         lay = self.layout
         c.max_tokens, c.hidden, c.topk = lay.max_tokens, lay.hidden, lay.topk
@@ -314,7 +319,7 @@ class _Lane(LaneCombine):
             a.x, a.x_dtype = self.x_exp.data_ptr(), int(_C.Encoding.BF16)
         a.x_row_stride = x.shape[1]
         a.topk_ids, a.ids_int64 = self.ids_exp.data_ptr(), True
-        a.topk_weights, a.weights_dtype = self.w_exp.data_ptr(), int(_C.Encoding.F32)
+        a.topk_weights, a.weights_dtype = self.token_column(kk).data_ptr(), int(_C.Encoding.F32)
         a.num_tokens, a.topk = n, 1
         a.expert_server = self.expert_server.data_ptr()
         a.expert_local = self.expert_local.data_ptr()

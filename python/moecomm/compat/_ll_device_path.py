@@ -14,7 +14,7 @@ from moecomm.compat._ll_device_ops import (
     check_device_inputs,
     check_ue8m0_hidden,
 )
-from moecomm.compat._ll_layout import LLShape, check_shape
+from moecomm.compat._ll_layout import LLShape, check_same_shape, check_shape
 from moecomm.compat._ll_support import NUM_SLOTS
 from moecomm.errors import MoecommError
 
@@ -51,7 +51,7 @@ class DevicePath:
 
     def _done(self, stream) -> dev.CudaEvent:
         ev = dev.CudaEvent(stream)
-        self.last_event, self.last_stream = ev.event, stream
+        self.last_event, self.last_stream = ev.event.event, stream
         return ev
 
     def dispatch(
@@ -66,10 +66,17 @@ class DevicePath:
         shape = LLShape(num_max, x.shape[1], num_experts, topk_idx.shape[1])
         if buf.shape is None:
             buf.shape = check_shape(shape, buf.num_ranks)
-        elif shape != buf.shape:
-            raise ValueError(
-                f"this buffer was set up for {buf.shape.describe()}; got {shape.describe()}"
-            )
+        else:
+            check_same_shape(buf.shape, shape)
+            if shape.num_topk > buf.shape.num_topk:
+                raise NotImplementedError(
+                    f"low_latency_dispatch on CUDA tensors with num_topk={shape.num_topk}: this "
+                    f"Buffer's CUDA slots were sized at its first dispatch for top-k up to "
+                    f"{buf.shape.num_topk}, and the CUDA path does not re-size them (the host "
+                    f"path does). Give the largest top-k at construction (Buffer(..., "
+                    f"num_topk=...) with the other shape keywords)"
+                )
+            shape = buf.shape  # the lane is sized for the buffer's top-k; this call uses fewer
         num_local = num_experts // buf.num_ranks
         if stats is not None and (
             stats.dtype != torch.int32

@@ -26,6 +26,12 @@ from moecomm.errors import ProtocolError
 from moecomm.ops.dispatch import pack_dispatch
 
 
+def _widen(t: torch.Tensor, k: int, fill: float) -> torch.Tensor:
+    """[n, w] -> [n, k] (k >= w), the new columns `fill`."""
+    w = t.shape[1]
+    return t if w == k else torch.nn.functional.pad(t, (0, k - w), value=fill)
+
+
 class HostPath:
     """Buffer's host-transport halves of dispatch and combine."""
 
@@ -117,12 +123,15 @@ class HostPath:
                     f"this rank {want.name}: use_fp8 must agree on every rank"
                 )
         live = [r for r in reqs if r is not None]
-        k = self.shape.num_topk
+        # Each sender's request is as wide as its call's top-k (at most the slots'); laid out
+        # together, narrower ones are padded with -1 ids, which keeps each row's (row, k)
+        # order of copies, the order its answers go back in.
+        k = max((r.expert_ids.shape[1] for r in live), default=1)
         num_local = self._num_local
         rows_per_expert = self.num_ranks * self.shape.num_max_dispatch_tokens_per_rank
         empty_ids, empty_sc = torch.empty(0, k, dtype=torch.int32), torch.empty(0, k)
-        ids = [r.expert_ids if r is not None else empty_ids for r in reqs]
-        carried = [r.scores if r is not None else empty_sc for r in reqs]
+        ids = [_widen(r.expert_ids, k, -1) if r is not None else empty_ids for r in reqs]
+        carried = [_widen(r.scores, k, 0.0) if r is not None else empty_sc for r in reqs]
         lay = receive_layout(ids, carried, num_local, rows_per_expert)
         data = recv_x[0].view(torch.uint8) if use_fp8 else recv_x
         acts = torch.cat([r.activations.view(data.dtype) for r in live])

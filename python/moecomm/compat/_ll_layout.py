@@ -24,7 +24,9 @@ _LOW_HALF = 32  # layout_range packs (begin << 32) | count, as DeepEP does
 
 @dataclass(frozen=True)
 class LLShape:
-    """What every low-latency call must agree on, on every rank (slots are sized from it)."""
+    """What every low-latency call must agree on, on every rank (slots are sized from it).
+    ``num_topk`` of a Buffer's shape is the largest top-k its slots hold; each dispatch takes
+    its own top-k from ``topk_idx`` (any value up to that; the host path re-sizes for more)."""
 
     num_max_dispatch_tokens_per_rank: int
     hidden: int
@@ -35,6 +37,18 @@ class LLShape:
         return (
             f"num_max_dispatch_tokens_per_rank={self.num_max_dispatch_tokens_per_rank}, "
             f"hidden={self.hidden}, num_experts={self.num_experts}, num_topk={self.num_topk}"
+        )
+
+
+def check_same_shape(have: LLShape, got: LLShape) -> None:
+    """A call's shape against the buffer's: everything but the top-k must be the same."""
+    keep = (have.num_max_dispatch_tokens_per_rank, have.hidden, have.num_experts)
+    if keep != (got.num_max_dispatch_tokens_per_rank, got.hidden, got.num_experts):
+        raise ValueError(
+            f"this buffer was set up for num_max_dispatch_tokens_per_rank="
+            f"{have.num_max_dispatch_tokens_per_rank}, hidden={have.hidden}, "
+            f"num_experts={have.num_experts} (slots for top-k up to {have.num_topk}); got "
+            f"{got.describe()}"
         )
 
 

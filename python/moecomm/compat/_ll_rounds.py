@@ -82,9 +82,8 @@ class RoundsMixin:
         rnd = self._num_rounds
         self._num_rounds += 1
         slot, seq = rnd % NUM_SLOTS, rnd + 1
-        k = s.num_topk
         act = torch.zeros(1, s.hidden, dtype=torch.bfloat16)
-        ids, scores = torch.full((1, k), -1, dtype=torch.int32), torch.zeros(1, k)
+        ids, scores = torch.full((1, 1), -1, dtype=torch.int32), torch.zeros(1, 1)
         sent_to = []
         for q, client in enumerate(self._clients):
             if self._live(q):

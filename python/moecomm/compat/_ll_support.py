@@ -21,17 +21,73 @@ from moecomm.transport import WaitStatus, reap_stale_segments
 NUM_SLOTS = 2
 
 
-class CompletedEvent:
-    """Stands in for DeepEP's ``EventOverlap``: host calls are complete when they return."""
+class EventHandle:
+    """DeepEP's ``deep_ep.EventHandle``: an event recorded on the current CUDA stream at
+    construction; ``current_stream_wait()`` makes the (then) current stream wait for it.
+
+    Where CUDA was never initialised in this process no device work exists to order, so the
+    handle records nothing (``event`` is None) and its wait is a no-op: the host calls of
+    moecomm are complete when they return."""
+
+    def __init__(self) -> None:
+        self.event = None
+        if torch.cuda.is_initialized():
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream())
 
     def current_stream_wait(self) -> None:
-        return None
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
 
-    def __enter__(self) -> CompletedEvent:
+
+class EventOverlap:
+    """DeepEP's ``deep_ep.EventOverlap`` (``deep_ep/utils/event.py``): ``event`` (an
+    :class:`EventHandle`-like object, or None), ``extra_tensors``, ``current_stream_wait()``,
+    ``register_hook_after_wait``, ``with event:`` / ``with event(release_handle=True):``.
+
+    One difference: DeepEP asserts ``event is not None`` in ``current_stream_wait``; here an
+    event of None stands for a call that completed on the host before it returned (moecomm's
+    host path), so the wait is a no-op (the hook still runs)."""
+
+    def __init__(self, event=None, extra_tensors: tuple | None = None) -> None:
+        self.event = event
+        self.extra_tensors = extra_tensors
+        self._release_handle_by_call = False
+        self.hook_after_wait = None
+
+    def current_stream_wait(self, release_handle: bool = False) -> None:
+        if self.event is not None:
+            self.event.current_stream_wait()
+        if self.hook_after_wait is not None:
+            self.hook_after_wait()
+            self.hook_after_wait = None
+        if release_handle:
+            self.event = None
+
+    def register_hook_after_wait(self, hook_after_wait) -> None:
+        if self.hook_after_wait is not None:
+            raise RuntimeError("A hook is already registered on this `EventOverlap`")
+        self.hook_after_wait = hook_after_wait
+
+    def __call__(self, release_handle: bool = False) -> EventOverlap:
+        self._release_handle_by_call = release_handle
+        return self
+
+    def __enter__(self) -> EventOverlap:
         return self
 
     def __exit__(self, *exc) -> None:
-        return None
+        if self.event is not None:
+            self.current_stream_wait(release_handle=self._release_handle_by_call)
+        self._release_handle_by_call = False
+
+
+class CompletedEvent(EventOverlap):
+    """The event of a host call: complete when the call returned (``event`` is None, as
+    DeepEP's is without ``async_finish``)."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
 
 
 class LowLatencyHandle(tuple):

@@ -15,6 +15,7 @@ import torch
 
 from moecomm.errors import PeerLostError, ProtocolError
 from moecomm.errors import TimeoutError as MoecommTimeout
+from moecomm.slot_channel import DEFAULT_TIMEOUT_S
 from moecomm.stage_channel import (
     INBOX_SLICE_S,
     StageInbox,
@@ -26,7 +27,6 @@ from moecomm.transport import Transport
 
 __all__ = ["DEFAULT_TIMEOUT_S", "Mailbox", "pack", "unpack"]
 
-DEFAULT_TIMEOUT_S = 30.0
 # One chunk = 256 rows of 2048 bf16 = 1 MiB; 4 chunks in flight per ordered pair of ranks.
 CHUNK_ROWS, CHUNK_HIDDEN, NUM_SLOTS = 256, 2048, 4
 _ALIGN = 16

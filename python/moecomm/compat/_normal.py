@@ -82,7 +82,9 @@ def _check_cpu(name: str, t) -> torch.Tensor:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
         raise NotImplementedError(
-            f"{name} is on {t.device}: the normal mode runs on the host transport (CPU tensors)"
+            f"{name} is on {t.device}: the normal mode runs on the host transport (CPU tensors); "
+            "deep_ep.Buffer.get_dispatch_layout / dispatch / combine and ElasticBuffer.dispatch "
+            "/ combine on CUDA tensors are not implemented by moecomm"
         )
     return t
 

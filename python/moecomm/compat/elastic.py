@@ -52,13 +52,12 @@ from __future__ import annotations
 import torch
 
 from moecomm.compat._elastic_handle import AGRS, ENGRAM, PP, EPHandle, refuse
-from moecomm.compat._ll_support import exchange
+from moecomm.compat._ll_support import EventHandle, EventOverlap, exchange
 from moecomm.compat._normal import CompletedEvent, NormalMode, _check_cpu
 from moecomm.transport import ShmTransport
 
 __all__ = ["EPHandle", "ElasticBuffer"]
 
-DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_STORE_PREFIX = "moecomm.compat.elastic"
 _ALIGNMENT_2MB = 2 << 20
 
@@ -162,8 +161,9 @@ class ElasticBuffer:
         self._live().barrier()
 
     @staticmethod
-    def capture() -> CompletedEvent:
-        return CompletedEvent()
+    def capture() -> EventOverlap:
+        """DeepEP's: an event on the current CUDA stream (nothing to wait for without CUDA)."""
+        return EventOverlap(EventHandle())
 
     @staticmethod
     def get_buffer_size_hint(

@@ -1,0 +1,195 @@
+"""DeepEP's small module-level API, as ``moecomm.compat.deep_ep`` exports it: ``Config`` (the
+high-throughput kernels' tuning record, ``deep_ep._C.Config``), the recommended configs by
+rank count (``Buffer.get_dispatch_config`` / ``get_combine_config``), and the domain-size
+functions of ``deep_ep/utils/envs.py``.
+
+moecomm's normal mode moves rows over its host channels, so a ``Config`` is accepted and
+ignored by the calls; it is kept with DeepEP's checks and size hints (callers such as SGLang
+size ``num_nvl_bytes`` / ``num_rdma_bytes`` with them, which moecomm ignores as well)."""
+
+from __future__ import annotations
+
+__all__ = [
+    "Config",
+    "combine_config",
+    "dispatch_config",
+    "get_logical_domain_size",
+    "get_physical_domain_size",
+]
+
+# csrc/kernels/legacy/compiled.cuh and config.hpp of DeepEP.
+NUM_MAX_NVL_PEERS = 8
+_NUM_MAX_TOPK = 128
+_NUM_MAX_SCALES = 128
+_SOURCE_META_BYTES = 8  # sizeof(internode::SourceMeta): two ints
+_TOPK_IDX_BYTES = 8  # sizeof(topk_idx_t): int64
+_INT, _FLOAT, _INT4 = 4, 4, 16
+
+
+def _align_up(a: int, b: int) -> int:
+    return (a + b - 1) // b * b
+
+
+class Config:
+    """``deep_ep.Config(num_sms=20, num_max_nvl_chunked_send_tokens=6,
+    num_max_nvl_chunked_recv_tokens=256, num_max_rdma_chunked_send_tokens=6,
+    num_max_rdma_chunked_recv_tokens=256)`` with DeepEP's checks (``csrc/legacy/config.hpp``):
+    the RDMA receive chunk is aligned up to a multiple of the send chunk."""
+
+    def __init__(
+        self,
+        num_sms: int = 20,
+        num_max_nvl_chunked_send_tokens: int = 6,
+        num_max_nvl_chunked_recv_tokens: int = 256,
+        num_max_rdma_chunked_send_tokens: int = 6,
+        num_max_rdma_chunked_recv_tokens: int = 256,
+    ) -> None:
+        values = (
+            num_sms,
+            num_max_nvl_chunked_send_tokens,
+            num_max_nvl_chunked_recv_tokens,
+            num_max_rdma_chunked_send_tokens,
+            num_max_rdma_chunked_recv_tokens,
+        )
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in values):
+            raise TypeError(f"deep_ep.Config takes five ints, got {values!r}")
+        nvl_send, nvl_recv = num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens
+        rdma_send, rdma_recv = num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens
+        _check(num_sms >= 0, "num_sms >= 0")
+        _check(nvl_send > 0 and nvl_recv > 0, "NVL chunk sizes > 0")
+        _check(nvl_send < nvl_recv, "num_max_nvl_chunked_send_tokens < ..._recv_tokens")
+        _check(rdma_send > 0 and rdma_recv > 0, "RDMA chunk sizes > 0")
+        rdma_recv = _align_up(rdma_recv, rdma_send)
+        _check(rdma_send < rdma_recv, "num_max_rdma_chunked_send_tokens < ..._recv_tokens")
+        _check(rdma_send <= rdma_recv // 2, "num_max_rdma_chunked_send_tokens <= recv / 2")
+        self.num_sms = num_sms
+        self.num_max_nvl_chunked_send_tokens = nvl_send
+        self.num_max_nvl_chunked_recv_tokens = nvl_recv
+        self.num_max_rdma_chunked_send_tokens = rdma_send
+        self.num_max_rdma_chunked_recv_tokens = rdma_recv
+
+    def _fields(self) -> tuple[int, int, int, int, int]:
+        return (
+            self.num_sms,
+            self.num_max_nvl_chunked_send_tokens,
+            self.num_max_nvl_chunked_recv_tokens,
+            self.num_max_rdma_chunked_send_tokens,
+            self.num_max_rdma_chunked_recv_tokens,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Config) and self._fields() == other._fields()
+
+    def __hash__(self) -> int:
+        return hash(self._fields())
+
+    def __repr__(self) -> str:
+        return f"deep_ep.Config{self._fields()}"
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """DeepEP's NVLink buffer size for this config (bytes, 128-aligned)."""
+        _check(
+            num_ranks < NUM_MAX_NVL_PEERS or num_ranks % NUM_MAX_NVL_PEERS == 0,
+            f"num_ranks ({num_ranks}) < {NUM_MAX_NVL_PEERS} or a multiple of it",
+        )
+        _check(num_ranks <= NUM_MAX_NVL_PEERS or self.num_sms % 2 == 0, "an even num_sms")
+        num_rdma_ranks = max(num_ranks // NUM_MAX_NVL_PEERS, 1)
+        num_nvl_ranks = min(num_ranks, NUM_MAX_NVL_PEERS)
+        per = (self.num_sms // 2) * num_nvl_ranks
+        recv = self.num_max_nvl_chunked_recv_tokens
+        n = per * (2 * num_rdma_ranks + 3) * _INT
+        n += per * recv * hidden_bytes
+        n += per * recv * _SOURCE_META_BYTES
+        n += per * recv * _NUM_MAX_TOPK * _TOPK_IDX_BYTES
+        n += per * recv * _NUM_MAX_TOPK * _FLOAT
+        n += per * recv * _NUM_MAX_SCALES * _FLOAT
+        return _align_up(n, 128)
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """DeepEP's RDMA buffer size for this config (0 within one NVLink domain)."""
+        if num_ranks <= NUM_MAX_NVL_PEERS:
+            return 0
+        _check(num_ranks % NUM_MAX_NVL_PEERS == 0, f"num_ranks a multiple of {NUM_MAX_NVL_PEERS}")
+        _check(self.num_sms % 2 == 0, "an even num_sms")
+        per = (self.num_sms // 2) * (num_ranks // NUM_MAX_NVL_PEERS)
+        recv = self.num_max_rdma_chunked_recv_tokens
+        n = per * (NUM_MAX_NVL_PEERS * 2 + 2) * 2 * _INT
+        n += per * recv * hidden_bytes * 2
+        n += per * recv * _SOURCE_META_BYTES * 2
+        n += per * recv * _NUM_MAX_TOPK * _TOPK_IDX_BYTES * 2
+        n += per * recv * _NUM_MAX_TOPK * _FLOAT * 2
+        n += per * recv * _NUM_MAX_SCALES * _FLOAT * 2
+        n += per * recv * _INT4 * 2
+        return _align_up(n, 128)
+
+
+def _check(ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(f"deep_ep.Config: needs {what} (as DeepEP asserts)")
+
+
+# deep_ep/buffers/legacy.py: Buffer.get_dispatch_config / get_combine_config, by rank count:
+# (nvl send, nvl recv, rdma send, rdma recv); num_sms is Buffer.num_sms at the call.
+_DISPATCH = {
+    2: (24, 256, 6, 128),
+    4: (6, 256, 6, 128),
+    8: (6, 256, 6, 128),
+    16: (36, 288, 20, 128),
+    24: (32, 288, 8, 128),
+    32: (32, 288, 8, 128),
+    48: (32, 288, 8, 128),
+    64: (32, 288, 8, 128),
+    96: (20, 480, 12, 128),
+    128: (20, 560, 12, 128),
+    144: (32, 720, 12, 128),
+    160: (28, 720, 12, 128),
+}
+_COMBINE = {
+    2: (10, 256, 6, 128),
+    4: (9, 256, 6, 128),
+    8: (4, 256, 6, 128),
+    16: (4, 288, 12, 128),
+    24: (1, 288, 8, 128),
+    32: (1, 288, 8, 128),
+    48: (1, 288, 8, 128),
+    64: (1, 288, 8, 128),
+    96: (1, 480, 8, 128),
+    128: (1, 560, 8, 128),
+    144: (2, 720, 8, 128),
+    160: (2, 720, 8, 128),
+}
+
+
+def _table(table: dict, num_ranks: int, num_sms: int) -> Config:
+    if num_ranks not in table:
+        # DeepEP asserts the same (its tuned tables have no other rank counts).
+        raise ValueError(f"Unsupported number of EP ranks: {num_ranks}")
+    return Config(num_sms, *table[num_ranks])
+
+
+def dispatch_config(num_ranks: int, num_sms: int) -> Config:
+    return _table(_DISPATCH, num_ranks, num_sms)
+
+
+def combine_config(num_ranks: int, num_sms: int) -> Config:
+    return _table(_COMBINE, num_ranks, num_sms)
+
+
+def _group_size(group) -> int:
+    if hasattr(group, "size"):
+        return int(group.size())
+    if hasattr(group, "Get_size"):  # an mpi4py communicator
+        return int(group.Get_size())
+    raise TypeError(f"expected a ProcessGroup, got {type(group).__name__}")
+
+
+def get_physical_domain_size(group) -> tuple[int, int]:
+    """``(num_rdma_ranks, num_nvlink_ranks)``: moecomm's transports here (shared memory, CUDA
+    IPC) serve the ranks of one machine, so one RDMA rank and every rank in the scale-up
+    domain."""
+    return 1, _group_size(group)
+
+
+def get_logical_domain_size(group, allow_hybrid_mode: bool = True) -> tuple[int, int]:
+    """``(num_scaleout_ranks, num_scaleup_ranks)``: as the physical domain (no hybrid mode)."""
+    return 1, _group_size(group)
