@@ -25,6 +25,10 @@ IPC_HANDLE_BYTES = 64
 # adapter's gathers). Device deadlines count wall time, so a process run under compute-sanitizer
 # (10-100x slower kernels) or a debugger would otherwise time out and evict healthy peers.
 DEADLINE_SCALE_ENV = "MOECOMM_DEVICE_DEADLINE_SCALE"
+# How long a server-side gather (the GPU expert server's, the DeepEP adapter's) waits for the
+# payload of a request whose header already arrived before leaving it for the next pass (a chunk
+# in flight over NVLink lands in microseconds); times the deadline scale, see arrival_timeout_ns.
+ARRIVAL_TIMEOUT_NS = 20_000
 
 _BUILD_HINT = {
     "_cuda": "nvcc was not found when moecomm was built; install a CUDA toolkit and rebuild "
@@ -100,6 +104,12 @@ def deadline_scale() -> float:
     if not scale > 0 or scale == float("inf"):
         raise ValueError(f"{DEADLINE_SCALE_ENV} must be a positive number, got {raw!r}")
     return scale
+
+
+def arrival_timeout_ns() -> int:
+    """A gather's payload wait (``ARRIVAL_TIMEOUT_NS``) scaled by :func:`deadline_scale`
+    (sanitizers and debuggers slow the writer down)."""
+    return int(ARRIVAL_TIMEOUT_NS * deadline_scale())
 
 
 def built(name: str = "_cuda") -> bool:

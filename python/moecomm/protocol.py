@@ -134,9 +134,6 @@ class SlotLayout:
             num_tokens, self.hidden, self.topk if topk is None else topk, enc
         )
 
-    def response_payload(self, num_tokens: int) -> dict:
-        return _C.response_payload_layout(num_tokens, self.hidden, self.out_encoding)
-
     def to_dict(self) -> dict:
         return {
             "max_tokens": self.max_tokens,

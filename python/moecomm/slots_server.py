@@ -4,13 +4,12 @@ into the client's, in place when the client's memory is mapped here (zero copy).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
 from moecomm import _C
-from moecomm.errors import PeerLostError, TimeoutError
+from moecomm.errors import PeerLostError
 from moecomm.protocol import (
     ENCODING_DTYPE,
     PAYLOAD_OFFSET,
@@ -153,30 +152,6 @@ class ServerChannel(_Channel):
             reap_stale_segments()
             raise PeerLostError(f"{self.name}: the client process died ({self.client.describe()})")
         return self.poll()
-
-    def wait_slot(self, slot: int, timeout: float = DEFAULT_TIMEOUT_S) -> Request:
-        """Waits for the request in one `slot`, ignoring ready requests in the other slots (which
-        may stay unanswered meanwhile). Returns it valid or not: the caller checks `valid` and
-        its `seq`. Raises TimeoutError when the deadline passes, PeerLostError when the client
-        process dies."""
-        if not 0 <= slot < self.num_slots:
-            raise ValueError(f"slot must be in [0, {self.num_slots}), got {slot}")
-        deadline = time.monotonic() + _ns(timeout) / 1e9
-        while True:
-            for req in self.poll():  # poll() also samples the doorbell we sleep on below
-                if req.slot == slot:
-                    return req
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"{self.name}: no request in slot {slot} within {timeout:.3f} s")
-            status, _ = _C.wait_doorbell(
-                self.transport, self.region, self._doorbell, _ns(remaining), self.client
-            )
-            if status == WaitStatus.PEER_LOST:
-                reap_stale_segments()
-                raise PeerLostError(
-                    f"{self.name}: the client process died ({self.client.describe()})"
-                )
 
     def respond(self, req: Request, y: torch.Tensor) -> None:
         """Answers `req` with y [num_tokens, hidden]. y may be a view of the request itself."""

@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 
+from moecomm.membership.base import TOKEN_ENV
+
 from moecomm_serving import demo, expert_server, frontend_cmd, loadgen, rebalance_cmd
 
 DESCRIPTION = """moecomm: serve Mixture-of-Experts models with the experts in separate services.
@@ -53,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     mon.add_argument("--host", default="127.0.0.1", help="address to bind (loopback)")
     mon.add_argument("--port", type=int, default=0, help="port (0: any free one)")
     mon.add_argument(
-        "--token-file", default=None, help="file with the shared token (or $MOECOMM_MONITOR_TOKEN)"
+        "--token-file", default=None, help=f"file with the shared token (or ${TOKEN_ENV})"
     )
     mon.set_defaults(func=_monitor)
     es = sub.add_parser(

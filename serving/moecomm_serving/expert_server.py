@@ -4,17 +4,16 @@ an HTTP control plane, until interrupted."""
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import threading
 import time
 
 import torch
-from moecomm.membership import connect_membership
-from moecomm.membership.monitor import TOKEN_ENV
+from moecomm.membership import connect_membership, monitor_token
+from moecomm.membership.base import TOKEN_ENV
 from moecomm.runtime.control import DEFAULT_HOST, HttpServer, make_app
-from moecomm.runtime.launch import DEFAULT_TTL_S, LOOP_FAILED_EXIT
+from moecomm.runtime.launch import LOOP_FAILED_EXIT, SERVING_TTL_S
 from moecomm.runtime.server import ExpertServer
 from moecomm.transport import TRANSPORT_CHOICES
 
@@ -83,13 +82,7 @@ def add_transport_argument(p: argparse.ArgumentParser) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = (p.description or "") + " SIGTERM drains gracefully; SIGINT stops at once."
     p.add_argument("--checkpoint", default=None, help="HF-layout checkpoint directory")
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch threads of this process (default: torch's choice); give each process of "
-        "a host its share of the cores — oversubscribed thread pools spin against each other",
-    )
+    add_threads_argument(p)
     p.add_argument(
         "--layers", default="all", help="MoE layers to host, e.g. 0-3 (default: every MoE layer)"
     )
@@ -121,15 +114,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--monitor",
         default=None,
         help="membership to register with: http://host:port (moecomm monitor) or etcd://host:port;"
-        " clients then find this server and hear if it dies (token: $MOECOMM_MONITOR_TOKEN)",
+        f" clients then find this server and hear if it dies (token: ${TOKEN_ENV})",
     )
     p.add_argument(
         "--ttl",
         type=float,
-        default=DEFAULT_TTL_S,
+        default=SERVING_TTL_S,
         help="membership lease in seconds (a lost server is noticed within it)",
     )
     add_device_arguments(p, server=True)
+
+
+def add_threads_argument(p: argparse.ArgumentParser) -> None:
+    """--threads, read by :func:`set_threads`."""
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads of this process (default: torch's choice); give each process of "
+        "a host its share of the cores — oversubscribed thread pools spin against each other",
+    )
 
 
 def set_threads(args: argparse.Namespace) -> None:
@@ -239,9 +243,7 @@ def start_serving(
         if is_cuda(args):
             start_nvshmem(args, server, server.server_id)
         if args.monitor:
-            server.join_membership(
-                connect_membership(args.monitor, os.environ.get(TOKEN_ENV, "")), url, args.ttl
-            )
+            server.join_membership(connect_membership(args.monitor, monitor_token()), url, args.ttl)
     except BaseException:
         http.stop()
         raise

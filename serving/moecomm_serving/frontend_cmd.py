@@ -9,15 +9,16 @@ import signal
 import threading
 
 import torch
-from moecomm.membership import connect_membership
-from moecomm.membership.monitor import TOKEN_ENV
-from moecomm.runtime import AttentionClient
-from moecomm.runtime.launch import DEFAULT_TTL_S
+from moecomm.runtime.launch import SERVING_TTL_S
 from moecomm.runtime.registry import ClientIdInUse
 
 from moecomm_serving.config import MoEConfig
 from moecomm_serving.device_args import add_device_arguments, is_cuda
-from moecomm_serving.expert_server import add_transport_argument, set_threads
+from moecomm_serving.expert_server import (
+    add_threads_argument,
+    add_transport_argument,
+    set_threads,
+)
 from moecomm_serving.frontend import make_frontend_app, start_frontend
 from moecomm_serving.frontend_pipeline import run_pipelined
 from moecomm_serving.model import LOCAL, load_model
@@ -26,7 +27,7 @@ from moecomm_serving.rebalance_cmd import (
     check_placement_args,
     start_placement,
 )
-from moecomm_serving.remote_experts import server_urls
+from moecomm_serving.remote_experts import NoExpertServers, connect_experts, remote_from_args
 from moecomm_serving.tokenizer import load_tokenizer
 
 # How often the foreground thread checks for a stop request.
@@ -37,13 +38,7 @@ DEFAULT_MAX_BATCH_TOKENS = 64
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="HF-layout checkpoint directory")
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch threads of this process (default: torch's choice); give each process of "
-        "a host its share of the cores — oversubscribed thread pools spin against each other",
-    )
+    add_threads_argument(p)
     p.add_argument("--model-name", default=None, help="name served as `model` (default: dir name)")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--servers", help="expert server control URLs, comma-separated")
@@ -85,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=5.0,
         help="per-request deadline of an expert round trip (s)",
     )
-    p.add_argument("--ttl", type=float, default=DEFAULT_TTL_S, help="membership lease (s)")
+    p.add_argument("--ttl", type=float, default=SERVING_TTL_S, help="membership lease (s)")
     p.add_argument(
         "--stages",
         type=int,
@@ -105,46 +100,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_device_arguments(p, server=False)
 
 
-def connect_host_experts(args: argparse.Namespace, urls: list[str], config) -> AttentionClient:
-    client = AttentionClient(
-        urls,
-        args.client_id,
-        config.hidden_size,
-        config.num_experts_per_tok,
-        args.max_batch_tokens,
-        encoding=args.encoding,
-        out_dtype=torch.float32,
-        token=args.token,
-        timeout=args.timeout,
-        transport=args.transport,
-        host=args.host,
-    )
-    print(f"connecting to {len(urls)} expert server(s) as client {client.client_id}", flush=True)
+def connect_remote_experts(args: argparse.Namespace, config):
+    """The experts backend of the expert servers the options name: an AttentionClient following
+    the monitor on the host path, a DeviceClient (servers reachable at start; a lost one is
+    evicted by the client's failover) with --device cuda."""
     try:
-        client.connect()
+        return connect_experts(
+            remote_from_args(args),
+            config.hidden_size,
+            config.num_experts_per_tok,
+            args.max_batch_tokens,
+            client_id=args.client_id,
+            say=lambda line: print(line, flush=True),
+        )
+    except NoExpertServers as exc:
+        raise SystemExit(str(exc)) from None
     except ClientIdInUse as exc:
         raise SystemExit(f"moecomm frontend: {exc}") from None
-    return client
-
-
-def connect_device_experts(args: argparse.Namespace, urls: list[str]):
-    """The GPU path: a DeviceClient on args.device with the servers' slot layout. Its servers
-    are the ones reachable at start (joins and losses of the membership are not followed yet:
-    a lost server is evicted by the client's failover)."""
-    import moecomm.cuda
-    from moecomm.runtime.device_client import DeviceClient
-
-    from moecomm_serving.device_experts import DeviceExperts
-
-    if not moecomm.cuda.available():
-        raise SystemExit(
-            f"moecomm frontend --device cuda needs a GPU: {moecomm.cuda.why_unavailable()}"
-        )
-    client = DeviceClient.from_servers(
-        urls, device=args.device, client_id=args.client_id, timeout=args.timeout, token=args.token
-    )
-    print(f"connected to {len(urls)} GPU expert server(s) over CUDA IPC", flush=True)
-    return DeviceExperts(client)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -169,23 +141,11 @@ def run(args: argparse.Namespace) -> int:
     config = MoEConfig.from_file(args.checkpoint)
     # before connecting anywhere: a tokenizer that does not fit the model is refused at once
     tokenizer = load_tokenizer(args.checkpoint, config)
-    client = membership = None
+    client = None
     if args.local_experts:
         experts = LOCAL
     else:
-        if args.monitor:
-            membership = connect_membership(args.monitor, os.environ.get(TOKEN_ENV, ""))
-            urls = server_urls(membership)
-            if not urls:
-                raise SystemExit(f"no expert server is registered with {args.monitor}")
-        else:
-            urls = [u.strip() for u in args.servers.split(",") if u.strip()]
-        if is_cuda(args):
-            client = experts = connect_device_experts(args, urls)
-        else:
-            client = experts = connect_host_experts(args, urls, config)
-            if membership is not None:
-                client.follow(membership, args.ttl)
+        client = experts = connect_remote_experts(args, config)
     print(f"loading {args.checkpoint}", flush=True)
     model = load_model(args.checkpoint, experts=experts, dtype=torch.float32)
     name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))

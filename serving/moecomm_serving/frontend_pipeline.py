@@ -17,7 +17,7 @@ from moecomm_serving.frontend import make_frontend_app, start_frontend
 from moecomm_serving.pipeline_model import PipelinedModel
 from moecomm_serving.pipeline_stages import model_pipeline
 from moecomm_serving.rebalance_cmd import server_list, start_placement
-from moecomm_serving.remote_experts import RemoteExperts
+from moecomm_serving.remote_experts import remote_from_args
 from moecomm_serving.tokenizer import load_tokenizer
 
 # How often the foreground thread checks for a stop request.
@@ -36,20 +36,7 @@ def run_pipelined(args: argparse.Namespace) -> int:
             f"moecomm frontend: {args.stages} stages need at least as many layers, the model "
             f"has {config.num_hidden_layers}"
         )
-    remote = None
-    if not args.local_experts:
-        urls = [] if args.monitor else args.servers.split(",")
-        remote = RemoteExperts(
-            servers=tuple(u.strip() for u in urls if u.strip()),
-            monitor=args.monitor,
-            token=args.token,
-            timeout=args.timeout,
-            encoding=args.encoding,
-            ttl=args.ttl,
-            transport=args.transport,
-            host=args.host,
-            device=getattr(args, "device", "cpu"),
-        )
+    remote = None if args.local_experts else remote_from_args(args)
     where = "in-process experts" if remote is None else "expert servers"
     print(f"starting {args.stages} pipeline stages over {where}", flush=True)
     pipe = model_pipeline(

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import threading
 
-from moecomm.membership import connect_membership
-from moecomm.membership.monitor import TOKEN_ENV
+from moecomm.membership import connect_membership, monitor_token
 from moecomm.runtime.placement import (
     MIN_WINDOW_TOKENS,
     WEIGHT_SOURCES,
@@ -73,7 +71,7 @@ def server_list(args: argparse.Namespace):
     if args.servers:
         urls = [u.strip() for u in args.servers.split(",") if u.strip()]
         return lambda: urls
-    membership = connect_membership(args.monitor, os.environ.get(TOKEN_ENV, ""))
+    membership = connect_membership(args.monitor, monitor_token())
     return lambda: server_urls(membership)
 
 

@@ -7,14 +7,14 @@ path, a :class:`moecomm.runtime.DeviceClient` behind :class:`DeviceExperts` with
 
 from __future__ import annotations
 
-import os
+import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from moecomm.membership import connect_membership
-from moecomm.membership.monitor import TOKEN_ENV
+from moecomm.membership import connect_membership, monitor_token
 from moecomm.runtime import AttentionClient
-from moecomm.runtime.launch import DEFAULT_TTL_S
+from moecomm.runtime.launch import SERVING_TTL_S
 
 # Per-request deadline of an expert round trip by default, as `moecomm frontend --timeout`.
 DEFAULT_EXPERT_TIMEOUT_S = 5.0
@@ -29,7 +29,7 @@ class RemoteExperts:
     token: str = ""  # of the expert servers' control planes
     timeout: float = DEFAULT_EXPERT_TIMEOUT_S
     encoding: str = "f32"
-    ttl: float = DEFAULT_TTL_S
+    ttl: float = SERVING_TTL_S
     transport: str = "shm"  # shm, nixl or auto (moecomm.runtime.transports)
     host: str | None = None  # this process's address on the servers' network (nixl)
     device: str = "cpu"  # "cuda[:N]": GPU expert servers through a DeviceClient (CUDA IPC)
@@ -37,6 +37,26 @@ class RemoteExperts:
     def __post_init__(self):
         if bool(self.servers) == bool(self.monitor):
             raise ValueError("give expert servers either by URL or through a monitor, not both")
+
+
+class NoExpertServers(RuntimeError):
+    """The membership monitor given knows no expert server to connect to."""
+
+
+def remote_from_args(args: argparse.Namespace) -> RemoteExperts:
+    """The expert servers `moecomm frontend`'s options name (--servers or --monitor)."""
+    urls = [] if args.monitor else args.servers.split(",")
+    return RemoteExperts(
+        servers=tuple(u.strip() for u in urls if u.strip()),
+        monitor=args.monitor,
+        token=args.token,
+        timeout=args.timeout,
+        encoding=args.encoding,
+        ttl=args.ttl,
+        transport=args.transport,
+        host=args.host,
+        device=getattr(args, "device", "cpu"),
+    )
 
 
 def server_urls(membership) -> list[str]:
@@ -55,16 +75,18 @@ def connect_experts(
     max_tokens: int,
     client_id: int | None = None,
     out_dtype: torch.dtype = torch.float32,
+    say: Callable[[str], None] | None = None,
 ):
     """A connected client of the servers `remote` names; on the host path it follows the
     monitor when given (the GPU path takes the servers registered at start). The membership
-    monitor's token comes from the environment, as for every CLI process."""
+    monitor's token comes from the environment, as for every CLI process. `say`, when given,
+    is told what is being connected (a command's progress lines)."""
     membership = None
     if remote.monitor:
-        membership = connect_membership(remote.monitor, os.environ.get(TOKEN_ENV, ""))
+        membership = connect_membership(remote.monitor, monitor_token())
         urls = server_urls(membership)
         if not urls:
-            raise RuntimeError(f"no expert server is registered with {remote.monitor}")
+            raise NoExpertServers(f"no expert server is registered with {remote.monitor}")
     else:
         urls = list(remote.servers)
     if remote.device.startswith("cuda"):
@@ -76,6 +98,8 @@ def connect_experts(
             urls, device=remote.device, client_id=client_id, timeout=remote.timeout,
             token=remote.token,
         )  # fmt: skip
+        if say is not None:
+            say(f"connected to {len(urls)} GPU expert server(s) over CUDA IPC")
         return DeviceExperts(device_client)
     client = AttentionClient(
         urls,
@@ -90,6 +114,8 @@ def connect_experts(
         transport=remote.transport,
         host=remote.host,
     )
+    if say is not None:
+        say(f"connecting to {len(urls)} expert server(s) as client {client.client_id}")
     try:
         client.connect()
         if membership is not None:

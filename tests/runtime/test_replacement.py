@@ -301,6 +301,32 @@ def test_retired_and_unknown_indices_are_told_apart_in_process():
         server.close()
 
 
+def test_a_client_that_leaves_takes_its_ack_along():
+    """A client acks the table at connect and again on a fetch; when it disconnects, or is
+    dropped as dead, the server keeps no ack of it (the table of acks stays bounded)."""
+    experts = SPEC.experts()[0]
+    server = ExpertServer({0: {e: experts[e] for e in (0, 1)}}, "acks")
+    layout = SlotLayout(8, SPEC.hidden, 1, "f32", "f32")
+    channels = [ClientChannel(server.transport, layout, cid, 1) for cid in (5, 6)]
+    try:
+        for cid, ch in zip((5, 6), channels, strict=True):
+            info = server.connect(cid, ch.handle, layout, 1)
+            ch.connect(info["server_handle"], info["doorbell_handle"])
+        server.unload_expert(0, 0)
+        server.placement.describe(5)  # a client fetching the new table acks its epoch
+        assert set(server.placement._acks) == {5, 6}
+        assert server.disconnect(5)
+        assert set(server.placement._acks) == {6}
+        # The dead-client path: the registry drops client 6 as if its process had died.
+        server.clients.drop_dead = lambda: [6] if server.clients.remove(6) else []
+        server._drop_dead_clients()
+        assert server.placement._acks == {}
+    finally:
+        for ch in channels:
+            ch.close()
+        server.close()
+
+
 @pytest.mark.timeout(180)
 def test_experts_of_a_lost_server_get_new_homes():
     """Experts 6-11 live only on a server that is killed: the next pass loads them on the

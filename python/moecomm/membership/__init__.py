@@ -24,6 +24,7 @@ from moecomm.membership.base import (
     MembershipError,
     Registration,
     SupersededError,
+    monitor_token,
 )
 from moecomm.membership.embedded import EmbeddedMembership, MonitorRemoteError
 from moecomm.membership.etcd import DEFAULT_PREFIX, EtcdError, EtcdMembership
@@ -70,4 +71,5 @@ __all__ = [
     "SupersededError",
     "Watcher",
     "connect_membership",
+    "monitor_token",
 ]

@@ -7,6 +7,7 @@ view of who is alive — is written once here and in `watcher.py`."""
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import threading
 import time
@@ -30,6 +31,9 @@ DEFAULT_POLL_S = 2.0
 WATCH_START_TIMEOUT_S = 10.0
 # Every HTTP call to a backend has a deadline; this one covers a loaded machine, not a dead peer.
 DEFAULT_HTTP_TIMEOUT_S = 5.0
+# The embedded monitor's shared token, for every process that starts from the command line (never
+# argv: other users of the host could read it there).
+TOKEN_ENV = "MOECOMM_MONITOR_TOKEN"
 # Incarnations are random: 64 bits make a collision between two processes of one id negligible.
 INCARNATION_BYTES = 8
 
@@ -48,6 +52,11 @@ class Lease:
 
     handle: Any
     ttl: float  # the TTL the backend granted (etcd rounds up to whole seconds)
+
+
+def monitor_token() -> str:
+    """The monitor's shared token from ``$MOECOMM_MONITOR_TOKEN`` ("" when unset: no token)."""
+    return os.environ.get(TOKEN_ENV, "")
 
 
 class Membership(ABC):

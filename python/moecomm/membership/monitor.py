@@ -16,7 +16,6 @@ import contextlib
 import hmac
 import ipaddress
 import logging
-import os
 import signal
 import sys
 import threading
@@ -30,6 +29,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from moecomm.membership import member as m
+from moecomm.membership.base import TOKEN_ENV, monitor_token
 from moecomm.membership.member import Member, Record
 from moecomm.membership.registry import Full, Registry, Superseded, UnknownMember
 
@@ -48,7 +48,6 @@ SHUTDOWN_GRACE_S = 0.5
 START_TIMEOUT_S = 30.0
 # How often the monitor process checks that its server thread still runs.
 LIVENESS_CHECK_S = 1.0
-TOKEN_ENV = "MOECOMM_MONITOR_TOKEN"
 
 RoleStr = Annotated[str, Field(pattern=m.ROLE_RE.pattern)]
 MemberIdStr = Annotated[str, Field(pattern=m.MEMBER_ID_RE.pattern)]
@@ -282,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         "--token-file", help=f"file holding the shared token (or set ${TOKEN_ENV}; not argv)"
     )
     args = parser.parse_args(argv)
-    token = os.environ.get(TOKEN_ENV, "")
+    token = monitor_token()
     if args.token_file:
         with open(args.token_file) as f:
             token = f.read().strip()

@@ -93,9 +93,6 @@ class Registry:
             self._event("loss", self._members.pop(key).record, "expired")
         return len(dead)
 
-    def next_deadline(self) -> float | None:
-        return min((e.deadline for e in self._members.values()), default=None)
-
     def records(self, role: str | None, now: float) -> list[dict]:
         out = []
         for key in sorted(self._members):

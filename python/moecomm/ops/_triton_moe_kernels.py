@@ -188,6 +188,26 @@ def _tile_rows(
 
 
 @triton.jit
+def _gate_up_dots(a, w, n, k, kmask, nmask, inter, stride_wn, stride_wk, acc_g, acc_u,
+                  DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """One K tile of the gate|up GEMMs: acc_g += a @ w1[n, k].T, acc_u += a @ w3[n, k].T."""
+    wm = kmask[:, None] & nmask[None, :]
+    wg = tl.load(w + n[None, :] * stride_wn + k[:, None] * stride_wk, mask=wm, other=0.0)
+    wu = tl.load(w + (n + inter)[None, :] * stride_wn + k[:, None] * stride_wk, mask=wm, other=0.0)
+    acc_g = tl.dot(a, wg, acc_g, input_precision=DOT_PRECISION)
+    acc_u = tl.dot(a, wu, acc_u, input_precision=DOT_PRECISION)
+    return acc_g, acc_u
+
+
+@triton.jit
+def _store_silu_mul(h_ptr, e, rows, rmask, n, nmask, acc_g, acc_u, stride_he, stride_hm):
+    """h[rows, n] = silu(acc_g) * acc_u, in h's dtype."""
+    out = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    dst = h_ptr + e * stride_he + rows[:, None] * stride_hm + n[None, :]
+    tl.store(dst, out.to(h_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
 def gate_up_kernel(
     x_ptr,
     w13_ptr,
@@ -234,16 +254,9 @@ def gate_up_kernel(
         a = tl.load(
             x_rows + k[None, :] * stride_xk, mask=rmask[:, None] & kmask[None, :], other=0.0
         )
-        wm = kmask[:, None] & nmask[None, :]
-        wg = tl.load(w + n[None, :] * stride_wn + k[:, None] * stride_wk, mask=wm, other=0.0)
-        wu = tl.load(
-            w + (n + inter)[None, :] * stride_wn + k[:, None] * stride_wk, mask=wm, other=0.0
-        )
-        acc_g = tl.dot(a, wg, acc_g, input_precision=DOT_PRECISION)
-        acc_u = tl.dot(a, wu, acc_u, input_precision=DOT_PRECISION)
-    out = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    dst = h_ptr + e * stride_he + rows[:, None] * stride_hm + n[None, :]
-    tl.store(dst, out.to(h_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+        acc_g, acc_u = _gate_up_dots(a, w, n, k, kmask, nmask, inter, stride_wn, stride_wk,
+                                     acc_g, acc_u, DOT_PRECISION)  # fmt: skip
+    _store_silu_mul(h_ptr, e, rows, rmask, n, nmask, acc_g, acc_u, stride_he, stride_hm)
 
 
 @triton.jit
@@ -310,18 +323,11 @@ def gate_up_scaled_kernel(
             am = rmask[:, None] & kmask[None, :]
             q = tl.load(x_rows + k[None, :] * stride_xk, mask=am)
             a = tl.where(am, q.to(w_dtype), 0.0).to(w_dtype)
-            wm = kmask[:, None] & nmask[None, :]
-            wg = tl.load(w + n[None, :] * stride_wn + k[:, None] * stride_wk, mask=wm, other=0.0)
-            wu = tl.load(
-                w + (n + inter)[None, :] * stride_wn + k[:, None] * stride_wk, mask=wm, other=0.0
-            )
-            part_g = tl.dot(a, wg, part_g, input_precision=DOT_PRECISION)
-            part_u = tl.dot(a, wu, part_u, input_precision=DOT_PRECISION)
+            part_g, part_u = _gate_up_dots(a, w, n, k, kmask, nmask, inter, stride_wn, stride_wk,
+                                           part_g, part_u, DOT_PRECISION)  # fmt: skip
         acc_g += part_g * s[:, None]
         acc_u += part_u * s[:, None]
-    out = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    dst = h_ptr + e * stride_he + rows[:, None] * stride_hm + n[None, :]
-    tl.store(dst, out.to(h_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+    _store_silu_mul(h_ptr, e, rows, rmask, n, nmask, acc_g, acc_u, stride_he, stride_hm)
 
 
 @triton.jit

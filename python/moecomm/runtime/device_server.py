@@ -24,9 +24,10 @@ runs every hosted layer's expert MLP as a pass calls it, on a one-row batch, and
 Triton's JIT compiles take seconds on a cold cache, longer than a client's combine deadline, and
 would otherwise fall on the first request and get a healthy server evicted.
 
-The payload wait of the gather (``ARRIVAL_TIMEOUT_S``) is multiplied by
-:func:`moecomm.cuda.deadline_scale`; ``MOECOMM_DEVICE_DEBUG=1`` records the device waits and
-prints them with the entry states when a pass fails (:mod:`moecomm.runtime.device_debug`).
+The payload wait of the gather (:func:`moecomm.cuda.arrival_timeout_ns`:
+``ARRIVAL_TIMEOUT_NS`` times :func:`moecomm.cuda.deadline_scale`) is shared with the DeepEP
+adapter; ``MOECOMM_DEVICE_DEBUG=1`` records the device waits and prints them with the entry
+states when a pass fails (:mod:`moecomm.runtime.device_debug`).
 """
 
 from __future__ import annotations
@@ -54,9 +55,6 @@ log = logging.getLogger("moecomm.device_server")
 
 __all__ = ["DeviceExpertServer"]
 
-# How long the gather waits for the payload of a request whose header already arrived before
-# leaving it for the next pass (a chunk in flight over NVLink lands in microseconds).
-ARRIVAL_TIMEOUT_S = 20e-6
 # Idle back-off: a pass that served nothing sleeps, doubling up to this (the latency an idle
 # server adds to its first request; a busy one never sleeps).
 MAX_IDLE_SLEEP_S = 1e-3
@@ -67,11 +65,6 @@ _ACTION_SERVE, _ACTION_REJECT = 1, 2
 # The warm-up batch: one row, to local expert 0 (what matters is that every kernel a pass
 # launches is compiled and loaded, with the step's shapes and dtypes, before the first client).
 WARM_UP_ROWS = 1
-
-
-def arrival_timeout_ns() -> int:
-    """The gather's payload wait, scaled by ``MOECOMM_DEVICE_DEADLINE_SCALE``."""
-    return int(ARRIVAL_TIMEOUT_S * 1e9 * moecomm.cuda.deadline_scale())
 
 
 class DeviceExpertServer(ExpertServer):
@@ -340,7 +333,7 @@ class DeviceExpertServer(ExpertServer):
         g = self._k.ServerGatherArgs()
         g.layer_id, g.num_layers = layer, self.layer_hosted.shape[0]
         g.layer_hosted, g.workspace = self.layer_hosted.data_ptr(), self.workspace.data_ptr()
-        g.arrival_timeout_ns, g.block_m = arrival_timeout_ns(), DEFAULT_BLOCK_M
+        g.arrival_timeout_ns, g.block_m = moecomm.cuda.arrival_timeout_ns(), DEFAULT_BLOCK_M
         g.draining = self.draining
         return g
 

@@ -17,8 +17,10 @@ from moecomm.runtime.experts import random_experts
 from moecomm.runtime.server import ExpertServer
 
 STOP = "stop"
-# Lease of a server registered with a membership: losses are heard about this late at most.
-DEFAULT_TTL_S = 2.0
+# Lease of the serving processes (expert servers, front ends) registered with a membership: a lost
+# server is heard about this late at most. Shorter than the membership library's general default
+# (moecomm.membership.DEFAULT_TTL_S, 5 s): serving wants a lost server out of the rotation fast.
+SERVING_TTL_S = 2.0
 START_TIMEOUT_S = 120.0
 # How often a server process checks for a stop request or a failed loop.
 SUPERVISE_S = 0.2
@@ -121,7 +123,7 @@ def spawn_expert_server(
     token: str = "",
     batching_window_s: float = 0.0,
     monitor_url: str | None = None,
-    ttl: float = DEFAULT_TTL_S,
+    ttl: float = SERVING_TTL_S,
     monitor_token: str = "",
     transport: str = "shm",
 ) -> ServerProcess:

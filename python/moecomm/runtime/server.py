@@ -202,7 +202,10 @@ class ExpertServer:
 
     def disconnect(self, client_id: int, session: str | None = None) -> bool:
         """Frees a client's slots; with `session`, only the connection it names."""
-        return self.clients.remove(client_id, session)
+        removed = self.clients.remove(client_id, session)
+        if removed:
+            self.placement.forget(client_id)
+        return removed
 
     @property
     def num_clients(self) -> int:
@@ -240,6 +243,8 @@ class ExpertServer:
     def _drop_dead_clients(self) -> None:
         self._next_client_check = time.monotonic() + CLIENT_CHECK_S
         dropped = self.clients.drop_dead()
+        for client_id in dropped:
+            self.placement.forget(client_id)
         self.stats.dead_clients_dropped += len(dropped)
         if dropped:
             log.info("%s: dropped dead clients %s", self.server_id, dropped)

@@ -239,6 +239,7 @@ class ServerPlacement:
         self.on_change()
 
     def forget(self, client_id: int) -> None:
+        """A client left (disconnected, or dropped as dead): its ack is no longer kept."""
         self._acks.pop(client_id, None)
 
     def close(self) -> None:
