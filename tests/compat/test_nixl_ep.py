@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from moecomm.compat import nixl_ep
 from moecomm.compat._nixl_ep_pairs import handshake
+from moecomm.compat._nixl_ep_runtime import SLOT_TOPK
 from moecomm.compat.nixl_ep import Buffer, Config, EventOverlap
 
 GROUP_TIMEOUT_S = 150
@@ -428,9 +429,20 @@ def test_masks_and_memory(tmp_path):
     out, _, _ = b.combine(y, narrow, w[:, :2].contiguous(), handle)
     ref = procs.reference_combine(x, narrow, w[:, :2], False, lambda e: True)
     assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
+    # A larger top-k than the first dispatch's fits: the slots were sized for up to SLOT_TOPK.
     wider = torch.cat([idx, torch.full_like(idx[:, :1], -1)], dim=1)
-    with pytest.raises(NotImplementedError, match="top-4 after top-3"):
-        b.dispatch(x, wider, 8, use_fp8=False)
+    recv, count, handle, _, _ = b.dispatch(x, wider, 8, use_fp8=False)
+    y = torch.zeros(4, 8, 256, dtype=torch.bfloat16)
+    for i in range(4):
+        n = int(count[i])
+        y[i, :n] = procs.expert(recv[i, :n].float(), i)
+    w4 = torch.cat([w, torch.zeros_like(w[:, :1])], dim=1)
+    out, _, _ = b.combine(y, wider, w4, handle)
+    ref = procs.reference_combine(x, wider, w4, False, lambda e: True)
+    assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
+    widest = torch.cat([idx, torch.full((idx.shape[0], SLOT_TOPK), -1, dtype=idx.dtype)], dim=1)
+    with pytest.raises(NotImplementedError, match=f"top-{widest.shape[1]}: the slots hold"):
+        b.dispatch(x, widest, 8, use_fp8=False)
     b.destroy()
 
 
@@ -610,3 +622,18 @@ def test_silent_peer_masked_and_pair_reconnected():
     assert b0.runtime.engine.counters() == b1.runtime.engine.counters()
     for b in bufs:
         b.destroy()
+
+
+def test_clean_buffer_of_the_earlier_api_checks_its_arguments_and_keeps_serving(tmp_path):
+    """SGLang 0.5.23 calls NIXL-EP's earlier clean_buffer(M, H, E): nothing to zero in moecomm,
+    so it checks its arguments and the buffer goes on serving (a round with itself)."""
+    b = _one(tmp_path)
+    b.connect_ranks([0])
+    b.clean_buffer(8, 256, 8)
+    with pytest.raises(ValueError, match="hidden must be a positive int"):
+        b.clean_buffer(8, 0, 8)
+    x = torch.randn(4, 256).to(torch.bfloat16)
+    idx = torch.tensor([[0, 1], [2, 3], [1, -1], [3, 0]])
+    _, count, _, _, _ = b.dispatch(x, idx, 8, use_fp8=False)
+    assert int(count.sum()) == 7
+    b.destroy()

@@ -33,6 +33,13 @@ __all__ = ["Handle", "Runtime", "refuse_cuda", "size_hint"]
 
 NUM_MAX_NVL_PEERS = 8  # NIXL-EP's (DeepEP's) ranks per NVLink domain
 SIZE_HINT_TOPK = 8  # the size hint is not told the top-k
+# The slots are sized at the first dispatch for top-k up to this (or the first dispatch's, if
+# larger): the largest top-k the low-latency kernels of the DeepEP family accept (their
+# kNumMaxTopK is 9 to 11 across forks). vLLM keeps one NIXL-EP buffer for every MoE layer, so
+# a later layer may route to more experts than the first; re-sizing would need a rendezvous of
+# every rank, which a changing rank set has none of. Ids and scores cost 8 bytes per top-k per
+# token in a slot, nothing beside the activations.
+SLOT_TOPK = 11
 
 
 def size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int):
@@ -302,13 +309,14 @@ class Runtime:
         )
         shape = LLShape(num_max, x.shape[1], capacity, topk_idx.shape[1])
         if eng.shape is None:
-            eng._setup(shape)
+            slot_topk = max(shape.num_topk, min(SLOT_TOPK, capacity))
+            eng._setup(dataclasses.replace(shape, num_topk=slot_topk))
         elif shape.num_topk > eng.shape.num_topk:
             raise NotImplementedError(
-                f"nixl_ep.Buffer.dispatch with top-{shape.num_topk} after top-"
-                f"{eng.shape.num_topk}: the slots are sized at the first dispatch; a larger "
-                "top-k would re-size them in a rendezvous of every rank, which a changing rank "
-                "set has none of"
+                f"nixl_ep.Buffer.dispatch with top-{shape.num_topk}: the slots hold top-k up to "
+                f"{eng.shape.num_topk} (sized at the first dispatch for up to {SLOT_TOPK}, the "
+                "DeepEP-family kernels' limit); a larger top-k would re-size them in a "
+                "rendezvous of every rank, which a changing rank set has none of"
             )
         check_cost_stats("dispatch_wait_recv_cost_stats", cost, rb)
         full_cost = None if cost is None else torch.zeros(self.num_ranks, dtype=torch.int64)

@@ -361,6 +361,19 @@ class Buffer:
         entries (any device)."""
         self._rt("query_mask_buffer").query_mask(mask_status)
 
+    def clean_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int):
+        """NIXL-EP's earlier API (SGLang 0.5.23 calls it after a reconfiguration): zero this
+        rank's low-latency buffer for that shape. moecomm's rings hold no counters or flags a
+        zero-fill resets (their state is numbered rounds, re-synchronised by connect and the
+        mask calls), so after checking the arguments there is nothing to do."""
+        for name, value in (
+            ("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
+            ("hidden", hidden),
+            ("num_experts", num_experts),
+        ):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"clean_buffer: {name} must be a positive int, got {value!r}")
+
     def clean_mask_buffer(self):
         """Unmasks the connected ranks and this one, masks the others."""
         self._rt("clean_mask_buffer").clean_mask()
