@@ -15,6 +15,7 @@ __all__ = [
     "dispatch_config",
     "get_logical_domain_size",
     "get_physical_domain_size",
+    "table_config",
 ]
 
 # csrc/kernels/legacy/compiled.cuh and config.hpp of DeepEP.
@@ -34,7 +35,14 @@ class Config:
     """``deep_ep.Config(num_sms=20, num_max_nvl_chunked_send_tokens=6,
     num_max_nvl_chunked_recv_tokens=256, num_max_rdma_chunked_send_tokens=6,
     num_max_rdma_chunked_recv_tokens=256)`` with DeepEP's checks (``csrc/legacy/config.hpp``):
-    the RDMA receive chunk is aligned up to a multiple of the send chunk."""
+    the RDMA receive chunk is aligned up to a multiple of the send chunk.
+
+    ``moecomm.compat.nixl_ep.Config`` is this class under NIXL-EP's name (NIXL-EP's
+    ``csrc/config.hpp`` is DeepEP's): ``_api`` and ``_upstream`` name the module and the
+    project in the errors and the repr."""
+
+    _api = "deep_ep"
+    _upstream = "DeepEP"
 
     def __init__(
         self,
@@ -52,16 +60,16 @@ class Config:
             num_max_rdma_chunked_recv_tokens,
         )
         if any(isinstance(v, bool) or not isinstance(v, int) for v in values):
-            raise TypeError(f"deep_ep.Config takes five ints, got {values!r}")
+            raise TypeError(f"{self._api}.Config takes five ints, got {values!r}")
         nvl_send, nvl_recv = num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens
         rdma_send, rdma_recv = num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens
-        _check(num_sms >= 0, "num_sms >= 0")
-        _check(nvl_send > 0 and nvl_recv > 0, "NVL chunk sizes > 0")
-        _check(nvl_send < nvl_recv, "num_max_nvl_chunked_send_tokens < ..._recv_tokens")
-        _check(rdma_send > 0 and rdma_recv > 0, "RDMA chunk sizes > 0")
+        self._check(num_sms >= 0, "num_sms >= 0")
+        self._check(nvl_send > 0 and nvl_recv > 0, "NVL chunk sizes > 0")
+        self._check(nvl_send < nvl_recv, "num_max_nvl_chunked_send_tokens < ..._recv_tokens")
+        self._check(rdma_send > 0 and rdma_recv > 0, "RDMA chunk sizes > 0")
         rdma_recv = _align_up(rdma_recv, rdma_send)
-        _check(rdma_send < rdma_recv, "num_max_rdma_chunked_send_tokens < ..._recv_tokens")
-        _check(rdma_send <= rdma_recv // 2, "num_max_rdma_chunked_send_tokens <= recv / 2")
+        self._check(rdma_send < rdma_recv, "num_max_rdma_chunked_send_tokens < ..._recv_tokens")
+        self._check(rdma_send <= rdma_recv // 2, "num_max_rdma_chunked_send_tokens <= recv / 2")
         self.num_sms = num_sms
         self.num_max_nvl_chunked_send_tokens = nvl_send
         self.num_max_nvl_chunked_recv_tokens = nvl_recv
@@ -77,22 +85,29 @@ class Config:
             self.num_max_rdma_chunked_recv_tokens,
         )
 
+    def _check(self, ok: bool, what: str) -> None:
+        if not ok:
+            raise ValueError(f"{self._api}.Config: needs {what} (as {self._upstream} asserts)")
+
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Config) and self._fields() == other._fields()
+        return isinstance(other, Config) and (other._api, other._fields()) == (
+            self._api,
+            self._fields(),
+        )
 
     def __hash__(self) -> int:
         return hash(self._fields())
 
     def __repr__(self) -> str:
-        return f"deep_ep.Config{self._fields()}"
+        return f"{self._api}.Config{self._fields()}"
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """DeepEP's NVLink buffer size for this config (bytes, 128-aligned)."""
-        _check(
+        self._check(
             num_ranks < NUM_MAX_NVL_PEERS or num_ranks % NUM_MAX_NVL_PEERS == 0,
             f"num_ranks ({num_ranks}) < {NUM_MAX_NVL_PEERS} or a multiple of it",
         )
-        _check(num_ranks <= NUM_MAX_NVL_PEERS or self.num_sms % 2 == 0, "an even num_sms")
+        self._check(num_ranks <= NUM_MAX_NVL_PEERS or self.num_sms % 2 == 0, "an even num_sms")
         num_rdma_ranks = max(num_ranks // NUM_MAX_NVL_PEERS, 1)
         num_nvl_ranks = min(num_ranks, NUM_MAX_NVL_PEERS)
         per = (self.num_sms // 2) * num_nvl_ranks
@@ -109,8 +124,10 @@ class Config:
         """DeepEP's RDMA buffer size for this config (0 within one NVLink domain)."""
         if num_ranks <= NUM_MAX_NVL_PEERS:
             return 0
-        _check(num_ranks % NUM_MAX_NVL_PEERS == 0, f"num_ranks a multiple of {NUM_MAX_NVL_PEERS}")
-        _check(self.num_sms % 2 == 0, "an even num_sms")
+        self._check(
+            num_ranks % NUM_MAX_NVL_PEERS == 0, f"num_ranks a multiple of {NUM_MAX_NVL_PEERS}"
+        )
+        self._check(self.num_sms % 2 == 0, "an even num_sms")
         per = (self.num_sms // 2) * (num_ranks // NUM_MAX_NVL_PEERS)
         recv = self.num_max_rdma_chunked_recv_tokens
         n = per * (NUM_MAX_NVL_PEERS * 2 + 2) * 2 * _INT
@@ -121,11 +138,6 @@ class Config:
         n += per * recv * _NUM_MAX_SCALES * _FLOAT * 2
         n += per * recv * _INT4 * 2
         return _align_up(n, 128)
-
-
-def _check(ok: bool, what: str) -> None:
-    if not ok:
-        raise ValueError(f"deep_ep.Config: needs {what} (as DeepEP asserts)")
 
 
 # deep_ep/buffers/legacy.py: Buffer.get_dispatch_config / get_combine_config, by rank count:
@@ -160,19 +172,21 @@ _COMBINE = {
 }
 
 
-def _table(table: dict, num_ranks: int, num_sms: int) -> Config:
+def table_config(table: dict, num_ranks: int, num_sms: int, cls: type[Config] = Config) -> Config:
+    """``cls(num_sms, *table[num_ranks])``: a recommended config from a table of chunk sizes by
+    rank count (DeepEP's here, NIXL-EP's in ``nixl_ep``)."""
     if num_ranks not in table:
-        # DeepEP asserts the same (its tuned tables have no other rank counts).
+        # DeepEP and NIXL-EP assert the same (their tuned tables have no other rank counts).
         raise ValueError(f"Unsupported number of EP ranks: {num_ranks}")
-    return Config(num_sms, *table[num_ranks])
+    return cls(num_sms, *table[num_ranks])
 
 
 def dispatch_config(num_ranks: int, num_sms: int) -> Config:
-    return _table(_DISPATCH, num_ranks, num_sms)
+    return table_config(_DISPATCH, num_ranks, num_sms)
 
 
 def combine_config(num_ranks: int, num_sms: int) -> Config:
-    return _table(_COMBINE, num_ranks, num_sms)
+    return table_config(_COMBINE, num_ranks, num_sms)
 
 
 def _group_size(group) -> int:

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections import deque
 
 import torch
 
+from moecomm.compat._api_common import refused, topk_idx_t
 from moecomm.compat._deepep_api import Config, combine_config, dispatch_config
 from moecomm.compat._ll_device_ops import (
     DeviceHandle,
@@ -58,16 +60,10 @@ from moecomm.transport import ShmTransport
 
 __all__ = ["Buffer", "topk_idx_t"]
 
-# DeepEP's ``deep_ep.topk_idx_t`` (the C++ ``topk_idx_t``, int64 in its default build).
-topk_idx_t = torch.int64
 DEFAULT_STORE_PREFIX = "moecomm.compat.deep_ep"
 # Only for get_low_latency_rdma_size_hint, which is not told the top-k (DeepSeek-V3 uses 8).
 SIZE_HINT_TOPK = 8
-
-
-def _refused(method: str, why: str) -> NotImplementedError:
-    return NotImplementedError(f"deep_ep.Buffer.{method} is not implemented by moecomm: {why}")
-
+_refused = functools.partial(refused, "deep_ep")
 
 _NO_LOCAL_BUFFER = (
     "DeepEP returns a view of its registered NVLink/RDMA buffer, the one region its peers "

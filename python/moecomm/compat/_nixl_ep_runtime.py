@@ -50,6 +50,25 @@ def size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int
     )
 
 
+def _receive_hook(inner_hook, then, return_recv_hook: bool):
+    """A call's receive hook: the engine's hook (if any), then `then`, once. Without
+    ``return_recv_hook`` it runs now and there is no hook (None)."""
+    done: list[bool] = []
+
+    def finish() -> None:
+        if done:
+            return
+        if inner_hook is not None:
+            inner_hook()
+        then()
+        done.append(True)
+
+    if not return_recv_hook:
+        finish()
+        return None
+    return finish
+
+
 def refuse_cuda(method: str, **tensors) -> None:
     cuda = [n for n, t in tensors.items() if isinstance(t, torch.Tensor) and t.is_cuda]
     if cuda:
@@ -278,6 +297,15 @@ class Runtime:
         eng.adopt(rounds, combines)
 
     # ------------------------------------------------------------------ dispatch
+    def _start(self, call: str, async_finish: bool, return_recv_hook: bool, **tensors) -> Engine:
+        """The engine of a data call after its common checks: set up, host `tensors` (CUDA
+        ones refused by name), not both ``async_finish`` and ``return_recv_hook``."""
+        eng = self.need(call)
+        refuse_cuda(call, **tensors)
+        if async_finish and return_recv_hook:
+            raise ValueError("async_finish and return_recv_hook cannot both be set (NIXL-EP)")
+        return eng
+
     def dispatch(
         self,
         x,
@@ -292,16 +320,15 @@ class Runtime:
         async_finish: bool,
         return_recv_hook: bool,
     ):
-        eng = self.need("dispatch")
-        refuse_cuda(
+        eng = self._start(
             "dispatch",
+            async_finish,
+            return_recv_hook,
             x=x,
             topk_idx=topk_idx,
             cumulative_local_expert_recv_stats=stats,
             dispatch_wait_recv_cost_stats=cost,
         )
-        if async_finish and return_recv_hook:
-            raise ValueError("async_finish and return_recv_hook cannot both be set (NIXL-EP)")
         rb = self.rank_bound(num_experts)
         capacity = self.num_ranks * self.num_experts_per_rank
         x, topk_idx = check_dispatch_inputs(
@@ -335,13 +362,8 @@ class Runtime:
             layout_range = torch.empty(eng._num_local, rb, dtype=torch.int64)
         handle = Handle(src_info, layout_range, m, h)
         handle.owner, handle.inner, handle.rank_bound = self, inner, rb
-        done: list[bool] = []
 
-        def finish() -> None:
-            if done:
-                return
-            if inner_hook is not None:
-                inner_hook()
+        def then() -> None:
             if not full:
                 rows = rb * m
                 if use_fp8:
@@ -353,11 +375,8 @@ class Runtime:
                 layout_range.copy_(inner[1][:, :rb])
             if cost is not None:
                 cost.add_(full_cost[:rb])
-            done.append(True)
 
-        if not return_recv_hook:
-            finish()
-        return out_x, count, handle, finish if return_recv_hook else None
+        return out_x, count, handle, _receive_hook(inner_hook, then, return_recv_hook)
 
     def _bounded_recv(self, recv_x, rows: int, parity: int, use_fp8: bool, use_ue8m0: bool):
         """Reusable receive tensors of NIXL-EP's shape ``[L, rank_bound * M, ...]`` (two sets,
@@ -405,17 +424,16 @@ class Runtime:
         out,
         cost,
     ):
-        eng = self.need("combine")
-        refuse_cuda(
+        eng = self._start(
             "combine",
+            async_finish,
+            return_recv_hook,
             x=x,
             topk_idx=topk_idx,
             topk_weights=topk_weights,
             out=out,
             combine_wait_recv_cost_stats=cost,
         )
-        if async_finish and return_recv_hook:
-            raise ValueError("async_finish and return_recv_hook cannot both be set (NIXL-EP)")
         handle = self._check_handle("combine", handle)
         rb, m, h = handle.rank_bound, handle[2], handle[3]
         want = (eng._num_local, rb * m, h)
@@ -436,20 +454,12 @@ class Runtime:
                 x_full, topk_idx, topk_weights, handle.inner,
                 use_logfmt, zero_copy, False, return_recv_hook, out, full_cost,
             )  # fmt: skip
-        done: list[bool] = []
 
-        def finish() -> None:
-            if done:
-                return
-            if inner_hook is not None:
-                inner_hook()
+        def then() -> None:
             if cost is not None:
                 cost.add_(full_cost[:rb])
-            done.append(True)
 
-        if not return_recv_hook:
-            finish()
-        return combined, finish if return_recv_hook else None
+        return combined, _receive_hook(inner_hook, then, return_recv_hook)
 
     def _pad(self, x: torch.Tensor, num_local: int, m: int, h: int) -> torch.Tensor:
         """x [L, rank_bound * M, H] in the engine's [L, R * M, H] (rows past x never read)."""

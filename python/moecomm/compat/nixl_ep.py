@@ -26,29 +26,31 @@ receive tensors then have one row block per hosted replica too, ``Buffer.local_e
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 
 import torch
 
+from moecomm.compat._api_common import refused
+from moecomm.compat._api_common import topk_idx_t as topk_idx_t  # NIXL-EP's ``nixl_ep.topk_idx_t``
+from moecomm.compat._deepep_api import NUM_MAX_NVL_PEERS as NUM_MAX_NVL_PEERS
+from moecomm.compat._deepep_api import Config as _DeepEPConfig
+from moecomm.compat._deepep_api import table_config
 from moecomm.compat._ll_replicas import ReplicaPlan, check_replicas_arg
+from moecomm.compat._ll_support import EventHandle
 from moecomm.compat._nixl_ep_runtime import Runtime, size_hint
 
 __all__ = ["Buffer", "Config", "EventOverlap"]
 
-# NIXL-EP's ``nixl_ep.topk_idx_t`` (int64 in its default build).
-topk_idx_t = torch.int64
 DEFAULT_TIMEOUT_MS = 30_000
 # NIXL-EP waits this long for a peer's metadata in connect_ranks.
 DEFAULT_CONNECT_TIMEOUT_S = 300.0
 DEFAULT_STORE_PREFIX = "moecomm.nixl_ep"
 REPLICAS_ENV = "MOECOMM_NIXL_EP_REPLICAS"
-NUM_MAX_NVL_PEERS = 8
 
 
-def _refused(method: str, why: str) -> NotImplementedError:
-    return NotImplementedError(f"nixl_ep.Buffer.{method} is not implemented by moecomm: {why}")
-
+_refused = functools.partial(refused, "nixl_ep")
 
 _HT = (
     "NIXL-EP's high-throughput kernels (internode, RDMA ranks of 8 GPUs); moecomm answers "
@@ -62,20 +64,6 @@ class _HostEvent:
 
     def current_stream_wait(self) -> None:
         return None
-
-
-class _CapturedEvent:
-    """``Buffer.capture()``'s event: a CUDA event on the current stream once CUDA is in use."""
-
-    def __init__(self) -> None:
-        self.event = None
-        if torch.cuda.is_initialized():
-            self.event = torch.cuda.Event()
-            self.event.record(torch.cuda.current_stream())
-
-    def current_stream_wait(self) -> None:
-        if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)
 
 
 class EventOverlap:
@@ -103,58 +91,15 @@ class EventOverlap:
             self.event.current_stream_wait()
 
 
-class Config:
+class Config(_DeepEPConfig):
     """NIXL-EP's ``Config(num_sms=20, num_max_nvl_chunked_send_tokens=6,
     num_max_nvl_chunked_recv_tokens=256, num_max_rdma_chunked_send_tokens=6,
     num_max_rdma_chunked_recv_tokens=256)``, the high-throughput kernels' tuning record, with its
-    checks and size hints (csrc/config.hpp). moecomm's calls take none."""
+    checks and size hints (csrc/config.hpp, DeepEP's: ``deep_ep.Config`` under NIXL-EP's name).
+    moecomm's calls take none."""
 
-    def __init__(
-        self,
-        num_sms: int = 20,
-        num_max_nvl_chunked_send_tokens: int = 6,
-        num_max_nvl_chunked_recv_tokens: int = 256,
-        num_max_rdma_chunked_send_tokens: int = 6,
-        num_max_rdma_chunked_recv_tokens: int = 256,
-    ) -> None:
-        nvl_send, nvl_recv = num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens
-        rdma_send, rdma_recv = num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens
-        for v in (num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv):
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"nixl_ep.Config takes ints, got {v!r}")
-        if num_sms < 0 or min(nvl_send, nvl_recv, rdma_send, rdma_recv) <= 0:
-            raise ValueError("nixl_ep.Config: num_sms >= 0 and chunk sizes > 0")
-        if nvl_send >= nvl_recv:
-            raise ValueError("num_max_nvl_chunked_send_tokens must be < ..._recv_tokens")
-        rdma_recv = -(-rdma_recv // rdma_send) * rdma_send  # aligned up, as NIXL-EP does
-        if not rdma_send <= rdma_recv // 2:
-            raise ValueError("num_max_rdma_chunked_send_tokens must be <= ..._recv_tokens / 2")
-        self.num_sms = num_sms
-        self.num_max_nvl_chunked_send_tokens = nvl_send
-        self.num_max_nvl_chunked_recv_tokens = nvl_recv
-        self.num_max_rdma_chunked_send_tokens = rdma_send
-        self.num_max_rdma_chunked_recv_tokens = rdma_recv
-
-    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        if not (num_ranks < NUM_MAX_NVL_PEERS or num_ranks % NUM_MAX_NVL_PEERS == 0):
-            raise ValueError(f"num_ranks={num_ranks}: below 8 or a multiple of 8")
-        rdma = max(num_ranks // NUM_MAX_NVL_PEERS, 1)
-        rows = (self.num_sms // 2) * min(num_ranks, NUM_MAX_NVL_PEERS)
-        recv = rows * self.num_max_nvl_chunked_recv_tokens
-        # counters, rows, source metadata (8 B), top-k ids (int64) and weights, scales (f32)
-        total = rows * (2 * rdma + 3) * 4 + recv * (hidden_bytes + 8 + 128 * 8 + 128 * 4 + 128 * 4)
-        return -(-total // 128) * 128
-
-    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        if num_ranks <= NUM_MAX_NVL_PEERS:
-            return 0
-        if num_ranks % NUM_MAX_NVL_PEERS or self.num_sms % 2:
-            raise ValueError("num_ranks must be a multiple of 8 and num_sms even")
-        rows = (self.num_sms // 2) * (num_ranks // NUM_MAX_NVL_PEERS)
-        recv = rows * self.num_max_rdma_chunked_recv_tokens
-        per_token = hidden_bytes + 8 + 128 * 8 + 128 * 4 + 128 * 4 + 16
-        total = rows * (NUM_MAX_NVL_PEERS * 2 + 2) * 2 * 4 + recv * per_token * 2
-        return -(-total // 128) * 128
+    _api = "nixl_ep"
+    _upstream = "NIXL-EP"
 
 
 # NIXL-EP's recommended configs (buffer.py): num_ranks -> the four chunk sizes.
@@ -262,7 +207,7 @@ class Buffer:
 
     @staticmethod
     def capture() -> EventOverlap:
-        return EventOverlap(_CapturedEvent())
+        return EventOverlap(EventHandle())
 
     @staticmethod
     def get_low_latency_buffer_size_hint(
@@ -289,15 +234,11 @@ class Buffer:
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
-        if num_ranks not in _DISPATCH_CONFIGS:
-            raise ValueError(f"Unsupported number of EP ranks: {num_ranks}")
-        return Config(Buffer.num_sms, *_DISPATCH_CONFIGS[num_ranks])
+        return table_config(_DISPATCH_CONFIGS, num_ranks, Buffer.num_sms, Config)
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
-        if num_ranks not in _COMBINE_CONFIGS:
-            raise ValueError(f"Unsupported number of EP ranks: {num_ranks}")
-        return Config(Buffer.num_sms, *_COMBINE_CONFIGS[num_ranks])
+        return table_config(_COMBINE_CONFIGS, num_ranks, Buffer.num_sms, Config)
 
     def get_comm_stream(self) -> torch.Stream:
         raise _refused("get_comm_stream", "host calls run on the caller's thread; no stream")

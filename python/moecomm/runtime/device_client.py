@@ -439,14 +439,8 @@ class DeviceClient:
         try:
             sections.update(self.debug_state())
         except Exception as exc:  # a sticky CUDA error makes every device read fail
-            sections["client state"] = f"    unreadable: {type(exc).__name__}: {exc}"
-        if self._trace is None:
-            sections["device waits"] = f"    not recorded ({device_debug.DEBUG_ENV} is off)"
-        else:
-            try:
-                sections["device waits"] = device_debug.format_trace(*self._trace.read())
-            except Exception as exc:
-                sections["device waits"] = f"    unreadable: {type(exc).__name__}: {exc}"
+            sections["client state"] = device_debug.unreadable(exc)
+        sections["device waits"] = device_debug.trace_section(self._trace)
         return device_debug.report(f"client {self.client_id:#x}: {title}", sections)
 
     def close(self) -> None:

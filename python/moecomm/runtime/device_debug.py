@@ -204,6 +204,23 @@ class WaitTraceBuffer:
         self.tensor.zero_()
 
 
+def unreadable(exc: BaseException) -> str:
+    """A report section standing for a state that could not be read (a sticky CUDA error makes
+    every device read fail)."""
+    return f"    unreadable: {type(exc).__name__}: {exc}"
+
+
+def trace_section(trace: WaitTraceBuffer | None) -> str:
+    """The "device waits" section of a failure report: ``trace``'s recorded waits, or why there
+    are none; never raises (it runs on failure paths, where the device may be gone)."""
+    if trace is None:
+        return f"    not recorded ({DEBUG_ENV} is off)"
+    try:
+        return format_trace(*trace.read())
+    except Exception as exc:
+        return unreadable(exc)
+
+
 def attach(peers, trace: WaitTraceBuffer | None):
     """The kernels' peer view (IpcPeers / NvshmemPeers) with ``trace`` as its wait trace."""
     if trace is not None:

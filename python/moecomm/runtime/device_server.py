@@ -400,14 +400,8 @@ class DeviceExpertServer(ExpertServer):
                     device_debug.decode_entries(rows[i]), self.num_slots, clients
                 )
         except Exception as exc:  # a sticky CUDA error makes every device read fail
-            sections["entry states"] = f"    unreadable: {type(exc).__name__}: {exc}"
-        if self._trace is None:
-            sections["device waits"] = f"    not recorded ({device_debug.DEBUG_ENV} is off)"
-        else:
-            try:
-                sections["device waits"] = device_debug.format_trace(*self._trace.read())
-            except Exception as exc:
-                sections["device waits"] = f"    unreadable: {type(exc).__name__}: {exc}"
+            sections["entry states"] = device_debug.unreadable(exc)
+        sections["device waits"] = device_debug.trace_section(self._trace)
         return device_debug.report(f"server {self.server_id}: {title}", sections)
 
     def _account(self, entries: torch.Tensor, counts: torch.Tensor) -> int:
