@@ -24,6 +24,7 @@ _spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gp
 gc = importlib.util.module_from_spec(_spec)
 sys.modules["gpu_check"] = gc  # dataclasses look their module up by name
 _spec.loader.exec_module(gc)
+import gpu_check_plan as gp  # noqa: E402
 import gpu_check_reports as rp  # noqa: E402  (importable once gpu_check put tools/ on the path)
 import gpu_check_run as gr  # noqa: E402
 import gpu_check_stages as gs  # noqa: E402
@@ -145,23 +146,23 @@ def junit(path: Path, cases: list[str]) -> Path:
 def test_the_plan_fits_the_device_budget():
     """Call 1 within 6 minutes, call 2 within 4, both within 10 minutes of device time (the
     limits are written here, not read from the module, so that a budget raised there fails)."""
-    call1, call2 = gs.stage_total(gs.PLAN[1]), gs.stage_total(gs.PLAN[2])
+    call1, call2 = gp.stage_total(gp.PLAN[1]), gp.stage_total(gp.PLAN[2])
     assert call1 <= 360, f"call 1 takes {call1:.0f} s of its 360"
     assert call2 <= 240, f"call 2 takes {call2:.0f} s of its 240"
     assert call1 + call2 <= 600, f"the two calls take {call1 + call2:.0f} s of 600"
-    assert gs.stage_total(gs.plain_budgets()) <= 600  # the plain run: one command
-    assert gs.plan_problems() == []
+    assert gp.stage_total(gp.plain_budgets()) <= 600  # the plain run: one command
+    assert gp.plan_problems() == []
     # Each stage in a call has a budget (and overhead) counted.
-    assert call1 >= sum(gs.PLAN[1].values()) + len(gs.PLAN[1]) * gr.STAGE_OVERHEAD_S
-    assert list(gs.PLAN[1]) == ["preflight", "build", "smoke", "core"]
-    assert {"deepep", "bench", "sanitizer"} <= set(gs.PLAN[2])
-    assert gs.PLAN[2]["build"] <= 30  # reused, not built again
-    assert set(gs.PLAIN_STAGES) == set(gs.STAGE_ORDER) - {"racecheck"}
+    assert call1 >= sum(gp.PLAN[1].values()) + len(gp.PLAN[1]) * gr.STAGE_OVERHEAD_S
+    assert list(gp.PLAN[1]) == ["preflight", "build", "smoke", "core"]
+    assert {"deepep", "bench", "sanitizer"} <= set(gp.PLAN[2])
+    assert gp.PLAN[2]["build"] <= 30  # reused, not built again
+    assert set(gp.PLAIN_STAGES) == set(gp.STAGE_ORDER) - {"racecheck"}
 
 
 def test_a_plan_that_does_not_fit_is_named(monkeypatch, capsys):
-    monkeypatch.setitem(gs.PLAN, 2, {**gs.PLAN[2], "deepep": 400.0})
-    problems = gs.plan_problems()
+    monkeypatch.setitem(gp.PLAN, 2, {**gp.PLAN[2], "deepep": 400.0})
+    problems = gp.plan_problems()
     assert any(p.startswith("call 2") for p in problems)
     assert any("two calls" in p for p in problems)
     assert gc.main(["--plan"]) == 1
@@ -184,22 +185,22 @@ def test_the_plan_prints_each_call_with_its_total(capsys):
         (None, ["smoke", "core"], True, ["preflight", "build", "smoke", "core"]),
         (None, ["preflight", "host"], False, ["preflight", "host"]),
         (None, ["smoke"], False, ["smoke"]),  # skipped here: the build need not run
-        (None, None, False, list(gs.PLAIN_STAGES)),
+        (None, None, False, list(gp.PLAIN_STAGES)),
     ],
 )
 def test_which_stages_a_run_selects(call, only, device, names):
-    chosen, limit, _ = gs.select(call, only, device)
+    chosen, limit, _ = gp.select(call, only, device, gs.all_stages())
     assert [n for n, _ in chosen] == names
     if call and device:
-        assert limit == gs.CALL_LIMITS_S[call]
-        assert dict(chosen) == gs.PLAN[call]
+        assert limit == gp.CALL_LIMITS_S[call]
+        assert dict(chosen) == gp.PLAN[call]
     if not device:
         assert limit <= 600
 
 
 def test_an_unknown_stage_is_refused(tmp_path, capsys):
     with pytest.raises(ValueError, match="unknown stage"):
-        gs.select(None, ["smok"], True)
+        gp.select(None, ["smok"], True, gs.all_stages())
     assert gc.main(["--out", str(tmp_path), "--only", "smok", "--device", "no"]) == 2
 
 

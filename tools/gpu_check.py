@@ -34,6 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gpu_check_plan import plan_problems, plan_text, select
 from gpu_check_run import (
     CALL_RESERVE_S,
     Context,
@@ -45,14 +46,7 @@ from gpu_check_run import (
     run_stages,
     write_summary,
 )
-from gpu_check_stages import (
-    all_stages,
-    make_venv,
-    plan_problems,
-    plan_text,
-    select,
-    test_python,
-)
+from gpu_check_stages import all_stages, make_venv, test_python
 
 
 def detect_device() -> tuple[bool, str]:
@@ -116,7 +110,7 @@ def main(argv: list[str] | None = None, stages: list[Stage] | None = None) -> in
     only = [s for s in (a.only or "").replace(" ", ",").split(",") if s] or None
     if stages is None:
         try:
-            chosen, limit, label = select(a.call, only, device)
+            chosen, limit, label = select(a.call, only, device, all_stages())
         except ValueError as exc:
             print(f"gpu-check: {exc}", file=sys.stderr)
             return 2
