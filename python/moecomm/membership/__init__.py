@@ -21,14 +21,13 @@ from moecomm.membership.base import (
     DEFAULT_TTL_S,
     HEARTBEATS_PER_TTL,
     Membership,
-    MembershipError,
     Registration,
     SupersededError,
     monitor_token,
 )
 from moecomm.membership.embedded import EmbeddedMembership, MonitorRemoteError
 from moecomm.membership.etcd import DEFAULT_PREFIX, EtcdError, EtcdMembership
-from moecomm.membership.member import Event, Member, Record
+from moecomm.membership.member import Event, Member, MembershipError, Record
 from moecomm.membership.monitor import MonitorServer
 from moecomm.membership.watcher import Watcher
 

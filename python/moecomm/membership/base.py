@@ -10,14 +10,19 @@ import logging
 import os
 import secrets
 import threading
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from moecomm.errors import MoecommError
-from moecomm.membership.member import Event, Member, Record, check_ttl
+from moecomm.membership.member import (
+    Event,
+    Member,
+    MembershipError,
+    Record,
+    check_ttl,
+)
+from moecomm.membership.watcher import Watcher
 
 log = logging.getLogger("moecomm.membership")
 
@@ -27,8 +32,6 @@ HEARTBEATS_PER_TTL = 3
 DEFAULT_TTL_S = 5.0
 # Long-poll or stream read that a watcher's thread blocks in at most; close() waits about as long.
 DEFAULT_POLL_S = 2.0
-# How long watch() waits for the first snapshot before it says the backend cannot be reached.
-WATCH_START_TIMEOUT_S = 10.0
 # Every HTTP call to a backend has a deadline; this one covers a loaded machine, not a dead peer.
 DEFAULT_HTTP_TIMEOUT_S = 5.0
 # The embedded monitor's shared token, for every process that starts from the command line (never
@@ -36,10 +39,6 @@ DEFAULT_HTTP_TIMEOUT_S = 5.0
 TOKEN_ENV = "MOECOMM_MONITOR_TOKEN"
 # Incarnations are random: 64 bits make a collision between two processes of one id negligible.
 INCARNATION_BYTES = 8
-
-
-class MembershipError(MoecommError):
-    """The membership backend refused a request or answered something we cannot use."""
 
 
 class SupersededError(MembershipError):
@@ -95,8 +94,6 @@ class Membership(ABC):
         members alive now arrive first as "join" events (reason "existing"), so discovery and
         elastic joins are one code path. With `callback`, events are delivered to it from a
         dispatcher thread; otherwise read them with `Watcher.next(timeout)`."""
-        from moecomm.membership.watcher import Watcher
-
         return Watcher(self, role, callback, initial)
 
     @abstractmethod
@@ -234,9 +231,3 @@ class Registration:
     def __repr__(self) -> str:
         role, mid = self._record.member.key
         return f"Registration({role}/{mid}, ttl={self.ttl}, incarnation={self.incarnation})"
-
-
-def monotonic_deadline(timeout: float) -> float:
-    if timeout is None or timeout < 0:
-        raise ValueError(f"every wait needs a deadline: timeout must be >= 0, got {timeout}")
-    return time.monotonic() + timeout

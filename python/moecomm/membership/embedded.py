@@ -12,10 +12,9 @@ from moecomm.membership.base import (
     DEFAULT_POLL_S,
     Lease,
     Membership,
-    MembershipError,
     SupersededError,
 )
-from moecomm.membership.member import Record
+from moecomm.membership.member import MembershipError, Record
 
 # Pause between attempts while the monitor is unreachable: short, because a restarted monitor
 # should be noticed quickly, and a watcher makes one cheap request per attempt.

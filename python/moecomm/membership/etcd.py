@@ -25,9 +25,8 @@ from moecomm.membership.base import (
     DEFAULT_POLL_S,
     Lease,
     Membership,
-    MembershipError,
 )
-from moecomm.membership.member import Record
+from moecomm.membership.member import MembershipError, Record
 
 DEFAULT_PREFIX = "/moecomm"
 # etcd's gRPC status for "requested lease not found" (codes.NotFound).

@@ -8,8 +8,25 @@ process that took the same id (whose peers must treat the old one as lost)."""
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from moecomm.errors import MoecommError
+
+# How long watch() waits for the first snapshot before it says the backend cannot be reached.
+WATCH_START_TIMEOUT_S = 10.0
+
+
+class MembershipError(MoecommError):
+    """The membership backend refused a request or answered something we cannot use."""
+
+
+def monotonic_deadline(timeout: float) -> float:
+    if timeout is None or timeout < 0:
+        raise ValueError(f"every wait needs a deadline: timeout must be >= 0, got {timeout}")
+    return time.monotonic() + timeout
+
 
 # Roles and ids end up in etcd keys and URLs: a small alphabet with no "/" keeps keys parseable.
 ROLE_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")

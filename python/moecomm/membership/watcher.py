@@ -16,8 +16,13 @@ import threading
 import time
 from collections.abc import Callable
 
-from moecomm.membership.base import WATCH_START_TIMEOUT_S, MembershipError, monotonic_deadline
-from moecomm.membership.member import Event, Record
+from moecomm.membership.member import (
+    WATCH_START_TIMEOUT_S,
+    Event,
+    MembershipError,
+    Record,
+    monotonic_deadline,
+)
 
 log = logging.getLogger("moecomm.membership")
 
