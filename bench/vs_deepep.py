@@ -48,6 +48,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import format_table, percentile, write_json
+from deepep_shape import calc_diff, deepep_bytes, deepep_inputs
 
 # DeepEP README (first release), low-latency kernels, H800 + CX7 IB, EP 8, this shape.
 PUBLISHED = {
@@ -66,39 +67,8 @@ PUBLISHED_V1_LATEST = {
     "combine_us": 114.0,
     "combine_gbps": 127.0,
 }
-MASKED = 10  # DeepEP's test masks this many random (token, k) entries to -1
 FP8_DIFF_LIMIT = 7e-4  # DeepEP's tolerance for an fp8 dispatch + bf16 combine round trip
 RANK_TIMEOUT_S = 60.0
-# The GPU row's result goes through an expert MLP: the fp8 input error (DeepEP's 7e-4 on the
-# identity) passes through it at about the same relative size; bf16 weights and output add little.
-GPU_DIFF_LIMIT = 5e-3
-GPU_SERVER_START_S = 180.0  # CUDA start-up and the load of every expert of the checkpoint
-GPU_CLIENT_TIMEOUT_S = 10.0
-
-
-def deepep_inputs(rank: int, tokens: int, hidden: int, experts: int, topk: int, seed: int = 1):
-    torch.manual_seed(seed + rank)
-    x = (torch.randn(tokens, hidden) * 0.1).to(torch.bfloat16)
-    scores = torch.randn(tokens, experts).abs() + 1
-    topk_idx = torch.topk(scores, topk, dim=-1, largest=True, sorted=True)[1]
-    weights = torch.randn(tokens, topk).abs()
-    g = torch.Generator().manual_seed(seed + rank)
-    for _ in range(MASKED):
-        t = int(torch.randint(tokens, (1,), generator=g))
-        topk_idx[t, int(torch.randint(topk, (1,), generator=g))] = -1
-    return x, topk_idx, weights
-
-
-def deepep_bytes(topk_idx: torch.Tensor, hidden: int) -> tuple[int, int]:
-    selections = int((topk_idx != -1).sum())
-    return selections * (hidden + hidden // 128 * 4 + 16), selections * hidden * 2
-
-
-def calc_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """1 - cosine-like similarity, DeepEP's closeness measure."""
-    a, b = a.double(), b.double()
-    denom = (a * a + b * b).sum()
-    return float(1 - 2 * (a * b).sum() / denom) if denom else 0.0
 
 
 def _expert_outputs(buf, recv_x, count, hidden: int, device) -> torch.Tensor:

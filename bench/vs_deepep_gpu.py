@@ -15,16 +15,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import percentile
+from deepep_shape import calc_diff, deepep_bytes, deepep_inputs
 
-# DeepEP README (first release), low-latency kernels, H800 + CX7 IB, EP 8, this shape.
-from vs_deepep import (
-    GPU_CLIENT_TIMEOUT_S,
-    GPU_DIFF_LIMIT,
-    GPU_SERVER_START_S,
-    calc_diff,
-    deepep_bytes,
-    deepep_inputs,
-)
+# The GPU row's result goes through an expert MLP: the fp8 input error (DeepEP's 7e-4 on the
+# identity) passes through it at about the same relative size; bf16 weights and output add little.
+GPU_DIFF_LIMIT = 5e-3
+GPU_SERVER_START_S = 180.0  # CUDA start-up and the load of every expert of the checkpoint
+GPU_CLIENT_TIMEOUT_S = 10.0
 
 # ---------------------------------------------------------------------------------------------
 # The moecomm GPU row: DeviceClient here, expert server (--device cuda) in its own process.
