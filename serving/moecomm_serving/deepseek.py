@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from moecomm_serving.backends import ExpertsBackend
 from moecomm_serving.config import MoEConfig
 from moecomm_serving.kvcache import ForwardBatch
-from moecomm_serving.model import DecoderLayer, rms_norm, swiglu
+from moecomm_serving.layer import DecoderLayer, rms_norm, swiglu
 from moecomm_serving.rope import DEFAULT, Rotary, yarn_mscale
 
 # transformers builds q_a_layernorm / kv_a_layernorm with RMSNorm's default epsilon, not the

@@ -8,7 +8,8 @@ from moecomm.pipeline.driver import run_decode
 from moecomm_serving.config import MoEConfig, UnsupportedConfigError
 from moecomm_serving.deepseek import DeepseekLayer
 from moecomm_serving.generate import SamplingParams, generate
-from moecomm_serving.model import load_model, rms_norm
+from moecomm_serving.layer import rms_norm
+from moecomm_serving.model import load_model
 from moecomm_serving.pipeline_stages import model_pipeline
 from moecomm_serving.tiny import tiny_config, write_tiny
 
