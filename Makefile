@@ -49,6 +49,7 @@ lint: $(DEPS_STAMP)
 	$(VENV)/bin/ruff check $(PY_SOURCES)
 	$(VENV)/bin/ruff format --check $(PY_SOURCES)
 	$(VENV)/bin/clang-format --dry-run --Werror $(CXX_SOURCES)
+	$(PY) tools/check_imports.py
 
 format: $(DEPS_STAMP)
 	$(VENV)/bin/ruff check --fix $(PY_SOURCES)

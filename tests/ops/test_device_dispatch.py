@@ -15,7 +15,7 @@ import struct
 import subprocess
 from pathlib import Path
 
-import moecomm.cuda
+import moecomm.wire.cuda
 import pytest
 import torch
 from device_dispatch_data import (
@@ -33,7 +33,7 @@ from moecomm._C import Encoding
 from moecomm.ops.combine import combine
 from moecomm.ops.dispatch import pack_dispatch
 from moecomm.ops.quant import QUANTIZED_ENCODINGS, encoding_dtype, quantize
-from moecomm.protocol import SlotLayout
+from moecomm.wire.protocol import SlotLayout
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).parent
@@ -231,7 +231,7 @@ def test_device_client_refuses_a_cpu_device_and_a_missing_build(monkeypatch):
     # Without a device the module refuses first, naming why; with one, the CPU device does.
     with pytest.raises((RuntimeError, ValueError), match=r"(?i)cuda"):
         DeviceClient(layout, device="cpu")
-    monkeypatch.setattr(moecomm.cuda, "_import_native", lambda name: None)
+    monkeypatch.setattr(moecomm.wire.cuda, "_import_native", lambda name: None)
     with pytest.raises(RuntimeError, match=r"moecomm\._cuda was not built"):
         DeviceClient(layout, device="cuda")
 

@@ -203,3 +203,11 @@ def test_dequantize_rejects_bad_arguments():
         dequantize(q, s.double(), Encoding.FP8_E4M3_B128)
     with pytest.raises(TypeError, match=r"dtype must be one of"):
         dequantize(q, s, Encoding.FP8_E4M3_B128, torch.int32)
+
+
+def test_the_removed_triton_quantize_forwards_to_quantize():
+    import moecomm.ops
+
+    with pytest.warns(DeprecationWarning, match="moecomm.ops.quantize"):
+        alias = moecomm.ops.triton_quantize
+    assert alias is moecomm.ops.quantize

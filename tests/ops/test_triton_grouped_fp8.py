@@ -22,18 +22,10 @@ pytest.importorskip("triton")
 
 from moecomm._C import SCALE_BLOCK, Encoding
 from moecomm.ops import triton_moe
-from moecomm.ops.grouped_gemm import (
-    expert_forward_reference,
-    grouped_mlp_contiguous_reference,
-    grouped_mlp_masked_reference,
-)
+from moecomm.ops.grouped_gemm import expert_forward_reference, grouped_mlp_contiguous_reference
 from moecomm.ops.quant import dequantize, quantize
-from moecomm.ops.reorg import reorganize
-from moecomm.ops.triton_moe import (
-    triton_expert_forward,
-    triton_grouped_mlp_contiguous,
-    triton_grouped_mlp_masked,
-)
+from moecomm.ops.reorg import combine_rows, reorganize
+from moecomm.ops.triton_moe import triton_grouped_mlp_contiguous
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRETED else "cuda"
@@ -106,28 +98,6 @@ def test_contiguous_quantized_matches_reference(encoding, dtype, counts):
         assert torch.equal(got, again)
 
 
-@pytest.mark.parametrize("counts", COUNTS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("encoding", ENCODINGS, ids=lambda e: e.name)
-def test_masked_quantized_matches_reference(encoding, dtype, counts):
-    e, m_max = len(counts), max(counts) + 2
-    w13, w2 = weights(e, dtype, seed=4)
-    q, s = activations(e * 2 * m_max, HIDDEN, encoding, seed=5)
-    # Every other row of a wider buffer: strided x and scales, padding rows hold real data.
-    q = q.view(e, 2 * m_max, HIDDEN)[:, 1::2]
-    s = s.view(e, 2 * m_max, -1)[:, 1::2]
-    scores = torch.rand(e, m_max, generator=torch.Generator().manual_seed(6)).to(DEVICE)
-    c = torch.tensor(counts, dtype=torch.int32, device=DEVICE)
-    x_ref = dequantize(q.reshape(e * m_max, HIDDEN), s.reshape(e * m_max, -1), encoding)
-    want = grouped_mlp_masked_reference(
-        x_ref.view(e, m_max, HIDDEN), c, w13.float(), w2.float(), scores
-    )
-    got = triton_grouped_mlp_masked(q, c, w13, w2, scores, x_scales=s)
-    check_close(got, want, dtype)
-    for i, k in enumerate(counts):
-        assert not got[i, k:].any(), "padding rows come out zero"
-
-
 @pytest.mark.parametrize("hidden", [40, 128, 300])
 def test_block_scales_any_hidden_without_scores(hidden):
     """One partial block, exactly one block, three blocks (last partial); no scores."""
@@ -142,8 +112,9 @@ def test_block_scales_any_hidden_without_scores(hidden):
 
 
 @pytest.mark.parametrize("encoding", ENCODINGS, ids=lambda e: e.name)
-def test_expert_forward_quantized(encoding):
-    """Whole server step: quantized rows reorganized as they are, scales gathered alongside."""
+def test_server_step_quantized(encoding):
+    """The GPU server's step: quantized rows reorganized as they are, their scales gathered
+    alongside (runtime/device_server.py), the Triton MLP, the per-token sum."""
     sizes, experts, topk = [3, 0, 9], 5, 2
     g = torch.Generator().manual_seed(13)
     n = sum(sizes)
@@ -153,7 +124,12 @@ def test_expert_forward_quantized(encoding):
     ids_b, scores_b = list(ids.split(sizes)), list(scores.split(sizes))
     layout = reorganize(ids_b, scores_b, experts)
     w13, w2 = weights(experts, torch.float16, seed=15)
-    ys = triton_expert_forward(q, ids, scores, layout.batch_offsets, w13, w2, x_scales=s)
+    src = layout.src_token
+    rows = triton_grouped_mlp_contiguous(
+        q.index_select(0, src), layout.offsets, w13, w2, layout.scores,
+        x_scales=s.index_select(0, src),
+    )  # fmt: skip
+    ys = combine_rows(rows, layout)
     xs = list(dequantize(q, s, encoding).split(sizes))
     wants = expert_forward_reference(xs, ids_b, scores_b, w13.float(), w2.float())
     for y, want in zip(ys, wants, strict=True):
@@ -183,22 +159,11 @@ def test_quantized_arguments_are_checked():
         mlp(q, offsets, w13.to(torch.float8_e4m3fn), w2, x_scales=s)
     with pytest.raises(TypeError, match=r"w2: expected dtype torch\.float32"):
         mlp(q, offsets, w13, w2.half(), x_scales=s)
-    ids = torch.zeros(4, 1, dtype=torch.int32, device=DEVICE)
-    bo = torch.tensor([0, 4], device=DEVICE)
-    with pytest.raises(ValueError, match=r"x_scales: .*need"):
-        triton_expert_forward(q, ids, ids.float(), bo, w13, w2)
     with pytest.raises(ValueError, match=r"x_scales: expected shape \[4\] or"):
-        triton_expert_forward(q, ids, ids.float(), bo, w13, w2, x_scales=s[:, :1].T)
-    qm, sm = q.view(2, 2, HIDDEN), s.view(2, 2, 2)
-    counts = torch.tensor([2, 2], dtype=torch.int32, device=DEVICE)
-    w13m, w2m = weights(2, torch.float16)
-    with pytest.raises(ValueError, match=r"x_scales: expected shape \[2, 2\] or \[2, 2, 1\]"):
-        triton_grouped_mlp_masked(qm, counts, w13m, w2m, x_scales=sm[:, :1])
-    with pytest.raises(ValueError, match=r"x_scales: .*need"):
-        triton_grouped_mlp_masked(qm, counts, w13m, w2m)
+        mlp(q, offsets, w13, w2, x_scales=s[:, :1].T)
     # Float activations keep their old contract: the weights must have x's dtype.
     with pytest.raises(TypeError, match=r"w13: expected dtype torch\.float32"):
-        triton_grouped_mlp_masked(x.view(2, 2, HIDDEN), counts, w13m, w2m)
+        mlp(x, offsets, w13.half(), w2.half())
 
 
 @pytest.mark.gpu
@@ -210,7 +175,7 @@ def test_quantized_on_gpu(encoding, dtype):
     hidden, inter = 7168, 256
     counts = [0, 1, 37, 0, 130, 16, 3, 64]
     w13, w2 = weights(len(counts), dtype, hidden=hidden, inter=inter, seed=10)
-    n, m_max = sum(counts), max(counts)
+    n = sum(counts)
     q, s = activations(n, hidden, encoding, seed=11)
     scores = torch.rand(n, generator=torch.Generator().manual_seed(12)).to(DEVICE)
     offsets = offsets_of(counts)
@@ -218,14 +183,3 @@ def test_quantized_on_gpu(encoding, dtype):
     want = grouped_mlp_contiguous_reference(x_ref, offsets, w13.float(), w2.float(), scores)
     got = triton_grouped_mlp_contiguous(q, offsets, w13, w2, scores, x_scales=s)
     check_close(got, want, dtype)
-    # The same rows in the masked layout.
-    e = len(counts)
-    qm = torch.zeros(e, m_max, hidden, dtype=q.dtype, device=DEVICE)
-    sm = torch.ones(e, m_max, s.shape[1], device=DEVICE)
-    scm = torch.zeros(e, m_max, device=DEVICE)
-    wantm = torch.zeros(e, m_max, hidden, device=DEVICE)
-    for i, (a, b) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)):
-        qm[i, : b - a], sm[i, : b - a], scm[i, : b - a] = q[a:b], s[a:b], scores[a:b]
-        wantm[i, : b - a] = want[a:b]
-    c = torch.tensor(counts, dtype=torch.int32, device=DEVICE)
-    check_close(triton_grouped_mlp_masked(qm, c, w13, w2, scm, x_scales=sm), wantm, dtype)

@@ -134,7 +134,7 @@ def test_workspace_layout_matches_reorganize():
     want = reorganize(ids, scores, EXPERTS)
     ws = ExpertWorkspace(1, HIDDEN, INTER, EXPERTS, 1)
     poison(ws)
-    got = reorganize(ids, scores, EXPERTS, workspace=ws)
+    got = ws.layout(ids, scores, EXPERTS)
     for field in ("counts", "offsets", "src_batch", "src_row", "src_k", "src_token", "scores",
                   "batch_offsets", "slot_of"):  # fmt: skip
         a, b = getattr(got, field), getattr(want, field)
@@ -181,9 +181,9 @@ def test_ops_write_into_out():
     assert got is buf and torch.equal(buf, rows)
     ws = ExpertWorkspace(1, HIDDEN, INTER, EXPERTS, 1)
     poison(ws)
-    got = grouped_mlp_contiguous(x_rows, layout.offsets, w13, w2, layout.scores, workspace=ws)
+    got = ws.grouped_mlp(x_rows, layout.offsets, w13, w2, layout.scores)
     assert torch.equal(got, rows)
-    assert torch.equal(gather_tokens(xs, layout, workspace=ws), x_rows)
+    assert torch.equal(ws.gather_tokens(xs, layout), x_rows)
     # With explicit groups, rows of experts not visited come out zero (out is zeroed first).
     counts = layout.counts.clone()
     counts[int(layout.counts.argmax())] = 0
@@ -195,6 +195,33 @@ def test_ops_write_into_out():
     assert_same_bits(
         combine_rows(rows, layout, out=out), combine_rows(rows, layout), torch.bfloat16
     )
+
+
+def test_workspace_keywords_of_the_ops_still_work_with_a_deprecation_warning():
+    w13, w2 = weights()
+    xs, ids, scores = batches([4, 0, 6, 1], "random")
+    layout = reorganize(ids, scores, EXPERTS)
+    x_rows = gather_tokens(xs, layout)
+    rows = grouped_mlp_contiguous(x_rows, layout.offsets, w13, w2, layout.scores)
+    ws = ExpertWorkspace(1, HIDDEN, INTER, EXPERTS, 1)
+    with pytest.warns(DeprecationWarning, match=r"ws\.layout"):
+        got = reorganize(ids, scores, EXPERTS, workspace=ws)
+    assert torch.equal(got.slot_of, layout.slot_of)
+    with pytest.warns(DeprecationWarning, match=r"ws\.gather_tokens"):
+        assert torch.equal(gather_tokens(xs, layout, workspace=ws), x_rows)
+    with pytest.warns(DeprecationWarning, match=r"ws\.grouped_mlp"):
+        got = grouped_mlp_contiguous(x_rows, layout.offsets, w13, w2, layout.scores, workspace=ws)
+    assert torch.equal(got, rows)
+    with pytest.warns(DeprecationWarning, match=r"ws\.combine_rows"):
+        assert_same_bits(combine_rows(rows, layout, workspace=ws), combine_rows(rows, layout))
+    want = expert_forward(xs, ids, scores, w13, w2)
+    with pytest.warns(DeprecationWarning, match="expert_forward_into"):
+        assert_same_bits(wsmod.expert_forward_into(xs, ids, scores, w13, w2, ws=ws, out=None), want)
+    with pytest.warns(DeprecationWarning, match="grouped_mlp_into"):
+        got = wsmod.grouped_mlp_into(
+            x_rows, layout.offsets, w13, w2, layout.scores, groups=None, out=None, ws=ws
+        )
+    assert torch.equal(got, rows)
 
 
 def test_out_arguments_are_checked():

@@ -21,7 +21,6 @@ from moecomm.ops.quant import (
     scales_per_token,
 )
 from moecomm.ops.reorg import ExpertLayout, combine_rows, gather_tokens, reorganize
-from moecomm.ops.triton_quant import triton_quantize
 from moecomm.ops.workspace import ExpertWorkspace
 
 __all__ = [
@@ -50,5 +49,20 @@ __all__ = [
     "reorganize",
     "scales_per_token",
     "stack_gate_up",
-    "triton_quantize",
 ]
+
+
+def __getattr__(name: str):
+    # The Triton twin of `quantize` was reachable only from tests and is gone; it returned the
+    # same bits as `quantize` for the same arguments, so its name now forwards there.
+    if name == "triton_quantize":
+        import warnings
+
+        warnings.warn(
+            "moecomm.ops.triton_quantize is deprecated: use moecomm.ops.quantize (same "
+            "arguments, same bits)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return quantize
+    raise AttributeError(f"module 'moecomm.ops' has no attribute {name!r}")

@@ -6,6 +6,12 @@ from collections.abc import Sequence
 
 import torch
 
+# The activation and weight dtypes every expert-compute op takes (fp8 payloads are dequantized
+# before they reach the experts).
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Counts and offsets: int32 from the native kernels and the wire, int64 from torch's cumsum.
+INT_DTYPES = (torch.int32, torch.int64)
+
 
 def check_tensor(
     name: str,

@@ -1,8 +1,8 @@
 """Triton kernels of the expert path. Imported only by moecomm.ops.triton_moe, lazily, so that
 ``import moecomm`` works where Triton is not installed.
 
-No kernel waits on another program: every cross-program quantity (per-tile histograms, their
-column prefix sums, the group-shrink scan) is produced by an earlier launch on the same stream.
+No kernel waits on another program: every cross-program quantity (the group-shrink scan, the
+tile map) is produced by an earlier launch on the same stream.
 That is also what lets the Triton interpreter, which runs programs one after another, run them.
 """
 
@@ -13,35 +13,6 @@ import triton.language as tl
 
 # Sentinel for "past every tile" in the tile-map search: larger than any tile count we launch.
 _TILE_END_SENTINEL = 2**30
-
-
-@triton.jit
-def hist_kernel(
-    ids_ptr, hist_ptr, num_copies, num_experts, BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr
-):
-    """hist[tile, e] = copies of expert e among the BLOCK_A flat copies of this tile."""
-    pid = tl.program_id(0)
-    offs = pid * BLOCK_A + tl.arange(0, BLOCK_A)
-    ids = tl.load(ids_ptr + offs, mask=offs < num_copies, other=-1)
-    for e0 in range(0, num_experts, BLOCK_E):
-        e = e0 + tl.arange(0, BLOCK_E)
-        cnt = tl.sum((ids[:, None] == e[None, :]).to(tl.int32), axis=0)
-        tl.store(hist_ptr + pid * num_experts + e, cnt, mask=e < num_experts)
-
-
-@triton.jit
-def column_scan_kernel(
-    hist_ptr, prefix_ptr, counts_ptr, num_tiles, num_experts, BLOCK_E: tl.constexpr
-):
-    """prefix[tile, e] = Σ_{t < tile} hist[t, e]; counts[e] = Σ_t hist[t, e]."""
-    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-    em = e < num_experts
-    run = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for t in range(0, num_tiles):
-        h = tl.load(hist_ptr + t * num_experts + e, mask=em, other=0)
-        tl.store(prefix_ptr + t * num_experts + e, run, mask=em)
-        run += h
-    tl.store(counts_ptr + e, run, mask=em)
 
 
 @triton.jit
@@ -110,69 +81,6 @@ def tile_map_kernel(
     first = tl.load(tile_offsets_ptr + a, mask=valid, other=0)
     tl.store(tile_expert_ptr + t, e, mask=t < max_tiles)
     tl.store(tile_mblock_ptr + t, tl.where(valid, t - first, 0), mask=t < max_tiles)
-
-
-@triton.jit
-def scatter_kernel(
-    ids_ptr,
-    scores_ptr,
-    x_ptr,
-    stride_xt,
-    stride_xh,
-    batch_offsets_ptr,
-    num_batches,
-    offsets_ptr,
-    prefix_ptr,
-    num_copies,
-    num_experts,
-    topk,
-    hidden,
-    out_x_ptr,
-    stride_ot,
-    src_token_ptr,
-    src_batch_ptr,
-    src_row_ptr,
-    src_k_ptr,
-    out_scores_ptr,
-    slot_of_ptr,
-    BLOCK_A: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    """Static grid over the flat copies of all batches (EaaS Algorithm 1): each program places
-    BLOCK_A copies at offsets[e] + (copies of e in earlier tiles) + (earlier in this tile), so
-    the order inside an expert is the flat order, and copies its rows of x there."""
-    pid = tl.program_id(0)
-    i = pid * BLOCK_A + tl.arange(0, BLOCK_A)
-    inb = i < num_copies
-    e = tl.load(ids_ptr + i, mask=inb, other=-1)
-    valid = e >= 0
-    j = tl.arange(0, BLOCK_A)
-    earlier = (e[:, None] == e[None, :]) & (j[None, :] < j[:, None])
-    rank = tl.sum(earlier.to(tl.int32), axis=1)
-    e_safe = tl.where(valid, e, 0)
-    base = tl.load(offsets_ptr + e_safe, mask=valid, other=0)
-    base += tl.load(prefix_ptr + pid * num_experts + e_safe, mask=valid, other=0)
-    pos = base + rank
-    token = i // topk
-    k = i - token * topk
-    # Batch of each copy: how many later batches start at or before its token.
-    batch = tl.zeros([BLOCK_A], dtype=tl.int32)
-    for b in range(1, num_batches):
-        batch += (tl.load(batch_offsets_ptr + b) <= token).to(tl.int32)
-    row = token - tl.load(batch_offsets_ptr + batch, mask=inb, other=0)
-    tl.store(src_token_ptr + pos, token.to(tl.int64), mask=valid)
-    tl.store(src_batch_ptr + pos, batch, mask=valid)
-    tl.store(src_row_ptr + pos, row.to(tl.int32), mask=valid)
-    tl.store(src_k_ptr + pos, k, mask=valid)
-    tl.store(out_scores_ptr + pos, tl.load(scores_ptr + i, mask=valid, other=0.0), mask=valid)
-    tl.store(slot_of_ptr + i, tl.where(valid, pos, -1), mask=inb)
-    src = x_ptr + token.to(tl.int64)[:, None] * stride_xt
-    dst = out_x_ptr + pos.to(tl.int64)[:, None] * stride_ot
-    for h0 in range(0, hidden, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
-        m = valid[:, None] & (h < hidden)[None, :]
-        v = tl.load(src + h[None, :] * stride_xh, mask=m)
-        tl.store(dst + h[None, :], v, mask=m)
 
 
 @triton.jit
@@ -385,21 +293,3 @@ def down_kernel(
         acc = acc * s[:, None]
     dst = y_ptr + e * stride_ye + rows[:, None] * stride_ym + n[None, :]
     tl.store(dst, acc.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
-
-
-@triton.jit
-def combine_kernel(
-    rows_ptr, slot_of_ptr, y_ptr, topk, hidden, stride_rm, stride_ym, BLOCK_H: tl.constexpr
-):
-    """y[t, :] = Σ_k rows[slot_of[t, k], :], summed in k order in float32."""
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    hm = h < hidden
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for k in range(0, topk):
-        s = tl.load(slot_of_ptr + t * topk + k)
-        # Broadcast the scalar test to the vector so the mask is one boolean block.
-        here = (h.to(tl.int64) * 0 + s) >= 0
-        v = tl.load(rows_ptr + s * stride_rm + h, mask=hm & here, other=0.0)
-        acc += v.to(tl.float32)
-    tl.store(y_ptr + t * stride_ym + h, acc.to(y_ptr.dtype.element_ty), mask=hm)

@@ -32,17 +32,19 @@ use torch GEMMs per active expert, whose results depend on the number of rows.
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from moecomm.ops._checks import check_tensor, check_weights
+from moecomm.ops._checks import FLOAT_DTYPES, INT_DTYPES, check_tensor, check_weights
 from moecomm.ops.reorg import combine_rows, gather_tokens, reorganize
 
 __all__ = [
     "DEFAULT_BLOCK_M",
+    "GemmScratch",
     "ShrunkGroups",
     "expert_forward",
     "expert_forward_reference",
@@ -62,8 +64,6 @@ NATIVE_MAX_ROWS = 1 << 31
 # Rows per GEMM tile on the GPU: decode puts ~1-16 rows on an expert, and 16 is the smallest M
 # that tensor-core dots (and tl.dot) accept.
 DEFAULT_BLOCK_M = 16
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_INT_DTYPES = (torch.int32, torch.int64)
 
 
 @dataclass(frozen=True)
@@ -91,8 +91,27 @@ class ShrunkGroups:
         return int(self.tile_offsets[-1])
 
 
+@dataclass(frozen=True)
+class GemmScratch:
+    """Caller-owned room for one :func:`grouped_mlp_contiguous` call, so that the call allocates
+    nothing whose size grows with the rows (:class:`~moecomm.ops.ExpertWorkspace` hands these out
+    from its buffers). Each may be longer than the call needs; its first entries are used.
+
+    Attributes:
+        counts: ``[>= E]`` int64, the rows per expert handed to the native kernel.
+        experts: ``[>= E]`` int32 on the CPU, the experts handed to the native kernel.
+        inter: ``[>= N, 2I]`` in x's dtype, the gate|up products.
+        row_scores: ``[>= N]`` in x's dtype, the scores converted once for the torch GEMMs.
+    """
+
+    counts: torch.Tensor
+    experts: torch.Tensor
+    inter: torch.Tensor
+    row_scores: torch.Tensor
+
+
 def _check_counts(counts: torch.Tensor, block_m: int) -> None:
-    check_tensor("counts", counts, dtypes=_INT_DTYPES, dim=1)
+    check_tensor("counts", counts, dtypes=INT_DTYPES, dim=1)
     if isinstance(block_m, bool) or not isinstance(block_m, int) or block_m <= 0:
         raise ValueError(f"block_m: expected a positive int, got {block_m!r}")
     if counts.numel() and int(counts.min()) < 0:
@@ -135,7 +154,7 @@ def group_shrink(counts: torch.Tensor, block_m: int = DEFAULT_BLOCK_M) -> Shrunk
 
 def stack_gate_up(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
     """``w13 [E, 2I, H]`` from HF-layout gate ``w1 [E, I, H]`` and up ``w3 [E, I, H]``."""
-    check_tensor("w1", w1, dtypes=_FLOAT_DTYPES, dim=3)
+    check_tensor("w1", w1, dtypes=FLOAT_DTYPES, dim=3)
     check_tensor("w3", w3, dtypes=[w1.dtype], dim=3, device=w1.device)
     if w1.shape != w3.shape:
         raise ValueError(f"w3: expected shape {list(w1.shape)} like w1, got {list(w3.shape)}")
@@ -158,9 +177,9 @@ def _check_scores(scores: torch.Tensor | None, shape: Sequence[int], device: tor
 
 
 def _check_contiguous_args(x, offsets, w13, w2, scores) -> tuple[int, int]:
-    check_tensor("x", x, dtypes=_FLOAT_DTYPES, dim=2)
+    check_tensor("x", x, dtypes=FLOAT_DTYPES, dim=2)
     num_experts, inter = check_weights(w13, w2, x.shape[1], x.dtype, x.device)
-    check_tensor("offsets", offsets, dtypes=_INT_DTYPES, dim=1, device=x.device)
+    check_tensor("offsets", offsets, dtypes=INT_DTYPES, dim=1, device=x.device)
     if offsets.shape[0] != num_experts + 1:
         raise ValueError(f"offsets: expected shape [{num_experts + 1}], got {list(offsets.shape)}")
     offs = offsets.tolist()  # E + 1 ints: checked in Python without allocating a tensor
@@ -174,11 +193,11 @@ def _check_contiguous_args(x, offsets, w13, w2, scores) -> tuple[int, int]:
 
 
 def _check_masked_args(x, counts, w13, w2, scores) -> tuple[int, int]:
-    check_tensor("x", x, dtypes=_FLOAT_DTYPES, dim=3)
+    check_tensor("x", x, dtypes=FLOAT_DTYPES, dim=3)
     num_experts, inter = check_weights(w13, w2, x.shape[2], x.dtype, x.device)
     if x.shape[0] != num_experts:
         raise ValueError(f"x: expected {num_experts} experts in dim 0, got shape {list(x.shape)}")
-    check_tensor("counts", counts, dtypes=_INT_DTYPES, dim=1, device=x.device)
+    check_tensor("counts", counts, dtypes=INT_DTYPES, dim=1, device=x.device)
     if counts.shape[0] != num_experts:
         raise ValueError(f"counts: expected shape [{num_experts}], got {list(counts.shape)}")
     if counts.numel() and (int(counts.min()) < 0 or int(counts.max()) > x.shape[1]):
@@ -237,9 +256,7 @@ def _mlp_into(
         out.mul_(scores[:, None] if scores.dtype == out.dtype else scores[:, None].to(out.dtype))
 
 
-def _visit_list(groups: ShrunkGroups | None, counts: torch.Tensor, num_experts: int) -> list[int]:
-    if groups is None:
-        groups = group_shrink(counts)
+def _visit_list(groups: ShrunkGroups, num_experts: int) -> list[int]:
     visit = groups.active_experts.tolist()
     for e in visit:
         if not 0 <= e < num_experts:
@@ -296,6 +313,15 @@ def _run_native(
     )  # fmt: skip
 
 
+def _run_torch(experts, starts, rows, x2d, w13, w2, inter, scores, out2d, h=None) -> None:
+    """The listed experts in torch GEMMs, expert e over rows ``starts[e] : starts[e] + rows[e]``
+    of ``x2d`` into the same rows of ``out2d``; ``h`` is optional room for the gate|up product."""
+    for e in experts:
+        s, t = starts[e], starts[e] + rows[e]
+        sc = None if scores is None else scores[s:t]
+        _mlp_into(out2d[s:t], x2d[s:t], w13[e], w2[e], inter, sc, None if h is None else h[: t - s])
+
+
 def grouped_mlp_contiguous(
     x: torch.Tensor,
     offsets: torch.Tensor,
@@ -305,6 +331,7 @@ def grouped_mlp_contiguous(
     *,
     groups: ShrunkGroups | None = None,
     out: torch.Tensor | None = None,
+    scratch: GemmScratch | None = None,
     workspace=None,
 ) -> torch.Tensor:
     """Grouped expert MLP over rows sorted by expert: ``out[i] = scores[i] · mlp_e(x[i])``.
@@ -315,34 +342,57 @@ def grouped_mlp_contiguous(
         w13: ``[E, 2I, H]`` gate|up, same dtype and device as x.
         w2: ``[E, H, I]`` down.
         scores: optional ``[N]`` float32 router scores; omitted means 1.
-        groups: the experts to visit (default: :func:`group_shrink` of the counts); rows of
-            experts not visited come out zero.
+        groups: the experts to visit (default: every expert with rows); rows of experts not
+            visited come out zero.
         out: optional ``[N, H]`` tensor of x's dtype with unit column stride to write into.
-        workspace: optional :class:`~moecomm.ops.workspace.ExpertWorkspace` for the gate|up
-            products and the per-call index tensors (no allocation proportional to N or H).
+        scratch: optional :class:`GemmScratch` for the gate|up products and the per-call index
+            tensors (then no allocation proportional to N or H). Same bits as without it.
+        workspace: deprecated; use ``workspace.grouped_mlp(...)``.
 
     Returns:
         ``[N, H]`` in x's dtype (``out`` when given).
     """
-    if out is None and workspace is None:
-        num_experts, inter = _check_contiguous_args(x, offsets, w13, w2, scores)
+    if workspace is not None:
+        warnings.warn(
+            "grouped_mlp_contiguous(workspace=ws) is deprecated; call ws.grouped_mlp(...)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return workspace.grouped_mlp(x, offsets, w13, w2, scores, groups=groups, out=out)
+    num_experts, inter = _check_contiguous_args(x, offsets, w13, w2, scores)
+    n, hidden = x.shape
+    if out is None:
         out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
-        offs = offsets.tolist()
-        counts = offsets[1:] - offsets[:-1]
-        visit = _visit_list(groups, counts, num_experts)
-        rows = [offs[e + 1] - offs[e] for e in range(num_experts)]
-        small, large = _split_native(visit, rows, _native_ok(x, w13, w2, scores))
-        if small:
-            _run_native(x, offsets[:-1], counts, small, w13, w2, scores, out)
-        for e in large:
-            s, t = offs[e], offs[e + 1]
-            sc = None if scores is None else scores[s:t]
-            _mlp_into(out[s:t], x[s:t], w13[e], w2[e], inter, sc)
-        return out
-    # Imported here: the workspace path builds on this module's kernels.
-    from moecomm.ops.workspace import grouped_mlp_into
-
-    return grouped_mlp_into(x, offsets, w13, w2, scores, groups=groups, out=out, ws=workspace)
+    else:
+        check_tensor("out", out, dtypes=[x.dtype], dim=2, device=x.device)
+        if tuple(out.shape) != (n, hidden) or (n and out.stride(1) != 1):
+            raise ValueError(f"out: expected shape [{n}, {hidden}] with unit column stride, "
+                             f"got {list(out.shape)} strides {list(out.stride())}")  # fmt: skip
+        if groups is not None:
+            out.zero_()  # rows of experts not visited come out zero
+    offs = offsets.tolist()
+    rows = [offs[e + 1] - offs[e] for e in range(num_experts)]
+    # Without groups every expert with rows is visited, so every row of out gets written.
+    if groups is None:
+        visit = [e for e in range(num_experts) if rows[e] > 0]
+    else:
+        visit = _visit_list(groups, num_experts)
+    small, large = _split_native(visit, rows, _native_ok(x, w13, w2, scores))
+    if small:
+        if scratch is None:
+            counts, ex, room = offsets[1:] - offsets[:-1], None, None
+        else:
+            counts = torch.sub(offsets[1:], offsets[:-1], out=scratch.counts[:num_experts])
+            ex = scratch.experts[: len(small)]
+            ex.numpy()[:] = small  # a view of the same memory: no tensor is built from the list
+            room = scratch.inter[:n].view(-1)
+        _run_native(x, offsets[:-1], counts, small, w13, w2, scores, out, room, ex)
+    if large and scratch is not None and scores is not None and scores.dtype != x.dtype:
+        # Converted once for every group (without scratch each group's slice converts alike).
+        scores = scratch.row_scores[:n].copy_(scores)
+    room = None if scratch is None else scratch.inter
+    _run_torch(large, offs, rows, x, w13, w2, inter, scores, out, room)
+    return out
 
 
 def grouped_mlp_masked(
@@ -363,7 +413,7 @@ def grouped_mlp_masked(
     num_experts, inter = _check_masked_args(x, counts, w13, w2, scores)
     out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
     cnt = counts.tolist()
-    visit = _visit_list(groups, counts, num_experts)
+    visit = _visit_list(group_shrink(counts) if groups is None else groups, num_experts)
     m_max = x.shape[1]
     # The native kernel addresses expert e's rows as e * M_max + m of one [E * M_max, H] view.
     flat_ok = x.stride(0) == m_max * x.stride(1) and _native_ok(x.flatten(0, 1), w13, w2, scores)
@@ -414,9 +464,10 @@ def expert_forward(
         scores: one ``[n_b, K]`` float32 tensor per batch.
         w13: ``[E, 2I, H]`` gate|up weights, dtype of the activations.
         w2: ``[E, H, I]`` down weights.
-        workspace: optional :class:`~moecomm.ops.workspace.ExpertWorkspace`: every buffer of
-            the step comes from it (grown if the step is larger), so a warm step allocates no
-            storage proportional to tokens or H. Same bits as without it.
+        workspace: optional :class:`~moecomm.ops.workspace.ExpertWorkspace`: the step runs
+            there (:meth:`~moecomm.ops.workspace.ExpertWorkspace.forward`), every buffer taken
+            from it (grown if the step is larger), so a warm step allocates no storage
+            proportional to tokens or H. Same bits as without it.
         out: optional caller-owned ``[n_b, H]`` float tensors (f32/bf16/f16, unit column
             stride; may be memory of another process): y_b is written into ``out[b]``.
 
@@ -425,12 +476,13 @@ def expert_forward(
         experts — ``out`` when given; with a workspace and no ``out``, views of the workspace
         valid until its next step.
     """
-    check_tensor("w13", w13, dtypes=_FLOAT_DTYPES, dim=3)
-    if workspace is None and out is None:
-        layout = reorganize(ids, scores, int(w13.shape[0]))
-        x_rows = gather_tokens(xs, layout)
-        rows = grouped_mlp_contiguous(x_rows, layout.offsets, w13, w2, layout.scores)
-        return combine_rows(rows, layout)
-    from moecomm.ops.workspace import expert_forward_into  # see grouped_mlp_contiguous
-
-    return expert_forward_into(xs, ids, scores, w13, w2, ws=workspace, out=out)
+    check_tensor("w13", w13, dtypes=FLOAT_DTYPES, dim=3)
+    if workspace is not None:
+        # The workspace runs the step in its buffers, calling this module's kernels.
+        return workspace.forward(xs, ids, scores, w13, w2, out=out)
+    layout = reorganize(ids, scores, int(w13.shape[0]))
+    x_rows = gather_tokens(xs, layout)
+    # Into out: the expert rows need no zeroing (every one is written), hence empty_like.
+    rows_out = None if out is None else torch.empty_like(x_rows)
+    rows = grouped_mlp_contiguous(x_rows, layout.offsets, w13, w2, layout.scores, out=rows_out)
+    return combine_rows(rows, layout, out=out)

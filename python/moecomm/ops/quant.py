@@ -31,7 +31,7 @@ import torch
 
 from moecomm import _C
 from moecomm._C import SCALE_BLOCK, Encoding
-from moecomm.protocol import ENCODING_DTYPE
+from moecomm.wire.protocol import ENCODING_DTYPE
 
 __all__ = [
     "FP8_E4M3_MAX",

@@ -19,6 +19,7 @@ flat list of copies, never the batches one by one.
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,13 +28,39 @@ import torch
 from moecomm.ops._checks import check_batches
 
 __all__ = [
+    "CombineScratch",
     "ExpertLayout",
+    "check_activations",
     "combine_rows",
     "combine_rows_reference",
     "gather_tokens",
     "reorganize",
     "reorganize_reference",
+    "tokens_view",
 ]
+
+
+def _deprecated_workspace(fn: str, method: str) -> None:
+    warnings.warn(
+        f"{fn}(workspace=ws) is deprecated; call ws.{method}(...)", DeprecationWarning, stacklevel=3
+    )
+
+
+@dataclass(frozen=True)
+class CombineScratch:
+    """Caller-owned room for :func:`combine_rows` (:class:`~moecomm.ops.ExpertWorkspace` hands
+    these out), so that it allocates nothing whose size grows with the tokens or rows. Each may
+    be longer than the call needs; its first rows are used.
+
+    Attributes:
+        acc: ``[>= T, H]`` float32, the accumulator.
+        rows_f32: ``[>= N, H]`` float32, half-precision rows widened for the sum (None: f32 rows).
+        result: ``[>= T, H]`` in the rows' dtype, the sum rounded back (None: f32 rows).
+    """
+
+    acc: torch.Tensor
+    rows_f32: torch.Tensor | None = None
+    result: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -144,9 +171,7 @@ def reorganize(
         ids: one ``[n_b, K]`` int32 tensor per batch: local expert index in ``[0, E)`` or -1.
         scores: one ``[n_b, K]`` float32 tensor per batch: router score of each copy.
         num_experts: E, experts hosted by this server.
-        workspace: optional :class:`~moecomm.ops.workspace.ExpertWorkspace`: the layout is
-            built there by the native counting sort (same layout, bit for bit) and its tensors
-            are views of the workspace, valid until its next step.
+        workspace: deprecated; use ``workspace.layout(ids, scores, num_experts)``.
 
     Returns:
         The :class:`ExpertLayout`; rows of one expert keep the flat (batch, row, k) order.
@@ -155,6 +180,7 @@ def reorganize(
         TypeError / ValueError: on a wrong dtype, shape, device or an id outside ``[-1, E)``.
     """
     if workspace is not None:
+        _deprecated_workspace("reorganize", "layout")
         return workspace.layout(ids, scores, num_experts)
     topk, device = check_batches(ids, scores, num_experts)
     sizes = [int(i.shape[0]) for i in ids]
@@ -192,7 +218,8 @@ def reorganize(
     )
 
 
-def _check_xs(xs: Sequence[torch.Tensor], layout: ExpertLayout) -> torch.dtype:
+def check_activations(xs: Sequence[torch.Tensor], layout: ExpertLayout) -> torch.dtype:
+    """Checks one ``[n_b, H]`` float tensor per batch of ``layout``; returns their dtype."""
     sizes = layout.batch_sizes
     if len(xs) != len(sizes):
         raise ValueError(f"expected {len(sizes)} activation tensors (one per batch), got {len(xs)}")
@@ -216,12 +243,12 @@ def _check_xs(xs: Sequence[torch.Tensor], layout: ExpertLayout) -> torch.dtype:
     return dtype
 
 
-def _tokens_of(xs: Sequence[torch.Tensor], workspace) -> torch.Tensor:
-    """All batches' activations as one ``[T, H]`` tensor, copying only when it must.
+def tokens_view(xs: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """All batches' activations as one ``[T, H]`` tensor without a copy, or None when they must
+    be concatenated.
 
-    No copy when one batch holds every token, or when the batches are consecutive rows of one
-    buffer (e.g. :meth:`ExpertWorkspace.token_views`, dequantized in place); else they are
-    concatenated into the workspace (or a new tensor without one)."""
+    No copy is needed when one batch holds every token, or when the batches are consecutive rows
+    of one buffer (e.g. :meth:`ExpertWorkspace.token_views`, dequantized in place)."""
     full = [x for x in xs if x.shape[0]]
     if len(full) <= 1:
         # Empty batches own no token, so the single non-empty one starts at global token 0.
@@ -236,29 +263,32 @@ def _tokens_of(xs: Sequence[torch.Tensor], workspace) -> torch.Tensor:
         if chained and all(x.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
                            for x in full):  # fmt: skip
             return first.as_strided((sum(x.shape[0] for x in full), hidden), (hidden, 1))
-    if workspace is None:
-        return torch.cat(list(xs))
-    total = sum(x.shape[0] for x in xs)
-    workspace.ensure(tokens=total, hidden=hidden, dtype=first.dtype)
-    return torch.cat(list(xs), out=workspace.buffer("tokens", total))
+    return None
 
 
 def gather_tokens(
     xs: Sequence[torch.Tensor], layout: ExpertLayout, out: torch.Tensor | None = None, *,
-    workspace=None,
+    room: torch.Tensor | None = None, workspace=None,
 ) -> torch.Tensor:  # fmt: skip
     """Activations in layout order: ``out[i] = xs[src_batch[i]][src_row[i]]``, shape ``[N, H]``.
 
     Pure data movement: the result is bit-identical to indexing the inputs. ``out`` (``[N, H]``,
-    the activations' dtype) receives the rows; ``workspace`` holds the concatenation of several
-    batches when they are not already consecutive rows of one buffer."""
-    dtype = _check_xs(xs, layout)
+    the activations' dtype) receives the rows; ``room`` (``[>= T, H]``, the activations' dtype)
+    holds the concatenation of several batches when they are not already consecutive rows of one
+    buffer (:func:`tokens_view`). ``workspace`` is deprecated: use ``workspace.gather_tokens``."""
+    if workspace is not None:
+        _deprecated_workspace("gather_tokens", "gather_tokens")
+        return workspace.gather_tokens(xs, layout, out)
+    dtype = check_activations(xs, layout)
     if not xs:
         raise ValueError("expected at least one batch to take the hidden size from, got none")
-    if out is None and workspace is None:
+    if out is None and room is None:
         x_all = xs[0] if len(xs) == 1 else torch.cat(list(xs))
         return x_all.index_select(0, layout.src_token)
-    x_all = _tokens_of(xs, workspace)
+    x_all = tokens_view(xs)
+    if x_all is None:
+        total = sum(x.shape[0] for x in xs)
+        x_all = torch.cat(list(xs), out=None if room is None else room[:total])
     if out is None:
         return x_all.index_select(0, layout.src_token)
     want = [layout.num_rows, xs[0].shape[1]]
@@ -298,7 +328,7 @@ def _check_out(out, layout: ExpertLayout, hidden: int, device: torch.device) -> 
 
 def combine_rows(
     rows: torch.Tensor, layout: ExpertLayout, out: Sequence[torch.Tensor] | None = None, *,
-    workspace=None,
+    scratch: CombineScratch | None = None, workspace=None,
 ) -> list[torch.Tensor]:  # fmt: skip
     """The server's half of combine: sums the score-weighted expert outputs of each token.
 
@@ -308,14 +338,17 @@ def combine_rows(
         out: optional caller-owned ``[n_b, H]`` float tensors (any float dtype, any row stride,
             possibly memory of another process): y_b is written into ``out[b]`` and ``out`` is
             returned. ``out[b]`` holds the result without ``out``, converted to its dtype.
-        workspace: optional :class:`~moecomm.ops.workspace.ExpertWorkspace` holding the
-            accumulator; without ``out`` the result is then views of the workspace, valid until
-            its next step.
+        scratch: optional :class:`CombineScratch` holding the float32 accumulator (used for
+            float32/float16/bfloat16 rows); without ``out`` the result is then views of it.
+        workspace: deprecated; use ``workspace.combine_rows(rows, layout, out)``.
 
     Returns:
         One ``[n_b, H]`` tensor per batch (views of one buffer, or ``out``); tokens with no copy
         on this server are zero.
     """
+    if workspace is not None:
+        _deprecated_workspace("combine_rows", "combine_rows")
+        return workspace.combine_rows(rows, layout, out)
     if not isinstance(rows, torch.Tensor) or not rows.is_floating_point():
         raise TypeError(
             f"rows: expected a floating torch.Tensor, got {getattr(rows, 'dtype', rows)}"
@@ -327,25 +360,22 @@ def combine_rows(
     # Half-precision rows are summed in float32, like the reference and the Triton kernel.
     acc_dtype = torch.float32 if rows.dtype in (torch.float16, torch.bfloat16) else rows.dtype
     tokens, hidden = layout.num_tokens, rows.shape[1]
-    if workspace is None or acc_dtype != torch.float32:
+    if scratch is None or acc_dtype != torch.float32:
         acc = torch.zeros(tokens, hidden, dtype=acc_dtype, device=rows.device)
         wide = rows.to(acc_dtype)
     else:
-        workspace.ensure(tokens=tokens, rows=rows.shape[0], hidden=hidden, dtype=rows.dtype)
-        acc = workspace.buffer("acc", tokens).zero_()
+        acc = scratch.acc[:tokens].zero_()
         wide = rows
         if rows.dtype != acc_dtype:
-            wide = workspace.buffer("rows_f32", rows.shape[0]).copy_(rows)
+            room = scratch.rows_f32
+            wide = rows.to(acc_dtype) if room is None else room[: rows.shape[0]].copy_(rows)
     # index_add_ on the CPU adds rows in layout order, so the result is deterministic.
     acc.index_add_(0, layout.src_token, wide)
     # The result is the sum rounded to rows' dtype (as without out); out[b] receives that,
     # converted — straight from the accumulator when out has rows' dtype (the same one rounding).
     if acc.dtype != rows.dtype and (out is None or any(o.dtype != rows.dtype for o in out)):
-        acc = (
-            acc.to(rows.dtype)
-            if workspace is None
-            else workspace.buffer("result", tokens).copy_(acc)
-        )
+        room = None if scratch is None else scratch.result
+        acc = acc.to(rows.dtype) if room is None else room[:tokens].copy_(acc)
     if out is None:
         return list(acc.split(layout.batch_sizes))
     for o, part in zip(out, acc.split(layout.batch_sizes), strict=True):

@@ -1,21 +1,19 @@
-"""Triton path of the expert server: reorganization, group-shrink and the grouped MLP.
+"""Triton path of the expert server: group-shrink and the grouped MLP.
 
-Same layouts and results as :mod:`moecomm.ops.reorg` and :mod:`moecomm.ops.grouped_gemm`
-(those are the references the tests compare against). Triton is imported lazily, inside the
-functions. On a machine without a GPU the kernels run under ``TRITON_INTERPRET=1`` on CPU
-tensors, in float32/float16 only: the interpreter computes bfloat16 dots wrongly.
+The GPU expert server (:mod:`moecomm.runtime.device_server`) runs
+:func:`triton_grouped_mlp_contiguous` on the rows its CUDA gather kernel reorganized; the
+reorganization and the combine are CUDA kernels there (``csrc/kernels/cuda/server_kernels.cuh``).
+Same layout and results as :func:`moecomm.ops.grouped_gemm.grouped_mlp_contiguous` (the reference
+the tests compare against). Triton is imported lazily, inside the functions. On a machine without
+a GPU the kernels run under ``TRITON_INTERPRET=1`` on CPU tensors, in float32/float16 only: the
+interpreter computes bfloat16 dots wrongly.
 
 Differences from the CPU path, by design:
 
-- the batches arrive already concatenated (``x [T, H]``, ``ids [T, K]``, ``scores [T, K]`` and
-  ``batch_offsets [B + 1]``): on the GPU the server dequantizes every request slot into one
-  buffer, and the kernels' static grid walks that flat list of copies, so an empty batch costs
-  no program;
 - float32 dots are exact (``input_precision="ieee"``), not TF32;
-- launch sizes come from upper bounds known on the host (``T * K`` copies,
-  ``N // BLOCK_M + min(E, N)`` tiles); the grouped MLP reads the real tile count from the
-  device and surplus programs exit.
-  Only :func:`triton_reorganize` synchronizes once, to size its ``[N]`` outputs;
+- launch sizes come from upper bounds known on the host (``N // BLOCK_M + min(E, N)`` tiles);
+  the grouped MLP reads the real tile count from the device and surplus programs exit, so the
+  path never synchronizes;
 - the grouped MLP also takes quantized activations (float8_e4m3fn / int8 with ``x_scales``,
   per token or per 128 channels, the wire encodings of :mod:`moecomm.ops.quant`), scaled
   inside the K loop; the CPU path takes dequantized float activations only.
@@ -27,34 +25,19 @@ from dataclasses import dataclass
 
 import torch
 
-from moecomm.ops._checks import check_num_experts, check_tensor, check_weights
+from moecomm.ops._checks import FLOAT_DTYPES, check_tensor, check_weights
 from moecomm.ops.grouped_gemm import DEFAULT_BLOCK_M, ShrunkGroups
-from moecomm.ops.reorg import ExpertLayout
 
-__all__ = [
-    "TileMap",
-    "triton_combine",
-    "triton_expert_forward",
-    "triton_group_shrink",
-    "triton_grouped_mlp_contiguous",
-    "triton_grouped_mlp_masked",
-    "triton_reorganize",
-]
+__all__ = ["TileMap", "triton_group_shrink", "triton_grouped_mlp_contiguous"]
 
-# Copies per reorganization program: the in-tile rank is a BLOCK_A x BLOCK_A compare, so this
-# stays small; 64 keeps that matrix at 4096 lanes.
-_BLOCK_A = 64
 # Experts per chunk of the histogram / scan loops: one warp-wide vector of counts per step.
 _BLOCK_E = 64
-# Hidden elements moved per step of the row copy and the combine.
-_BLOCK_H = 128
 # Tiles resolved per program of the tile map.
 _BLOCK_T = 64
 # GEMM tile: N and K of 32 are the smallest tl.dot shapes that keep the interpreter fast; a GPU
 # build would autotune these.
 _BLOCK_N = 32
 _BLOCK_K = 32
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Quantized activations the grouped MLP takes (with f32 scales): the wire's FP8_E4M3,
 # FP8_E4M3_B128 and INT8 encodings (moecomm.ops.quant).
 _QUANT_DTYPES = (torch.float8_e4m3fn, torch.int8)
@@ -107,10 +90,9 @@ def triton_group_shrink(
     Args:
         counts: ``[E]`` int32 rows per expert (device tensor).
         block_m: rows per tile.
-        max_tiles: tile-map length, an upper bound on the tiles known on the host: the GEMMs
-            pass ``N // block_m + min(E, N)`` (contiguous) or ``E * ceil(M_max / block_m)``
-            (masked), and 0 skips the tile map. None computes the exact count, which reads
-            the counts on the host (one sync).
+        max_tiles: tile-map length, an upper bound on the tiles known on the host: the GEMM
+            passes ``N // block_m + min(E, N)``, and 0 skips the tile map. None computes the
+            exact count, which reads the counts on the host (one sync).
     """
     check_tensor("counts", counts, dtypes=[torch.int32], dim=1)
     if not isinstance(block_m, int) or block_m <= 0:
@@ -140,98 +122,19 @@ def triton_group_shrink(
     return TileMap(groups, offsets, tile_expert, tile_mblock, totals)
 
 
-def _check_flat(x, ids, scores, batch_offsets, num_experts) -> None:
-    check_num_experts(num_experts)
-    check_tensor("x", x, dtypes=_FLOAT_DTYPES + _QUANT_DTYPES, dim=2)
-    check_tensor("ids", ids, dtypes=[torch.int32], dim=2, device=x.device)
-    check_tensor("scores", scores, dtypes=[torch.float32], dim=2, device=x.device)
-    check_tensor("batch_offsets", batch_offsets, dtypes=[torch.int64], dim=1, device=x.device)
-    if ids.shape[0] != x.shape[0] or scores.shape != ids.shape:
-        raise ValueError(
-            f"expected ids and scores of shape [{x.shape[0]}, K] like x, "
-            f"got ids {list(ids.shape)}, scores {list(scores.shape)}"
-        )
-    if batch_offsets.shape[0] < 2:
-        raise ValueError(
-            f"batch_offsets: expected [B + 1] with B >= 1, got {list(batch_offsets.shape)}"
-        )
-
-
-def triton_reorganize(
-    x: torch.Tensor,
-    ids: torch.Tensor,
-    scores: torch.Tensor,
-    batch_offsets: torch.Tensor,
-    num_experts: int,
-) -> tuple[ExpertLayout, torch.Tensor]:
-    """Reorganization (Triton): the layout of :func:`moecomm.ops.reorg.reorganize` and the rows
-    of x gathered into it.
-
-    Args:
-        x: ``[T, H]`` activations of all batches, concatenated (any strides); float, or
-            float8_e4m3fn / int8 (rows are copied as they are: gather their scales with
-            ``layout.src_token``, as :func:`triton_expert_forward` does).
-        ids: ``[T, K]`` int32 local expert ids or -1; scores: ``[T, K]`` float32.
-        batch_offsets: ``[B + 1]`` int64, first token of each batch, ``batch_offsets[B] == T``.
-        num_experts: E.
-
-    Returns:
-        ``(layout, x_rows [N, H])``, bit-identical to the torch path.
-    """
-    _check_flat(x, ids, scores, batch_offsets, num_experts)
-    k = _kernels()
-    dev = x.device
-    num_tokens, topk = ids.shape
-    hidden = x.shape[1]
-    num_copies = num_tokens * topk
-    ids_flat = ids.contiguous().view(-1)
-    num_atiles = max(1, _cdiv(num_copies, _BLOCK_A))
-    hist = torch.empty(num_atiles, num_experts, dtype=torch.int32, device=dev)
-    prefix = torch.empty_like(hist)
-    counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    k.hist_kernel[(num_atiles,)](ids_flat, hist, num_copies, num_experts,
-                                 BLOCK_A=_BLOCK_A, BLOCK_E=_BLOCK_E)  # fmt: skip
-    k.column_scan_kernel[(_cdiv(num_experts, _BLOCK_E),)](
-        hist, prefix, counts, num_atiles, num_experts, BLOCK_E=_BLOCK_E
-    )
-    tiles = triton_group_shrink(counts, DEFAULT_BLOCK_M, max_tiles=0)
-    # The one host sync of the path: the [N] outputs are sized by the number of copies.
-    num_rows = int(tiles.offsets[-1])
-    x_rows = torch.empty(num_rows, hidden, dtype=x.dtype, device=dev)
-    src_token = torch.empty(num_rows, dtype=torch.int64, device=dev)
-    src_batch = torch.empty(num_rows, dtype=torch.int32, device=dev)
-    src_row = torch.empty(num_rows, dtype=torch.int32, device=dev)
-    src_k = torch.empty(num_rows, dtype=torch.int32, device=dev)
-    out_scores = torch.empty(num_rows, dtype=torch.float32, device=dev)
-    slot_of = torch.empty(num_tokens, topk, dtype=torch.int64, device=dev)
-    if num_copies:
-        k.scatter_kernel[(num_atiles,)](
-            ids_flat, scores.contiguous().view(-1), x, x.stride(0), x.stride(1), batch_offsets,
-            batch_offsets.shape[0] - 1, tiles.offsets, prefix, num_copies, num_experts, topk,
-            hidden, x_rows, hidden, src_token, src_batch, src_row, src_k, out_scores, slot_of,
-            BLOCK_A=_BLOCK_A, BLOCK_H=_BLOCK_H,
-        )  # fmt: skip
-    layout = ExpertLayout(
-        num_experts=num_experts, topk=topk, counts=counts, offsets=tiles.offsets,
-        src_batch=src_batch, src_row=src_row, src_k=src_k, src_token=src_token,
-        scores=out_scores, batch_offsets=batch_offsets, slot_of=slot_of,
-    )  # fmt: skip
-    return layout, x_rows
-
-
 def _check_activations(x, x_scales, w13, w2, dim) -> tuple[int, int]:
     """Checks x (float, or quantized with x_scales) against the weights; returns (E, I).
 
     Float x: the weights have x's dtype. Quantized x (float8_e4m3fn / int8): x_scales is
     required and the weights may be any float dtype, which is also the output's."""
-    check_tensor("x", x, dtypes=_FLOAT_DTYPES + _QUANT_DTYPES, dim=dim)
+    check_tensor("x", x, dtypes=FLOAT_DTYPES + _QUANT_DTYPES, dim=dim)
     if x.dtype in _QUANT_DTYPES:
         if x_scales is None:
             raise ValueError(
                 f"x_scales: {x.dtype} activations need float32 scales (per token, or per "
                 f"{_SCALE_BLOCK} channels), got None"
             )
-        check_tensor("w13", w13, dtypes=_FLOAT_DTYPES, dim=3)
+        check_tensor("w13", w13, dtypes=FLOAT_DTYPES, dim=3)
         return check_weights(w13, w2, x.shape[-1], w13.dtype, x.device)
     if x_scales is not None:
         raise ValueError(
@@ -340,87 +243,3 @@ def triton_grouped_mlp_contiguous(
     _launch_mlp(x[None], xs, counts, offsets, w13, w2, None if scores is None else scores[None],
                 out[None], inter, max_tiles, block_m)  # fmt: skip
     return out
-
-
-def triton_grouped_mlp_masked(
-    x: torch.Tensor,
-    counts: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    scores: torch.Tensor | None = None,
-    *,
-    x_scales: torch.Tensor | None = None,
-    block_m: int = DEFAULT_BLOCK_M,
-) -> torch.Tensor:
-    """Triton twin of :func:`moecomm.ops.grouped_gemm.grouped_mlp_masked`: ``x [E, M_max, H]``,
-    ``counts [E]`` int32 (device, trusted to be <= M_max), optional ``scores [E, M_max]``.
-
-    Quantized x (float8_e4m3fn / int8) takes ``x_scales`` ``[E, M_max]`` or ``[E, M_max, 1]``
-    (per token) or ``[E, M_max, ceil(H / 128)]`` (per 128 channels), as in
-    :func:`triton_grouped_mlp_contiguous`; the output then has the weights' dtype."""
-    num_experts, inter = _check_activations(x, x_scales, w13, w2, dim=3)
-    if x.shape[0] != num_experts:
-        raise ValueError(f"x: expected {num_experts} experts in dim 0, got shape {list(x.shape)}")
-    check_tensor("counts", counts, dtypes=[torch.int32], dim=1, device=x.device)
-    if counts.shape[0] != num_experts:
-        raise ValueError(f"counts: expected shape [{num_experts}], got {list(counts.shape)}")
-    if scores is not None:
-        check_tensor("scores", scores, dtypes=[torch.float32], dim=2, device=x.device)
-        if scores.shape != x.shape[:2]:
-            raise ValueError(
-                f"scores: expected shape {list(x.shape[:2])}, got {list(scores.shape)}"
-            )
-    xs = None
-    if x_scales is not None:
-        xs = _check_x_scales(x_scales, list(x.shape[:2]), x.shape[2], x.device)
-    out = torch.zeros(x.shape, dtype=w13.dtype, device=x.device)
-    row_start = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
-    max_tiles = num_experts * _cdiv(x.shape[1], block_m)
-    _launch_mlp(x, xs, counts.contiguous(), row_start, w13, w2, scores, out, inter, max_tiles,
-                block_m)  # fmt: skip
-    return out
-
-
-def triton_combine(rows: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
-    """``y[t] = Σ_k rows[slot_of[t, k]]`` for all T tokens, summed in k order in float32."""
-    check_tensor("rows", rows, dtypes=_FLOAT_DTYPES, dim=2)
-    num_tokens, topk = layout.slot_of.shape
-    hidden = rows.shape[1]
-    rows = rows.contiguous()
-    y = torch.empty(num_tokens, hidden, dtype=rows.dtype, device=rows.device)
-    if num_tokens and hidden:
-        _kernels().combine_kernel[(num_tokens, _cdiv(hidden, _BLOCK_H))](
-            rows, layout.slot_of.contiguous(), y, topk, hidden, rows.stride(0), y.stride(0),
-            BLOCK_H=_BLOCK_H,
-        )  # fmt: skip
-    return y
-
-
-def triton_expert_forward(
-    x: torch.Tensor,
-    ids: torch.Tensor,
-    scores: torch.Tensor,
-    batch_offsets: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    *,
-    x_scales: torch.Tensor | None = None,
-) -> list[torch.Tensor]:
-    """The whole server step on the Triton path over concatenated batches; returns one
-    ``[n_b, H]`` view per batch, like :func:`moecomm.ops.grouped_gemm.expert_forward`.
-
-    Quantized x (float8_e4m3fn / int8) takes ``x_scales`` ``[T]``, ``[T, 1]`` or
-    ``[T, ceil(H / 128)]`` float32, as :func:`triton_grouped_mlp_contiguous`: the quantized rows
-    are reorganized as they are and their scales gathered alongside (one ``index_select``)."""
-    check_tensor("w13", w13, dtypes=_FLOAT_DTYPES, dim=3)
-    _check_activations(x, x_scales, w13, w2, dim=2)
-    xs = None
-    if x_scales is not None:
-        xs = _check_x_scales(x_scales, [x.shape[0]], x.shape[1], x.device)
-    layout, x_rows = triton_reorganize(x, ids, scores, batch_offsets, int(w13.shape[0]))
-    if xs is not None:
-        xs = xs.index_select(0, layout.src_token)
-    rows = triton_grouped_mlp_contiguous(
-        x_rows, layout.offsets, w13, w2, layout.scores, x_scales=xs
-    )
-    return list(triton_combine(rows, layout).split(layout.batch_sizes))

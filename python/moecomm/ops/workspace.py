@@ -21,24 +21,27 @@ allocating :func:`~moecomm.ops.reorg.reorganize`.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
 
-from moecomm.ops._checks import check_batches, check_tensor
+from moecomm.ops._checks import FLOAT_DTYPES, check_batches, check_tensor, check_weights
 from moecomm.ops.grouped_gemm import (
-    _FLOAT_DTYPES,
-    _check_contiguous_args,
-    _mlp_into,
-    _native_ok,
-    _run_native,
-    _split_native,
-    _visit_list,
+    GemmScratch,
+    ShrunkGroups,
+    expert_forward,
+    grouped_mlp_contiguous,
+)
+from moecomm.ops.reorg import (
+    CombineScratch,
+    ExpertLayout,
+    check_activations,
     combine_rows,
     gather_tokens,
     reorganize,
+    tokens_view,
 )
-from moecomm.ops.reorg import ExpertLayout
 
 __all__ = ["ExpertWorkspace", "expert_forward_into", "grouped_mlp_into"]
 
@@ -134,8 +137,8 @@ class ExpertWorkspace:
         *,
         device: torch.device | str | None = None,
     ):
-        if dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"dtype: expected one of {_FLOAT_DTYPES}, got {dtype}")
+        if dtype not in FLOAT_DTYPES:
+            raise TypeError(f"dtype: expected one of {FLOAT_DTYPES}, got {dtype}")
         self.hidden = _positive("hidden", hidden)
         self.intermediate = _positive("intermediate", intermediate)
         self.dtype = dtype
@@ -222,8 +225,8 @@ class ExpertWorkspace:
             self.intermediate = _positive("intermediate", intermediate)
             grown.add("rows")
         if dtype is not None and dtype != self.dtype:
-            if dtype not in _FLOAT_DTYPES:
-                raise TypeError(f"dtype: expected one of {_FLOAT_DTYPES}, got {dtype}")
+            if dtype not in FLOAT_DTYPES:
+                raise TypeError(f"dtype: expected one of {FLOAT_DTYPES}, got {dtype}")
             self.dtype = dtype
             grown |= {"rows", "tokens"}
         if grown:
@@ -291,6 +294,89 @@ class ExpertWorkspace:
             slot_of=buf["slot_of"][:copies].view(tokens, topk),
         )
 
+    # -- the step: the kernels of reorg and grouped_gemm, run in these buffers --------------------
+
+    def gather_tokens(
+        self, xs: Sequence[torch.Tensor], layout: ExpertLayout, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """:func:`~moecomm.ops.reorg.gather_tokens`; batches that are not consecutive rows of
+        one buffer (:meth:`token_views` makes them so) are concatenated into this workspace."""
+        check_activations(xs, layout)
+        room = None
+        if xs and tokens_view(xs) is None:
+            total = sum(int(x.shape[0]) for x in xs)
+            self.ensure(tokens=total, hidden=int(xs[0].shape[1]), dtype=xs[0].dtype)
+            room = self._buf["tokens"]
+        return gather_tokens(xs, layout, out, room=room)
+
+    def grouped_mlp(
+        self,
+        x: torch.Tensor,
+        offsets: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        scores: torch.Tensor | None = None,
+        *,
+        groups: ShrunkGroups | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """:func:`~moecomm.ops.grouped_mlp_contiguous` writing into ``out`` (default: this
+        workspace's expert-output rows, valid until its next step), its scratch and index
+        tensors taken from here."""
+        check_tensor("x", x, dtypes=FLOAT_DTYPES, dim=2)
+        n, hidden = x.shape
+        num_experts, inter = check_weights(w13, w2, hidden, x.dtype, x.device)
+        self.ensure(rows=n, experts=num_experts, hidden=hidden, intermediate=inter, dtype=x.dtype)
+        buf = self._buf
+        scratch = GemmScratch(buf["counts64"], buf["run"], buf["inter"], buf["row_scores"])
+        out = buf["rows_out"][:n] if out is None else out
+        return grouped_mlp_contiguous(
+            x, offsets, w13, w2, scores, groups=groups, out=out, scratch=scratch
+        )
+
+    def combine_rows(
+        self, rows: torch.Tensor, layout: ExpertLayout, out: Sequence[torch.Tensor] | None = None
+    ) -> list[torch.Tensor]:
+        """:func:`~moecomm.ops.reorg.combine_rows` summing in this workspace's accumulator;
+        without ``out`` the result is views of it, valid until the next step."""
+        scratch = None
+        # Other rows (float64, wrong shape) go to combine_rows unchanged, which sums them in
+        # memory of its own or names what is wrong.
+        if (
+            isinstance(rows, torch.Tensor)
+            and rows.dtype in FLOAT_DTYPES
+            and rows.dim() == 2
+            and rows.shape[0] == layout.num_rows
+        ):
+            n, hidden = rows.shape
+            self.ensure(tokens=layout.num_tokens, rows=n, hidden=hidden, dtype=rows.dtype)
+            buf = self._buf
+            scratch = CombineScratch(buf["acc"], buf.get("rows_f32"), buf.get("result"))
+        return combine_rows(rows, layout, out, scratch=scratch)
+
+    def forward(
+        self,
+        xs: Sequence[torch.Tensor],
+        ids: Sequence[torch.Tensor],
+        scores: Sequence[torch.Tensor],
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        *,
+        out: Sequence[torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]:
+        """:func:`~moecomm.ops.expert_forward` in this workspace: layout, gathered rows, expert
+        outputs and the combine's accumulator are its buffers; the result goes into ``out``
+        (caller-owned ``[n_b, H]`` tensors) or stays here, valid until the next step."""
+        check_tensor("w13", w13, dtypes=FLOAT_DTYPES, dim=3)
+        dtype = xs[0].dtype if xs else self.dtype
+        self.ensure(hidden=int(w13.shape[2]), intermediate=int(w13.shape[1]) // 2, dtype=dtype)
+        layout = self.layout(ids, scores, int(w13.shape[0]))
+        n = layout.num_rows
+        self.ensure(rows=n)
+        x_rows = self.gather_tokens(xs, layout, self._buf["rows_in"][:n])
+        rows = self.grouped_mlp(x_rows, layout.offsets, w13, w2, layout.scores)
+        return self.combine_rows(rows, layout, out)
+
     def remap_ids(self, ids: Sequence[torch.Tensor], table: torch.Tensor) -> list[torch.Tensor]:
         """``table[i + 1]`` for every id i of every batch (``table[0]`` stands for -1), written
         into workspace views: LayerExperts' local index → storage row, without allocating."""
@@ -309,66 +395,22 @@ class ExpertWorkspace:
 
 
 def grouped_mlp_into(x, offsets, w13, w2, scores, *, groups, out, ws) -> torch.Tensor:
-    """:func:`~moecomm.ops.grouped_mlp_contiguous` writing into ``out`` (or the workspace's
-    expert-output rows), its scratch and index tensors taken from ``ws`` when given."""
-    num_experts, inter = _check_contiguous_args(x, offsets, w13, w2, scores)
-    n, hidden = x.shape
-    if ws is not None:
-        ws.ensure(rows=n, experts=num_experts, hidden=hidden, intermediate=inter, dtype=x.dtype)
-    if out is None:
-        out = ws.buffer("rows_out", n)
-    else:
-        check_tensor("out", out, dtypes=[x.dtype], dim=2, device=x.device)
-        if tuple(out.shape) != (n, hidden) or (n and out.stride(1) != 1):
-            raise ValueError(f"out: expected shape [{n}, {hidden}] with unit column stride, "
-                             f"got {list(out.shape)} strides {list(out.stride())}")  # fmt: skip
-    offs = offsets.tolist()
-    rows = [offs[e + 1] - offs[e] for e in range(num_experts)]
-    if groups is None:
-        # Every expert with rows is visited, so every row of out gets written: no zeroing.
-        visit = [e for e in range(num_experts) if rows[e] > 0]
-    else:
-        visit = _visit_list(groups, None, num_experts)
-        out.zero_()  # rows of experts not visited come out zero
-    small, large = _split_native(visit, rows, _native_ok(x, w13, w2, scores))
-    if small:
-        if ws is None:
-            _run_native(x, offsets[:-1], offsets[1:] - offsets[:-1], small, w13, w2, scores, out)
-        else:
-            counts = torch.sub(offsets[1:], offsets[:-1], out=ws.buffer("counts64", num_experts))
-            ex = ws.buffer("run", len(small))
-            ex.numpy()[:] = small  # a view of the same memory: no tensor is built from the list
-            scratch = ws.buffer("inter", n).view(-1)
-            _run_native(x, offsets[:-1], counts, small, w13, w2, scores, out, scratch, ex)
-    if large and scores is not None and scores.dtype != x.dtype and ws is not None:
-        # Converted once for every group (the plain path converts each group's slice alike).
-        scores = ws.buffer("row_scores", n).copy_(scores)
-    for e in large:
-        s, t = offs[e], offs[e + 1]
-        sc = None if scores is None else scores[s:t]
-        h = None if ws is None else ws.buffer("inter", t - s)
-        _mlp_into(out[s:t], x[s:t], w13[e], w2[e], inter, sc, h)
-    return out
+    """Deprecated: ``ws.grouped_mlp(...)``, or :func:`~moecomm.ops.grouped_mlp_contiguous`."""
+    warnings.warn(
+        "grouped_mlp_into is deprecated; call ws.grouped_mlp(...) or grouped_mlp_contiguous(...)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    if ws is None:
+        return grouped_mlp_contiguous(x, offsets, w13, w2, scores, groups=groups, out=out)
+    return ws.grouped_mlp(x, offsets, w13, w2, scores, groups=groups, out=out)
 
 
 def expert_forward_into(xs, ids, scores, w13, w2, *, ws, out) -> list[torch.Tensor]:
-    """:func:`~moecomm.ops.expert_forward` with a workspace and/or caller-owned outputs."""
-    num_experts = int(w13.shape[0])
-    if ws is None:  # caller-owned outputs only: the plain step, its result written into out
-        layout = reorganize(ids, scores, num_experts)
-        x_rows = gather_tokens(xs, layout)
-        rows = grouped_mlp_into(
-            x_rows, layout.offsets, w13, w2, layout.scores, groups=None,
-            out=torch.empty_like(x_rows), ws=None,
-        )  # fmt: skip
-        return combine_rows(rows, layout, out=out)
-    dtype = xs[0].dtype if xs else ws.dtype
-    ws.ensure(hidden=int(w13.shape[2]), intermediate=int(w13.shape[1]) // 2, dtype=dtype)
-    layout = ws.layout(ids, scores, num_experts)
-    n = layout.num_rows
-    ws.ensure(rows=n)
-    x_rows = gather_tokens(xs, layout, out=ws.buffer("rows_in", n), workspace=ws)
-    rows = grouped_mlp_into(
-        x_rows, layout.offsets, w13, w2, layout.scores, groups=None, out=None, ws=ws
+    """Deprecated: :func:`~moecomm.ops.expert_forward` with ``workspace=ws, out=out``."""
+    warnings.warn(
+        "expert_forward_into is deprecated; call expert_forward(..., workspace=ws, out=out)",
+        DeprecationWarning,
+        stacklevel=2,
     )
-    return combine_rows(rows, layout, out=out, workspace=ws)
+    return expert_forward(xs, ids, scores, w13, w2, workspace=ws, out=out)
