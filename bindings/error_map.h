@@ -1,7 +1,7 @@
 // moecomm::Error → the Python exception of its kind, for the extension modules that are not
 // moecomm._C (_cuda, _nvshmem). Each module links its own copy of the C++ error type, so _C's
 // translator cannot catch their throws; they register this one, module-local, which raises the
-// very classes _C defines (moecomm.TimeoutError, SystemCallError, ...), so callers catch one set
+// very classes _C defines (DeadlineExceededError, SystemCallError, ...), so callers catch one set
 // of exceptions whichever module raised.
 #pragma once
 
@@ -16,7 +16,7 @@ namespace moecomm::bindings {
 inline const char* python_error_name(ErrorKind kind) {
   switch (kind) {
     case ErrorKind::kTimeout:
-      return "TimeoutError";
+      return "DeadlineExceededError";
     case ErrorKind::kPeerLost:
       return "PeerLostError";
     case ErrorKind::kNotFound:

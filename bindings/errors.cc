@@ -1,5 +1,6 @@
 // Maps moecomm::Error kinds onto Python exceptions. Each moecomm exception also derives from the
 // builtin a caller would naturally catch (TimeoutError, ConnectionError, FileNotFoundError).
+// docs/errors.md lists every moecomm error.
 #include <pybind11/pybind11.h>
 
 #include "common/error.h"
@@ -27,10 +28,11 @@ void register_errors(py::module_& m) {
       make_exception(m, "MoecommError", py::make_tuple(builtins.attr("RuntimeError")),
                      "Base class of moecomm errors.")
           .release();
-  static py::handle timeout =
-      make_exception(m, "TimeoutError", py::make_tuple(base, builtins.attr("TimeoutError")),
-                     "A wait passed its deadline.")
-          .release();
+  // Not named TimeoutError: that would shadow the builtin in every module importing it.
+  static py::handle timeout = make_exception(m, "DeadlineExceededError",
+                                             py::make_tuple(base, builtins.attr("TimeoutError")),
+                                             "A wait passed its deadline.")
+                                  .release();
   static py::handle peer_lost =
       make_exception(m, "PeerLostError", py::make_tuple(base, builtins.attr("ConnectionError")),
                      "The process on the other side of a connection is gone.")

@@ -27,7 +27,7 @@ const char* kind_name(nixl::MemKind k) {
   return k == nixl::MemKind::kCuda ? "cuda" : "host";
 }
 
-// Forwards to a Python engine (moecomm.nixl.NixlEngine); Python errors become moecomm errors.
+// Forwards to a Python engine (moecomm.wire.nixl.NixlEngine); Python errors become moecomm errors.
 class PyEngine final : public nixl::Engine {
  public:
   explicit PyEngine(py::object obj) : obj_(std::move(obj)) {}

@@ -34,9 +34,7 @@ struct IpcBackend {
   __device__ uint32_t num_peers() const { return max_peers; }
 
   __device__ bool peer_alive(uint32_t peer) const {
-    return peer < max_peers && ::cuda::atomic_ref<uint32_t, ::cuda::thread_scope_system>(
-                                   *const_cast<uint32_t*>(alive + peer))
-                                       .load(::cuda::memory_order_relaxed) != 0;
+    return device::alive_in_mask(alive, max_peers, peer);
   }
 
   __device__ uint8_t* local(uint64_t offset) const { return local_base + offset; }

@@ -35,16 +35,8 @@ IpcPeerTable::IpcPeerTable(std::shared_ptr<IpcTransport> transport, std::shared_
   DeviceGuard guard(device_);
   DeviceBuffer base(sizeof(uint8_t*) * max_peers);
   DeviceBuffer alive(sizeof(uint32_t) * max_peers);
-  cudaStream_t s = nullptr;
-  MC_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  const cudaError_t e1 = cudaMemsetAsync(base.get(), 0, sizeof(uint8_t*) * max_peers, s);
-  const cudaError_t e2 = cudaMemsetAsync(alive.get(), 0, sizeof(uint32_t) * max_peers, s);
-  const cudaError_t e3 = cudaStreamSynchronize(s);
-  if (e1 != cudaSuccess || e2 != cudaSuccess || e3 != cudaSuccess) {
-    cudaStreamDestroy(s);
-    MC_CUDA_CHECK(e1 != cudaSuccess ? e1 : e2 != cudaSuccess ? e2 : e3);
-  }
-  stream_ = s;
+  stream_ = new_stream_zeroing(
+      {{base.get(), sizeof(uint8_t*) * max_peers}, {alive.get(), sizeof(uint32_t) * max_peers}});
   peer_base_ = static_cast<uint8_t**>(base.release());
   alive_ = static_cast<uint32_t*>(alive.release());
   entries_.resize(max_peers);

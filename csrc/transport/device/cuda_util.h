@@ -5,7 +5,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <new>
+#include <utility>
 
 #include "common/error.h"
 
@@ -57,5 +59,25 @@ class DeviceBuffer {
  private:
   void* ptr_ = nullptr;
 };
+
+// A new non-blocking stream, with every (pointer, bytes) of `zeroed` set to zero on it and
+// synchronized: the device tables of a peer table start empty before any kernel reads them. On
+// an error the stream is destroyed and the first failure thrown.
+inline cudaStream_t new_stream_zeroing(std::initializer_list<std::pair<void*, uint64_t>> zeroed) {
+  cudaStream_t s = nullptr;
+  MC_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaError_t first = cudaSuccess;
+  for (const auto& [ptr, bytes] : zeroed) {
+    const cudaError_t e = cudaMemsetAsync(ptr, 0, bytes, s);
+    if (first == cudaSuccess) first = e;
+  }
+  const cudaError_t e = cudaStreamSynchronize(s);
+  if (first == cudaSuccess) first = e;
+  if (first != cudaSuccess) {
+    cudaStreamDestroy(s);
+    MC_CUDA_CHECK(first);
+  }
+  return s;
+}
 
 }  // namespace moecomm::transport

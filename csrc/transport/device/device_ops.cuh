@@ -76,6 +76,16 @@ __device__ __forceinline__ void add_release(uint64_t* word, uint64_t value) {
       value, ::cuda::memory_order_release);
 }
 
+// A backend's peer_alive: the host-maintained mask `alive` [max_peers], 1 = alive. The host
+// rewrites it while kernels run, hence the relaxed system-scope load (no ordering needed: a
+// stale read only delays noticing a loss by one check).
+__device__ __forceinline__ bool alive_in_mask(const uint32_t* alive, uint32_t max_peers,
+                                              uint32_t peer) {
+  return peer < max_peers && ::cuda::atomic_ref<uint32_t, ::cuda::thread_scope_system>(
+                                 *const_cast<uint32_t*>(alive + peer))
+                                     .load(::cuda::memory_order_relaxed) != 0;
+}
+
 __device__ __forceinline__ bool satisfied(const WaitPredicate& p, uint64_t word) {
   const bool eq = (word & p.mask) == p.value;
   return p.op == WaitOp::kEqual ? eq : !eq;

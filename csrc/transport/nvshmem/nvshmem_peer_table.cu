@@ -21,16 +21,8 @@ NvshmemPeerTable::NvshmemPeerTable(std::shared_ptr<NvshmemRegion> local, uint32_
            kMaxPeers, "]");
   DeviceBuffer pe(sizeof(int32_t) * max_peers);
   DeviceBuffer alive(sizeof(uint32_t) * max_peers);
-  cudaStream_t s = nullptr;
-  MC_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  const cudaError_t e1 = cudaMemsetAsync(pe.get(), 0, sizeof(int32_t) * max_peers, s);
-  const cudaError_t e2 = cudaMemsetAsync(alive.get(), 0, sizeof(uint32_t) * max_peers, s);
-  const cudaError_t e3 = cudaStreamSynchronize(s);
-  if (e1 != cudaSuccess || e2 != cudaSuccess || e3 != cudaSuccess) {
-    cudaStreamDestroy(s);
-    MC_CUDA_CHECK(e1 != cudaSuccess ? e1 : e2 != cudaSuccess ? e2 : e3);
-  }
-  stream_ = s;
+  stream_ = new_stream_zeroing(
+      {{pe.get(), sizeof(int32_t) * max_peers}, {alive.get(), sizeof(uint32_t) * max_peers}});
   peer_pe_ = static_cast<int32_t*>(pe.release());
   alive_ = static_cast<uint32_t*>(alive.release());
   host_pe_.assign(max_peers, 0);
