@@ -31,7 +31,7 @@ from pathlib import Path
 import deep_ep_ll_contract_procs as contract
 import deep_ep_procs
 import moecomm
-import moecomm.cuda
+import moecomm.wire.cuda
 import torch
 
 M, HIDDEN, TOPK, NUM_EXPERTS = 32, 2048, 4, 16
@@ -51,7 +51,7 @@ SETUP_TIMEOUT_S = 180.0
 
 
 def deadline_scale() -> float:
-    return moecomm.cuda.deadline_scale()
+    return moecomm.wire.cuda.deadline_scale()
 
 
 def buffer_timeout() -> float:

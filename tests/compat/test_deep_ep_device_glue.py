@@ -18,12 +18,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from moecomm._C import Encoding
-from moecomm.compat import _ll_device, _ll_device_path
-from moecomm.compat._ll_cast import deepep_cast, logfmt_roundtrip, pack_ue8m0
-from moecomm.compat._ll_support import COMBINE_SEQ_BASE
 from moecomm.compat.deep_ep import Buffer
+from moecomm.compat.low_latency import device as ll_device
+from moecomm.compat.low_latency.cast import deepep_cast, logfmt_roundtrip, pack_ue8m0
+from moecomm.compat.low_latency.layout import COMBINE_SEQ_BASE
 from moecomm.ops.reorg import reorganize
-from moecomm.protocol import SlotLayout
+from moecomm.wire.protocol import SlotLayout
 from test_deep_ep_device_host import FP8, E, H, K, L, M, R, _expert_output, _inputs, _source
 
 
@@ -66,7 +66,7 @@ class _Kernels:
     """moecomm._cuda with the transport and the four launchers replaced (host memory)."""
 
     def __init__(self):
-        real = moecomm.cuda.cuda_module(need_device=False)
+        real = moecomm.wire.cuda.cuda_module(need_device=False)
         for name in ("ClientConfig", "DispatchArgs", "CombineArgs", "ServerConfig",
                      "ServerGatherArgs", "ServerRespondArgs", "IpcPeers", "SERVER_STATUS",
                      "client_workspace_layout", "server_workspace_layout"):  # fmt: skip
@@ -286,8 +286,8 @@ from moecomm._C import slot_offset as _C_slot_offset  # noqa: E402
 
 @pytest.fixture
 def glue(monkeypatch):
-    monkeypatch.setattr(_ll_device, "_cuda", _FAKE_CUDA)
-    monkeypatch.setattr(_ll_device, "_bytes_view", lambda ptr, n, owner, device: _mem(ptr, n))
+    monkeypatch.setattr(ll_device, "_cuda", _FAKE_CUDA)
+    monkeypatch.setattr(ll_device, "_bytes_view", lambda ptr, n, owner, device: _mem(ptr, n))
     kernels = _Kernels()
     store = dist.HashStore()
     bufs = [
@@ -295,7 +295,7 @@ def glue(monkeypatch):
         for r in range(R)
     ]
     for b in bufs:
-        b._mode, b._device = "cuda", _ll_device_path.DevicePath(b, kernels=kernels)
+        b._mode, b._device = "cuda", ll_device.DevicePath(b, kernels=kernels)
     yield bufs, kernels
     for b in bufs:
         b.destroy()
@@ -315,7 +315,7 @@ def _check_receive(got, inputs, sources, use_fp8: bool, ue8m0: bool = False):
     """Checks every rank's receive against the sources; returns each rank's expert outputs."""
     ys = []
     for r, (recv_x, count, handle, event, _) in enumerate(got):
-        assert isinstance(event, _ll_device.CudaEvent)
+        assert isinstance(event, ll_device.CudaEvent)
         data, scales = recv_x if use_fp8 else (recv_x, None)
         y = torch.full((L, R * M, H), float("nan"), dtype=torch.bfloat16)
         for e in range(L):
@@ -496,5 +496,7 @@ def test_device_glue_a_lost_answer_is_reported_at_the_next_receive(glue):
         outs = _all(lambda r, i=i: bufs[r].low_latency_combine(y, *inputs[i][r][1:], got[i][r][2]))
         for out, _, _ in outs:
             assert out.shape[1] == H
-    with pytest.raises(moecomm.TimeoutError, match="combine of dispatch 0 got no valid answer"):
+    with pytest.raises(
+        moecomm.DeadlineExceededError, match="combine of dispatch 0 got no valid answer"
+    ):
         _dispatch(bufs[0], *inputs[0][0][:2], True, False)

@@ -1,21 +1,22 @@
 """The CUDA path of moecomm.compat.deep_ep, the parts that run without a device: the pure-torch
-conversions of _ll_device.py (fed by a host simulation of what the device kernels produce: the
-expanded dispatch, the client's routing, the server gather's reorganization — moecomm.ops.
-reorganize, which the reorg kernels match bit for bit — and the respond), checked against an
-independent reference of DeepEP's semantics, and the selection / error behaviour of the Buffer.
-The GPU round trips are in test_deep_ep_cuda.py."""
+conversions of compat/low_latency/device_ops.py (fed by a host simulation of what the device
+kernels produce: the expanded dispatch, the client's routing, the server gather's
+reorganization — moecomm.ops.reorganize, which the reorg kernels match bit for bit — and the
+respond), checked against an independent reference of DeepEP's semantics, and the selection /
+error behaviour of the Buffer. The GPU round trips are in test_deep_ep_cuda.py."""
 
 from __future__ import annotations
 
 from unittest import mock
 
-import moecomm.cuda
+import moecomm.wire.cuda
 import pytest
 import torch
 import torch.distributed as dist
 from moecomm._C import Encoding
-from moecomm.compat._ll_cast import deepep_cast, logfmt_roundtrip, pack_ue8m0
-from moecomm.compat._ll_device_ops import (
+from moecomm.compat.deep_ep import Buffer
+from moecomm.compat.low_latency.cast import deepep_cast, logfmt_roundtrip, pack_ue8m0
+from moecomm.compat.low_latency.device_ops import (
     check_mode,
     combine_from_answers,
     expand_dispatch,
@@ -25,8 +26,7 @@ from moecomm.compat._ll_device_ops import (
     scatter_receive,
     ue8m0_scales,
 )
-from moecomm.compat._ll_layout import weighted_sum
-from moecomm.compat.deep_ep import Buffer
+from moecomm.compat.low_latency.layout import weighted_sum
 from moecomm.ops.reorg import reorganize
 
 FP8 = Encoding.FP8_E4M3_B128
@@ -342,19 +342,21 @@ def _buffer(tmp_path):
     )
 
 
-@pytest.mark.skipif(moecomm.cuda.available(), reason="checks the error without a device")
+@pytest.mark.skipif(moecomm.wire.cuda.available(), reason="checks the error without a device")
 def test_cuda_tensors_without_a_device_name_why(tmp_path):
     x, idx = _fake_cuda((4, 128), torch.bfloat16), _fake_cuda((4, 2), torch.int64)
     with _buffer(tmp_path) as buf:
-        with pytest.raises(moecomm.cuda.GpuUnavailableError, match="CUDA path cannot run") as ei:
+        with pytest.raises(
+            moecomm.wire.cuda.GpuUnavailableError, match="CUDA path cannot run"
+        ) as ei:
             buf.low_latency_dispatch(x, idx, 4, 4)
         why = str(ei.value)
         assert ("no device" in why) or ("not built" in why), why
         assert not isinstance(ei.value, NotImplementedError)
     # Not built at all: said so.
     (tmp_path / "b").mkdir()
-    unbuilt = mock.patch.object(moecomm.cuda, "_import_native", lambda name: None)
-    raises = pytest.raises(moecomm.cuda.GpuUnavailableError, match="was not built")
+    unbuilt = mock.patch.object(moecomm.wire.cuda, "_import_native", lambda name: None)
+    raises = pytest.raises(moecomm.wire.cuda.GpuUnavailableError, match="was not built")
     with _buffer(tmp_path / "b") as buf, unbuilt, raises:
         buf.low_latency_dispatch(x, idx, 4, 4)
 

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from deep_ep_ll_contract_procs import CONFIGS, contract_rank
 from deep_ep_procs import deepep_fp8, launch
 from moecomm.compat import deep_ep
-from moecomm.compat._ll_cast import deepep_cast, logfmt_roundtrip, pack_ue8m0
 from moecomm.compat.deep_ep import Buffer
+from moecomm.compat.low_latency.cast import deepep_cast, logfmt_roundtrip, pack_ue8m0
 
 GROUPS = (
     (4, ["main_h2048", "logfmt_h4096", "ragged_h7168"]),

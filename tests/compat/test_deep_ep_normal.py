@@ -1,4 +1,4 @@
-"""DeepEP's normal (high-throughput) mode on moecomm (``moecomm.compat._normal.NormalMode``)
+"""DeepEP's normal (high-throughput) mode on moecomm (``moecomm.compat.normal.mode.NormalMode``)
 between real processes (2 and 4 ranks, spawned, FileStore rendezvous), against a plain-torch
 reference of DeepEP's documented semantics (``deep_ep/buffers/legacy.py``,
 ``tests/legacy/test_intranode.py``, ``csrc/kernels/legacy/intranode.cu``) written here.
@@ -311,7 +311,7 @@ def sc_silent_then_dead_peer(nm, me, num_ranks):
     t0 = time.monotonic()
     try:
         nm.barrier()
-    except moecomm.TimeoutError as e:
+    except moecomm.DeadlineExceededError as e:
         assert "no package from ranks" in str(e), str(e)
         assert 0.9 < time.monotonic() - t0 < 2.5
     else:
@@ -354,8 +354,8 @@ def store_exchange(store, rank, num_ranks, prefix, timeout):
 def rank_main(rank: int, num_ranks: int, store_path: str, conn) -> None:
     torch.set_num_threads(1)
     import torch.distributed as dist
-    from moecomm.compat._normal import NormalMode
-    from moecomm.transport import ShmTransport
+    from moecomm.compat.normal.mode import NormalMode
+    from moecomm.wire.shm import ShmTransport
 
     results = {}
     store = dist.FileStore(store_path, num_ranks)
@@ -400,8 +400,9 @@ def test_scenario(runs, num_ranks, name):
 
 def test_single_rank_and_pack_roundtrip(tmp_path):
     import torch.distributed as dist
-    from moecomm.compat._normal import NormalMode, pack, unpack
-    from moecomm.transport import ShmTransport
+    from moecomm.compat.normal.mailbox import pack, unpack
+    from moecomm.compat.normal.mode import NormalMode
+    from moecomm.wire.shm import ShmTransport
 
     ts = [
         torch.arange(5, dtype=torch.int32),
@@ -427,7 +428,7 @@ def test_single_rank_and_pack_roundtrip(tmp_path):
 
 
 def test_constructor_checks():
-    from moecomm.compat._normal import NormalMode
+    from moecomm.compat.normal.mode import NormalMode
 
     with pytest.raises(ValueError, match="rank"):
         NormalMode(2, 2, lambda m: [m], None)

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from deep_ep_procs import launch
 from deep_ep_replicas_procs import DEAD, NUM_RANKS, replicas_rank
-from moecomm.compat._ll_replicas import ReplicaPlan, check_replicas_arg
 from moecomm.compat.deep_ep import Buffer
+from moecomm.compat.low_latency.replicas import ReplicaPlan, check_replicas_arg
 
 LAUNCH_TIMEOUT_S = 120
 

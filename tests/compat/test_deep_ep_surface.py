@@ -31,10 +31,12 @@ from deep_ep_procs import (
 from moecomm.compat import deep_ep
 from moecomm.compat.deep_ep import Buffer, Config, EventHandle, EventOverlap
 
-# DeepEP v2.1.0 (dd758ca) deep_ep/__init__.py: the names it binds after initialisation (its API).
-# Its namespace also holds the initialisation's own helpers (os, torch, glob, subprocess,
-# filecmp, functools, find_nccl_root, find_cuda_home, check_nccl_so, init_jit) and subpackages;
-# those are not API and moecomm does not export them, nor any helper of its own.
+# DeepEP's deep_ep/__init__.py at github.com/deepseek-ai/DeepEP commit
+# dd758caf451848bd150e1046af3d0a73e5fff38d (v2.1.0): the names it binds after initialisation
+# ("Import APIs after initialisation"). It has no __all__; its namespace also holds the
+# initialisation's own helpers (os, torch, glob, subprocess, filecmp, functools, find_nccl_root,
+# find_cuda_home, check_nccl_so, init_jit), its subpackages and __version__: not API, and
+# moecomm exports none of them, nor any helper of its own.
 DEEPEP_INIT_EXPORTS = {
     "Buffer",
     "ElasticBuffer",
@@ -49,11 +51,13 @@ DEEPEP_INIT_EXPORTS = {
 
 
 def test_module_exports_exactly_deepeps_names():
-    public = {n for n in vars(deep_ep) if not n.startswith("_")}
-    assert public == DEEPEP_INIT_EXPORTS
-    assert sorted(deep_ep.__all__) == sorted(DEEPEP_INIT_EXPORTS)
+    assert set(deep_ep.__all__) == DEEPEP_INIT_EXPORTS
+    assert len(deep_ep.__all__) == len(DEEPEP_INIT_EXPORTS)
+    # Every attribute but the dunders: no helper, no imported module, no private name (and no
+    # submodule left behind by the imports of the implementation).
+    assert {n for n in dir(deep_ep) if not n.startswith("__")} == DEEPEP_INIT_EXPORTS
     assert deep_ep.topk_idx_t is torch.int64
-    for name in ("ElasticBuffer", "EPHandle", "Config", "EventOverlap", "Buffer"):
+    for name in ("ElasticBuffer", "EPHandle", "Config", "EventOverlap", "EventHandle", "Buffer"):
         assert isinstance(getattr(deep_ep, name), type)
     # vLLM's annotations: `deep_ep.Config | None`.
     assert (deep_ep.Config | None) is not None

@@ -41,9 +41,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from moecomm.compat import nixl_ep
-from moecomm.compat._nixl_ep_pairs import handshake
-from moecomm.compat._nixl_ep_runtime import SLOT_TOPK
 from moecomm.compat.nixl_ep import Buffer, Config, EventOverlap
+from moecomm.compat.nixl_ep_impl import buffer as nixl_ep_buffer
+from moecomm.compat.nixl_ep_impl.pairs import handshake
+from moecomm.compat.nixl_ep_impl.runtime import SLOT_TOPK
 
 GROUP_TIMEOUT_S = 150
 
@@ -318,12 +319,27 @@ def test_nixl_signatures(method):
     assert _plain(getattr(Buffer, method)) == NIXL_SIGNATURES[method]
 
 
+# NIXL-EP's nixl_ep/__init__.py (github.com/ai-dynamo/nixl examples/device/ep, commit
+# 8770b655a, unchanged since f97f364e5): `__all__ = ["Buffer", "EventOverlap", "Config"]`, and
+# `topk_idx_t` bound beside it. The rest of its namespace is its loader's (importlib, os, sys,
+# contextmanager, torch, the compiled module, the buffer/utils submodules), not API.
+NIXL_EP_ALL = {"Buffer", "EventOverlap", "Config"}
+NIXL_EP_EXPORTS = NIXL_EP_ALL | {"topk_idx_t"}
+
+
+def test_module_exports_exactly_nixl_eps_names():
+    assert set(nixl_ep.__all__) == NIXL_EP_ALL and len(nixl_ep.__all__) == len(NIXL_EP_ALL)
+    # Every attribute but the dunders: no helper, no imported module, no private name.
+    assert {n for n in dir(nixl_ep) if not n.startswith("__")} == NIXL_EP_EXPORTS
+    for name in NIXL_EP_ALL:
+        assert isinstance(getattr(nixl_ep, name), type)
+
+
 def test_aliases_and_exports():
     # NIXL-EP's dispatch/combine take *args, **kwargs and call the low-latency ones.
     assert _plain(Buffer.dispatch) == NIXL_SIGNATURES["low_latency_dispatch"]
     assert _plain(Buffer.combine) == NIXL_SIGNATURES["low_latency_combine"]
-    assert sorted(nixl_ep.__all__) == sorted(["Buffer", "EventOverlap", "Config"])  # nixl_ep's
-    assert nixl_ep.topk_idx_t is torch.int64 and nixl_ep.DEFAULT_TIMEOUT_MS == 30_000
+    assert nixl_ep.topk_idx_t is torch.int64 and nixl_ep_buffer.DEFAULT_TIMEOUT_MS == 30_000
     assert _plain(Config) == (
         "(num_sms=20, num_max_nvl_chunked_send_tokens=6, num_max_nvl_chunked_recv_tokens=256, "
         "num_max_rdma_chunked_send_tokens=6, num_max_rdma_chunked_recv_tokens=256)"
@@ -472,14 +488,14 @@ def test_rank_bound_below_capacity_and_replicas_keyword(tmp_path):
 
 
 def test_replicas_env(tmp_path, monkeypatch):
-    monkeypatch.setenv(nixl_ep.REPLICAS_ENV, '{"5": [0]}')
+    monkeypatch.setenv(nixl_ep_buffer.REPLICAS_ENV, '{"5": [0]}')
     b = _one(tmp_path)
     assert b.local_experts == [0, 1, 2, 3, 5]
     b.destroy()
-    monkeypatch.setenv(nixl_ep.REPLICAS_ENV, "[1, 2]")
+    monkeypatch.setenv(nixl_ep_buffer.REPLICAS_ENV, "[1, 2]")
     with pytest.raises(ValueError, match="MOECOMM_NIXL_EP_REPLICAS"):
         Buffer(rank=0)
-    monkeypatch.setenv(nixl_ep.REPLICAS_ENV, '{"1": [0]}')  # expert 1's primary is rank 0
+    monkeypatch.setenv(nixl_ep_buffer.REPLICAS_ENV, '{"1": [0]}')  # expert 1's primary is rank 0
     (tmp_path / "again").mkdir()
     with pytest.raises(ValueError, match="primary"):
         _one(tmp_path / "again")
@@ -559,7 +575,7 @@ def test_handshake_ignores_stale_keys():
 def test_handshake_deadline():
     store = dist.HashStore()
     t0 = time.monotonic()
-    with pytest.raises(moecomm.TimeoutError, match=r"ranks \[1\] did not connect"):
+    with pytest.raises(moecomm.DeadlineExceededError, match=r"ranks \[1\] did not connect"):
         handshake(store, "p", 0, {1: {"inc": "a", "ctrl": "c"}}, 0.3)
     assert time.monotonic() - t0 < 5
     assert not store.check(["p/hello/0/1"])  # withdrawn

@@ -37,6 +37,8 @@ ALIAS_FILES = [ROOT / "engines" / "alias" / n for n in
                ("moecomm_engine_alias.py", "moecomm_engine_alias.pth")]  # fmt: skip
 ALIASES = {"deep_ep": "moecomm.compat.deep_ep", "nixl_ep": "moecomm.compat.nixl_ep"}
 ALIAS_ENV = {"deep_ep": "MOECOMM_AS_DEEP_EP", "nixl_ep": "MOECOMM_AS_NIXL_EP"}
+# Where the rank processes put their tensors: "cpu"; test_engines_gpu.py sets "cuda".
+DEVICE = os.environ.get("MOECOMM_ENGINES_DEVICE", "cpu")
 
 
 def engines_dir() -> Path:

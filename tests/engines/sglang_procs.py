@@ -24,6 +24,7 @@ import json
 import os
 import types
 
+import engine_env
 import moe_reference as ref
 import torch
 
@@ -31,7 +32,7 @@ H = 2048
 M = 8
 EXPERTS_PER_RANK = 8
 SEED = 23
-DEVICE = os.environ.get("MOECOMM_ENGINES_DEVICE", "cpu")  # test_engines_gpu.py: "cuda"
+DEVICE = engine_env.DEVICE  # test_engines_gpu.py: "cuda"
 
 
 # A tiny MoE checkpoint's config.json (no weights): what ServerArgs reads at construction.

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import types
 
+import engine_env
 import moe_reference as ref
 import torch
 
@@ -31,7 +32,7 @@ M = 8  # max tokens per rank
 EXPERTS_PER_RANK = 8
 SEED = 11
 # Where the drives put their tensors: "cpu" here; test_engines_gpu.py sets "cuda".
-DEVICE = os.environ.get("MOECOMM_ENGINES_DEVICE", "cpu")
+DEVICE = engine_env.DEVICE
 
 
 def setup(ctx) -> None:

@@ -1,7 +1,9 @@
-"""DeepEP's small module-level API, as ``moecomm.compat.deep_ep`` exports it: ``Config`` (the
-high-throughput kernels' tuning record, ``deep_ep._C.Config``), the recommended configs by
-rank count (``Buffer.get_dispatch_config`` / ``get_combine_config``), and the domain-size
-functions of ``deep_ep/utils/envs.py``.
+"""DeepEP's module-level API apart from the buffers, which every API of ``moecomm.compat``
+shares: ``Config`` (the high-throughput kernels' tuning record, ``deep_ep._C.Config``), the
+recommended configs by rank count (``Buffer.get_dispatch_config`` / ``get_combine_config``),
+the domain-size functions of ``deep_ep/utils/envs.py``, ``topk_idx_t``, the events of
+``deep_ep/utils/event.py`` (``EventHandle``, ``EventOverlap``, and moecomm's
+``CompletedEvent``), and the error of a call moecomm refuses by name.
 
 moecomm's normal mode moves rows over its host channels, so a ``Config`` is accepted and
 ignored by the calls; it is kept with DeepEP's checks and size hints (callers such as SGLang
@@ -9,14 +11,32 @@ size ``num_nvl_bytes`` / ``num_rdma_bytes`` with them, which moecomm ignores as 
 
 from __future__ import annotations
 
+import torch
+
 __all__ = [
+    "CompletedEvent",
     "Config",
+    "EventHandle",
+    "EventOverlap",
     "combine_config",
     "dispatch_config",
     "get_logical_domain_size",
     "get_physical_domain_size",
+    "refused",
     "table_config",
+    "topk_idx_t",
 ]
+
+# ``deep_ep.topk_idx_t`` / ``nixl_ep.topk_idx_t`` (the C++ ``topk_idx_t``, int64 in their
+# default builds).
+topk_idx_t = torch.int64
+
+
+def refused(owner: str, method: str, why: str) -> NotImplementedError:
+    """The error of ``{owner}.{method}`` (``owner``: ``deep_ep.Buffer``, ``nixl_ep.Buffer``,
+    ``ElasticBuffer``), a call moecomm does not implement."""
+    return NotImplementedError(f"{owner}.{method} is not implemented by moecomm: {why}")
+
 
 # csrc/kernels/legacy/compiled.cuh and config.hpp of DeepEP.
 NUM_MAX_NVL_PEERS = 8
@@ -207,3 +227,73 @@ def get_physical_domain_size(group) -> tuple[int, int]:
 def get_logical_domain_size(group, allow_hybrid_mode: bool = True) -> tuple[int, int]:
     """``(num_scaleout_ranks, num_scaleup_ranks)``: as the physical domain (no hybrid mode)."""
     return 1, _group_size(group)
+
+
+# ---------------------------------------------------------------------------- events
+class EventHandle:
+    """DeepEP's ``deep_ep.EventHandle``: an event recorded on the current CUDA stream at
+    construction; ``current_stream_wait()`` makes the (then) current stream wait for it.
+
+    Where CUDA was never initialised in this process no device work exists to order, so the
+    handle records nothing (``event`` is None) and its wait is a no-op: the host calls of
+    moecomm are complete when they return."""
+
+    def __init__(self) -> None:
+        self.event = None
+        if torch.cuda.is_initialized():
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream())
+
+    def current_stream_wait(self) -> None:
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+
+class EventOverlap:
+    """DeepEP's ``deep_ep.EventOverlap`` (``deep_ep/utils/event.py``): ``event`` (an
+    :class:`EventHandle`-like object, or None), ``extra_tensors``, ``current_stream_wait()``,
+    ``register_hook_after_wait``, ``with event:`` / ``with event(release_handle=True):``.
+
+    One difference: DeepEP asserts ``event is not None`` in ``current_stream_wait``; here an
+    event of None stands for a call that completed on the host before it returned (moecomm's
+    host path), so the wait is a no-op (the hook still runs)."""
+
+    def __init__(self, event=None, extra_tensors: tuple | None = None) -> None:
+        self.event = event
+        self.extra_tensors = extra_tensors
+        self._release_handle_by_call = False
+        self.hook_after_wait = None
+
+    def current_stream_wait(self, release_handle: bool = False) -> None:
+        if self.event is not None:
+            self.event.current_stream_wait()
+        if self.hook_after_wait is not None:
+            self.hook_after_wait()
+            self.hook_after_wait = None
+        if release_handle:
+            self.event = None
+
+    def register_hook_after_wait(self, hook_after_wait) -> None:
+        if self.hook_after_wait is not None:
+            raise RuntimeError("A hook is already registered on this `EventOverlap`")
+        self.hook_after_wait = hook_after_wait
+
+    def __call__(self, release_handle: bool = False) -> EventOverlap:
+        self._release_handle_by_call = release_handle
+        return self
+
+    def __enter__(self) -> EventOverlap:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.event is not None:
+            self.current_stream_wait(release_handle=self._release_handle_by_call)
+        self._release_handle_by_call = False
+
+
+class CompletedEvent(EventOverlap):
+    """The event of a host call: complete when the call returned (``event`` is None, as
+    DeepEP's is without ``async_finish``)."""
+
+    def __init__(self) -> None:
+        super().__init__(None)

@@ -3,9 +3,9 @@
 ``topk_idx_t``, ``get_physical_domain_size``, ``get_logical_domain_size``) and nothing else, so
 that an engine can import this module as ``deep_ep`` (opt-in, ``engines/alias``:
 ``MOECOMM_AS_DEEP_EP=1``). ``Buffer``'s low-latency API runs over moecomm's slot protocol: CPU
-tensors on the host transport (``_ll_buffer.py``, ``_ll_host.py``), CUDA tensors on the device
-kernels over CUDA IPC (``_ll_device.py``); its normal mode and ``ElasticBuffer`` on the host
-transport (``_normal.py``, ``elastic.py``).
+tensors on the host transport (``low_latency/buffer.py``, ``low_latency/host.py``), CUDA
+tensors on the device kernels over CUDA IPC (``low_latency/device.py``); its normal mode and
+``ElasticBuffer`` on the host transport (``normal/mode.py``, ``elastic.py``).
 
 Same signatures as DeepEP's ``deep_ep.Buffer`` (``deep_ep/buffers/legacy.py``, DeepEP dd758ca):
 names, order and defaults, moecomm's own options keyword-only after them. Rank ``r`` hosts
@@ -13,7 +13,7 @@ experts ``r*L .. r*L+L-1`` (``L = num_experts / num_ranks``) and owns a request 
 (``ServerChannel``) and a response ring (``ClientChannel``) per peer, itself included.
 
 - **dispatch** (a *round*: seq = round + 1, slot = round % 2): cast with DeepEP's fp8 formula
-  (``_ll_cast.py``), pack one request per rank with :func:`moecomm.ops.pack_dispatch` (each
+  (``low_latency/cast.py``), pack one request per rank with :func:`moecomm.ops.pack_dispatch` (each
   token once per destination), write them all, wake every rank. Receive = wait for every rank's
   request of this round and lay the copies out per local expert.
 - **combine** (its own counter: answers in slot c % 2 with seq ``COMBINE_SEQ_BASE + c + 1``):
@@ -29,18 +29,19 @@ goes on without it. Differences from DeepEP (docs/compat-deep-ep.md lists them a
 1. **Order inside an expert is deterministic**: source rank major, token index ascending
    (DeepEP: arrival order). ``layout_range`` describes it exactly as in DeepEP.
 2. **CPU or CUDA tensors, one kind per Buffer**. On the host, calls complete before they return
-   and ``event`` is a :class:`CompletedEvent`. The CUDA path (``_ll_device.py``, not yet run on
-   a GPU) keeps the same contract and flags, but refuses shrink mode and
+   and ``event`` is a :class:`CompletedEvent`. The CUDA path (``low_latency/device.py``, not
+   yet run on a GPU) keeps the same contract and flags, but refuses shrink mode and
    ``combine_wait_recv_cost_stats``.
 3. ``use_logfmt``: the answers travel as bf16 and the receiver reduces their LogFMT-10
-   round trip (``_ll_cast.logfmt_roundtrip``: DeepEP's formula in exact f32, where DeepEP uses
-   approximate lg2/ex2): DeepEP's numerics within its tolerance, not its bits nor its bandwidth.
+   round trip (``low_latency.cast.logfmt_roundtrip``: DeepEP's formula in exact f32, where
+   DeepEP uses approximate lg2/ex2): DeepEP's numerics within its tolerance, not its bits nor
+   its bandwidth.
 4. Rows past ``recv_count`` are stale; ``src_info`` is -1 there. Cost stats are nanoseconds of
    host wait per source rank (DeepEP: GPU clock cycles).
 5. Buffer sizes, QPs and the NVLink/MNNVL flags are accepted and ignored (slots are sized from
    the shape). With ``low_latency_mode=False`` the low-latency methods raise, as DeepEP's
    assert; the normal-mode ones (``get_dispatch_layout``, ``dispatch``, ``combine``: host
-   tensors, ``_normal.py``) work on every Buffer, as in DeepEP.
+   tensors, ``normal/mode.py``) work on every Buffer, as in DeepEP.
 6. **Rendezvous**: a ``ProcessGroup`` (one ``all_gather_object``), an mpi4py ``comm``, or the
    keyword-only ``rank``, ``num_ranks`` and ``store``. Set up at construction when the
    keyword-only shape is given, else at the first dispatch. ``num_max_dispatch_tokens_per_rank``,
@@ -48,10 +49,11 @@ goes on without it. Differences from DeepEP (docs/compat-deep-ep.md lists them a
    DeepEP (``topk_idx.shape[1]``): the slots hold the largest top-k seen, and a larger one
    re-sizes them (host path: a rendezvous at that dispatch, with no results in flight; the CUDA
    path refuses it by name).
-7. **Every wait has a deadline** (``timeout``): ``moecomm.TimeoutError`` /
+7. **Every wait has a deadline** (``timeout``): ``moecomm.DeadlineExceededError`` /
    ``moecomm.PeerLostError`` naming the rank, or, with ``enable_shrink``, that rank masked.
 8. moecomm extension, opt-in: ``replicas={expert: [ranks]}`` (with shrink) re-routes a masked
-   rank's experts to live replicas; local experts become ``local_experts`` (``_ll_replicas.py``).
+   rank's experts to live replicas; local experts become ``local_experts``
+   (``low_latency/replicas.py``).
 9. Refused by name (``NotImplementedError`` saying why) at the first call:
    ``get_local_buffer_tensor`` (no single registered region), ``get_comm_stream``,
    ``internode_dispatch`` / ``internode_combine``, NVFP4 dispatch (``use_nvfp4`` /
@@ -60,15 +62,16 @@ goes on without it. Differences from DeepEP (docs/compat-deep-ep.md lists them a
    first one's.
 """
 
-from moecomm.compat._deepep_api import (
+from moecomm.compat.api import (
     Config,
+    EventHandle,
+    EventOverlap,
     get_logical_domain_size,
     get_physical_domain_size,
+    topk_idx_t,
 )
-from moecomm.compat._elastic_handle import EPHandle
-from moecomm.compat._ll_buffer import Buffer, topk_idx_t
-from moecomm.compat._ll_support import EventHandle, EventOverlap
-from moecomm.compat.elastic import ElasticBuffer
+from moecomm.compat.elastic import ElasticBuffer, EPHandle
+from moecomm.compat.low_latency.buffer import Buffer
 
 # Exactly the API names of DeepEP's deep_ep/__init__.py (v2.1.0); no helper is exported.
 __all__ = [

@@ -1,6 +1,6 @@
 """DeepEP V2's ``deep_ep.ElasticBuffer`` / ``EPHandle`` (``deep_ep/buffers/elastic.py`` of
 github.com/deepseek-ai/DeepEP, v2.1.0), the expert-parallel part, over moecomm: CPU tensors on
-the host transport, on top of :class:`moecomm.compat._normal.NormalMode`.
+the host transport, on top of :class:`moecomm.compat.normal.mode.NormalMode`.
 
 Answered: ``dispatch`` (plain and expanded layouts, fp8 ``(x, sf)`` input, cached ``EPHandle``,
 ``cumulative_local_expert_recv_stats``), ``combine`` (bias 0/1/2, top-k weights), ``barrier``,
@@ -51,10 +51,10 @@ from __future__ import annotations
 
 import torch
 
-from moecomm.compat._elastic_handle import AGRS, ENGRAM, PP, EPHandle, refuse
-from moecomm.compat._ll_support import EventHandle, EventOverlap, exchange
-from moecomm.compat._normal import CompletedEvent, NormalMode, _check_cpu
-from moecomm.transport import ShmTransport
+from moecomm.compat.api import CompletedEvent, EventHandle, EventOverlap, refused
+from moecomm.compat.normal.mode import NormalMode, check_bias, check_cpu
+from moecomm.compat.rendezvous import exchange, group_rank_and_size
+from moecomm.wire.shm import ShmTransport
 
 __all__ = ["EPHandle", "ElasticBuffer"]
 
@@ -67,12 +67,54 @@ def _align(n: int, a: int) -> int:
 
 
 def _store_exchange(rank: int, num_ranks: int, group, store, prefix: str, timeout: float):
-    """The rendezvous of deep_ep.Buffer (_ll_support.exchange), bound to this buffer."""
+    """The rendezvous of deep_ep.Buffer (rendezvous.exchange), bound to this buffer."""
 
     def gather(mine: dict) -> list:
         return exchange(mine, rank, num_ranks, group, store, prefix, timeout)
 
     return gather
+
+
+class EPHandle:
+    """DeepEP's ``EPHandle``: the routing of one dispatch, reused by a cached dispatch and
+    consumed by ``combine``. Same attribute names and meanings (see the module docstring);
+    ``token_metadata_at_forward`` and ``channel_linked_list`` (hybrid mode) are ``None``."""
+
+    def __init__(self, **kw) -> None:
+        self.__dict__.update(kw)
+
+    do_expand: bool
+    num_experts: int
+    expert_alignment: int
+    num_max_tokens_per_rank: int
+    num_sms: int
+    topk_idx: torch.Tensor
+    num_recv_tokens: int
+    num_expanded_tokens: int
+    num_recv_tokens_per_expert_list: list
+    psum_num_recv_tokens_per_scaleup_rank: torch.Tensor
+    psum_num_recv_tokens_per_expert: torch.Tensor
+    num_unaligned_recv_tokens_per_expert: torch.Tensor | None
+    recv_src_metadata: torch.Tensor
+    dst_buffer_slot_idx: torch.Tensor
+    token_metadata_at_forward: None = None
+    channel_linked_list: None = None
+
+
+def refuse(method: str, why: str):
+    """An ``ElasticBuffer`` method moecomm does not answer: it raises NotImplementedError saying
+    why (as :func:`moecomm.compat.api.refused` words it)."""
+
+    def refuse_call(self, *args, **kwargs):
+        raise refused("ElasticBuffer", method, why)
+
+    refuse_call.__name__ = method
+    return refuse_call
+
+
+ENGRAM = "Engram (remote KV-cache fetch over RDMA into CPU storage) has no moecomm equivalent"
+PP = "pipeline-parallel send/recv belongs to moecomm.wire.stage / moecomm.pipeline"
+AGRS = "all-gather/reduce-scatter sessions are not an expert-parallel operation moecomm serves"
 
 
 class ElasticBuffer:
@@ -109,13 +151,10 @@ class ElasticBuffer:
                 "storage, which moecomm does not implement"
             )
         if group is not None:
-            import torch.distributed as dist
-
-            if not isinstance(group, dist.ProcessGroup):
-                raise TypeError(f"group must be a ProcessGroup or None, got {type(group).__name__}")
+            rank_size = group_rank_and_size(group)
             if rank is not None or num_ranks is not None or store is not None:
                 raise ValueError("pass either a process group or rank/num_ranks/store, not both")
-            rank, num_ranks = group.rank(), group.size()
+            rank, num_ranks = rank_size
         elif rank is None or num_ranks is None or store is None:
             raise ValueError("without a process group, rank=, num_ranks= and store= are required")
         timeout = float(num_cpu_timeout_secs if timeout is None else timeout)
@@ -235,7 +274,7 @@ class ElasticBuffer:
     ):
         nm = self._live()
         x, sf = x if isinstance(x, tuple) else (x, None)
-        _check_cpu("x", x)
+        check_cpu("x", x)
         r = self.num_ranks
         if handle is not None:
             if not isinstance(handle, EPHandle) or handle.owner != id(self):
@@ -268,7 +307,7 @@ class ElasticBuffer:
         if n > m:
             raise ValueError(f"{n} tokens exceed num_max_tokens_per_rank={m}")
         if topk_weights is not None:
-            _check_cpu("topk_weights", topk_weights)
+            check_cpu("topk_weights", topk_weights)
             if topk_weights.dtype != torch.float32 or topk_weights.shape != topk_idx.shape:
                 raise ValueError(f"topk_weights must be float32 {list(topk_idx.shape)}")
         num_topk = topk_idx.shape[1]
@@ -404,7 +443,7 @@ class ElasticBuffer:
         nm = self._live()
         if not isinstance(handle, EPHandle) or handle.owner != id(self):
             raise ValueError("handle must be an EPHandle from a dispatch of this buffer")
-        _check_cpu("x", x)
+        check_cpu("x", x)
         if x.dtype != torch.bfloat16 or x.dim() != 2:
             raise ValueError(f"x must be bf16 [num_tokens, hidden], got {x.dtype} {list(x.shape)}")
         nh, num_recv, hidden = handle._normal, handle.num_recv_tokens, x.shape[1]
@@ -419,7 +458,7 @@ class ElasticBuffer:
         # Per received token: the rows to send back, and the weights [num_recv, K].
         w_back = None
         if topk_weights is not None:
-            _check_cpu("topk_weights", topk_weights)
+            check_cpu("topk_weights", topk_weights)
             if handle.do_expand:
                 if topk_weights.dim() != 1 or topk_weights.dtype != torch.float32:
                     raise ValueError("topk_weights must be float32 [num_expanded_tokens]")
@@ -444,13 +483,8 @@ class ElasticBuffer:
             y = acc.to(torch.bfloat16)
         extra = [] if w_back is None else [w_back]
         back = nm.send_back(y, nh, extra)
-        bias0, bias1 = bias if isinstance(bias, tuple) else (bias, None)
+        bias0, bias1 = check_bias(bias, n, hidden)
         out = torch.zeros((n, hidden), dtype=torch.float32)
-        for b in (bias0, bias1):
-            if b is not None:
-                _check_cpu("bias", b)
-                if b.dtype != torch.bfloat16 or tuple(b.shape) != (n, hidden):
-                    raise ValueError(f"bias must be bf16 [{n}, {hidden}]")
         if bias0 is not None and bias1 is not None:
             out = bias0.float() + bias1.float()
         elif bias0 is not None:

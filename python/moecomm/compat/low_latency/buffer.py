@@ -1,7 +1,7 @@
 """``deep_ep.Buffer`` over moecomm (exported as ``moecomm.compat.deep_ep.Buffer``; see that
 module's docstring for the contract and the differences from DeepEP): the constructor and
-rendezvous, the low-latency dispatch/combine (host path here and in ``_ll_host.py``, CUDA path in
-``_ll_device_path.py``), the rest of DeepEP's ``Buffer`` surface (static helpers, configs,
+rendezvous, the low-latency dispatch/combine (host path here and in ``host.py``, CUDA path in
+``device.py``), the rest of DeepEP's ``Buffer`` surface (static helpers, configs,
 events) and the members moecomm refuses by name.
 
 Top-k per call: the slots are sized for the largest top-k the buffer has seen (its first
@@ -20,50 +20,52 @@ from collections import deque
 
 import torch
 
-from moecomm.compat._api_common import refused, topk_idx_t
-from moecomm.compat._deepep_api import Config, combine_config, dispatch_config
-from moecomm.compat._ll_device_ops import (
+from moecomm.compat.api import (
+    CompletedEvent,
+    Config,
+    EventHandle,
+    EventOverlap,
+    combine_config,
+    dispatch_config,
+    refused,
+)
+from moecomm.compat.low_latency.device import DevicePath
+from moecomm.compat.low_latency.device_ops import (
     DeviceHandle,
     check_mode,
     check_ue8m0_hidden,
     input_device,
 )
-from moecomm.compat._ll_device_path import DevicePath
-from moecomm.compat._ll_host import HostPath
-from moecomm.compat._ll_layout import (
+from moecomm.compat.low_latency.host import HostPath
+from moecomm.compat.low_latency.layout import (
+    COMBINE_SEQ_BASE,
+    NUM_SLOTS,
     LLShape,
+    LowLatencyHandle,
     Scratch,
+    check_combine_inputs,
+    check_cost_stats,
     check_dispatch_inputs,
     check_host,
     check_same_shape,
     check_shape,
-)
-from moecomm.compat._ll_replicas import ReplicaPlan, check_replicas_arg
-from moecomm.compat._ll_rounds import RoundsMixin
-from moecomm.compat._ll_support import (
-    COMBINE_SEQ_BASE,
-    NUM_SLOTS,
-    CompletedEvent,
-    EventHandle,
-    EventOverlap,
-    LowLatencyHandle,
-    check_combine_inputs,
-    check_cost_stats,
-    exchange,
     shm_bytes_per_rank,
     slot_layout,
 )
-from moecomm.compat._normal_calls import NormalCalls
-from moecomm.slot_channel import DEFAULT_TIMEOUT_S
-from moecomm.slots import ClientChannel, ServerChannel
-from moecomm.transport import ShmTransport
+from moecomm.compat.low_latency.replicas import ReplicaPlan, check_replicas_arg
+from moecomm.compat.normal.mode import NormalCalls
+from moecomm.compat.rendezvous import exchange, group_rank_and_size
+from moecomm.wire.channel import DEFAULT_TIMEOUT_S
+from moecomm.wire.client import ClientChannel
+from moecomm.wire.server import ServerChannel
+from moecomm.wire.shm import ShmTransport
 
-__all__ = ["Buffer", "topk_idx_t"]
+__all__ = ["Buffer"]
 
 DEFAULT_STORE_PREFIX = "moecomm.compat.deep_ep"
 # Only for get_low_latency_rdma_size_hint, which is not told the top-k (DeepSeek-V3 uses 8).
 SIZE_HINT_TOPK = 8
-_refused = functools.partial(refused, "deep_ep")
+_refused = functools.partial(refused, "deep_ep.Buffer")
 
 _NO_LOCAL_BUFFER = (
     "DeepEP returns a view of its registered NVLink/RDMA buffer, the one region its peers "
@@ -79,7 +81,7 @@ _NO_INTERNODE = (
 )
 
 
-class Buffer(RoundsMixin, NormalCalls, HostPath):
+class Buffer(HostPath, NormalCalls):
     """DeepEP's ``deep_ep.Buffer`` on moecomm: low-latency and normal-mode dispatch/combine
     with DeepEP's signatures; see ``moecomm.compat.deep_ep`` for the contract."""
 
@@ -120,11 +122,7 @@ class Buffer(RoundsMixin, NormalCalls, HostPath):
         if (group is not None or comm is not None) and any(v is not None for v in given):
             raise ValueError("pass a process group (or comm) or rank/num_ranks/store, not both")
         if group is not None:
-            import torch.distributed as dist
-
-            if not isinstance(group, dist.ProcessGroup):
-                raise TypeError(f"group must be a ProcessGroup or None, got {type(group).__name__}")
-            rank, num_ranks = group.rank(), group.size()
+            rank, num_ranks = group_rank_and_size(group)
         elif comm is not None:
             rank, num_ranks = comm.Get_rank(), comm.Get_size()
         elif rank is None or num_ranks is None or store is None:

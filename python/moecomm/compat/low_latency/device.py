@@ -11,7 +11,7 @@ through an ``IpcPeerTable`` (the region handles travel through the Buffer's rend
 rank must be on one node: a handle from another node is refused with a clear error).
 
 The wire mapping (one request row per (token, k) copy, a sink row per destination, one slot
-per dispatch parity) and the pure-torch halves of the path are in ``_ll_device_ops.py``.
+per dispatch parity) and the pure-torch halves of the path are in ``low_latency/device_ops.py``.
 
 Receive: the gather kernel polls without waiting, so the receive re-launches it until every
 rank's request of this slot is admitted, reading the 32-byte entry states back each pass — the
@@ -21,9 +21,9 @@ the per-expert layout into DeepEP's packed ``recv_x`` / scales / ``src_info`` / 
 launches no host read either; the per-peer statuses of a combine are checked at the next receive
 of the Buffer (where the host synchronises anyway).
 
-DeepEP's contract, as on the host path (deep_ep.py), in the kernels' terms:
+DeepEP's contract, as on the host path (``moecomm.compat.deep_ep``), in the kernels' terms:
 
-- **fp8** is cast in torch on the device with DeepEP's formula (``_ll_cast.deepep_cast``, the
+- **fp8** is cast in torch on the device with DeepEP's formula (``cast.deepep_cast``, the
   host path's function: 1e-4 amax floor, ``448 / amax`` as an f32 division, saturating e4m3,
   ``round_scale``'s powers of two) and sent as it is: ``DispatchArgs.x_scales`` makes the pack
   kernel copy the e4m3 bytes and their f32 scales instead of quantizing with moecomm's formula.
@@ -37,7 +37,7 @@ DeepEP's contract, as on the host path (deep_ep.py), in the kernels' terms:
   combine ``c`` of a lane answers on its own sequence space (``COMBINE_SEQ_BASE + c + 1``, the
   host path's) in response slot ``c % 2``: the server workspace of that slot gets the handle's
   entries re-stamped with that sequence before ``server_respond``, the client workspace the
-  same sequence before ``client_combine`` (``_ll_device_combine.py``). So a second combine of a
+  same sequence before ``client_combine`` (below). So a second combine of a
   handle is never mistaken for the first, and each response slot is written from one server
   workspace only (its cumulative arrival counter stays exact).
 - ``zero_copy`` and ``use_logfmt`` (the host path's numerics, bf16 on the wire) work;
@@ -50,6 +50,32 @@ This path has been checked on CPU with stand-in kernels only; it has not run on 
 
 Everything runs on the caller's current stream; a call on another stream than the previous one
 first waits for the previous call's event, so the order of the calls is the order on the device.
+
+**Combine** (a handle combined any number of times, at any time, each combine on its own
+sequence number). The device kernels answer a request with the request's own sequence, from
+the server workspace of its gather, into the response slot of its request slot. So the combine
+does not use them as they were left: combine ``c`` of a lane uses slot ``j = c % 2`` and sequence
+``COMBINE_SEQ_BASE + c + 1`` (the host path's combine sequence space, far above any dispatch
+sequence):
+
+- **respond** (server side): the handle's admitted entries (copied at its receive) are written
+  into the entries of server workspace ``j`` at entry ``(client, j)``, re-stamped with that
+  sequence and ``layer_id = j``, with their first step tokens and the handle's ``slot_of``;
+  every other entry is idle. ``server_respond`` then answers each client in its response slot
+  ``j``. Response slot ``j`` of a client is only ever written from workspace ``j``'s entry
+  ``(client, j)``, so the cumulative arrival counter that entry keeps stays exact. (Its
+  release of our request slot compares against this sequence and so leaves the request slot
+  alone: a request slot is only ever overwritten by the next request, see above.)
+- **reduce** (client side): client workspace ``j`` gets the handle's per-server row counts and
+  this sequence for every server the dispatch sent to; ``client_combine`` waits (no reduce
+  launch) and the weighted sum is torch on the device (``combine_from_answers``), from the
+  handle's row map.
+
+Nothing here reads the device from the host: the statuses of a combine are checked at the next
+receive of its lane, where the host synchronises anyway.
+
+:class:`DevicePath` is the CUDA half of one Buffer (stream order across calls, the dispatch
+with its receive hook, the combine); its :class:`_Lane` per encoding holds the regions.
 """
 
 from __future__ import annotations
@@ -59,10 +85,14 @@ import time
 import torch
 
 from moecomm import _C
-from moecomm.compat._ll_cast import UE8M0_PACK
-from moecomm.compat._ll_device_combine import ENTRY_WORDS, LaneCombine
-from moecomm.compat._ll_device_ops import (
+from moecomm.compat.api import EventOverlap
+from moecomm.compat.low_latency.cast import UE8M0_PACK
+from moecomm.compat.low_latency.device_ops import (
     DeviceHandle,
+    check_device_combine,
+    check_device_cost,
+    check_device_inputs,
+    check_ue8m0_hidden,
     combine_from_answers,
     expand_dispatch,
     expand_quantized,
@@ -72,13 +102,25 @@ from moecomm.compat._ll_device_ops import (
     scatter_receive,
     ue8m0_scales,
 )
-from moecomm.compat._ll_layout import MAX_TOKENS_PER_RANK, LLShape
-from moecomm.compat._ll_support import NUM_SLOTS, EventOverlap, exchange
-from moecomm.cuda import arrival_timeout_ns
-from moecomm.errors import MoecommError, PeerLostError, ProtocolError, TimeoutError
-from moecomm.protocol import SCALE_BLOCK, SlotLayout
+from moecomm.compat.low_latency.layout import (
+    COMBINE_SEQ_BASE,
+    MAX_TOKENS_PER_RANK,
+    NUM_SLOTS,
+    LLShape,
+    check_same_shape,
+    check_shape,
+)
+from moecomm.compat.rendezvous import exchange
+from moecomm.errors import (
+    DeadlineExceededError,
+    MoecommError,
+    PeerLostError,
+    ProtocolError,
+)
+from moecomm.wire.cuda import arrival_timeout_ns, cuda_module, deadline_scale
+from moecomm.wire.protocol import SCALE_BLOCK, SlotLayout
 
-# The gather's payload wait: the one fact in moecomm.cuda (ARRIVAL_TIMEOUT_NS, scaled).
+# The gather's payload wait: the one fact in moecomm.wire.cuda (ARRIVAL_TIMEOUT_NS, scaled).
 # Host back-off between gather passes while requests are missing.
 MAX_POLL_SLEEP_S = 200e-6
 # EntryAction (dispatch_index.h) of the EntryState's first word.
@@ -87,9 +129,18 @@ _SEQ_MASK = (1 << 56) - 1
 # torch.cuda, through one name: the CPU tests run this module's glue with stand-in kernels.
 _cuda = torch.cuda
 
+# EntryState (dispatch_index.h): int32 action, code, num_tokens, topk, layer_id, reserved; u64 seq.
+ENTRY_WORDS = 8
+ENTRY_LAYER_WORD = 4
+ENTRY_SEQ_QWORD = 3  # the u64 seq as the 4th int64 of the 32-byte entry
+# client_dispatch.cuh's kBusySeq (all ones: a server skipped because its slot was busy), as the
+# int64 the workspace's u64 reads as.
+BUSY_SEQ = -1
+
 __all__ = [
     "CudaEvent",
     "DeviceHandle",
+    "DevicePath",
     "combine_from_answers",
     "expand_dispatch",
     "expert_rows",
@@ -139,12 +190,17 @@ def _bytes_view(ptr: int, nbytes: int, owner, device: torch.device) -> torch.Ten
     return torch.as_tensor(_DeviceMemory(ptr, nbytes, owner), device=device)
 
 
+def combine_seq(c: int) -> tuple[int, int]:
+    """(response slot, sequence) of combine `c` of a lane."""
+    return c % NUM_SLOTS, COMBINE_SEQ_BASE + c + 1
+
+
 # ---------------------------------------------------------------------------- lanes
-class _Lane(LaneCombine):
+class _Lane:
     """One encoding's regions, peer table, configs and workspaces (see the module docstring)."""
 
     def __init__(self, path, shape: LLShape, use_fp8: bool, device: torch.device):
-        # path: the _ll_device_path.DevicePath this lane belongs to
+        # path: the DevicePath this lane belongs to
         k = path.k
         buf = path.buf
         r, nr = buf.rank, buf.num_ranks
@@ -384,7 +440,7 @@ class _Lane(LaneCombine):
                         f"rank {p}: the process of rank {p} is gone"
                     )
             if time.monotonic() > deadline:
-                raise TimeoutError(
+                raise DeadlineExceededError(
                     f"deep_ep.Buffer rank {buf.rank}: waiting for the dispatch request of rank "
                     f"{missing[0]} (missing: ranks {missing}) timed out after {buf.timeout:.1f} s"
                 )
@@ -440,5 +496,245 @@ class _Lane(LaneCombine):
         self.table = None
         self.region_bytes = None
 
+    # -------------------------------------------------------------- combine
+
+    def respond(self, y: torch.Tensor, handle: DeviceHandle, stream) -> tuple[int, int]:
+        """Answers every client with `y`'s rows of `handle`; returns the (slot, seq) used."""
+        k, nr = self.path.k, self.path.buf.num_ranks
+        slot, seq = combine_seq(self.num_combines)
+        self.num_combines += 1
+        ws, lay = self.s_ws[slot], self.s_layout
+        entries = part(ws, lay, "entries", torch.int32, nr * NUM_SLOTS * ENTRY_WORDS)
+        entries = entries.view(nr, NUM_SLOTS, ENTRY_WORDS)
+        entries.zero_()  # idle: respond skips them
+        mine = entries[:, slot]
+        mine.copy_(handle.entries)
+        mine[:, ENTRY_LAYER_WORD] = slot
+        mine.view(torch.int64)[:, ENTRY_SEQ_QWORD] = seq
+        first = part(ws, lay, "batch_offsets", torch.int64, nr * NUM_SLOTS + 1)
+        first[: nr * NUM_SLOTS].view(nr, NUM_SLOTS)[:, slot].copy_(handle.first)
+        part(ws, lay, "slot_of", torch.int64, self.max_rows).copy_(handle.slot_of)
+        expert_rows(y, handle.expert, handle.pos, handle.valid, self.expert_out)
+        ra = k.ServerRespondArgs()
+        ra.expert_out, ra.expert_out_dtype = self.expert_out.data_ptr(), int(_C.Encoding.BF16)
+        ra.workspace = ws.data_ptr()
+        k.server_respond(self.peers, self.scfg, ra, stream.cuda_stream)
+        return slot, seq
+
+    def reduce(
+        self, handle: DeviceHandle, slot: int, seq: int, topk_idx, weights, out, use_logfmt, stream
+    ) -> None:
+        """Waits for the answers of combine (slot, seq) and sums them into `out`."""
+        k, buf = self.path.k, self.path.buf
+        nr = buf.num_ranks
+        ws, lay = self.c_ws[slot], self.c_layout
+        # Servers the dispatch sent nothing to (0, or the kernels' busy mark) stay so; every
+        # other one is waited for with this combine's sequence.
+        sent = handle.sent_seq
+        was_sent = (sent != 0) & (sent != BUSY_SEQ)
+        part(ws, lay, "sent_seq", torch.int64, nr).copy_(torch.where(was_sent, seq, sent))
+        part(ws, lay, "count", torch.int32, nr).copy_(handle.count)
+        ca = k.CombineArgs()
+        ca.num_tokens, ca.layer_id, ca.slot = 0, slot, slot  # wait only: we reduce below
+        ca.workspace, ca.out, ca.out_dtype = ws.data_ptr(), 0, int(_C.Encoding.BF16)
+        # Scaled like every device deadline (a sanitizer or debugger slows the server down).
+        ca.timeout_ns = int(buf.timeout * 1e9 * deadline_scale())
+        k.client_combine(self.peers, self.ccfg, ca, stream.cuda_stream)
+        h = self.shape.hidden
+        start = self.resp_base + _C.slot_offset(self.resp_slot_bytes, slot) + _C.PAYLOAD_OFFSET
+        answers = torch.as_strided(
+            self.region_bytes.view(torch.bfloat16),
+            (nr, self.max_tokens, h),
+            (self.resp_ring // 2, h, 1),
+            start // 2,
+        )
+        combine_from_answers(
+            answers, handle.rows_at, topk_idx, weights, self.num_local, out, use_logfmt
+        )
+        status = part(ws, lay, "status", torch.int32, nr)
+        self.pending_status.append((handle.index, status.clone()))
+
+    def check_statuses(self) -> None:
+        """Raises for a combine whose wait failed (read where the host synchronised anyway)."""
+        pending, self.pending_status = self.pending_status, []
+        names = {v: n for n, v in self.path.k.SERVER_STATUS.items()}
+        errors = {"PEER_LOST": PeerLostError, "TIMEOUT": DeadlineExceededError}
+        errors["PAYLOAD_TIMEOUT"] = DeadlineExceededError
+        for index, status in pending:
+            for q, code in enumerate(status.tolist()):
+                name = names.get(code, str(code))
+                if name not in ("OK", "NOT_SENT"):
+                    raise errors.get(name, ProtocolError)(
+                        f"deep_ep.Buffer rank {self.path.buf.rank}: a combine of dispatch "
+                        f"{index} got no valid answer from rank {q} ({name}); its output was "
+                        "wrong"
+                    )
+
 
 # ---------------------------------------------------------------------------- the path
+class DevicePath:
+    """The CUDA half of one deep_ep.Buffer."""
+
+    def __init__(self, buf, kernels=None) -> None:
+        try:
+            self.k = kernels or cuda_module()
+        except MoecommError as exc:
+            raise type(exc)(
+                f"deep_ep.Buffer got CUDA tensors, but its CUDA path cannot run: {exc}"
+            ) from exc
+        self.buf = buf
+        self.lanes: dict[bool, _Lane] = {}
+        self.device: torch.device | None = None
+        self.last_event = None
+        self.last_stream = None
+        self.num_dispatches = 0
+        self.combine_buffers: dict[tuple[bool, int], torch.Tensor] = {}
+
+    def _stream(self, device: torch.device):
+        if self.device is None:
+            self.device = device
+        elif device != self.device:
+            raise ValueError(f"this deep_ep.Buffer runs on {self.device}, got {device}")
+        stream = _cuda.current_stream(device)
+        if self.last_event is not None and stream != self.last_stream:
+            stream.wait_event(self.last_event)  # keep the calls in order across streams
+        return stream
+
+    def _done(self, stream) -> CudaEvent:
+        ev = CudaEvent(stream)
+        self.last_event, self.last_stream = ev.event.event, stream
+        return ev
+
+    def dispatch(
+        self, x, topk_idx, num_max, num_experts, stats, cost, flags, return_recv_hook, device
+    ):
+        """`flags`: (use_fp8, round_scale, use_ue8m0) as given to low_latency_dispatch."""
+        buf = self.buf
+        use_fp8, round_scale, use_ue8m0 = flags
+        check_device_inputs(x, topk_idx, num_max, num_experts, use_fp8)
+        check_ue8m0_hidden(use_ue8m0, x.shape[1])  # as the host path checks it
+        use_ue8m0 = use_ue8m0 and use_fp8  # bf16 rows have no scales (DeepEP ignores it)
+        shape = LLShape(num_max, x.shape[1], num_experts, topk_idx.shape[1])
+        if buf.shape is None:
+            buf.shape = check_shape(shape, buf.num_ranks)
+        else:
+            check_same_shape(buf.shape, shape)
+            if shape.num_topk > buf.shape.num_topk:
+                raise NotImplementedError(
+                    f"low_latency_dispatch on CUDA tensors with num_topk={shape.num_topk}: this "
+                    f"Buffer's CUDA slots were sized at its first dispatch for top-k up to "
+                    f"{buf.shape.num_topk}, and the CUDA path does not re-size them (the host "
+                    f"path does). Give the largest top-k at construction (Buffer(..., "
+                    f"num_topk=...) with the other shape keywords)"
+                )
+            shape = buf.shape  # the lane is sized for the buffer's top-k; this call uses fewer
+        num_local = num_experts // buf.num_ranks
+        if stats is not None and (
+            stats.dtype != torch.int32
+            or tuple(stats.shape) != (num_local,)
+            or stats.device != device
+        ):
+            raise ValueError(
+                f"cumulative_local_expert_recv_stats must be int32 [{num_local}] on the device, "
+                f"got {stats.dtype} {list(stats.shape)} on {stats.device}"
+            )
+        check_device_cost("dispatch_wait_recv_cost_stats", cost, buf.num_ranks, device)
+        stream = self._stream(device)
+        with _cuda.device(device), _cuda.stream(stream):
+            lane = self.lanes.get(use_fp8)
+            if lane is None:
+                lane = self.lanes[use_fp8] = _Lane(self, shape, use_fp8, device)
+            rows = buf.num_ranks * num_max
+            handle = DeviceHandle(
+                torch.full((num_local, rows), -1, dtype=torch.int32, device=device),
+                torch.zeros(num_local, buf.num_ranks, dtype=torch.int64, device=device),
+                num_max,
+                x.shape[1],
+                num_experts,
+            )
+            handle.owner, handle.index = id(buf), self.num_dispatches
+            # The reduce reads the ids the kernels routed, whatever the caller does with theirs.
+            handle.topk_idx, handle.lane = topk_idx.clone(), lane
+            # Whatever became of the dispatch two earlier (combined or not), its slot is reused,
+            # as DeepEP's buffers are: its handle keeps what its combine needs.
+            lane.send(x, topk_idx, round_scale, handle, stream)
+            self.num_dispatches += 1
+            recv_x = lane.recv_tensors(handle.slot, use_ue8m0)
+            recv_count = torch.zeros(num_local, dtype=torch.int32, device=device)
+            event = self._done(stream)
+
+        def hook() -> None:
+            if handle.received:
+                return
+            buf._check_open()
+            s = self._stream(device)
+            with _cuda.device(device), _cuda.stream(s):
+                lane.receive(handle, recv_x, recv_count, stats, cost, use_ue8m0, s)
+                self._done(s)
+
+        if return_recv_hook:
+            return recv_x, recv_count, handle, event, hook
+        hook()
+        return recv_x, recv_count, handle, self._done(stream), None
+
+    def combine_buffer(self, handle: DeviceHandle) -> torch.Tensor:
+        """The bf16 [L, R*M, H] device tensor the next zero_copy combine of `handle`'s lane
+        reads (one per response slot: reused two combines of the lane later)."""
+        lane, s = handle.lane, self.buf.shape
+        key = (lane.use_fp8, lane.num_combines % NUM_SLOTS)
+        got = self.combine_buffers.get(key)
+        if got is None:
+            want = (lane.num_local, self.buf.num_ranks * s.num_max_dispatch_tokens_per_rank)
+            with _cuda.device(lane.device):
+                got = torch.zeros(*want, s.hidden, dtype=torch.bfloat16, device=lane.device)
+            self.combine_buffers[key] = got
+        return got
+
+    def combine(self, x, topk_idx, topk_weights, handle, flags, return_recv_hook, out):
+        """`flags`: (use_logfmt, zero_copy) as given to low_latency_combine."""
+        buf = self.buf
+        use_logfmt, zero_copy = flags
+        if not handle.received:
+            raise RuntimeError("call the dispatch's receive hook before combining it")
+        lane = handle.lane
+        s = buf.shape
+        want = (s.num_experts // buf.num_ranks, buf.num_ranks * s.num_max_dispatch_tokens_per_rank)
+        check_device_combine(x, topk_idx, topk_weights, out, handle, (*want, s.hidden))
+        if zero_copy:
+            x = self.combine_buffer(handle)
+        device = x.device
+        stream = self._stream(device)
+        t = topk_idx.shape[0]
+        with _cuda.device(device), _cuda.stream(stream):
+            combined = (
+                out
+                if out is not None
+                else torch.empty(t, s.hidden, dtype=torch.bfloat16, device=device)
+            )
+            slot, seq = lane.respond(x, handle, stream)
+            # The host path's rule: a copy the combine's topk_idx no longer selects (-1 now)
+            # is left out; the others are read where the dispatch routed them.
+            idx = torch.where(topk_idx >= 0, handle.topk_idx, -1)
+            weights = topk_weights.clone() if return_recv_hook else topk_weights
+            event = self._done(stream)
+        done = []
+
+        def hook() -> None:
+            if done:
+                return
+            buf._check_open()
+            st = self._stream(device)
+            with _cuda.device(device), _cuda.stream(st):
+                lane.reduce(handle, slot, seq, idx, weights, combined, use_logfmt, st)
+                self._done(st)
+            done.append(True)
+
+        if return_recv_hook:
+            return combined, event, hook
+        hook()
+        return combined, self._done(stream), None
+
+    def destroy(self) -> None:
+        for lane in self.lanes.values():
+            lane.close()
+        self.lanes.clear()

@@ -1,4 +1,4 @@
-"""The pure-torch halves of the DeepEP adapter's CUDA path (``_ll_device.py``): which path a
+"""The pure-torch halves of the DeepEP adapter's CUDA path (``low_latency/device.py``): which path a
 call takes, the argument checks (no host read), the expanded dispatch, the conversion of the
 server gather's per-expert layout into DeepEP's packed receive tensors, and the weighted combine.
 
@@ -18,7 +18,7 @@ Wire mapping (what makes the device kernels give DeepEP's layout and the host pa
 - **Slots**: dispatch ``i`` of a lane uses slot ``i % 2`` and sends ``layer_id = slot``; the
   server gather of slot ``s`` serves only requests of layer ``s`` (the other slot's wait for
   their own receive), into its own workspace.
-- **fp8**: cast in torch with DeepEP's formula (``_ll_cast.deepep_cast``, the host path's
+- **fp8**: cast in torch with DeepEP's formula (``cast.deepep_cast``, the host path's
   function: every op of it is exact f32 arithmetic, the same on the device) once per token,
   expanded, and sent as they are (``DispatchArgs.x_scales``: the pack kernel copies the bytes
   and scales instead of quantizing).
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from moecomm.compat._ll_cast import UE8M0_PACK, deepep_cast, logfmt_roundtrip, pack_ue8m0
-from moecomm.compat._ll_support import LowLatencyHandle
-from moecomm.protocol import SCALE_BLOCK
+from moecomm.compat.low_latency.cast import UE8M0_PACK, deepep_cast, logfmt_roundtrip, pack_ue8m0
+from moecomm.compat.low_latency.layout import LowLatencyHandle, check_dispatch_tensors
+from moecomm.wire.protocol import SCALE_BLOCK
 
 __all__ = [
     "DeviceHandle",
@@ -151,7 +151,7 @@ def expand_quantized(
     num_sinks: int,
 ) -> None:
     """The fp8 lane's expanded rows: each token cast once with DeepEP's formula
-    (:func:`moecomm.compat._ll_cast.deepep_cast`, ``round_scale`` included), its e4m3 bytes
+    (:func:`moecomm.compat.low_latency.cast.deepep_cast`, ``round_scale`` included), its e4m3 bytes
     into ``q_exp`` [rows, H] uint8 and its scales into ``s_exp`` [rows, H/128] f32 at rows
     ``t*K .. t*K + K - 1``; the sink rows are zero (the receiver drops them)."""
     q, s = deepep_cast(x, round_scale)
@@ -162,7 +162,7 @@ def expand_quantized(
 def ue8m0_scales(scale_store: torch.Tensor, out: torch.Tensor) -> None:
     """DeepEP's ``use_ue8m0`` receive scales from the f32 ones: ``scale_store`` [L, H/128, R*M]
     f32 (power-of-two scales: ``round_scale``), ``out`` [L, H/512, R*M] int32, the exponent
-    bytes packed four per word (:func:`moecomm.compat._ll_cast.pack_ue8m0`)."""
+    bytes packed four per word (:func:`moecomm.compat.low_latency.cast.pack_ue8m0`)."""
     num_local, blocks, rows = scale_store.shape
     flat = scale_store.transpose(1, 2).reshape(num_local * rows, blocks)
     out.transpose(1, 2).copy_(pack_ue8m0(flat).view(num_local, rows, -1))
@@ -262,14 +262,14 @@ def combine_from_answers(
     use_logfmt: bool = False,
 ) -> torch.Tensor:
     """``out[t] = Σ_k w[t, k] · y(t, k)`` in f32, k ascending, cast to ``out``'s dtype: the host
-    path's :func:`moecomm.compat._ll_layout.weighted_sum` operation by operation (product
+    path's :func:`moecomm.compat.low_latency.layout.weighted_sum` operation by operation (product
     rounded to f32, then the add; -0.0 for a skipped k), so the bits are the same.
 
     ``answers`` [R, rows, H] bf16: rank q's answer rows (any strides); ``pos`` [>= T*K, R]
     int32: row of expanded row ``t*K + k`` in rank q's request (the client workspace's ``pos``).
     Ids outside ``[0, R*L)`` count as -1. ``use_logfmt``: each answer row as DeepEP's receiver
-    decodes its LogFMT-10 encoding (:func:`moecomm.compat._ll_cast.logfmt_roundtrip`, the host
-    path's function; the rows themselves travel as bf16)."""
+    decodes its LogFMT-10 encoding (:func:`moecomm.compat.low_latency.cast.logfmt_roundtrip`, the
+    host path's function; the rows themselves travel as bf16)."""
     t, k = topk_idx.shape
     num_ranks, hidden = answers.shape[0], answers.shape[2]
     valid = (topk_idx >= 0) & (topk_idx < num_ranks * num_local)
@@ -291,17 +291,10 @@ def check_device_inputs(x, topk_idx, num_max, num_experts, use_fp8: bool) -> Non
     """The device twin of check_dispatch_inputs, without reading values (no host sync): ids
     outside ``[0, num_experts)`` are treated as -1 by the kernels; a repeated id is not
     detected."""
-    if x.dtype != torch.bfloat16:
-        raise TypeError(f"x must be torch.bfloat16 (as in DeepEP), got {x.dtype}")
-    if x.dim() != 2 or x.shape[1] < 1 or x.stride(1) != 1:
+    check_dispatch_tensors(x, topk_idx)
+    if x.stride(1) != 1:
         raise ValueError(
             f"x must be [num_tokens, hidden] with unit column stride, got {list(x.shape)}"
-        )
-    if topk_idx.dtype != torch.int64:
-        raise TypeError(f"topk_idx must be torch.int64, got {topk_idx.dtype}")
-    if topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0] or topk_idx.shape[1] < 1:
-        raise ValueError(
-            f"topk_idx must be [num_tokens={x.shape[0]}, num_topk>=1], got {list(topk_idx.shape)}"
         )
     for name, v in (("num_max_dispatch_tokens_per_rank", num_max), ("num_experts", num_experts)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:

@@ -1,5 +1,5 @@
 """Pure-torch pieces of the DeepEP-shaped low-latency adapter: argument checks, the per-expert
-receive layout, the combine reduction. No communication here (see deep_ep.py).
+receive layout, the combine reduction. No communication here (see ``moecomm.compat.deep_ep``).
 
 Receive layout (the part that differs from DeepEP on purpose): the rows of local expert ``e`` in
 ``recv_x[e, :recv_count[e]]`` are ordered **source rank major, then source token index
@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from moecomm._C import SlotRing
 from moecomm.ops.reorg import ExpertLayout, reorganize
-from moecomm.protocol import SCALE_BLOCK
+from moecomm.wire.protocol import SCALE_BLOCK, SlotLayout
 
 # f32 holds every integer below 2^24 exactly; the request's score column carries token indices.
 MAX_TOKENS_PER_RANK = 1 << 24
@@ -82,18 +83,17 @@ def check_host(name: str, t: object) -> torch.Tensor:
     if t.device.type == "cuda":
         raise NotImplementedError(
             f"{name} is on {t.device}: the host path of moecomm.compat.deep_ep takes CPU tensors; "
-            "CUDA tensors take the device kernels' path (_ll_device.py), chosen by the dispatch"
+            "CUDA tensors take the device kernels' path (compat/low_latency/device.py), chosen by "
+            "the dispatch"
         )
     if t.device.type != "cpu":
         raise ValueError(f"{name} must be a CPU tensor, got device {t.device}")
     return t
 
 
-def check_dispatch_inputs(
-    x: object, topk_idx: object, num_max: object, num_experts: object, use_fp8: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    x = check_host("x", x)
-    topk_idx = check_host("topk_idx", topk_idx)
+def check_dispatch_tensors(x: torch.Tensor, topk_idx: torch.Tensor) -> None:
+    """The dtypes and shapes of a dispatch's ``x`` and ``topk_idx``, on either path (reads no
+    value, so no host sync on the CUDA path)."""
     if x.dtype != torch.bfloat16:
         raise TypeError(f"x must be torch.bfloat16 (as in DeepEP), got {x.dtype}")
     if x.dim() != 2 or x.shape[1] < 1:
@@ -104,6 +104,14 @@ def check_dispatch_inputs(
         raise ValueError(
             f"topk_idx must be [num_tokens={x.shape[0]}, num_topk>=1], got {list(topk_idx.shape)}"
         )
+
+
+def check_dispatch_inputs(
+    x: object, topk_idx: object, num_max: object, num_experts: object, use_fp8: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    x = check_host("x", x)
+    topk_idx = check_host("topk_idx", topk_idx)
+    check_dispatch_tensors(x, topk_idx)
     m = _positive_int("num_max_dispatch_tokens_per_rank", num_max, MAX_TOKENS_PER_RANK)
     e = _positive_int("num_experts", num_experts)
     if x.shape[0] > m:
@@ -250,3 +258,98 @@ def reduce_answers(
     if sent:
         source[torch.cat(sent)] = torch.arange(n)
     return weighted_sum(answers, source.view(t, k), topk_idx, weights, scratch)
+
+
+# ---------------------------------------------------------------------------- slots, handle
+# DeepEP double-buffers the low-latency results; one slot per result in flight.
+NUM_SLOTS = 2
+
+# Combine answers travel with their own sequence numbers, disjoint from the requests' (which
+# count dispatch / clean rounds from 1): a response's seq is never a request's, so answering a
+# request twice, or a request already replaced by a newer round, touches no live request slot.
+COMBINE_SEQ_BASE = 1 << 40
+
+
+class LowLatencyHandle(tuple):
+    """DeepEP's handle ``(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden,
+    num_experts)``, plus (as attributes) what our combine needs."""
+
+    def __new__(cls, src_info, layout_range, num_max, hidden, num_experts):
+        return super().__new__(cls, (src_info, layout_range, num_max, hidden, num_experts))
+
+    owner: int
+    index: int  # dispatch number on the owning buffer
+    round: int  # request round (dispatches and cleans): slot = round % NUM_SLOTS, seq = round + 1
+    topk_idx: torch.Tensor
+    sent_rows: list  # per destination rank: int64 t*K + k of each copy, in request order
+    requests: list | None = None  # per source rank, after the receive: its Request (or None)
+    layout: ReceiveLayout | None = None
+
+
+def slot_layout(shape: LLShape, num_ranks: int, max_local: int | None = None) -> SlotLayout:
+    """Requests carry at most M rows (each token once per destination rank); answers carry a row
+    per (token, k) copy, at most M * min(K, L) of them, so the response slots are sized apart.
+    ``max_local``: the most local experts of a rank (L plus its replicas), default L."""
+    per_rank = shape.num_max_dispatch_tokens_per_rank
+    local = shape.num_experts // num_ranks if max_local is None else max_local
+    copies = per_rank * min(shape.num_topk, local)
+    return SlotLayout(
+        per_rank, shape.hidden, shape.num_topk, "bf16", "bf16", max_response_tokens=copies
+    )
+
+
+def shm_bytes_per_rank(shape: LLShape, num_ranks: int) -> int:
+    """Shared memory one rank maps: a request ring and an answer ring per peer."""
+    cfg = slot_layout(shape, num_ranks).config
+    return num_ranks * (
+        SlotRing(cfg, NUM_SLOTS, True).region_bytes + SlotRing(cfg, NUM_SLOTS, False).region_bytes
+    )
+
+
+# ---------------------------------------------------------------------------- combine, masks
+def check_combine_inputs(x, topk_idx, topk_weights, out, dispatched_idx, want: tuple) -> None:
+    x = check_host("x", x)
+    if x.dtype != torch.bfloat16 or tuple(x.shape) != want:
+        raise ValueError(f"x must be bf16 {list(want)}, got {x.dtype} {list(x.shape)}")
+    check_host("topk_idx", topk_idx)
+    # DeepEP reduces over the combine's own topk_idx: the dispatch's, where entries may have
+    # been set to -1 since (its shrink test drops the experts of masked ranks that way). An
+    # expert the dispatch did not send to has no received row to read.
+    if (
+        topk_idx.dtype != torch.int64
+        or topk_idx.shape != dispatched_idx.shape
+        or not bool(((topk_idx == dispatched_idx) | (topk_idx == -1)).all())
+    ):
+        raise ValueError(
+            "topk_idx must be the one given to the dispatch of this handle (entries may be "
+            "set to -1 since)"
+        )
+    check_host("topk_weights", topk_weights)
+    if topk_weights.dtype != torch.float32 or topk_weights.shape != topk_idx.shape:
+        raise ValueError(
+            f"topk_weights must be float32 {list(topk_idx.shape)}, got "
+            f"{topk_weights.dtype} {list(topk_weights.shape)}"
+        )
+    if out is not None:
+        check_host("out", out)
+        shape = (topk_idx.shape[0], want[2])
+        if out.dtype != torch.bfloat16 or tuple(out.shape) != shape:
+            raise ValueError(f"out must be bf16 {list(shape)}, got {out.dtype} {list(out.shape)}")
+
+
+def check_cost_stats(name: str, t, num_ranks: int) -> None:
+    """DeepEP: int64 ``[num_ranks]`` contiguous (accumulated per source rank)."""
+    if t is None:
+        return
+    check_host(name, t)
+    if t.dtype != torch.int64 or tuple(t.shape) != (num_ranks,) or not t.is_contiguous():
+        raise ValueError(
+            f"{name} must be contiguous int64 [{num_ranks}], got {t.dtype} {list(t.shape)}"
+        )
+
+
+def check_mask_tensor(mask_status, num_ranks: int) -> None:
+    if not isinstance(mask_status, torch.Tensor) or mask_status.dtype != torch.int32:
+        raise TypeError("mask_status must be a torch.int tensor, as in DeepEP")
+    if tuple(mask_status.shape) != (num_ranks,):
+        raise ValueError(f"mask_status must be [{num_ranks}], got {list(mask_status.shape)}")

@@ -32,14 +32,10 @@ import os
 
 import torch
 
-from moecomm.compat._api_common import refused
-from moecomm.compat._api_common import topk_idx_t as topk_idx_t  # NIXL-EP's ``nixl_ep.topk_idx_t``
-from moecomm.compat._deepep_api import NUM_MAX_NVL_PEERS as NUM_MAX_NVL_PEERS
-from moecomm.compat._deepep_api import Config as _DeepEPConfig
-from moecomm.compat._deepep_api import table_config
-from moecomm.compat._ll_replicas import ReplicaPlan, check_replicas_arg
-from moecomm.compat._ll_support import EventHandle
-from moecomm.compat._nixl_ep_runtime import Runtime, size_hint
+from moecomm.compat.api import Config as DeepEPConfig
+from moecomm.compat.api import EventHandle, refused, table_config
+from moecomm.compat.low_latency.replicas import ReplicaPlan, check_replicas_arg
+from moecomm.compat.nixl_ep_impl.runtime import Runtime, size_hint
 
 __all__ = ["Buffer", "Config", "EventOverlap"]
 
@@ -50,7 +46,7 @@ DEFAULT_STORE_PREFIX = "moecomm.nixl_ep"
 REPLICAS_ENV = "MOECOMM_NIXL_EP_REPLICAS"
 
 
-_refused = functools.partial(refused, "nixl_ep")
+_refused = functools.partial(refused, "nixl_ep.Buffer")
 
 _HT = (
     "NIXL-EP's high-throughput kernels (internode, RDMA ranks of 8 GPUs); moecomm answers "
@@ -91,7 +87,7 @@ class EventOverlap:
             self.event.current_stream_wait()
 
 
-class Config(_DeepEPConfig):
+class Config(DeepEPConfig):
     """NIXL-EP's ``Config(num_sms=20, num_max_nvl_chunked_send_tokens=6,
     num_max_nvl_chunked_recv_tokens=256, num_max_rdma_chunked_send_tokens=6,
     num_max_rdma_chunked_recv_tokens=256)``, the high-throughput kernels' tuning record, with its
@@ -382,26 +378,8 @@ class Buffer:
         event = EventOverlap(_HostEvent(), (x, topk_idx)) if async_finish else EventOverlap()
         return recv_x, count, handle, event, hook
 
-    def dispatch(
-        self,
-        x: torch.Tensor,
-        topk_idx: torch.Tensor,
-        num_max_dispatch_tokens_per_rank: int,
-        num_experts: int | None = None,
-        cumulative_local_expert_recv_stats: torch.Tensor | None = None,
-        dispatch_wait_recv_cost_stats: torch.Tensor | None = None,
-        use_fp8: bool = True,
-        round_scale: bool = False,
-        use_ue8m0: bool = False,
-        async_finish: bool = False,
-        return_recv_hook: bool = False,
-    ):
-        """NIXL-EP's alias of :meth:`low_latency_dispatch`."""
-        return self.low_latency_dispatch(
-            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-            cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
-            use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook,
-        )  # fmt: skip
+    # NIXL-EP's ``dispatch(*args, **kwargs)`` calls ``low_latency_dispatch``: the same method.
+    dispatch = low_latency_dispatch
 
     def low_latency_combine(
         self,
@@ -427,24 +405,8 @@ class Buffer:
         event = EventOverlap(_HostEvent(), (x, topk_idx)) if async_finish else EventOverlap()
         return combined, event, hook
 
-    def combine(
-        self,
-        x: torch.Tensor,
-        topk_idx: torch.Tensor,
-        topk_weights: torch.Tensor,
-        handle: tuple,
-        use_logfmt: bool = False,
-        zero_copy: bool = False,
-        async_finish: bool = False,
-        return_recv_hook: bool = False,
-        out: torch.Tensor | None = None,
-        combine_wait_recv_cost_stats: torch.Tensor | None = None,
-    ):
-        """NIXL-EP's alias of :meth:`low_latency_combine`."""
-        return self.low_latency_combine(
-            x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
-            return_recv_hook, out, combine_wait_recv_cost_stats,
-        )  # fmt: skip
+    # NIXL-EP's ``combine(*args, **kwargs)`` calls ``low_latency_combine``: the same method.
+    combine = low_latency_combine
 
     def get_next_combine_buffer(self, handle: tuple):
         """The bf16 ``[L, rank_bound * M, H]`` tensor the next ``combine(..., zero_copy=True)``

@@ -17,13 +17,13 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from moecomm.compat._ll_layout import LLShape, check_shape
-from moecomm.compat._ll_replicas import ReplicaPlan
-from moecomm.compat._ll_support import NUM_SLOTS, slot_layout
-from moecomm.compat.deep_ep import Buffer as DeepEPBuffer
+from moecomm.compat.low_latency.buffer import Buffer as DeepEPBuffer
+from moecomm.compat.low_latency.layout import NUM_SLOTS, LLShape, check_shape, slot_layout
+from moecomm.compat.low_latency.replicas import ReplicaPlan
 from moecomm.errors import PeerOfflineError
-from moecomm.slots import ClientChannel, ServerChannel
-from moecomm.transport import Transport
+from moecomm.wire.client import ClientChannel
+from moecomm.wire.server import ServerChannel
+from moecomm.wire.transport import Transport
 
 __all__ = ["SOLO_BASE", "Engine"]
 

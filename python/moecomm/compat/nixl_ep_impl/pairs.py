@@ -36,9 +36,9 @@ import uuid
 
 import torch
 
-from moecomm.errors import ProtocolError
-from moecomm.errors import TimeoutError as MoecommTimeout
-from moecomm.transport import SignalOp, Transport, WaitOp, region_bytes_view
+from moecomm.errors import DeadlineExceededError, ProtocolError
+from moecomm.wire.transport import SignalOp, Transport, WaitOp
+from moecomm.wire.views import region_bytes_view
 
 __all__ = ["CONTROL_BYTES", "Control", "handshake", "new_incarnation"]
 
@@ -60,8 +60,8 @@ def handshake(
     store, prefix: str, rank: int, hellos: dict[int, dict], timeout: float
 ) -> dict[int, dict]:
     """Connects `rank` with every peer of `hellos` ({peer: our hello for it, with "inc"});
-    returns {peer: its hello for us}. Raises moecomm.TimeoutError naming the peers that did not
-    answer within `timeout` seconds (our hellos to them are withdrawn)."""
+    returns {peer: its hello for us}. Raises moecomm.DeadlineExceededError naming the peers that
+    did not answer within `timeout` seconds (our hellos to them are withdrawn)."""
     inc = {p: h["inc"] for p, h in hellos.items()}
     for p, hello in hellos.items():
         store.set(_key(prefix, "hello", rank, p), json.dumps(hello))
@@ -99,7 +99,7 @@ def handshake(
             missing = sorted(set(hellos) - set(done))
             for p in missing:
                 store.delete_key(_key(prefix, "hello", rank, p))
-            raise MoecommTimeout(
+            raise DeadlineExceededError(
                 f"nixl_ep.Buffer rank {rank}: connect_ranks: ranks {missing} did not connect "
                 f"(call connect_ranks with this rank) within {timeout:.1f} s"
             )
@@ -137,7 +137,7 @@ class Control:
         self.transport.signal(self.peer, 0, self._sent, SignalOp.SET)
 
     def receive(self, timeout: float) -> dict:
-        """The peer's newest message not yet read. Raises moecomm.TimeoutError, or
+        """The peer's newest message not yet read. Raises moecomm.DeadlineExceededError, or
         moecomm.PeerLostError when the peer process dies meanwhile."""
         ns = max(int(timeout * 1e9), 1)
         self._read = self.transport.wait(

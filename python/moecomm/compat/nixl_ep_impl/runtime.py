@@ -1,6 +1,6 @@
 """What NIXL-EP's C++ runtime (``nixl_ep_cpp.Buffer``) is to its Python ``Buffer``, over
 moecomm: rank capacity and mask, connections added and removed at run time, and the low-latency
-dispatch / combine on CPU tensors through :class:`~moecomm.compat._nixl_ep_engine.Engine`
+dispatch / combine on CPU tensors through :class:`~moecomm.compat.nixl_ep_impl.engine.Engine`
 (``deep_ep.Buffer``'s host path). ``moecomm.compat.nixl_ep.Buffer`` owns one; see
 docs/compat-nixl-ep.md for the semantics.
 
@@ -22,17 +22,21 @@ import time
 
 import torch
 
-from moecomm.compat._ll_layout import LLShape, check_dispatch_inputs, check_host, check_shape
-from moecomm.compat._ll_replicas import ReplicaPlan, check_replicas_arg
-from moecomm.compat._ll_support import PEER_FAILURES, check_cost_stats, shm_bytes_per_rank
-from moecomm.compat._nixl_ep_engine import Engine
-from moecomm.compat._nixl_ep_pairs import CONTROL_BYTES, Control, handshake, new_incarnation
-from moecomm.transport import ShmTransport
+from moecomm.compat.api import NUM_MAX_NVL_PEERS
+from moecomm.compat.low_latency.host import PEER_FAILURES
+from moecomm.compat.low_latency.layout import (
+    LLShape,
+    check_cost_stats,
+    check_dispatch_inputs,
+    check_host,
+)
+from moecomm.compat.low_latency.replicas import ReplicaPlan, check_replicas_arg
+from moecomm.compat.nixl_ep_impl.engine import Engine
+from moecomm.compat.nixl_ep_impl.pairs import CONTROL_BYTES, Control, handshake, new_incarnation
+from moecomm.wire.shm import ShmTransport
 
 __all__ = ["Handle", "Runtime", "refuse_cuda", "size_hint"]
 
-NUM_MAX_NVL_PEERS = 8  # NIXL-EP's (DeepEP's) ranks per NVLink domain
-SIZE_HINT_TOPK = 8  # the size hint is not told the top-k
 # The slots are sized at the first dispatch for top-k up to this (or the first dispatch's, if
 # larger): the largest top-k the low-latency kernels of the DeepEP family accept (their
 # kNumMaxTopK is 9 to 11 across forks). vLLM keeps one NIXL-EP buffer for every MoE layer, so
@@ -43,11 +47,12 @@ SLOT_TOPK = 11
 
 
 def size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int):
-    """Bytes of shared memory one rank maps at this shape (top-8) with every rank connected."""
-    shape = LLShape(num_max_dispatch_tokens_per_rank, hidden, num_experts, SIZE_HINT_TOPK)
-    return shm_bytes_per_rank(check_shape(shape, num_ranks), num_ranks) + 2 * CONTROL_BYTES * (
-        num_ranks - 1
+    """Bytes of shared memory one rank maps at this shape (top-8) with every rank connected:
+    deep_ep.Buffer's rings, and the control regions of every pair."""
+    rings = Engine.get_low_latency_rdma_size_hint(
+        num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts
     )
+    return rings + 2 * CONTROL_BYTES * (num_ranks - 1)
 
 
 def _receive_hook(inner_hook, then, return_recv_hook: bool):

@@ -1,8 +1,9 @@
-"""Byte packages between the ranks of the DeepEP adapter's normal mode (``_normal.py``) and of
-``elastic.py``: a list of tensors packed into one byte tensor, and a :class:`Mailbox` that runs an
-all-to-all of such packages over moecomm's stage channels (one sender/receiver pair per ordered
-pair of ranks, receivers sharing one doorbell), interleaving sends with receives so that no two
-ranks block each other on full rings. Every wait has a deadline.
+"""Byte packages between the ranks of DeepEP's normal mode (``mode.py``) and of its
+``ElasticBuffer`` (``compat/elastic.py``): a list of tensors packed into one byte tensor, and a
+:class:`Mailbox` that runs an all-to-all of such packages over moecomm's stage channels (one
+sender/receiver pair per ordered pair of ranks, receivers sharing one doorbell), interleaving
+sends with receives so that no two ranks block each other on full rings. Every wait has a
+deadline.
 """
 
 from __future__ import annotations
@@ -13,17 +14,10 @@ from collections.abc import Callable
 
 import torch
 
-from moecomm.errors import PeerLostError, ProtocolError
-from moecomm.errors import TimeoutError as MoecommTimeout
-from moecomm.slot_channel import DEFAULT_TIMEOUT_S
-from moecomm.stage_channel import (
-    INBOX_SLICE_S,
-    StageInbox,
-    StageReceiver,
-    StageSender,
-    stage_layout,
-)
-from moecomm.transport import Transport
+from moecomm.errors import DeadlineExceededError, PeerLostError, ProtocolError
+from moecomm.wire.channel import DEFAULT_TIMEOUT_S
+from moecomm.wire.stage import INBOX_SLICE_S, StageInbox, StageReceiver, StageSender, stage_layout
+from moecomm.wire.transport import Transport
 
 __all__ = ["DEFAULT_TIMEOUT_S", "Mailbox", "pack", "unpack"]
 
@@ -179,7 +173,7 @@ class Mailbox:
                 continue
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise MoecommTimeout(
+                raise DeadlineExceededError(
                     f"{self.name} rank {self.rank}, call {tag}: no package from ranks "
                     f"{sorted(waiting)} and unacknowledged chunks to ranks {sorted(todo)} "
                     f"within {self.timeout:.1f} s"

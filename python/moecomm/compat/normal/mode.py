@@ -29,12 +29,12 @@ Semantics follow DeepEP's intranode kernels (``deep_ep/buffers/legacy.py`` and
   ``recv_channel_prefix_matrix[s, 0]`` = tokens received from ``s``; ``send_head[t, r]`` = the
   position of token ``t`` among the tokens sent to ``r`` (``-1`` if not sent).
 
-Transport: one :class:`~moecomm.stage_channel.StageSender` / ``StageReceiver`` pair per ordered
+Transport: one :class:`~moecomm.wire.stage.StageSender` / ``StageReceiver`` pair per ordered
 pair of ranks (opaque byte packages, chunked through slots), receivers of a rank sharing one
-doorbell (:class:`~moecomm.stage_channel.StageInbox`). Every collective call is an all-to-all
+doorbell (:class:`~moecomm.wire.stage.StageInbox`). Every collective call is an all-to-all
 of byte packages, tagged with a per-buffer call counter; the sends are interleaved with the
 receives so that no two ranks can block each other on full rings. Every wait has a deadline:
-``moecomm.TimeoutError`` naming the ranks still missing, ``PeerLostError`` for a dead peer.
+``moecomm.DeadlineExceededError`` naming the ranks still missing, ``PeerLostError`` for a dead peer.
 ``async_finish``, ``previous_event``, ``allocate_on_comm_stream`` and ``config`` are accepted
 and ignored (host calls complete before they return; ``event`` is a completed event).
 
@@ -47,16 +47,20 @@ every rank makes; ``get_dispatch_layout`` is local.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 
 import torch
 
-from moecomm.compat._ll_support import CompletedEvent
-from moecomm.compat._mailbox import DEFAULT_TIMEOUT_S, Mailbox, pack, unpack
+from moecomm.compat.api import CompletedEvent
+from moecomm.compat.normal.mailbox import DEFAULT_TIMEOUT_S, Mailbox, pack, unpack
+from moecomm.compat.rendezvous import exchange
 from moecomm.errors import ProtocolError
-from moecomm.transport import Transport
+from moecomm.wire.shm import ShmTransport
+from moecomm.wire.transport import Transport
 
-__all__ = ["CompletedEvent", "Mailbox", "NormalHandle", "NormalMode", "pack", "unpack"]
+__all__ = ["NormalCalls", "NormalHandle", "NormalMode", "check_bias", "check_cpu"]
 
 
 # ------------------------------------------------------------------------ handle
@@ -77,7 +81,7 @@ class NormalHandle(tuple):
     num_topk: int
 
 
-def _check_cpu(name: str, t) -> torch.Tensor:
+def check_cpu(name: str, t) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
@@ -87,6 +91,18 @@ def _check_cpu(name: str, t) -> torch.Tensor:
             "/ combine on CUDA tensors are not implemented by moecomm"
         )
     return t
+
+
+def check_bias(bias, n: int, hidden: int) -> tuple:
+    """DeepEP's combine ``bias``: None, a tensor or a pair of them, each bf16 ``[n, hidden]`` on
+    the host; returns the pair ``(bias_0, bias_1)`` (None where not given)."""
+    pair = bias if isinstance(bias, tuple) else (bias, None)
+    for b in pair:
+        if b is not None:
+            check_cpu("bias", b)
+            if b.dtype != torch.bfloat16 or tuple(b.shape) != (n, hidden):
+                raise ValueError(f"bias must be bf16 [{n}, {hidden}]")
+    return pair
 
 
 def _align(n: int, a: int) -> int:
@@ -161,7 +177,7 @@ class NormalMode:
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
     ):
-        _check_cpu("topk_idx", topk_idx)
+        check_cpu("topk_idx", topk_idx)
         if topk_idx.dim() != 2 or topk_idx.dtype != torch.int64:
             raise ValueError(
                 f"topk_idx must be int64 [num_tokens, num_topk], got {topk_idx.dtype} "
@@ -225,23 +241,23 @@ class NormalMode:
                 raise ValueError("dispatch needs num_tokens_per_rank and is_token_in_rank")
             if num_tokens_per_expert is None:
                 raise ValueError("dispatch needs num_tokens_per_expert")
-            _check_cpu("is_token_in_rank", is_token_in_rank)
+            check_cpu("is_token_in_rank", is_token_in_rank)
             if is_token_in_rank.dtype != torch.bool or tuple(is_token_in_rank.shape) != (n, r):
                 raise ValueError(
                     f"is_token_in_rank must be bool [{n}, {r}], got {is_token_in_rank.dtype} "
                     f"{list(is_token_in_rank.shape)}"
                 )
-            _check_cpu("num_tokens_per_rank", num_tokens_per_rank)
+            check_cpu("num_tokens_per_rank", num_tokens_per_rank)
             if num_tokens_per_rank.shape != (r,):
                 raise ValueError(f"num_tokens_per_rank must be [{r}]")
-            _check_cpu("num_tokens_per_expert", num_tokens_per_expert)
+            check_cpu("num_tokens_per_expert", num_tokens_per_expert)
             if num_tokens_per_expert.dim() != 1 or num_tokens_per_expert.numel() % r:
                 raise ValueError(f"num_tokens_per_expert must be [num_experts], a multiple of {r}")
             if (topk_idx is None) != (topk_weights is None):
                 raise ValueError("give both topk_idx and topk_weights, or neither")
             if topk_idx is not None:
-                _check_cpu("topk_idx", topk_idx)
-                _check_cpu("topk_weights", topk_weights)
+                check_cpu("topk_idx", topk_idx)
+                check_cpu("topk_weights", topk_weights)
                 if topk_idx.dim() != 2 or topk_idx.shape[0] != n or topk_idx.dtype != torch.int64:
                     raise ValueError(f"topk_idx must be int64 [{n}, num_topk]")
                 if topk_weights.dtype != torch.float32 or topk_weights.shape != topk_idx.shape:
@@ -356,7 +372,7 @@ class NormalMode:
     ):
         if not isinstance(handle, NormalHandle) or handle.owner != id(self):
             raise ValueError("handle must come from a (non-cached) dispatch of this buffer")
-        _check_cpu("x", x)
+        check_cpu("x", x)
         n, total = handle.num_tokens, handle.num_recv_tokens
         if x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[0] < total:
             raise ValueError(
@@ -366,7 +382,7 @@ class NormalMode:
         hidden = x.shape[1]
         extra = []
         if topk_weights is not None:
-            _check_cpu("topk_weights", topk_weights)
+            check_cpu("topk_weights", topk_weights)
             if (
                 topk_weights.dim() != 2
                 or topk_weights.dtype != torch.float32
@@ -374,13 +390,9 @@ class NormalMode:
             ):
                 raise ValueError(f"topk_weights must be float32 [{total}, num_topk]")
             extra.append(topk_weights)
-        bias0, bias1 = bias if isinstance(bias, tuple) else (bias, None)
         acc = torch.zeros((n, hidden), dtype=torch.float32)
-        for b in (bias0, bias1):
+        for b in check_bias(bias, n, hidden):
             if b is not None:
-                _check_cpu("bias", b)
-                if b.dtype != x.dtype or tuple(b.shape) != (n, hidden):
-                    raise ValueError(f"bias must be {x.dtype} [{n}, {hidden}]")
                 acc += b.float()
         back = self.send_back(x, handle, extra)
         w = None if topk_weights is None else torch.zeros((n, topk_weights.shape[1]))
@@ -392,14 +404,14 @@ class NormalMode:
 
     # ---------------------------------------------------------------- helpers
     def _check_x(self, x, scales) -> tuple[int, int]:
-        _check_cpu("x", x)
+        check_cpu("x", x)
         if x.dim() != 2:
             raise ValueError(f"x must be [num_tokens, hidden], got {list(x.shape)}")
         hidden_bytes = x.shape[1] * x.element_size()
         if hidden_bytes % 16:
             raise ValueError(f"a row of x must be a multiple of 16 bytes, got {hidden_bytes}")
         if scales is not None:
-            _check_cpu("scales", scales)
+            check_cpu("scales", scales)
             if x.element_size() != 1:
                 raise ValueError(f"(x, scales) needs a 1-byte x (fp8), got {x.dtype}")
             if scales.dtype not in (torch.float32, torch.int32) or scales.dim() != 2:
@@ -416,3 +428,53 @@ class NormalMode:
             out[start : start + p.shape[0]] = p
             start += p.shape[0]
         return out
+
+
+# ------------------------------------------------------------------------ Buffer's methods
+def _answered_by_normal_mode(method):
+    """A ``deep_ep.Buffer`` method answered by `method` of the Buffer's :class:`NormalMode`, with
+    its signature (DeepEP's): arguments are bound first, so a wrong call fails as a plain method
+    would, before the normal mode is set up."""
+    signature = inspect.signature(method)
+    name = method.__name__
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        signature.bind(self, *args, **kwargs)
+        return getattr(self._normal_mode(), name)(*args, **kwargs)
+
+    return call
+
+
+class NormalCalls:
+    """``deep_ep.Buffer``'s normal-mode methods, answered by a :class:`NormalMode`.
+
+    DeepEP lets one ``Buffer`` serve both modes (normal calls on a buffer built for low latency
+    too), so these are methods of every Buffer: the NormalMode is built at the first call over the
+    Buffer's own rendezvous (process group, mpi4py comm or store, keys under ``.../normal``) and
+    torn down by ``destroy()``. Mixed into deep_ep.Buffer, which provides rank, num_ranks, group,
+    store, store_prefix, comm, timeout and _check_open()."""
+
+    _normal: NormalMode | None = None
+
+    def _normal_mode(self) -> NormalMode:
+        self._check_open()
+        if self._normal is None:
+
+            def gather(mine: dict) -> list[dict]:
+                return exchange(mine, self.rank, self.num_ranks, self.group, self.store,
+                                f"{self.store_prefix}/normal", self.timeout, self.comm)  # fmt: skip
+
+            self._normal = NormalMode(
+                self.rank, self.num_ranks, gather, ShmTransport(), timeout=self.timeout
+            )
+        return self._normal
+
+    get_dispatch_layout = _answered_by_normal_mode(NormalMode.get_dispatch_layout)
+    dispatch = _answered_by_normal_mode(NormalMode.dispatch)
+    combine = _answered_by_normal_mode(NormalMode.combine)
+
+    def _close_normal(self) -> None:
+        if self._normal is not None:
+            self._normal.destroy()
+            self._normal = None
