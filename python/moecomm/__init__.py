@@ -7,30 +7,34 @@ collective and no static process group.
 
 import importlib
 
+from moecomm import _moved
 from moecomm.errors import (
+    DeadlineExceededError,
     MoecommError,
     PeerLostError,
     ProtocolError,
     RemoteError,
     SegmentNotFoundError,
     SystemCallError,
-    TimeoutError,
+    deprecated_aliases,
 )
+
+_moved.install()  # old module paths (moecomm.slots, moecomm.protocol, ...) keep working
 
 # The rest needs torch: loaded on first use, so light processes (the membership monitor) start
 # without importing it.
 _LAZY = {
-    "Encoding": "moecomm.protocol",
-    "SlotLayout": "moecomm.protocol",
-    "SlotState": "moecomm.protocol",
-    "ValidateCode": "moecomm.protocol",
-    "ClientChannel": "moecomm.slots",
-    "Request": "moecomm.slots",
-    "Response": "moecomm.slots",
-    "ServerChannel": "moecomm.slots",
-    "ShmTransport": "moecomm.transport",
-    "list_segments": "moecomm.transport",
-    "reap_stale_segments": "moecomm.transport",
+    "Encoding": "moecomm.wire.protocol",
+    "SlotLayout": "moecomm.wire.protocol",
+    "SlotState": "moecomm.wire.protocol",
+    "ValidateCode": "moecomm.wire.protocol",
+    "ClientChannel": "moecomm.wire.client",
+    "Request": "moecomm.wire.server",
+    "Response": "moecomm.wire.client",
+    "ServerChannel": "moecomm.wire.server",
+    "ShmTransport": "moecomm.wire.shm",
+    "list_segments": "moecomm.wire.shm",
+    "reap_stale_segments": "moecomm.wire.shm",
 }
 
 
@@ -44,7 +48,11 @@ _SUBMODULES = {
     "slots",
     "testing",
     "transport",
+    "wire",
 }
+
+# moecomm.TimeoutError (the old name) shadowed the builtin in every `from moecomm import *`.
+_renamed = deprecated_aliases(__name__, {"TimeoutError": "DeadlineExceededError"})
 
 
 def __getattr__(name: str):
@@ -52,7 +60,7 @@ def __getattr__(name: str):
         return importlib.import_module(f"moecomm.{name}")
     module = _LAZY.get(name)
     if module is None:
-        raise AttributeError(f"module 'moecomm' has no attribute {name!r}")
+        return _renamed(name, 3)  # an old name warns; any other raises AttributeError
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
@@ -62,6 +70,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ClientChannel",
+    "DeadlineExceededError",
     "Encoding",
     "MoecommError",
     "PeerLostError",
@@ -75,7 +84,6 @@ __all__ = [
     "SlotLayout",
     "SlotState",
     "SystemCallError",
-    "TimeoutError",
     "ValidateCode",
     "list_segments",
     "reap_stale_segments",

@@ -1,4 +1,5 @@
-"""Which transport each peer pair speaks (DESIGN.md, "Membership"; docs/transports.md).
+"""Which transport each peer pair speaks, and making one (docs/design.md, "Membership and
+control plane"; docs/transports.md).
 
 A process offers one or more transports (`TransportSet`): "shm", "nixl", or "auto" for both.
 A client asks a server what it offers (GET /transports) and picks per server: shm only when it
@@ -17,14 +18,8 @@ import time
 
 from moecomm import _C
 from moecomm.errors import MoecommError
-from moecomm.transport import (
-    TRANSPORT_CHOICES,
-    ShmTransport,
-    SignalOp,
-    Transport,
-    WaitStatus,
-    make_transport,
-)
+from moecomm.wire.shm import ShmTransport, shm_spin_ns
+from moecomm.wire.transport import SignalOp, Transport, WaitStatus
 
 log = logging.getLogger("moecomm.transports")
 
@@ -36,7 +31,36 @@ MULTI_DOORBELL_POLL_S = 20e-6
 PROBE_BYTES = 64
 PROBE_OFFSET = 0
 
-__all__ = ["Doorbells", "ShmProbe", "TransportSet", "boot_id", "choose", "shm_reachable"]
+# What `transport=` accepts across the runtime and the CLI: one backend, or "auto" (shm with
+# peers that share this host's /dev/shm, nixl with everyone else).
+TRANSPORT_CHOICES = ("shm", "nixl", "auto")
+
+__all__ = [
+    "TRANSPORT_CHOICES",
+    "Doorbells",
+    "ShmProbe",
+    "TransportSet",
+    "boot_id",
+    "choose",
+    "make_transport",
+    "shm_reachable",
+]
+
+
+def make_transport(
+    name: str, host: str | None = None, xfer_timeout_s: float | None = None
+) -> Transport:
+    """A new transport of backend `name` ("shm" or "nixl"). `host`: the address this process
+    serves on (nixl carries bytes over that interface); `xfer_timeout_s`: how long a nixl write
+    may wait for a peer that does not take it (stopped, unreachable)."""
+    if name == "shm":
+        return ShmTransport(spin_ns=shm_spin_ns())
+    if name == "nixl":
+        # Imported here: NIXL is optional (pip install 'moecomm[nixl]').
+        from moecomm.wire.nixl import open_nixl_transport
+
+        return open_nixl_transport(host=host, xfer_timeout_s=xfer_timeout_s)
+    raise ValueError(f"unknown transport {name!r}: one of shm, nixl")
 
 
 def boot_id() -> str:
@@ -73,7 +97,7 @@ class TransportSet:
                 )
             self.spec = spec
             if spec == "auto":
-                from moecomm.nixl import available
+                from moecomm.wire.nixl import available
 
                 ok, why = available()
                 self.names = ["shm", "nixl"] if ok else ["shm"]

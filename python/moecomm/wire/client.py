@@ -1,4 +1,5 @@
-"""Both ends of one (client, server) connection over the slot protocol.
+"""The client's end of a (client, server) request channel over the slot protocol (server.py has
+the server's end, channel.py what both share).
 
 `ClientChannel` owns the response slots and writes requests into the server's memory;
 `ServerChannel` owns the request slots and writes responses into the client's memory. Each side
@@ -7,11 +8,12 @@ memory, the server for REQUEST_READY / the doorbell in its own), so neither can 
 
 Every wait has a deadline and releases the GIL.
 
-Read once, own the copy (DESIGN.md): a reader copies out (or consumes) what it uses from a slot
-and validates the copy; after it releases the slot — the server by answering, the client by
-:meth:`ClientChannel.release` — it never reads that slot again, because the peer may already be
-writing its next message there. With ``MOECOMM_POISON_SLOTS=1`` (on in the test suite) a release
-overwrites the slot with a poison pattern first, so a read after release fails every time.
+Read once, own the copy (docs/design.md, "The slot protocol"): a reader copies out (or
+consumes) what it uses from a slot and validates the copy; after it releases the slot — the
+server by answering, the client by :meth:`ClientChannel.release` — it never reads that slot
+again, because the peer may already be writing its next message there. With
+``MOECOMM_POISON_SLOTS=1`` (on in the test suite) a release overwrites the slot with a poison
+pattern first, so a read after release fails every time.
 """
 
 from __future__ import annotations
@@ -22,30 +24,28 @@ import torch
 
 from moecomm import _C
 from moecomm.errors import RemoteError
-from moecomm.protocol import (
+from moecomm.wire.channel import (
+    DEFAULT_TIMEOUT_S,
+    Channel,
+    host_tensor,
+    raise_wait_failure,
+    read_reason,
+    timeout_ns,
+)
+from moecomm.wire.protocol import (
+    DTYPE_OF_CODE,
     ENCODING_DTYPE,
     Encoding,
-    SlotLayout,
+    ValidateCode,
     as_encoding,
     scales_per_token,
 )
-from moecomm.slot_channel import (  # noqa: F401  (the public ones are re-exported from here)
-    _DTYPE_OF_CODE,
-    _VALID,
-    _WAIT_OK,
-    DEFAULT_NUM_SLOTS,
-    DEFAULT_TIMEOUT_S,
-    POISON_ENV,
-    POISON_SLOTS,
-    _Channel,
-    _host_tensor,
-    _ns,
-    raise_wait_failure,
-    read_reason,
-)
-from moecomm.slot_views import RequestViews, check_request_shape, mapped_views, request_views
-from moecomm.slots_server import Request, ServerChannel  # noqa: F401
-from moecomm.transport import Region, Transport
+from moecomm.wire.transport import Region, WaitStatus
+from moecomm.wire.views import RequestViews, check_request_shape, mapped_views, request_views
+
+# Module globals for the hot path: a pybind enum attribute lookup costs ~0.5 µs.
+_WAIT_OK = WaitStatus.OK
+_VALID = ValidateCode.OK
 
 
 @dataclass
@@ -58,24 +58,18 @@ class Response:
     stale_dropped: int = 0
 
 
-class ClientChannel(_Channel):
+class ClientChannel(Channel):
     """The client's end: response slots in our memory, requests written into the server's."""
 
-    def __init__(
-        self,
-        transport: Transport,
-        layout: SlotLayout,
-        client_id: int,
-        num_slots: int = DEFAULT_NUM_SLOTS,
-        name: str = "server",
-    ):
-        super().__init__(transport, layout, client_id, num_slots, name)
+    default_name = "server"
+
+    def _init_end(self) -> None:
         self.server: Region | None = None
         self.doorbell: Region | None = None
         self._server_views = None  # the server's request region, when this process maps it
         self._next_seq = 1  # 0 is the sequence of the zero-filled (IDLE) slot
         # Payload bytes of the last answer read from each slot: what release() poisons.
-        self._held = [0] * num_slots
+        self._held = [0] * self.num_slots
 
     def connect(self, server_handle: str, doorbell_handle: str | None = None) -> None:
         """Attaches to the server's request region, and to its shared doorbell when it has one
@@ -130,13 +124,7 @@ class ClientChannel(_Channel):
         enc = self.layout.encoding if encoding is None else as_encoding(encoding)
         seq = self._next_seq
         _C.commit_request(
-            self.transport,
-            self.server,
-            self.request_ring,
-            slot,
-            self.client_id,
-            seq,
-            layer_id,
+            *self._to_server(slot, seq, layer_id),
             num_tokens,
             topk,
             enc,
@@ -145,6 +133,19 @@ class ClientChannel(_Channel):
         )
         self._next_seq += 1
         return seq
+
+    def _to_server(self, slot: int, seq: int, layer_id: int) -> tuple:
+        """The arguments every request written into `slot` of the server starts with
+        (commit_request, send_request)."""
+        return (
+            self.transport,
+            self.server,
+            self.request_ring,
+            slot,
+            self.client_id,
+            seq,
+            layer_id,
+        )
 
     def peek_seq(self) -> int:
         """The sequence number the next send() will use."""
@@ -179,27 +180,21 @@ class ClientChannel(_Channel):
         if x.dim() != 2:
             raise ValueError(f"x must be [num_tokens, hidden], got shape {list(x.shape)}")
         n, k = x.shape[0], expert_ids.shape[-1] if expert_ids.dim() == 2 else -1
-        x = _host_tensor(x, "x", ENCODING_DTYPE[enc], (n, self.layout.hidden))
-        expert_ids = _host_tensor(expert_ids, "expert_ids", torch.int32, (n, k))
-        scores = _host_tensor(scores, "scores", torch.float32, (n, k))
+        x = host_tensor(x, "x", ENCODING_DTYPE[enc], (n, self.layout.hidden))
+        expert_ids = host_tensor(expert_ids, "expert_ids", torch.int32, (n, k))
+        scores = host_tensor(scores, "scores", torch.float32, (n, k))
         scales_addr = 0
         s = scales_per_token(enc, self.layout.hidden)
         if s:
             if scales is None:
                 raise ValueError(f"encoding {enc.name} needs scales of shape [{n}, {s}]")
-            scales = _host_tensor(scales, "scales", torch.float32, (n, s))
+            scales = host_tensor(scales, "scales", torch.float32, (n, s))
             scales_addr = scales.data_ptr()
         elif scales is not None:
             raise ValueError(f"scales given for the unquantized encoding {enc.name}")
         seq = self._next_seq  # spent only once the request is checked and written
         _C.send_request(
-            self.transport,
-            self.server,
-            self.request_ring,
-            slot,
-            self.client_id,
-            seq,
-            layer_id,
+            *self._to_server(slot, seq, layer_id),
             n,
             k,
             enc,
@@ -221,7 +216,7 @@ class ClientChannel(_Channel):
 
     def wait(self, slot: int, seq: int, timeout: float = DEFAULT_TIMEOUT_S) -> Response:
         """Waits for the answer to request `seq` in `slot`. Late answers to older requests are
-        dropped. Raises TimeoutError, PeerLostError, ProtocolError or RemoteError."""
+        dropped. Raises DeadlineExceededError, PeerLostError, ProtocolError or RemoteError."""
         out = _C.wait_response(
             self.transport,
             self.region,
@@ -229,7 +224,7 @@ class ClientChannel(_Channel):
             slot,
             self.client_id,
             seq,
-            _ns(timeout),
+            timeout_ns(timeout),
             self.server,
         )
         # Happy path first: pybind enum comparisons cost ~0.5 µs each.
@@ -241,9 +236,7 @@ class ClientChannel(_Channel):
             where = f"{self.name} slot {slot} seq {seq}: "
             reason = read_reason(self._bytes, out.payload_offset, h.payload_bytes)
             raise RemoteError(h.status, reason, where)
-        y = self._views.get(
-            out.payload_offset, (h.num_tokens, h.hidden), _DTYPE_OF_CODE[h.encoding]
-        )
+        y = self._views.get(out.payload_offset, (h.num_tokens, h.hidden), DTYPE_OF_CODE[h.encoding])
         return Response(slot, seq, h.layer_id, h.num_tokens, y, out.stale_dropped)
 
     def release(self, slot: int) -> None:

@@ -1,10 +1,10 @@
 """The `nixl` transport: the slot protocol between hosts, over NVIDIA's NIXL (UCX underneath).
 
-`NixlTransport()` is a Transport like `ShmTransport()`: regions a peer attaches to by handle,
-one-sided puts, signal words, waits with deadlines. Its regions are host memory registered with
-this process's NIXL agent; a region handle carries the agent's connection info and the
-region's remote key, so attaching to a peer's region is all it takes to reach that peer (no
-listener, no port of NIXL's own: the handles travel in moecomm's token-checked connect
+`open_nixl_transport()` makes a Transport like `ShmTransport()`: regions a peer attaches to by
+handle, one-sided puts, signal words, waits with deadlines. Its regions are host memory
+registered with this process's NIXL agent; a region handle carries the agent's connection info
+and the region's remote key, so attaching to a peer's region is all it takes to reach that peer
+(no listener, no port of NIXL's own: the handles travel in moecomm's token-checked connect
 handshake). How the transport orders payload before signal word is in
 csrc/transport/nixl/nixl_transport.h; docs/transports.md says when to use it.
 
@@ -23,6 +23,7 @@ import struct
 import threading
 import time
 import uuid
+import warnings
 
 from moecomm import _C
 from moecomm.errors import MoecommError
@@ -57,6 +58,7 @@ __all__ = [
     "TensorRegion",
     "available",
     "interface_of",
+    "open_nixl_transport",
 ]
 
 
@@ -266,7 +268,7 @@ class NixlEngine:
                     log.debug("nixl: releasing a transfer to %s: %s", agent, exc)
 
 
-def NixlTransport(
+def open_nixl_transport(
     host: str | None = None,
     name: str | None = None,
     spin_ns: int | None = None,
@@ -287,6 +289,16 @@ def NixlTransport(
     t = _C.NixlTransport(engine, **kwargs)
     t.engine = engine  # for callers that want the agent (counters, UCX queries)
     return t
+
+
+def NixlTransport(*args, **kwargs) -> _C.NixlTransport:
+    """Deprecated: a function named like a class; call :func:`open_nixl_transport`."""
+    warnings.warn(
+        "moecomm NixlTransport() is now moecomm.wire.nixl.open_nixl_transport()",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return open_nixl_transport(*args, **kwargs)
 
 
 class TensorRegion:

@@ -11,26 +11,54 @@ from dataclasses import dataclass
 import torch
 
 from moecomm import _C
+from moecomm._C import (
+    HEADER_OFFSET,
+    MAX_SEQ,
+    PAYLOAD_OFFSET,
+    SCALE_BLOCK,
+    Encoding,
+    Expectation,
+    MessageKind,
+    ResponseStatus,
+    SlotConfig,
+    SlotHeader,
+    SlotState,
+    ValidateCode,
+    make_signal,
+    signal_seq,
+    signal_state,
+    validate_header,
+    validate_reason,
+)
 
-Encoding = _C.Encoding
-SlotState = _C.SlotState
-MessageKind = _C.MessageKind
-ResponseStatus = _C.ResponseStatus
-ValidateCode = _C.ValidateCode
-SlotConfig = _C.SlotConfig
-SlotHeader = _C.SlotHeader
-Expectation = _C.Expectation
-
-make_signal = _C.make_signal
-signal_state = _C.signal_state
-signal_seq = _C.signal_seq
-validate_header = _C.validate_header
-validate_reason = _C.validate_reason
-
-MAX_SEQ: int = _C.MAX_SEQ
-PAYLOAD_OFFSET: int = _C.PAYLOAD_OFFSET
-HEADER_OFFSET: int = _C.HEADER_OFFSET
-SCALE_BLOCK: int = _C.SCALE_BLOCK
+# The protocol's names from csrc/protocol/ (through the bindings), and what this module adds.
+__all__ = [
+    "DTYPE_OF_CODE",
+    "ENCODING_DTYPE",
+    "ENCODING_OF_CODE",
+    "ENCODING_OF_DTYPE",
+    "HEADER_OFFSET",
+    "MAX_SEQ",
+    "PAYLOAD_OFFSET",
+    "QUANTIZED_CODES",
+    "SCALE_BLOCK",
+    "Encoding",
+    "Expectation",
+    "MessageKind",
+    "ResponseStatus",
+    "SlotConfig",
+    "SlotHeader",
+    "SlotLayout",
+    "SlotState",
+    "ValidateCode",
+    "as_encoding",
+    "make_signal",
+    "scales_per_token",
+    "signal_seq",
+    "signal_state",
+    "validate_header",
+    "validate_reason",
+]
 
 ENCODING_DTYPE: dict = {
     Encoding.BF16: torch.bfloat16,
@@ -54,11 +82,17 @@ _NAMES = {
     "fp8_e4m3": Encoding.FP8_E4M3,
     "fp8_e4m3_b128": Encoding.FP8_E4M3_B128,
 }
-_UNQUANTIZED = {
+# The encoding of each unquantized dtype: what a tensor of that dtype travels as.
+ENCODING_OF_DTYPE: dict = {
     torch.bfloat16: Encoding.BF16,
     torch.float16: Encoding.FP16,
     torch.float32: Encoding.F32,
 }
+# By the integer code a header carries (`SlotHeader.encoding`): a dict lookup by int is the
+# cheapest way from a header to a dtype on the serving loop's hot path.
+DTYPE_OF_CODE: dict = {int(e): d for e, d in ENCODING_DTYPE.items()}
+ENCODING_OF_CODE: dict = {int(e): e for e in ENCODING_DTYPE}
+QUANTIZED_CODES: frozenset = frozenset(int(e) for e in ENCODING_DTYPE if _C.encoding_quantized(e))
 
 
 def as_encoding(value) -> Encoding:
@@ -67,12 +101,12 @@ def as_encoding(value) -> Encoding:
     if isinstance(value, Encoding):
         return value
     if isinstance(value, torch.dtype):
-        if value not in _UNQUANTIZED:
+        if value not in ENCODING_OF_DTYPE:
             raise ValueError(
                 f"dtype {value} has no unquantized encoding; expected one of "
-                f"{sorted(str(d) for d in _UNQUANTIZED)}"
+                f"{sorted(str(d) for d in ENCODING_OF_DTYPE)}"
             )
-        return _UNQUANTIZED[value]
+        return ENCODING_OF_DTYPE[value]
     if isinstance(value, str) and value.lower() in _NAMES:
         return _NAMES[value.lower()]
     raise ValueError(f"unknown encoding {value!r}; expected one of {sorted(_NAMES)}")

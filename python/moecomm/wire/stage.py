@@ -8,8 +8,8 @@ larger than one slot travels as several chunks (``chunk / num_chunks`` in the he
 ``num_slots`` slots, that many chunks are in flight before the sender waits for an ack.
 
 Every wait has a deadline; a dead peer raises :class:`~moecomm.errors.PeerLostError`, a stuck one
-TimeoutError. Several receivers of one process may share a doorbell (:class:`StageInbox`), so
-the process sleeps on one word whichever peer sends next.
+:class:`~moecomm.errors.DeadlineExceededError`. Several receivers of one process may share a
+doorbell (:class:`StageInbox`), so the process sleeps on one word whichever peer sends next.
 """
 
 from __future__ import annotations
@@ -20,29 +20,27 @@ from dataclasses import dataclass
 import torch
 
 from moecomm import _C
-from moecomm.errors import PeerLostError, ProtocolError, RemoteError
-from moecomm.errors import TimeoutError as MoecommTimeout
-from moecomm.protocol import (
-    ENCODING_DTYPE,
+from moecomm.errors import DeadlineExceededError, PeerLostError, ProtocolError, RemoteError
+from moecomm.wire.channel import (
+    DEFAULT_TIMEOUT_S,
+    Channel,
+    raise_wait_failure,
+    read_reason,
+    timeout_ns,
+)
+from moecomm.wire.protocol import (
+    DTYPE_OF_CODE,
+    ENCODING_OF_CODE,
+    ENCODING_OF_DTYPE,
     PAYLOAD_OFFSET,
     Encoding,
     SlotLayout,
     ValidateCode,
     validate_reason,
 )
-from moecomm.slot_channel import (
-    DEFAULT_NUM_SLOTS,
-    DEFAULT_TIMEOUT_S,
-    POISON_SLOTS,
-    _ns,
-    raise_wait_failure,
-    read_reason,
-)
-from moecomm.transport import Region, RegionViews, Transport, WaitStatus, reap_stale_segments
+from moecomm.wire.shm import reap_stale_segments
+from moecomm.wire.transport import Region, Transport, WaitStatus
 
-_ENCODING_OF_DTYPE = {d: e for e, d in ENCODING_DTYPE.items() if not _C.encoding_quantized(e)}
-_DTYPE_OF_CODE = {int(e): d for e, d in ENCODING_DTYPE.items()}
-_ENC_OF_CODE = {int(e): e for e in ENCODING_DTYPE}
 # A stage ack carries no payload; its ring only needs room for a refusal's reason string, so it
 # is sized for one row (the layout's minimum error payload covers the reason).
 _ACK_ROWS = 1
@@ -52,14 +50,6 @@ def stage_layout(max_bytes_rows: int, hidden: int, encoding: Encoding | str) -> 
     """The layout of a stage channel whose chunks hold `max_bytes_rows` rows of `hidden`
     elements (one micro-batch of activations fits one chunk)."""
     return SlotLayout(max_bytes_rows, hidden, 1, encoding, encoding, _ACK_ROWS)
-
-
-def _rings(layout: SlotLayout, num_slots: int):
-    if num_slots < 1:
-        raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-    data = _C.SlotRing(layout.config, num_slots, True, POISON_SLOTS)
-    ack = _C.SlotRing(layout.config, num_slots, False, POISON_SLOTS)
-    return data, ack
 
 
 @dataclass
@@ -73,40 +63,23 @@ class Chunk:
     data: torch.Tensor  # uint8 [payload_bytes]
 
 
-class StageSender:
-    """The sending end: acks in our memory, chunks written into the receiver's data ring."""
+class StageSender(Channel):
+    """The sending end: acks in our memory, chunks written into the receiver's data ring (the
+    channel's request ring; the ack ring is its response ring)."""
 
-    def __init__(
-        self,
-        transport: Transport,
-        layout: SlotLayout,
-        client_id: int,
-        num_slots: int = DEFAULT_NUM_SLOTS,
-        name: str = "stage",
-    ):
-        self.transport, self.layout, self.client_id, self.name = transport, layout, client_id, name
-        self.num_slots = num_slots
-        self.data_ring, self.ack_ring = _rings(layout, num_slots)
+    default_name = "stage"
+
+    def _init_end(self) -> None:
+        self.data_ring, self.ack_ring = self.request_ring, self.response_ring
         self.capacity = self.data_ring.slot_bytes - PAYLOAD_OFFSET
-        self.region: Region = transport.create_region(self.ack_ring.region_bytes)
-        self._bytes = RegionViews(self.region).bytes
         self.receiver: Region | None = None
         self.doorbell: Region | None = None
         self._seq = 1  # 0 is the sequence of the zero-filled (IDLE) slot
         self._next_slot = 0
         self._pending: dict[int, tuple[int, int, int]] = {}  # slot -> (seq, tag, chunk)
 
-    @property
-    def handle(self) -> str:
-        return self.region.handle
-
     def connect(self, receiver_handle: str, doorbell_handle: str | None = None) -> None:
-        receiver = self.transport.attach(receiver_handle)
-        if receiver.size < self.data_ring.region_bytes:
-            raise ProtocolError(
-                f"{self.name}: the receiver's region holds {receiver.size} bytes, the stage "
-                f"layout needs {self.data_ring.region_bytes}"
-            )
+        receiver = self._attach_peer(receiver_handle, self.data_ring)
         self.doorbell = self.transport.attach(doorbell_handle) if doorbell_handle else None
         self.receiver = receiver
 
@@ -124,7 +97,7 @@ class StageSender:
         if not isinstance(data, torch.Tensor) or data.device.type != "cpu":
             raise TypeError(f"{self.name}: data must be a CPU torch.Tensor")
         if encoding is None:
-            encoding = _ENCODING_OF_DTYPE.get(data.dtype, self.layout.encoding)
+            encoding = ENCODING_OF_DTYPE.get(data.dtype, self.layout.encoding)
         raw = data.contiguous().reshape(-1).view(torch.uint8)
         n = raw.numel()
         if n == 0:
@@ -209,7 +182,7 @@ class StageSender:
             slot,
             self.client_id,
             seq,
-            _ns(remaining),
+            timeout_ns(remaining),
             self.receiver,
         )
         where = f"{self.name} slot {slot} (package {tag} chunk {chunk}): "
@@ -231,39 +204,19 @@ class StageSender:
         if (h.layer_id, h.num_tokens) != (tag, chunk):
             raise ProtocolError(f"{where}acknowledged package {h.layer_id} chunk {h.num_tokens}")
 
-    def close(self) -> None:
-        self.region.close()
 
-
-class StageReceiver:
+class StageReceiver(Channel):
     """The receiving end: the data ring in our memory, acks written into the sender's."""
 
-    def __init__(
-        self,
-        transport: Transport,
-        layout: SlotLayout,
-        client_id: int,
-        num_slots: int = DEFAULT_NUM_SLOTS,
-        name: str = "stage",
-    ):
-        self.transport, self.layout, self.client_id, self.name = transport, layout, client_id, name
-        self.data_ring, self.ack_ring = _rings(layout, num_slots)
-        self.region: Region = transport.create_region(self.data_ring.region_bytes)
-        self._views = RegionViews(self.region)
+    owns_requests = True
+    default_name = "stage"
+
+    def _init_end(self) -> None:
+        self.data_ring, self.ack_ring = self.request_ring, self.response_ring
         self.sender: Region | None = None
 
-    @property
-    def handle(self) -> str:
-        return self.region.handle
-
     def connect(self, sender_handle: str) -> None:
-        sender = self.transport.attach(sender_handle)
-        if sender.size < self.ack_ring.region_bytes:
-            raise ProtocolError(
-                f"{self.name}: the sender's region holds {sender.size} bytes, the stage layout "
-                f"needs {self.ack_ring.region_bytes}"
-            )
-        self.sender = sender
+        self.sender = self._attach_peer(sender_handle, self.ack_ring)
 
     def poll(self) -> list[Chunk]:
         """Every chunk waiting in the data ring, copied out and acknowledged. A chunk whose
@@ -273,43 +226,32 @@ class StageReceiver:
             h = inc.header
             if inc.code != ValidateCode.OK:
                 reason = validate_reason(inc.code)
-                _C.send_stage_ack(
-                    self.transport,
-                    self.region,
-                    self.data_ring,
-                    self.sender,
-                    self.ack_ring,
-                    inc.slot,
-                    self.client_id,
-                    inc.seq,
-                    h,
-                    int(inc.code),
-                    reason,
-                )
+                self._ack(inc, int(inc.code), reason)
                 raise ProtocolError(f"{self.name}: refused a stage message: {reason}")
             data = self._views.get(inc.payload_offset, (h.payload_bytes,), torch.uint8).clone()
-            enc = _ENC_OF_CODE[h.encoding]
-            _C.send_stage_ack(
-                self.transport,
-                self.region,
-                self.data_ring,
-                self.sender,
-                self.ack_ring,
-                inc.slot,
-                self.client_id,
-                inc.seq,
-                h,
-                0,
-                "",
-            )
-            out.append(Chunk(h.layer_id, h.num_tokens, h.topk, enc, data))
+            self._ack(inc, 0, "")
+            out.append(Chunk(h.layer_id, h.num_tokens, h.topk, ENCODING_OF_CODE[h.encoding], data))
         return out
+
+    def _ack(self, inc, status: int, reason: str) -> None:
+        """Answers the chunk `inc` (0: taken, else the refusal's status and reason), which frees
+        its data slot."""
+        _C.send_stage_ack(
+            self.transport,
+            self.region,
+            self.data_ring,
+            self.sender,
+            self.ack_ring,
+            inc.slot,
+            self.client_id,
+            inc.seq,
+            inc.header,
+            status,
+            reason,
+        )
 
     def peer_alive(self) -> bool:
         return self.sender is None or self.transport.peer_alive(self.sender)
-
-    def close(self) -> None:
-        self.region.close()
 
 
 class StageInbox:
@@ -336,7 +278,7 @@ class StageInbox:
         seen = self.transport.load(self.doorbell, 0)
         if self.take_arrived():
             return True
-        status, _ = _C.wait_doorbell(self.transport, self.doorbell, seen, _ns(timeout), None)
+        status, _ = _C.wait_doorbell(self.transport, self.doorbell, seen, timeout_ns(timeout), None)
         if status != WaitStatus.OK:  # timed out: a peer that died never rings again
             for source, r in self.receivers.items():
                 if not r.peer_alive():
@@ -370,7 +312,7 @@ class StageInbox:
         while (source, tag) not in self.ready:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise MoecommTimeout(
+                raise DeadlineExceededError(
                     f"stage inbox: package {tag} from {source!r} did not arrive within "
                     f"{timeout:.3f} s"
                 )
@@ -390,4 +332,4 @@ INBOX_SLICE_S = 0.5
 
 def as_tensor(encoding: Encoding, data: torch.Tensor, hidden: int) -> torch.Tensor:
     """Activation rows ``[T, hidden]`` from a package's bytes."""
-    return data.view(_DTYPE_OF_CODE[int(encoding)]).view(-1, hidden)
+    return data.view(DTYPE_OF_CODE[int(encoding)]).view(-1, hidden)

@@ -1,4 +1,5 @@
-"""Zero-copy writes into a peer's slot: typed views of the payload a writer fills in place.
+"""Zero-copy torch views of region memory: of any region (:class:`RegionViews`), and of the
+payload parts of a request in a peer's slot, which a writer fills in place.
 
 A client packs its request straight into the server's request slot and a server computes its
 answer straight into the client's response slot, when the transport maps the peer's memory
@@ -17,8 +18,68 @@ from dataclasses import dataclass
 import torch
 
 from moecomm import _C
-from moecomm.protocol import ENCODING_DTYPE, PAYLOAD_OFFSET, Encoding, scales_per_token
-from moecomm.transport import Region, RegionViews
+from moecomm.wire.protocol import ENCODING_DTYPE, PAYLOAD_OFFSET, Encoding, scales_per_token
+from moecomm.wire.transport import Region
+
+_ITEMSIZE = {
+    d: torch.empty((), dtype=d).element_size()
+    for d in (
+        torch.uint8,
+        torch.int8,
+        torch.int32,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float8_e4m3fn,
+    )
+}
+
+
+def region_bytes_view(region: Region) -> torch.Tensor:
+    """The whole region as a uint8 tensor sharing its memory. The tensor keeps the region (and
+    so its mapping) alive."""
+    return torch.frombuffer(region, dtype=torch.uint8)
+
+
+def view(
+    region_bytes: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
+    """A typed tensor of `shape` at byte `offset` of a region's uint8 view (zero copy)."""
+    itemsize = _ITEMSIZE.get(dtype) or torch.empty((), dtype=dtype).element_size()
+    n = 1
+    for s in shape:
+        n *= s
+    nbytes = n * itemsize
+    if offset < 0 or offset + nbytes > region_bytes.numel():
+        raise ValueError(
+            f"view of {nbytes} bytes at offset {offset} exceeds the region "
+            f"({region_bytes.numel()} bytes)"
+        )
+    if offset % itemsize:
+        raise ValueError(f"offset {offset} is not aligned to the {itemsize}-byte {dtype}")
+    return region_bytes[offset : offset + nbytes].view(dtype).view(shape)
+
+
+class RegionViews:
+    """Typed zero-copy views of one region, cached by (offset, shape, dtype): a serving loop asks
+    for the same few shapes over and over, and building a view costs several µs of Python."""
+
+    # Far above slots x distinct batch shapes in practice; the bound only stops unbounded growth.
+    MAX_ENTRIES = 4096
+
+    def __init__(self, region: Region):
+        self.bytes = region_bytes_view(region)
+        self._cache: dict = {}
+
+    def get(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        key = (offset, shape, dtype)
+        v = self._cache.get(key)
+        if v is None:
+            if len(self._cache) >= self.MAX_ENTRIES:
+                self._cache.clear()
+            v = self._cache[key] = view(self.bytes, offset, shape, dtype)
+        return v
+
 
 # Distinct (tokens, topk, encoding) shapes a loop sends; each layout costs a C++ call to compute.
 _LAYOUT_CACHE_MAX = 4096
