@@ -239,9 +239,9 @@ def _get_handle(a: argparse.Namespace, who: str) -> str:
 
 def _transport(a: argparse.Namespace):
     if a.contender == "nixl":
-        from moecomm.nixl import NixlTransport
+        from moecomm.wire.nixl import open_nixl_transport
 
-        return NixlTransport(host=a.self_addr)
+        return open_nixl_transport(host=a.self_addr)
     import moecomm
 
     return moecomm.ShmTransport()
@@ -257,8 +257,8 @@ def moecomm_server(a: argparse.Namespace) -> None:
     """The server end of both moecomm measurements, over the transport the contender names.
     Ends with a two-way handshake ("served", then the client's "done"): neither end lets its
     agent and regions go while the other may still have a transfer in flight to it."""
-    from moecomm.slots import ServerChannel
-    from moecomm.transport import WaitOp
+    from moecomm.wire.server import ServerChannel
+    from moecomm.wire.transport import WaitOp
 
     t = _transport(a)
     if a.size == "signal":
@@ -284,8 +284,8 @@ def moecomm_server(a: argparse.Namespace) -> None:
 
 
 def moecomm_client(a: argparse.Namespace) -> list[int]:
-    from moecomm.slots import ClientChannel
-    from moecomm.transport import WaitOp
+    from moecomm.wire.client import ClientChannel
+    from moecomm.wire.transport import WaitOp
 
     t = _transport(a)
     if a.size == "signal":

@@ -37,7 +37,6 @@ import time
 from collections.abc import Callable
 
 import torch
-from moecomm.protocol import ENCODING_DTYPE
 from moecomm.runtime.control import HttpServer, make_app
 from moecomm.runtime.launch import (
     ModelSpec,
@@ -46,7 +45,8 @@ from moecomm.runtime.launch import (
     wait_for_stop,
 )
 from moecomm.runtime.server import ExpertServer
-from moecomm.slots import Request, ServerChannel
+from moecomm.wire.protocol import ENCODING_DTYPE
+from moecomm.wire.server import Request, ServerChannel
 
 log = logging.getLogger("bench.delayed_link")
 

@@ -54,7 +54,7 @@ from moecomm.pipeline.predictor import (
 )
 from moecomm.pipeline.scheduler import BubbleScheduler, max_moves
 from moecomm.pipeline.testing import EmulatedCost, make_fake_stage
-from moecomm.protocol import SlotLayout
+from moecomm.wire.protocol import SlotLayout
 from moecomm_serving.generate import SamplingParams, sample_next
 from moecomm_serving.kvcache import ForwardBatch
 from moecomm_serving.model import load_model

@@ -28,9 +28,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moecomm
 from common import Stats, format_table, gloo_round_trip, time_calls, write_json
-from moecomm.slots import ClientChannel
 from moecomm.testing import spawn_identity_server
-from moecomm.transport import WaitOp
+from moecomm.wire.client import ClientChannel
+from moecomm.wire.transport import WaitOp
 from rtt_legs import copy_floor, moecomm_legs, native_signal, pack_legs
 
 TOKENS, HIDDEN, TOPK = 128, 7168, 8

@@ -22,9 +22,10 @@ import moecomm
 import torch
 from common import Stats, time_calls
 from moecomm.ops.dispatch import ExpertMap, pack_dispatch
-from moecomm.slots import ClientChannel
 from moecomm.testing import spawn_identity_server
-from moecomm.transport import RegionViews, WaitOp
+from moecomm.wire.client import ClientChannel
+from moecomm.wire.transport import WaitOp
+from moecomm.wire.views import RegionViews
 
 WAIT_S = 10.0
 # The signal word of each side: the first cache line of its region; the payload starts a line

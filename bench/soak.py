@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moecomm
 from moecomm.runtime.client import MAX_ATTEMPTS
 from moecomm.runtime.launch import ModelSpec, spawn_expert_server
-from moecomm.slots import POISON_ENV
+from moecomm.wire.channel import POISON_ENV, POISON_SLOTS
 from soak_client import FLUSH_S, MAX_SAMPLES, POLL_S, START_TIMEOUT_S, client_main
 from soak_report import KB_PER_MB, analyse, plot, print_report, write_report
 
@@ -280,9 +280,10 @@ def run_soak(cfg: SoakConfig) -> dict:
     leaked: list[str] = []
     began = time.monotonic()
     env_before = os.environ.get(POISON_ENV)
-    if cfg.poison_slots:  # read by every process we spawn, at its import of moecomm.slots
+    if cfg.poison_slots:  # read by every process we spawn, at its import of moecomm.wire.channel
         os.environ[POISON_ENV] = "1"
-    poisoned = os.environ.get(POISON_ENV, "0") not in ("", "0")
+    # This process read the switch when it imported moecomm: the environment may have set it.
+    poisoned = cfg.poison_slots or POISON_SLOTS
     try:
         _start_servers(cfg, servers)
         urls = [s.url for s in servers]

@@ -16,9 +16,10 @@ from pathlib import Path
 os.environ["MOECOMM_POISON_SLOTS"] = "1"
 
 import moecomm
-import moecomm.cuda
+import moecomm.wire.cuda
 import pytest
 import torch
+from long_run import LONG  # MOECOMM_LONG=1 also runs the tests marked slow
 from membership_procs import MONITOR_TOKEN, EtcdProcess, MonitorProcess, etcd_binary
 
 # Triton reads TRITON_INTERPRET when it is first imported, and modules collected before
@@ -33,9 +34,6 @@ if not torch.cuda.is_available():
 else:
     os.environ.setdefault("TRITON_INTERPRET", "0")
 
-# Fuzz and round-trip counts: CI defaults, raised for long runs with MOECOMM_LONG=1.
-LONG = os.environ.get("MOECOMM_LONG") == "1"
-
 
 def _gpu_skip_reason() -> str | None:
     """Why tests marked gpu cannot run, or None. A device counts when moecomm sees one
@@ -43,7 +41,7 @@ def _gpu_skip_reason() -> str | None:
     torch here is usually the CPU build, so it alone would skip every check on a GPU machine."""
     if torch.cuda.is_available():
         return None
-    why = moecomm.cuda.why_unavailable()
+    why = moecomm.wire.cuda.why_unavailable()
     return None if why is None else f"needs a CUDA device ({why})"
 
 

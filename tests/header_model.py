@@ -1,11 +1,11 @@
 """An independent Python model of header validation (csrc/protocol/validate.h), written from
-DESIGN.md's rules, used by the tests as a differential oracle."""
+the rules of docs/design.md ("Header validation"), used by the tests as a differential oracle."""
 
 from __future__ import annotations
 
 import struct
 
-from moecomm.protocol import PAYLOAD_OFFSET, Encoding, MessageKind, ValidateCode
+from moecomm.wire.protocol import PAYLOAD_OFFSET, Encoding, MessageKind, ValidateCode
 
 MAGIC = 0x4C53434D
 VERSION = 2

@@ -14,14 +14,15 @@ import signal
 import time
 
 import moecomm
-import moecomm.nixl
+import moecomm.wire.nixl
 import torch
 from moecomm.errors import PeerLostError
-from moecomm.slots import ServerChannel
 from moecomm.testing import check_pattern
-from moecomm.transport import SignalOp, WaitOp, region_bytes_view
+from moecomm.wire.server import ServerChannel
+from moecomm.wire.transport import SignalOp, WaitOp
+from moecomm.wire.views import region_bytes_view
 
-NIXL_OK, NIXL_WHY = moecomm.nixl.available()
+NIXL_OK, NIXL_WHY = moecomm.wire.nixl.available()
 
 SEED = 20240611
 S = 1_000_000_000  # ns per second
@@ -86,7 +87,7 @@ def stream_message(seed: int, i: int):
 
 
 def stream_receiver(conn, seed, count):
-    t = moecomm.nixl.NixlTransport()
+    t = moecomm.wire.nixl.open_nixl_transport()
     r = t.create_region(STREAM_BYTES)
     conn.send(r.handle)
     sender = t.attach(conn.recv())
@@ -110,12 +111,12 @@ def stream_receiver(conn, seed, count):
 def nixl_identity_server(conn, layout_dict, client_id, num_slots):
     """moecomm.testing.serve_identity over nixl (that one builds its own ShmTransport)."""
     layout = moecomm.SlotLayout.from_dict(layout_dict)
-    t = moecomm.nixl.NixlTransport()
+    t = moecomm.wire.nixl.open_nixl_transport()
     channel = ServerChannel(t, layout, client_id, num_slots)
     conn.send((channel.handle, channel.request_ring.poison))
     channel.connect(conn.recv())
     served = rejected = 0
-    out_dtype = moecomm.protocol.ENCODING_DTYPE[layout.out_encoding]
+    out_dtype = moecomm.wire.protocol.ENCODING_DTYPE[layout.out_encoding]
     while True:
         try:
             reqs = channel.wait(timeout=0.05)
@@ -124,7 +125,7 @@ def nixl_identity_server(conn, layout_dict, client_id, num_slots):
         for req in reqs:
             problem = "invalid" if not req.valid else check_pattern(req, client_id)
             if problem is not None:
-                channel.reject(req, moecomm.protocol.ResponseStatus.SERVER_ERROR, problem)
+                channel.reject(req, moecomm.wire.protocol.ResponseStatus.SERVER_ERROR, problem)
                 rejected += 1
                 continue
             y = req.activations
@@ -138,7 +139,7 @@ def nixl_identity_server(conn, layout_dict, client_id, num_slots):
 # -------------------------------------------------------------- peers for the fault tests
 def ringer(conn, seed):
     """Rings the parent's word (a put, then kAdd on the word) until killed."""
-    t = moecomm.nixl.NixlTransport()
+    t = moecomm.wire.nixl.open_nixl_transport()
     r = t.create_region(4096)
     conn.send((r.handle, t.agent_name))
     parent = t.attach(conn.recv())
@@ -152,7 +153,7 @@ def ringer(conn, seed):
 
 def echo(conn):
     """Answers every value written into its word 0 by writing it into the parent's word 0."""
-    t = moecomm.nixl.NixlTransport()
+    t = moecomm.wire.nixl.open_nixl_transport()
     r = t.create_region(4096)
     conn.send(r.handle)
     parent = t.attach(conn.recv())
@@ -163,7 +164,7 @@ def echo(conn):
 
 
 def regions(conn, count):
-    t = moecomm.nixl.NixlTransport()
+    t = moecomm.wire.nixl.open_nixl_transport()
     regions = [t.create_region(4096 * (i + 1)) for i in range(count)]
     for i, r in enumerate(regions):
         region_bytes_view(r)[:8] = i + 1
@@ -176,7 +177,7 @@ READ_BYTES = (10 << 20) + 13  # more than the staging buffer: read in chunks; an
 
 
 def filled(conn, seed):
-    t = moecomm.nixl.NixlTransport()
+    t = moecomm.wire.nixl.open_nixl_transport()
     r = t.create_region(READ_BYTES)
     g = torch.Generator().manual_seed(seed)
     region_bytes_view(r).copy_(torch.randint(0, 256, (READ_BYTES,), dtype=torch.uint8, generator=g))
@@ -187,7 +188,7 @@ def filled(conn, seed):
 # ------------------------------------------------------------------ kAdd: a doorbell ringer
 def doorbell_writer(conn, seed):
     """Rings the parent's word 0 with kAdd on command: ("ring", n, max_sleep_s)."""
-    t = moecomm.nixl.NixlTransport()
+    t = moecomm.wire.nixl.open_nixl_transport()
     conn.send(t.agent_name)
     peer = t.attach(conn.recv())
     rng = random.Random(seed)

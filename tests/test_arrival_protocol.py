@@ -20,9 +20,10 @@ import moecomm
 import pytest
 import torch
 from moecomm import _C
-from moecomm.protocol import Encoding, MessageKind, SlotState, ValidateCode, make_signal
-from moecomm.slots import ClientChannel, ServerChannel
-from moecomm.transport import region_bytes_view
+from moecomm.wire.client import ClientChannel
+from moecomm.wire.protocol import Encoding, MessageKind, SlotState, ValidateCode, make_signal
+from moecomm.wire.server import ServerChannel
+from moecomm.wire.views import region_bytes_view
 
 ARRIVAL_OFFSET = 16  # protocol/layout.h kArrivalOffset, in each slot's signal line
 LAYOUT = moecomm.SlotLayout(max_tokens=16, hidden=64, topk=2)

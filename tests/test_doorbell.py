@@ -5,9 +5,10 @@ import threading
 import moecomm
 import torch
 from moecomm import _C
-from moecomm.slots import ClientChannel, ServerChannel
 from moecomm.testing import make_pattern
-from moecomm.transport import WaitStatus
+from moecomm.wire.client import ClientChannel
+from moecomm.wire.server import ServerChannel
+from moecomm.wire.transport import WaitStatus
 
 LAYOUT = moecomm.SlotLayout(max_tokens=4, hidden=16, topk=2)
 

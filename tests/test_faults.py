@@ -10,10 +10,11 @@ import moecomm
 import pytest
 import torch
 from moecomm import _C
-from moecomm.protocol import SlotState, make_signal
-from moecomm.slots import ClientChannel, ServerChannel
 from moecomm.testing import make_pattern, spawn_identity_server
-from moecomm.transport import region_bytes_view
+from moecomm.wire.client import ClientChannel
+from moecomm.wire.protocol import SlotState, make_signal
+from moecomm.wire.server import ServerChannel
+from moecomm.wire.views import region_bytes_view
 from proc_helpers import stop_process
 
 LAYOUT = moecomm.SlotLayout(max_tokens=4, hidden=32, topk=2)
@@ -92,7 +93,7 @@ def test_deadline_expiring_is_a_timeout_error(transport):
     client, _server = pair(transport)
     seq, _ = send_pattern(client)
     start = time.monotonic()
-    with pytest.raises(moecomm.TimeoutError, match=f"seq {seq}: no response within"):
+    with pytest.raises(moecomm.DeadlineExceededError, match=f"seq {seq}: no response within"):
         client.wait(0, seq, timeout=0.2)
     assert 0.2 <= time.monotonic() - start < 2
     with pytest.raises(ValueError, match="timeout"):
@@ -161,7 +162,7 @@ def test_malformed_header_gets_an_error_and_the_server_keeps_serving(transport, 
     server.connect(client.handle)
     # A buggy client writes a header claiming 1000 tokens, then signals it.
     ring = client.request_ring
-    h = moecomm.protocol.SlotHeader()
+    h = moecomm.wire.protocol.SlotHeader()
     h.kind, h.encoding, h.num_tokens, h.hidden, h.topk = 1, 1, 1000, 32, 2
     h.client_id, h.seq = CLIENT, client.next_seq()
     raw = torch.frombuffer(bytearray(h.to_bytes()), dtype=torch.uint8)
@@ -169,7 +170,7 @@ def test_malformed_header_gets_an_error_and_the_server_keeps_serving(transport, 
     transport.signal(
         client.server, ring.slot_offset(0), make_signal(SlotState.REQUEST_READY, h.seq)
     )
-    transport.signal(client.server, 0, 1, moecomm.transport.SignalOp.ADD)
+    transport.signal(client.server, 0, 1, moecomm.wire.transport.SignalOp.ADD)
     with pytest.raises(moecomm.RemoteError, match="exceeds the slot's max_tokens") as info:
         client.wait(0, h.seq, timeout=20)
     assert info.value.status == int(moecomm.ValidateCode.TOO_MANY_TOKENS)
@@ -183,7 +184,7 @@ def test_late_answer_to_an_abandoned_request_is_dropped(transport):
     client, server = pair(transport)
     seq1, _ = send_pattern(client)
     (req1,) = server.wait(1.0)
-    with pytest.raises(moecomm.TimeoutError):
+    with pytest.raises(moecomm.DeadlineExceededError):
         client.wait(0, seq1, timeout=0.05)
     # The client gives up on seq1 and reuses the slot for seq2 before the server answers seq1.
     seq2, x2 = send_pattern(client)

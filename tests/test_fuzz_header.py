@@ -9,7 +9,7 @@ from header_model import MAGIC, VERSION, pack, request_total, response_total, va
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from moecomm import _C
-from moecomm.protocol import Expectation, MessageKind, SlotConfig, SlotHeader, validate_header
+from moecomm.wire.protocol import Expectation, MessageKind, SlotConfig, SlotHeader, validate_header
 
 EXAMPLES = int(os.environ.get("MOECOMM_FUZZ_EXAMPLES", "10000"))
 U32 = st.integers(0, 2**32 - 1)

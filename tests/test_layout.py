@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 from moecomm import _C
-from moecomm.protocol import (
+from moecomm.wire.protocol import (
     HEADER_OFFSET,
     PAYLOAD_OFFSET,
     Encoding,

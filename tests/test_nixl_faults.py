@@ -13,11 +13,12 @@ import threading
 import time
 
 import moecomm
-import moecomm.nixl
+import moecomm.wire.nixl
 import pytest
 import torch
 from moecomm.errors import PeerLostError
-from moecomm.transport import SignalOp, WaitOp, region_bytes_view
+from moecomm.wire.transport import SignalOp, WaitOp
+from moecomm.wire.views import region_bytes_view
 from nixl_helpers import NIXL_OK, NIXL_WHY, SEED, WAIT_NS, S, echo, kill, regions, ringer, spawn
 from proc_helpers import stop_process
 
@@ -31,7 +32,7 @@ pytestmark = [
 @pytest.mark.timeout(120)
 def test_killed_peer_fails_waits_puts_and_reads_fast(reaper):
     p, conn, (handle, _) = spawn(reaper, ringer, SEED)
-    t = moecomm.nixl.NixlTransport(xfer_timeout_s=20)
+    t = moecomm.wire.nixl.open_nixl_transport(xfer_timeout_s=20)
     mine = t.create_region(4096)
     peer = t.attach(handle)
     conn.send(mine.handle)
@@ -78,7 +79,7 @@ def test_killed_peer_fails_waits_puts_and_reads_fast(reaper):
 @pytest.mark.timeout(120)
 def test_stopped_peer_never_hangs_a_waiter_and_answers_after_sigcont(reaper):
     p, conn, handle = spawn(reaper, echo)
-    t = moecomm.nixl.NixlTransport(xfer_timeout_s=3)
+    t = moecomm.wire.nixl.open_nixl_transport(xfer_timeout_s=3)
     mine = t.create_region(4096)
     peer = t.attach(handle)
     conn.send(mine.handle)
@@ -90,12 +91,12 @@ def test_stopped_peer_never_hangs_a_waiter_and_answers_after_sigcont(reaper):
         try:  # one-sided: it may land in the stopped process or time out, never hang
             t.signal(peer, 0, 2)
             rung = True
-        except moecomm.TimeoutError:
+        except moecomm.DeadlineExceededError:
             rung = False
         assert time.monotonic() - start_s < 3 + 5
         start_s = time.monotonic()
         # Stopped is not dead: the wait ends at its own deadline (probes are capped by it).
-        with pytest.raises(moecomm.TimeoutError):
+        with pytest.raises(moecomm.DeadlineExceededError):
             t.wait(mine, 0, WaitOp.EQUAL, 2, timeout_ns=S + S // 2, peer=peer)
         elapsed = time.monotonic() - start_s
         assert 1.5 <= elapsed < 1.5 + 2, elapsed
@@ -116,14 +117,14 @@ PROBE_S = 2
 @pytest.mark.timeout(120)
 def test_stopped_peer_is_a_timeout_not_a_lost_peer(reaper):
     p, _conn, (_agent, handles) = spawn(reaper, regions, 1)
-    t = moecomm.nixl.NixlTransport(xfer_timeout_s=3)
+    t = moecomm.wire.nixl.open_nixl_transport(xfer_timeout_s=3)
     mine = t.create_region(64)
     peer = t.attach(handles[0])
     assert t.load(peer, 0) == 0x0101010101010101  # connected
     stop_process(p.pid)
     try:
         start_s = time.monotonic()
-        with pytest.raises(moecomm.TimeoutError):
+        with pytest.raises(moecomm.DeadlineExceededError):
             t.wait(mine, 0, WaitOp.EQUAL, 1, timeout_ns=PROBE_S * S + S, peer=peer)
         assert time.monotonic() - start_s < PROBE_S + 1 + 2  # at its deadline
     finally:
@@ -161,7 +162,7 @@ MALFORMED = [
 
 
 def _refuse(handle, message):
-    t = moecomm.nixl.NixlTransport()
+    t = moecomm.wire.nixl.open_nixl_transport()
     try:
         with pytest.raises(ValueError, match=message):
             t.attach(handle)
@@ -179,7 +180,7 @@ def test_malformed_handles_are_value_errors(handle, message):
 def test_a_blob_that_is_no_nixl_metadata_is_refused_cleanly():
     # Well-formed base64 of something that is not an agent's metadata: NIXL refuses it. The
     # transport must survive it (and attach nothing).
-    t = moecomm.nixl.NixlTransport()
+    t = moecomm.wire.nixl.open_nixl_transport()
     with pytest.raises(ValueError, match="no loadable metadata"):
         t.attach("nixl|agent|7f00|4096|host|Z2FyYmFnZQ==")
     assert t.peers() == []
@@ -188,7 +189,7 @@ def test_a_blob_that_is_no_nixl_metadata_is_refused_cleanly():
 
 
 def test_own_region_attaches_as_a_local_alias():
-    t = moecomm.nixl.NixlTransport()
+    t = moecomm.wire.nixl.open_nixl_transport()
     r = t.create_region(4096)
     alias = t.attach(r.handle)
     assert not alias.owned and alias.size == 4096 and alias.handle == r.handle
@@ -220,7 +221,7 @@ def test_own_region_attaches_as_a_local_alias():
 @pytest.mark.timeout(120)
 def test_peers_lists_a_peer_until_its_last_region_is_released(reaper):
     _p, _conn, (agent, handles) = spawn(reaper, regions, 2)
-    t = moecomm.nixl.NixlTransport()
+    t = moecomm.wire.nixl.open_nixl_transport()
     assert agent != t.agent_name and t.peers() == []
     a = t.attach(handles[0])
     assert t.peers() == [agent]
@@ -246,7 +247,7 @@ def test_peers_lists_a_peer_until_its_last_region_is_released(reaper):
 def test_handle_of_a_dead_agent_fails_at_attach_or_first_use(reaper):
     p, _conn, (_agent, handles) = spawn(reaper, regions, 1)
     kill(p)
-    t = moecomm.nixl.NixlTransport(xfer_timeout_s=5)
+    t = moecomm.wire.nixl.open_nixl_transport(xfer_timeout_s=5)
     start = time.monotonic()
     try:
         peer = t.attach(handles[0])

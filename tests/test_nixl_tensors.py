@@ -9,8 +9,8 @@ import multiprocessing as mp
 
 import pytest
 import torch
-from moecomm.nixl import NixlTransport, TensorRegion, available
-from moecomm.transport import WaitOp
+from moecomm.wire.nixl import TensorRegion, available, open_nixl_transport
+from moecomm.wire.transport import WaitOp
 
 ok, why = available()
 pytestmark = pytest.mark.skipif(not ok, reason=f"NIXL is not installed: {why}")
@@ -19,7 +19,7 @@ FLAG = 0
 
 
 def _receiver(conn, device: str, numel: int, rounds: int) -> None:
-    t = NixlTransport()
+    t = open_nixl_transport()
     flags = t.create_region(64)
     dst = torch.zeros(numel, dtype=torch.float16, device=device)
     reg = TensorRegion(t, dst)
@@ -39,7 +39,7 @@ def _roundtrip(device: str) -> list[bool]:
     p = ctx.Process(target=_receiver, args=(b, device, numel, rounds), daemon=True)
     p.start()
     try:
-        t = NixlTransport()
+        t = open_nixl_transport()
         flags_h, dst_h = a.recv()
         flags, dst = t.attach(flags_h), t.attach(dst_h)
         src = torch.empty(numel, dtype=torch.float16, device=device)
@@ -71,7 +71,7 @@ def test_tensor_to_tensor_puts_land_before_their_signal_on_the_cpu():
 
 
 def test_register_refuses_what_it_cannot_send():
-    t = NixlTransport()
+    t = open_nixl_transport()
     with pytest.raises(ValueError, match="contiguous"):
         TensorRegion(t, torch.zeros(4, 4).t())
     with pytest.raises(ValueError, match="host or cuda"):

@@ -11,12 +11,12 @@ import threading
 import time
 
 import moecomm
-import moecomm.nixl
+import moecomm.wire.nixl
 import pytest
 import torch
-from moecomm.slots import ClientChannel
 from moecomm.testing import make_pattern
-from moecomm.transport import SignalOp, WaitOp
+from moecomm.wire.client import ClientChannel
+from moecomm.wire.transport import SignalOp, WaitOp
 from nixl_helpers import (
     HALF,
     HEADER,
@@ -51,7 +51,7 @@ def test_put_signal_wait_is_bit_exact_for_every_size_and_offset(reaper, senders)
     """With two sender threads each owns one half: puts are staged per thread, and a thread's
     signal must carry its own puts (and never wait on, or drop, the other's)."""
     _p, conn, handle = spawn(reaper, stream_receiver, SEED + senders, STREAM_MESSAGES)
-    t = moecomm.nixl.NixlTransport()
+    t = moecomm.wire.nixl.open_nixl_transport()
     ack = t.create_region(64)
     peer = t.attach(handle)
     conn.send(ack.handle)
@@ -103,7 +103,7 @@ def test_slot_protocol_round_trips_bit_exact_with_poisoned_slots(reaper, encodin
     _p, conn, (handle, server_poison) = spawn(
         reaper, nixl_identity_server, layout.to_dict(), client_id, num_slots
     )
-    t = moecomm.nixl.NixlTransport()
+    t = moecomm.wire.nixl.open_nixl_transport()
     client = ClientChannel(t, layout, client_id, num_slots)
     # Poison mode on both ends: a read of a released slot sees 0xFF bytes, every time.
     assert client.response_ring.poison and client.request_ring.poison and server_poison
@@ -147,7 +147,7 @@ def test_remote_read_and_load_are_bit_exact_and_bounds_are_checked_first(reaper)
     _p, _conn, handle = spawn(reaper, filled, SEED)
     g = torch.Generator().manual_seed(SEED)
     want = torch.randint(0, 256, (READ_BYTES,), dtype=torch.uint8, generator=g)
-    t = moecomm.nixl.NixlTransport()
+    t = moecomm.wire.nixl.open_nixl_transport()
     peer = t.attach(handle)
     assert peer.size == READ_BYTES and not peer.owned
     out = torch.zeros(READ_BYTES, dtype=torch.uint8)
@@ -197,7 +197,7 @@ def test_remote_read_and_load_are_bit_exact_and_bounds_are_checked_first(reaper)
 # ------------------------------------------------ 4. kAdd on a peer's word: a doorbell
 @pytest.mark.timeout(120)
 def test_add_to_a_peer_word_from_two_writers_always_changes_it(reaper):
-    t = moecomm.nixl.NixlTransport()
+    t = moecomm.wire.nixl.open_nixl_transport()
     bell = t.create_region(64)
     started = [start(reaper, doorbell_writer, SEED + i) for i in range(2)]  # both boot at once
     writers = [(p, conn, recv(conn, START_TIMEOUT_S)) for p, conn in started]
@@ -234,7 +234,7 @@ def test_add_to_a_peer_word_from_two_writers_always_changes_it(reaper):
         try:
             last = observe(t.wait(bell, 0, WaitOp.NOT_EQUAL, last, timeout_ns=S // 5))
             wakes += 1
-        except moecomm.TimeoutError:
+        except moecomm.DeadlineExceededError:
             finished = sum(conn.poll() for _, conn, _ in writers)
     for _, conn, _ in writers:
         assert recv(conn) == "rung"
@@ -253,7 +253,7 @@ def test_add_to_a_peer_word_from_two_writers_always_changes_it(reaper):
 def test_an_idle_agent_leaves_the_cores_alone():
     """NIXL's wrapper runs the progress thread with no delay (a whole core per process, idle or
     not); moecomm sets one. An idle transport costs well under a tenth of a core."""
-    t = moecomm.nixl.NixlTransport()
+    t = moecomm.wire.nixl.open_nixl_transport()
     t.create_region(64)
     start = time.process_time()
     time.sleep(1.0)

@@ -3,15 +3,13 @@ process. Payloads carry their own origin (moecomm.testing); responses are compar
 
 CI runs >= 10^4 round trips; MOECOMM_LONG=1 runs 10x more (a pressure run)."""
 
-import os
-
 import moecomm
 import pytest
 import torch
-from moecomm.slots import ClientChannel
+from long_run import LONG
 from moecomm.testing import make_pattern, spawn_identity_server
+from moecomm.wire.client import ClientChannel
 
-LONG = os.environ.get("MOECOMM_LONG") == "1"
 ROUND_TRIPS = 100_000 if LONG else 10_000
 SEED = 1234
 

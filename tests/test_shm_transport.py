@@ -11,7 +11,8 @@ import moecomm
 import pytest
 import torch
 from moecomm import _C
-from moecomm.transport import SignalOp, WaitOp, region_bytes_view
+from moecomm.wire.transport import SignalOp, WaitOp
+from moecomm.wire.views import region_bytes_view
 
 
 def test_region_is_private_zeroed_and_unique(transport):
@@ -87,7 +88,7 @@ def test_wait_times_out_at_its_deadline(spin_ns):
     t = moecomm.ShmTransport(spin_ns=spin_ns)
     r = t.create_region(64)
     start = time.monotonic()
-    with pytest.raises(moecomm.TimeoutError, match="timed out") as info:
+    with pytest.raises(moecomm.DeadlineExceededError, match="timed out") as info:
         t.wait(r, 0, WaitOp.EQUAL, 1, timeout_ns=200_000_000)
     elapsed = time.monotonic() - start
     assert 0.2 <= elapsed < 1.5
@@ -151,7 +152,8 @@ def test_own_segments_are_never_reaped(transport):
 
 
 def test_the_shm_spin_comes_from_the_environment(monkeypatch):
-    from moecomm.transport import SHM_SPIN_ENV, make_transport
+    from moecomm.wire.choose import make_transport
+    from moecomm.wire.shm import SHM_SPIN_ENV
 
     monkeypatch.delenv(SHM_SPIN_ENV, raising=False)
     assert make_transport("shm").spin_ns == moecomm._C.SHM_DEFAULT_SPIN_NS

@@ -3,7 +3,7 @@
 import pytest
 from header_model import pack, valid_request, validate
 from moecomm import _C
-from moecomm.protocol import (
+from moecomm.wire.protocol import (
     PAYLOAD_OFFSET,
     Encoding,
     Expectation,

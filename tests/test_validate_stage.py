@@ -5,7 +5,7 @@ for an expert request or response (nor the reverse)."""
 import pytest
 from header_model import pack, valid_request, valid_stage, validate
 from moecomm import _C
-from moecomm.protocol import (
+from moecomm.wire.protocol import (
     PAYLOAD_OFFSET,
     Expectation,
     MessageKind,
@@ -13,7 +13,7 @@ from moecomm.protocol import (
     ValidateCode,
     validate_header,
 )
-from moecomm.stage_channel import stage_layout
+from moecomm.wire.stage import stage_layout
 
 ROWS, HIDDEN, CLIENT, SEQ = 4, 96, 7, 11
 LAYOUT = stage_layout(ROWS, HIDDEN, "f32")

@@ -4,13 +4,14 @@
 message; sizes change every step, slots are reused the instant they are free, released slots
 are poisoned (conftest), and a bad shape is refused before a header goes out."""
 
-import moecomm.slot_channel as slot_channel
+import moecomm.wire.channel as slot_channel
 import pytest
 import torch
 from moecomm.errors import RemoteError
 from moecomm.ops.dispatch import ExpertMap, pack_dispatch
-from moecomm.protocol import ResponseStatus, SlotLayout
-from moecomm.slots import ClientChannel, ServerChannel
+from moecomm.wire.client import ClientChannel
+from moecomm.wire.protocol import ResponseStatus, SlotLayout
+from moecomm.wire.server import ServerChannel
 
 HIDDEN, TOPK, MAX_TOKENS, NUM_SLOTS = 48, 4, 16, 2
 

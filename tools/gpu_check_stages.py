@@ -319,12 +319,12 @@ def stage_preflight(run: StageRun) -> None:
 
 IMPORT_SCRIPT = r"""
 import json
-import moecomm, moecomm.cuda, torch
+import moecomm, moecomm.wire.cuda as gpu, torch
 info = {"moecomm": moecomm.__file__, "torch": torch.__version__,
         "torch_cuda_available": torch.cuda.is_available(),
-        "built_cuda": moecomm.cuda.built("_cuda"), "built_nvshmem": moecomm.cuda.built("_nvshmem"),
-        "available": moecomm.cuda.available(), "device_count": moecomm.cuda.device_count(),
-        "why_unavailable": moecomm.cuda.why_unavailable()}
+        "built_cuda": gpu.built("_cuda"), "built_nvshmem": gpu.built("_nvshmem"),
+        "available": gpu.available(), "device_count": gpu.device_count(),
+        "why_unavailable": gpu.why_unavailable()}
 print("GPU-CHECK-IMPORT " + json.dumps(info))
 """
 

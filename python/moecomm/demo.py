@@ -12,10 +12,10 @@ import torch
 
 from moecomm import _C
 from moecomm.errors import ProtocolError, RemoteError
-from moecomm.protocol import SlotLayout, signal_seq, signal_state
-from moecomm.slots import ClientChannel
 from moecomm.testing import make_pattern, spawn_identity_server
-from moecomm.transport import ShmTransport, list_segments
+from moecomm.wire.client import ClientChannel
+from moecomm.wire.protocol import SlotLayout, signal_seq, signal_state
+from moecomm.wire.shm import ShmTransport, list_segments
 
 CLIENT_ID = 1
 SEED = 0

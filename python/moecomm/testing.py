@@ -15,9 +15,10 @@ from dataclasses import dataclass
 import torch
 
 from moecomm.errors import PeerLostError
-from moecomm.protocol import ENCODING_DTYPE, ResponseStatus, SlotLayout, scales_per_token
-from moecomm.slots import ServerChannel
-from moecomm.transport import ShmTransport
+from moecomm.runtime.launch import spawn_ready
+from moecomm.wire.protocol import ENCODING_DTYPE, ResponseStatus, SlotLayout, scales_per_token
+from moecomm.wire.server import ServerChannel
+from moecomm.wire.shm import ShmTransport
 
 # Small enough that the ids are exact in any encoding and look like real local expert ids.
 PATTERN_EXPERTS = 251
@@ -159,17 +160,6 @@ def spawn_identity_server(
     start_timeout: float = 60.0,
 ) -> IdentityServer:
     """Starts serve_identity in a fresh process and returns once its region exists."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(
-        target=serve_identity,
-        args=(child, layout.to_dict(), client_id, num_slots, check),
-        daemon=True,
-    )
-    proc.start()
-    child.close()
-    if not parent.poll(start_timeout):
-        proc.kill()
-        proc.join()
-        raise RuntimeError(f"identity server did not start within {start_timeout} s")
-    return IdentityServer(proc, parent, parent.recv())
+    args = (layout.to_dict(), client_id, num_slots, check)
+    proc, conn, handle = spawn_ready(serve_identity, args, "identity server", start_timeout)
+    return IdentityServer(proc, conn, handle)

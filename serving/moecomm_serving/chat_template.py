@@ -18,9 +18,10 @@ from typing import Any
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from moecomm.errors import MoecommError
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(MoecommError, ValueError):
     """The template refused the conversation (``raise_exception``) or failed to render."""
 
 

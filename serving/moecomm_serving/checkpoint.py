@@ -40,6 +40,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
+from moecomm.errors import MoecommError
 from moecomm.runtime.experts import ExpertWeights
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -53,7 +54,7 @@ INDEX_FILE = "model.safetensors.index.json"
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(MoecommError, ValueError):
     """A checkpoint does not match what its config implies."""
 
 

@@ -6,9 +6,10 @@ import argparse
 import os
 import sys
 
-from moecomm.membership.base import TOKEN_ENV
+from moecomm.membership import monitor
 
-from moecomm_serving import demo, expert_server, frontend_cmd, loadgen, rebalance_cmd
+from moecomm_serving import demo, expert_server, frontend_cmd, loadgen, rebalance_cmd, tiny
+from moecomm_serving.device_args import add_device_arguments
 
 DESCRIPTION = """moecomm: serve Mixture-of-Experts models with the experts in separate services.
 
@@ -23,20 +24,71 @@ subcommands:
 """
 
 
-def _tiny(args: argparse.Namespace) -> int:
-    from moecomm_serving.tiny import main as tiny_main
+def _demo_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--stages",
+        type=int,
+        default=1,
+        help="pipeline stages of the front end (2: the model split over two stage processes, "
+        "each calling the expert servers)",
+    )
+    tiny.add_arch_argument(p, help="model family of the tiny checkpoint")
+    add_device_arguments(p, server=False)
 
-    tiny_main(["--out", args.out, "--arch", args.arch, "--seed", str(args.seed)])
-    return 0
 
-
-def _monitor(args: argparse.Namespace) -> int:
-    from moecomm.membership.monitor import main as monitor_main
-
-    argv = ["--host", args.host, "--port", str(args.port)]
-    if args.token_file:
-        argv += ["--token-file", args.token_file]
-    return monitor_main(argv)
+# name: (short help, description, adds the options, runs the command)
+COMMANDS = {
+    "monitor": (
+        "the embedded membership monitor",
+        "Track members by heartbeat; push join/loss events to watchers over HTTP. "
+        "Prints its URL on the first line.",
+        monitor.add_arguments,
+        monitor.run,
+    ),
+    "expert-server": (
+        "host experts of a checkpoint",
+        "Host the experts of some layers of a HF-layout checkpoint. Clients connect over HTTP "
+        "and then exchange tokens through shared-memory slots. Runs until Ctrl-C.",
+        expert_server.add_arguments,
+        expert_server.run,
+    ),
+    "frontend": (
+        "the model behind the OpenAI API",
+        "Serve /v1/completions and /v1/chat/completions with continuous batching. Attention and "
+        "the KV cache run here; the experts on expert servers (--servers or --monitor) or in "
+        "this process (--local-experts).",
+        frontend_cmd.add_arguments,
+        frontend_cmd.run,
+    ),
+    "rebalance": (
+        "re-place experts on running servers from their load",
+        "Read the per-expert load of running expert servers, compute a placement that moves "
+        "few replicas (EPLB, incremental) and apply it while they serve: new replicas are "
+        "loaded first, then the old ones dropped once no client routes to them.",
+        rebalance_cmd.add_arguments,
+        rebalance_cmd.run,
+    ),
+    "demo": (
+        "the whole system on the tiny model",
+        "Start the monitor, two expert servers and a front end as processes on a tiny random "
+        "checkpoint, send a few prompts, print completions and metrics, shut down.",
+        _demo_arguments,
+        demo.run,
+    ),
+    "bench": (
+        "load generator for an OpenAI-compatible endpoint",
+        "Send requests at a rate/concurrency and report throughput, TTFT, TPOT, ITL and "
+        "end-to-end latency (mean, median, p99); --json writes the report.",
+        loadgen.build_parser,
+        loadgen.run_from_args,
+    ),
+    "tiny": (
+        "write the tiny random checkpoint",
+        "Write the tiny random MoE checkpoint (fixed seed).",
+        tiny.add_arguments,
+        tiny.run,
+    ),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,95 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    mon = sub.add_parser(
-        "monitor",
-        help="the embedded membership monitor",
-        description="Track members by heartbeat; push join/loss events to watchers over HTTP. "
-        "Prints its URL on the first line.",
-    )
-    mon.add_argument("--host", default="127.0.0.1", help="address to bind (loopback)")
-    mon.add_argument("--port", type=int, default=0, help="port (0: any free one)")
-    mon.add_argument(
-        "--token-file", default=None, help=f"file with the shared token (or ${TOKEN_ENV})"
-    )
-    mon.set_defaults(func=_monitor)
-    es = sub.add_parser(
-        "expert-server",
-        help="host experts of a checkpoint",
-        description="Host the experts of some layers of a HF-layout checkpoint. "
-        "Clients connect over HTTP and then exchange tokens through "
-        "shared-memory slots. Runs until Ctrl-C.",
-    )
-    expert_server.add_arguments(es)
-    es.set_defaults(func=expert_server.run)
-    fe = sub.add_parser(
-        "frontend",
-        help="the model behind the OpenAI API",
-        description="Serve /v1/completions and /v1/chat/completions with continuous batching. "
-        "Attention and the KV cache run here; the experts on expert servers (--servers or "
-        "--monitor) or in this process (--local-experts).",
-    )
-    frontend_cmd.add_arguments(fe)
-    fe.set_defaults(func=frontend_cmd.run)
-    rb = sub.add_parser(
-        "rebalance",
-        help="re-place experts on running servers from their load",
-        description="Read the per-expert load of running expert servers, compute a placement "
-        "that moves few replicas (EPLB, incremental) and apply it while they serve: new "
-        "replicas are loaded first, then the old ones dropped once no client routes to them.",
-    )
-    rebalance_cmd.add_arguments(rb)
-    rb.set_defaults(func=rebalance_cmd.run)
-    dm = sub.add_parser(
-        "demo",
-        help="the whole system on the tiny model",
-        description="Start the monitor, two expert servers and a front end as processes on a "
-        "tiny random checkpoint, send a few prompts, print completions and metrics, shut down.",
-    )
-    dm.add_argument(
-        "--stages",
-        type=int,
-        default=1,
-        help="pipeline stages of the front end (2: the model split over two stage processes, "
-        "each calling the expert servers)",
-    )
-    dm.add_argument(
-        "--arch",
-        default="mixtral",
-        choices=["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"],
-        help="model family of the tiny checkpoint",
-    )
-    dm.add_argument(
-        "--device",
-        default="cpu",
-        help="cpu (default) or cuda: expert servers on the GPU and a front end that reaches them "
-        "over CUDA IPC (needs a CUDA device and moecomm built with CUDA; fails at once without)",
-    )
-    dm.set_defaults(func=demo.run)
-    bn = sub.add_parser(
-        "bench",
-        help="load generator for an OpenAI-compatible endpoint",
-        description="Send requests at a rate/concurrency and report throughput, TTFT, TPOT, "
-        "ITL and end-to-end latency (mean, median, p99); --json writes the report.",
-    )
-    loadgen.build_parser(bn)
-    bn.set_defaults(func=loadgen.run_from_args)
-    tiny = sub.add_parser(
-        "tiny",
-        help="write the tiny random checkpoint",
-        description="Write the tiny random MoE checkpoint (fixed seed).",
-    )
-    tiny.add_argument("--out", required=True)
-    tiny.add_argument(
-        "--arch",
-        "--layout",
-        dest="arch",
-        default="mixtral",
-        choices=["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"],
-        help="model family (--layout is its older name)",
-    )
-    tiny.add_argument("--seed", type=int, default=0)
-    tiny.set_defaults(func=_tiny)
+    for name, (short, description, add_arguments, run) in COMMANDS.items():
+        command = sub.add_parser(name, help=short, description=description)
+        add_arguments(command)
+        command.set_defaults(func=run)
     return p
 
 

@@ -34,6 +34,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from moecomm.errors import MoecommError
+
 from moecomm_serving.rope import RopeConfig, UnsupportedRopeError, read_rope
 
 MIXTRAL = "mixtral"
@@ -72,7 +74,7 @@ DEEPSEEK_DEFAULTS = {
 MIXTRAL_DEFAULT_ROPE = RopeConfig(theta=DEFAULT_ROPE_THETA)
 
 
-class UnsupportedConfigError(ValueError):
+class UnsupportedConfigError(MoecommError, ValueError):
     """The checkpoint asks for an architecture feature this model does not implement."""
 
 

@@ -19,10 +19,12 @@ import tempfile
 import time
 
 import httpx
+from moecomm.errors import DeadlineExceededError
 
 CLI = [sys.executable, "-m", "moecomm_serving.cli"]
-# Start-up of a process that imports torch and loads a checkpoint on a busy 2-core machine.
-START_TIMEOUT_S = 120.0
+# Start-up of a child `moecomm` process (it imports torch and loads the checkpoint) on a busy
+# 2-core machine.
+CHILD_START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 20.0
 HTTP_TIMEOUT_S = 120.0
 SERVER_EXPERTS = ("0-11", "4-15")
@@ -52,7 +54,7 @@ class Processes:
             start_new_session=True,
         )
         self.procs.append((name, p))
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + CHILD_START_TIMEOUT_S
         while time.monotonic() < deadline:
             line = p.stdout.readline()
             if not line:
@@ -61,7 +63,7 @@ class Processes:
             if line.startswith(ready_prefix):
                 return line
             say(f"  [{name}] {line}")
-        raise RuntimeError(f"{name} did not start within {START_TIMEOUT_S} s")
+        raise DeadlineExceededError(f"{name} did not start within {CHILD_START_TIMEOUT_S} s")
 
     def stop_all(self) -> None:
         for name, p in reversed(self.procs):
@@ -137,12 +139,9 @@ def run(args: argparse.Namespace) -> int:
     device = getattr(args, "device", "cpu")
     on_gpu = device.startswith("cuda")
     if on_gpu:
-        import moecomm.cuda
+        from moecomm_serving.device_args import require_gpu
 
-        if not moecomm.cuda.available():
-            raise SystemExit(
-                f"moecomm demo --device cuda needs a GPU: {moecomm.cuda.why_unavailable()}"
-            )
+        require_gpu("moecomm demo")
         if args.stages > 1:
             raise SystemExit(
                 "moecomm demo --device cuda: pipeline stages are not on the GPU path yet"
@@ -161,7 +160,9 @@ def run(args: argparse.Namespace) -> int:
             arch = getattr(args, "arch", "mixtral")
             say(f"1. writing the tiny {arch} checkpoint (4 layers, 16 experts, hidden 256)")
             subprocess.run(
-                [*CLI, "tiny", "--out", ckpt, "--arch", arch], check=True, timeout=START_TIMEOUT_S
+                [*CLI, "tiny", "--out", ckpt, "--arch", arch],
+                check=True,
+                timeout=CHILD_START_TIMEOUT_S,
             )
             say("2. starting the membership monitor")
             monitor = procs.start("monitor", ["monitor"], "http://")

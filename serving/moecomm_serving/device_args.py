@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-from moecomm.protocol import SlotLayout, as_encoding
 from moecomm.runtime.experts import random_experts
+from moecomm.wire.protocol import SlotLayout, as_encoding
 
 __all__ = ["add_device_arguments", "device_layout", "parse_random_spec", "random_hosted"]
 
@@ -68,7 +68,7 @@ def start_nvshmem(args: argparse.Namespace, server, member_id: str) -> None:
     NVSHMEM in the background (init is collective: it returns once every PE is in)."""
     import threading
 
-    import moecomm.cuda
+    import moecomm.wire.cuda
     from moecomm.runtime.nvshmem_job import NvshmemJob, join_job
 
     if args.nvshmem_job and args.nvshmem_join:
@@ -80,7 +80,7 @@ def start_nvshmem(args: argparse.Namespace, server, member_id: str) -> None:
         job = join_job(args.nvshmem_join, member_id, args.token)
     else:
         return
-    nv = moecomm.cuda.nvshmem_module()
+    nv = moecomm.wire.cuda.nvshmem_module()
     device = torch.device(args.device)
     index = device.index if device.index is not None else torch.cuda.current_device()
 
@@ -94,6 +94,17 @@ def start_nvshmem(args: argparse.Namespace, server, member_id: str) -> None:
 
 def is_cuda(args: argparse.Namespace) -> bool:
     return str(args.device).startswith("cuda")
+
+
+def require_gpu(command: str) -> None:
+    """`command` was given --device cuda: exits naming why when this process cannot use a GPU
+    (no device, or moecomm built without CUDA), before anything starts."""
+    import moecomm.wire.cuda
+
+    if not moecomm.wire.cuda.available():
+        raise SystemExit(
+            f"{command} --device cuda needs a GPU: {moecomm.wire.cuda.why_unavailable()}"
+        )
 
 
 def device_layout(args: argparse.Namespace, hidden: int) -> SlotLayout:

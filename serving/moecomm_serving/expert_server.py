@@ -10,24 +10,30 @@ import threading
 import time
 
 import torch
+from moecomm.http_thread import DEFAULT_HOST, HttpServer
 from moecomm.membership import connect_membership, monitor_token
 from moecomm.membership.base import TOKEN_ENV
-from moecomm.runtime.control import DEFAULT_HOST, HttpServer, make_app
+from moecomm.runtime.control import make_app
 from moecomm.runtime.launch import LOOP_FAILED_EXIT, SERVING_TTL_S
 from moecomm.runtime.server import ExpertServer
-from moecomm.transport import TRANSPORT_CHOICES
 
 from moecomm_serving.checkpoint import Checkpoint
+from moecomm_serving.commands import (
+    WAKE_S,
+    add_threads_argument,
+    add_token_argument,
+    add_transport_argument,
+    set_threads,
+)
 from moecomm_serving.device_args import (
     add_device_arguments,
     device_layout,
     is_cuda,
     random_hosted,
+    require_gpu,
     start_nvshmem,
 )
 
-# How often the foreground thread checks for a stop request.
-WAKE_S = 0.2
 # A draining server leaves once no request reached it for this long (clients have moved on)...
 DRAIN_QUIET_S = 1.0
 # ...or after this long in any case.
@@ -68,17 +74,6 @@ def graceful_drain(server: ExpertServer) -> None:
         time.sleep(WAKE_S)
 
 
-def add_transport_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--transport",
-        default="auto",
-        choices=list(TRANSPORT_CHOICES),
-        help="data path to the other side: shm (one host), nixl (NIXL over UCX, across hosts; "
-        "pip install 'moecomm[nixl]') or auto (shm with peers that share this host's /dev/shm, "
-        "nixl with the others; shm only when NIXL is not installed)",
-    )
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = (p.description or "") + " SIGTERM drains gracefully; SIGINT stops at once."
     p.add_argument("--checkpoint", default=None, help="HF-layout checkpoint directory")
@@ -95,7 +90,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--id", default=None, help="server id (default: expert-server-<host>:<port>)")
     p.add_argument("--host", default=DEFAULT_HOST, help="control-plane address (loopback)")
     p.add_argument("--port", type=int, default=0, help="control-plane port (0: any free)")
-    p.add_argument("--token", default="", help="shared token required to connect")
+    add_token_argument(p, help="shared token required to connect")
     add_transport_argument(p)
     p.add_argument(
         "--dtype",
@@ -123,24 +118,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="membership lease in seconds (a lost server is noticed within it)",
     )
     add_device_arguments(p, server=True)
-
-
-def add_threads_argument(p: argparse.ArgumentParser) -> None:
-    """--threads, read by :func:`set_threads`."""
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch threads of this process (default: torch's choice); give each process of "
-        "a host its share of the cores — oversubscribed thread pools spin against each other",
-    )
-
-
-def set_threads(args: argparse.Namespace) -> None:
-    if args.threads is not None:
-        if args.threads < 1:
-            raise SystemExit(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
 
 
 def load_hosted(args: argparse.Namespace):
@@ -185,14 +162,9 @@ def load_hosted(args: argparse.Namespace):
 
 def build_server(args: argparse.Namespace, hosted, weight_source) -> ExpertServer:
     if is_cuda(args):
-        import moecomm.cuda
         from moecomm.runtime.device_server import DeviceExpertServer
 
-        if not moecomm.cuda.available():
-            raise SystemExit(
-                f"moecomm expert-server --device cuda needs a GPU: {moecomm.cuda.why_unavailable()}"
-            )
-
+        require_gpu("moecomm expert-server")
         hidden = next(iter(next(iter(hosted.values())).values())).hidden
         return DeviceExpertServer(
             hosted,

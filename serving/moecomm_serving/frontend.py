@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from moecomm.runtime.control import HttpServer
+from moecomm.http_thread import DEFAULT_HOST, HttpServer
 
 from moecomm_serving import openai_api as oa
 from moecomm_serving.generate import SamplingParams
@@ -32,7 +32,7 @@ from moecomm_serving.model import MoETransformer
 from moecomm_serving.scheduler import (
     DEFAULT_REQUEST_TIMEOUT_S,
     Engine,
-    EngineBusy,
+    EngineBusyError,
     EngineRequest,
     ErrorEvent,
     FinishEvent,
@@ -225,7 +225,7 @@ class Frontend:
         req = EngineRequest(ids, params, emit, deadline)
         try:
             self.engine.submit(req, priority=priority)
-        except EngineBusy as exc:
+        except EngineBusyError as exc:
             raise oa.ApiError(503, str(exc)) from None
         except ValueError as exc:
             raise oa.ApiError(400, str(exc)) from None
@@ -424,10 +424,10 @@ def make_frontend_app(
     return app
 
 
-def start_frontend(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> HttpServer:
+def start_frontend(app: FastAPI, host: str = DEFAULT_HOST, port: int = 0) -> HttpServer:
     """Runs `app` in a background thread; ``server.start()`` already called, URL in ``.url``."""
     server = HttpServer(app, host, port)
-    server.url = server.start()
+    server.start()
     return server
 
 
@@ -436,7 +436,7 @@ def serve_frontend(
     tokenizer,
     model_name: str,
     max_batch_tokens: int,
-    host: str = "127.0.0.1",
+    host: str = DEFAULT_HOST,
     port: int = 8000,
     **app_kwargs,
 ) -> None:

@@ -5,20 +5,23 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import threading
 
 import torch
+from moecomm.http_thread import DEFAULT_HOST
 from moecomm.runtime.launch import SERVING_TTL_S
-from moecomm.runtime.registry import ClientIdInUse
+from moecomm.runtime.registry import ClientIdInUseError
 
-from moecomm_serving.config import MoEConfig
-from moecomm_serving.device_args import add_device_arguments, is_cuda
-from moecomm_serving.expert_server import (
+from moecomm_serving.commands import (
+    add_servers_arguments,
     add_threads_argument,
+    add_token_argument,
     add_transport_argument,
     set_threads,
+    stop_on_signals,
+    wait_for_stop,
 )
+from moecomm_serving.config import MoEConfig
+from moecomm_serving.device_args import add_device_arguments, is_cuda, require_gpu
 from moecomm_serving.frontend import make_frontend_app, start_frontend
 from moecomm_serving.frontend_pipeline import run_pipelined
 from moecomm_serving.model import LOCAL, load_model
@@ -27,11 +30,14 @@ from moecomm_serving.rebalance_cmd import (
     check_placement_args,
     start_placement,
 )
-from moecomm_serving.remote_experts import NoExpertServers, connect_experts, remote_from_args
+from moecomm_serving.remote_experts import (
+    DEFAULT_EXPERT_TIMEOUT_S,
+    NoExpertServersError,
+    connect_experts,
+    remote_from_args,
+)
 from moecomm_serving.tokenizer import load_tokenizer
 
-# How often the foreground thread checks for a stop request.
-WAKE_S = 0.2
 # Tokens per engine step by default: decode batches of the demo and the tiny model fit easily.
 DEFAULT_MAX_BATCH_TOKENS = 64
 
@@ -40,21 +46,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="HF-layout checkpoint directory")
     add_threads_argument(p)
     p.add_argument("--model-name", default=None, help="name served as `model` (default: dir name)")
-    where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--servers", help="expert server control URLs, comma-separated")
-    where.add_argument(
-        "--monitor",
-        help="find expert servers through this membership and "
-        "follow joins and losses (http://... or etcd://...)",
+    add_servers_arguments(
+        p,
+        monitor_help="find expert servers through this membership and follow joins and losses "
+        "(http://... or etcd://...)",
+        local_experts=True,
     )
-    where.add_argument(
-        "--local-experts",
-        action="store_true",
-        help="run the experts in this process (the monolithic baseline)",
-    )
-    p.add_argument("--host", default="127.0.0.1", help="HTTP address (loopback by default)")
+    p.add_argument("--host", default=DEFAULT_HOST, help="HTTP address (loopback by default)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free one)")
-    p.add_argument("--token", default="", help="token of the expert servers' control planes")
+    add_token_argument(p)
     add_transport_argument(p)
     p.add_argument(
         "--client-id",
@@ -77,7 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--timeout",
         type=float,
-        default=5.0,
+        default=DEFAULT_EXPERT_TIMEOUT_S,
         help="per-request deadline of an expert round trip (s)",
     )
     p.add_argument("--ttl", type=float, default=SERVING_TTL_S, help="membership lease (s)")
@@ -113,9 +113,9 @@ def connect_remote_experts(args: argparse.Namespace, config):
             client_id=args.client_id,
             say=lambda line: print(line, flush=True),
         )
-    except NoExpertServers as exc:
+    except NoExpertServersError as exc:
         raise SystemExit(str(exc)) from None
-    except ClientIdInUse as exc:
+    except ClientIdInUseError as exc:
         raise SystemExit(f"moecomm frontend: {exc}") from None
 
 
@@ -129,12 +129,7 @@ def run(args: argparse.Namespace) -> int:
             "GPU path"
         )
     if is_cuda(args):
-        import moecomm.cuda
-
-        if not moecomm.cuda.available():
-            raise SystemExit(
-                f"moecomm frontend --device cuda needs a GPU: {moecomm.cuda.why_unavailable()}"
-            )
+        require_gpu("moecomm frontend")
     if args.stages > 1:
         return run_pipelined(args)
     set_threads(args)
@@ -150,9 +145,7 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(args.checkpoint, experts=experts, dtype=torch.float32)
     name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
     app = make_frontend_app(model, tokenizer, name, args.max_batch_tokens)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals()
     http = start_frontend(app, args.host, args.port)
     print(f"frontend {name} listening on {http.url}", flush=True)
     controller = None
@@ -163,8 +156,7 @@ def run(args: argparse.Namespace) -> int:
             "moecomm frontend: --eplb-interval needs expert servers, not --local-experts"
         )
     try:
-        while not stop.wait(WAKE_S):
-            pass
+        wait_for_stop(stop)
     finally:
         print("frontend: stopping", flush=True)
         if controller is not None:

@@ -6,22 +6,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import threading
 
 import torch
 
+from moecomm_serving.commands import set_threads, stop_on_signals, wait_for_stop
 from moecomm_serving.config import MoEConfig
-from moecomm_serving.expert_server import set_threads
 from moecomm_serving.frontend import make_frontend_app, start_frontend
 from moecomm_serving.pipeline_model import PipelinedModel
 from moecomm_serving.pipeline_stages import model_pipeline
 from moecomm_serving.rebalance_cmd import server_list, start_placement
 from moecomm_serving.remote_experts import remote_from_args
 from moecomm_serving.tokenizer import load_tokenizer
-
-# How often the foreground thread checks for a stop request.
-WAKE_S = 0.2
 
 
 def run_pipelined(args: argparse.Namespace) -> int:
@@ -54,9 +49,7 @@ def run_pipelined(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(args.checkpoint, config)
         name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
         app = make_frontend_app(model, tokenizer, name, args.max_batch_tokens)
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+        stop = stop_on_signals()
         http = start_frontend(app, args.host, args.port)
         ranges = " | ".join(f"{r.start}-{r.stop - 1}" for r in pipe.ranges)
         print(f"pipeline stages ready: layers {ranges}", flush=True)
@@ -65,8 +58,7 @@ def run_pipelined(args: argparse.Namespace) -> int:
         print(f"frontend {name} listening on {http.url}", flush=True)
         # The stages' clients share the servers: the controller reads them from the flags.
         controller = start_placement(args, server_list(args))
-        while not stop.wait(WAKE_S):
-            pass
+        wait_for_stop(stop)
     finally:
         print("frontend: stopping", flush=True)
         if controller is not None:

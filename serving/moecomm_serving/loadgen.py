@@ -34,6 +34,10 @@ DEFAULT_CHARS_PER_TOKEN = 1.0
 # Percentiles the report lists besides mean and median.
 PERCENTILES = (99,)
 REPORT_WIDTH = 50
+# How long the load generator waits for one complete answer before counting it failed: the
+# benchmark's own patience with any endpoint (a moecomm front end ends a request itself after
+# its scheduler's DEFAULT_REQUEST_TIMEOUT_S; this module imports no torch to read it).
+REQUEST_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -253,7 +257,7 @@ async def run_bench_async(
     temperature: float = 0.0,
     ignore_eos: bool = True,
     seed: int = 0,
-    timeout_s: float = 600.0,
+    timeout_s: float = REQUEST_TIMEOUT_S,
     chars_per_token: float = DEFAULT_CHARS_PER_TOKEN,
 ) -> dict:
     base_url = base_url.rstrip("/")
@@ -333,7 +337,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--no-ignore-eos", action="store_true", help="let EOS end a request early")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    p.add_argument("--timeout", type=float, default=REQUEST_TIMEOUT_S, help="per request, seconds")
     p.add_argument("--result-file", default=None, help="write the report as JSON here")
     return p
 

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from moecomm.errors import MoecommError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -28,7 +29,7 @@ DEFAULT_TEMPERATURE = 1.0
 MAX_STOP_STRINGS = 8
 
 
-class ApiError(Exception):
+class ApiError(MoecommError):
     """A request the front end refuses: HTTP `status` and a message for the client."""
 
     def __init__(self, status: int, message: str, param: str | None = None):

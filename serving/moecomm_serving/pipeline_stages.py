@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 from moecomm.pipeline.driver import Pipeline
 from moecomm.pipeline.scheduler import max_moves
-from moecomm.protocol import SlotLayout
+from moecomm.wire.protocol import SlotLayout
 
 from moecomm_serving.config import MoEConfig
 from moecomm_serving.generate import SamplingParams, sample_next

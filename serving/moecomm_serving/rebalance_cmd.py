@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
-import threading
 
 from moecomm.membership import connect_membership, monitor_token
 from moecomm.runtime.placement import (
@@ -16,6 +14,7 @@ from moecomm.runtime.placement import (
     RebalanceReport,
 )
 
+from moecomm_serving.commands import add_servers_arguments, add_token_argument, stop_on_signals
 from moecomm_serving.remote_experts import server_urls
 
 # A layer is re-placed only if its heaviest server drops by this fraction (5%): smaller gains
@@ -48,12 +47,10 @@ def add_controller_arguments(p: argparse.ArgumentParser, prefix: str = "") -> No
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--servers", help="expert server control URLs, comma-separated")
-    where.add_argument(
-        "--monitor", help="the membership the servers registered with (http://... or etcd://...)"
+    add_servers_arguments(
+        p, monitor_help="the membership the servers registered with (http://... or etcd://...)"
     )
-    p.add_argument("--token", default="", help="token of the expert servers' control planes")
+    add_token_argument(p)
     p.add_argument(
         "--interval",
         type=float,
@@ -129,9 +126,7 @@ def run(args: argparse.Namespace) -> int:
         r = controller.rebalance()
         report(r)
         return 1 if r.errors else 0
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals()
     while not stop.wait(args.interval):
         try:
             report(controller.rebalance())

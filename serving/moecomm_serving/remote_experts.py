@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from moecomm.errors import MoecommError, deprecated_aliases
 from moecomm.membership import connect_membership, monitor_token
 from moecomm.runtime import AttentionClient
 from moecomm.runtime.launch import SERVING_TTL_S
@@ -30,7 +31,7 @@ class RemoteExperts:
     timeout: float = DEFAULT_EXPERT_TIMEOUT_S
     encoding: str = "f32"
     ttl: float = SERVING_TTL_S
-    transport: str = "shm"  # shm, nixl or auto (moecomm.runtime.transports)
+    transport: str = "shm"  # shm, nixl or auto (moecomm.wire.choose)
     host: str | None = None  # this process's address on the servers' network (nixl)
     device: str = "cpu"  # "cuda[:N]": GPU expert servers through a DeviceClient (CUDA IPC)
 
@@ -39,8 +40,12 @@ class RemoteExperts:
             raise ValueError("give expert servers either by URL or through a monitor, not both")
 
 
-class NoExpertServers(RuntimeError):
+class NoExpertServersError(MoecommError, RuntimeError):
     """The membership monitor given knows no expert server to connect to."""
+
+
+# The old name, deprecated: the family's names end in Error (docs/errors.md).
+__getattr__ = deprecated_aliases(__name__, {"NoExpertServers": "NoExpertServersError"})
 
 
 def remote_from_args(args: argparse.Namespace) -> RemoteExperts:
@@ -86,7 +91,7 @@ def connect_experts(
         membership = connect_membership(remote.monitor, monitor_token())
         urls = server_urls(membership)
         if not urls:
-            raise NoExpertServers(f"no expert server is registered with {remote.monitor}")
+            raise NoExpertServersError(f"no expert server is registered with {remote.monitor}")
     else:
         urls = list(remote.servers)
     if remote.device.startswith("cuda"):

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from moecomm.errors import MoecommError
 
 DEFAULT = "default"
 LINEAR = "linear"
@@ -50,7 +51,7 @@ _KEYS = {
 }
 
 
-class UnsupportedRopeError(ValueError):
+class UnsupportedRopeError(MoecommError, ValueError):
     """The config asks for a rope type or parameter that is not implemented."""
 
 

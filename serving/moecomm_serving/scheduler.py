@@ -28,6 +28,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from moecomm.errors import DeadlineExceededError, MoecommError, deprecated_aliases
+
 from moecomm_serving.generate import Generation, SamplingParams
 from moecomm_serving.model import MoETransformer
 
@@ -62,8 +64,12 @@ class ErrorEvent:
 Event = TokenEvent | FinishEvent | ErrorEvent
 
 
-class EngineBusy(RuntimeError):
+class EngineBusyError(MoecommError, RuntimeError):
     """The waiting queue is full, or the engine is stopped (HTTP 503)."""
+
+
+# The old name, deprecated: the family's names end in Error (docs/errors.md).
+__getattr__ = deprecated_aliases(__name__, {"EngineBusy": "EngineBusyError"})
 
 
 @dataclass
@@ -178,9 +184,9 @@ class Engine:
         a long queue to learn whether a forward works)."""
         with self._cond:
             if self._stop or not self._thread.is_alive():
-                raise EngineBusy("the engine is not running")
+                raise EngineBusyError("the engine is not running")
             if len(self._waiting) >= self.max_queue:
-                raise EngineBusy(f"{len(self._waiting)} requests already waiting (max_queue)")
+                raise EngineBusyError(f"{len(self._waiting)} requests already waiting (max_queue)")
             req.request_id = next(self._ids)
             if priority:
                 self._waiting.appendleft(req)
@@ -372,7 +378,9 @@ def run_to_completion(
     for i, p in enumerate(prompts):
         engine.submit(EngineRequest(list(p), params, sink(i), deadline))
     if not done.wait(timeout):
-        raise TimeoutError(f"{left[0]} of {len(prompts)} requests unfinished after {timeout} s")
+        raise DeadlineExceededError(
+            f"{left[0]} of {len(prompts)} requests unfinished after {timeout} s"
+        )
     if errors:
         raise RuntimeError(f"requests failed: {errors}")
     return results

@@ -208,19 +208,42 @@ def write_tiny(
     return config
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arch_argument(p: argparse.ArgumentParser, help: str = "model family") -> None:
+    """--arch (older name --layout): the model family of a tiny checkpoint (`moecomm tiny`,
+    `moecomm demo`)."""
+    p.add_argument(
+        "--arch",
+        "--layout",
+        dest="arch",
+        default=MIXTRAL,
+        choices=ARCHS,
+        help=f"{help} (--layout is its older name)",
+    )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of `moecomm tiny` (and ``python -m moecomm_serving.tiny``), read by
+    :func:`run`."""
     p.add_argument("--out", required=True, help="directory to write")
-    p.add_argument("--arch", "--layout", dest="arch", default=MIXTRAL, choices=ARCHS)
-    p.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    add_arch_argument(p)
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of the random weights")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     config = write_tiny(args.out, args.arch, args.seed, getattr(torch, args.dtype))
     print(
         f"wrote a tiny {config.model_type} checkpoint to {args.out}: {config.num_hidden_layers} "
         f"layers, {config.num_experts} experts, top-{config.num_experts_per_tok}, "
         f"hidden {config.hidden_size}"
     )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p)
+    run(p.parse_args(argv))
 
 
 if __name__ == "__main__":

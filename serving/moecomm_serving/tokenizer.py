@@ -16,6 +16,8 @@ import os
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from moecomm.errors import MoecommError
+
 from moecomm_serving.chat_template import ChatTemplateRenderer
 
 NUM_BYTES = 256
@@ -26,7 +28,7 @@ BYTE_VOCAB_SIZE = NUM_BYTES + 3
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
 
 
-class TokenizerError(ValueError):
+class TokenizerError(MoecommError, ValueError):
     """The checkpoint's tokenizer files are missing a piece, malformed, or do not fit the model."""
 
 

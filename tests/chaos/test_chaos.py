@@ -19,9 +19,8 @@ from chaos_figures import FIGURES
 from chaos_model import MAX_TOKENS, BatchKey, make_batch
 from chaos_plan import CLIENT_IDS, plan_trial
 from chaos_trial import run_trial
+from long_run import LONG
 
-# Long run: MOECOMM_LONG=1, as in tests/conftest.py.
-LONG = os.environ.get("MOECOMM_LONG") == "1"
 SEED_ENV = "MOECOMM_CHAOS_SEED"
 TRIALS_ENV = "MOECOMM_CHAOS_TRIALS"
 # Together these plans strike every kind of fault: kill -9 and SIGSTOP, of a server and of a

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 from frontend_helpers import MODEL_NAME
-from moecomm.transport import reap_stale_segments
+from moecomm.wire.shm import reap_stale_segments
 from proc_helpers import read_line
 
 CLI = [sys.executable, "-m", "moecomm_serving.cli"]

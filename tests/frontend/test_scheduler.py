@@ -8,7 +8,7 @@ import pytest
 from moecomm_serving.generate import SamplingParams
 from moecomm_serving.scheduler import (
     Engine,
-    EngineBusy,
+    EngineBusyError,
     EngineRequest,
     ErrorEvent,
     run_to_completion,
@@ -58,12 +58,12 @@ def test_full_queue_and_stopped_engine_refuse(model):
 
     first = EngineRequest([1, 2], SamplingParams(), emit, deadline=float("inf"))
     engine.submit(first)
-    with pytest.raises(EngineBusy, match="max_queue"):
+    with pytest.raises(EngineBusyError, match="max_queue"):
         engine.submit(EngineRequest([1, 2], SamplingParams(), emit, deadline=float("inf")))
     engine.stop()
     assert failed.wait(TIMEOUT_S)
     assert isinstance(got[0], ErrorEvent) and got[0].status == 503
-    with pytest.raises(EngineBusy, match="not running"):
+    with pytest.raises(EngineBusyError, match="not running"):
         engine.submit(EngineRequest([1, 2], SamplingParams(), emit, deadline=float("inf")))
 
 

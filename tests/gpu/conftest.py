@@ -3,20 +3,20 @@ conftest skips them otherwise, with the reason); everything else here runs on an
 
 from __future__ import annotations
 
-import moecomm.cuda
+import moecomm.wire.cuda
 import pytest
 
 
 @pytest.fixture
 def cuda_native():
     """moecomm._cuda, or a skip when it was not built (no nvcc when moecomm was installed)."""
-    if not moecomm.cuda.built("_cuda"):
+    if not moecomm.wire.cuda.built("_cuda"):
         pytest.skip("moecomm._cuda was not built (no nvcc at build time)")
-    return moecomm.cuda.cuda_module(need_device=False)
+    return moecomm.wire.cuda.cuda_module(need_device=False)
 
 
 @pytest.fixture
 def nvshmem_native():
-    if not moecomm.cuda.built("_nvshmem"):
+    if not moecomm.wire.cuda.built("_nvshmem"):
         pytest.skip("moecomm._nvshmem was not built (no nvcc or NVSHMEM at build time)")
-    return moecomm.cuda.nvshmem_module(need_device=False)
+    return moecomm.wire.cuda.nvshmem_module(need_device=False)

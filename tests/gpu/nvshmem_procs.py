@@ -45,7 +45,7 @@ TWO_PE_ONE_GPU_REASON = (
 def apply_single_node_env() -> dict:
     """Sets SINGLE_NODE_ENV in this process; returns the NVSHMEM-related settings now in force."""
     os.environ.update(SINGLE_NODE_ENV)
-    return {k: v for k, v in os.environ.items() if k.startswith(("NVSHMEM_", "MOECOMM_NVSHMEM"))}
+    return {k: v for k, v in os.environ.items() if k.startswith(("NVSHMEM_", "MOECOMM_NVSHMEM_"))}
 
 
 def mps_active(pipe_dir: str | None = None, proc: str = "/proc") -> str | None:
@@ -121,9 +121,9 @@ ARRIVAL_TIMEOUT_NS = 2 * SECOND
 
 
 def scaled_ns(ns: int) -> int:
-    import moecomm.cuda
+    import moecomm.wire.cuda
 
-    return int(ns * moecomm.cuda.deadline_scale())
+    return int(ns * moecomm.wire.cuda.deadline_scale())
 
 
 def two_pe(conn, rank: int) -> None:

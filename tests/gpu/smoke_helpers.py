@@ -38,7 +38,7 @@ from moecomm.ops.dispatch import ExpertMap, ServerBatch, pack_dispatch
 from moecomm.ops.grouped_gemm import DEFAULT_BLOCK_M, grouped_mlp_contiguous_reference
 from moecomm.ops.quant import QUANTIZED_ENCODINGS, dequantize, quantize, scales_per_token
 from moecomm.ops.reorg import ExpertLayout, combine_rows_reference, reorganize
-from moecomm.protocol import ENCODING_DTYPE, PAYLOAD_OFFSET, SCALE_BLOCK, SlotLayout
+from moecomm.wire.protocol import ENCODING_DTYPE, PAYLOAD_OFFSET, SCALE_BLOCK, SlotLayout
 
 Encoding = _C.Encoding
 
@@ -58,7 +58,7 @@ OUT_DTYPE = torch.bfloat16
 # rtol, and atol relative to the largest |reference| (tests/ops/test_triton_grouped_fp8.py,
 # TOL[torch.bfloat16], documented in docs/ops-expert-compute.md).
 MLP_RTOL, MLP_ATOL_REL = 4e-2, 8e-3
-# Seconds; every deadline the test passes is multiplied by moecomm.cuda.deadline_scale().
+# Seconds; every deadline the test passes is multiplied by moecomm.wire.cuda.deadline_scale().
 COMBINE_TIMEOUT_S = 10.0
 ARRIVAL_TIMEOUT_S = 1.0
 

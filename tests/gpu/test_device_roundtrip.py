@@ -191,7 +191,7 @@ def test_a_killed_server_fails_over_without_a_wrong_answer(servers):
 
 def test_a_draining_server_answers_draining_and_its_replica_serves(servers):
     import httpx
-    from moecomm.runtime import DeviceStepFailed
+    from moecomm.runtime import DeviceStepFailedError
 
     a, _ = servers.start("0-7")
     b, _ = servers.start("0-7")
@@ -202,7 +202,7 @@ def test_a_draining_server_answers_draining_and_its_replica_serves(servers):
         for _ in range(5):
             check(client, *inputs(g, 6))
         httpx.post(f"{b}/drain", json={"token": ""}, timeout=10).raise_for_status()
-        with pytest.raises(DeviceStepFailed, match="no live server"):
+        with pytest.raises(DeviceStepFailedError, match="no live server"):
             check(client, *inputs(g, 6))
     finally:
         client.close()

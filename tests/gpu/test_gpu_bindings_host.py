@@ -9,10 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import moecomm.cuda
+import moecomm.wire.cuda
 import pytest
 
-NO_GPU = not moecomm.cuda.available()
+NO_GPU = not moecomm.wire.cuda.available()
 ROOT = Path(__file__).resolve().parents[2]
 IBGDA_ENV = ("NVSHMEM_IB_ENABLE_IBGDA", "NVSHMEM_IBGDA_NUM_RC_PER_PE", "NVSHMEM_QP_DEPTH")
 

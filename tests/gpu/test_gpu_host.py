@@ -10,10 +10,10 @@ import subprocess
 import sys
 
 import moecomm
-import moecomm.cuda
+import moecomm.wire.cuda
 import pytest
 
-NO_GPU = not moecomm.cuda.available()
+NO_GPU = not moecomm.wire.cuda.available()
 needs_no_gpu = pytest.mark.skipif(not NO_GPU, reason="checks the no-device behaviour")
 
 BOOT_ID = "0123abcd-4567-89ef-0123-456789abcdef"
@@ -38,7 +38,7 @@ def handle_text(**over):
 
 
 def test_moecomm_imports_without_a_gpu_in_a_fresh_process():
-    code = "import moecomm, moecomm.cuda; print(moecomm.cuda.available())"
+    code = "import moecomm, moecomm.wire.cuda; print(moecomm.wire.cuda.available())"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
@@ -47,12 +47,12 @@ def test_moecomm_imports_without_a_gpu_in_a_fresh_process():
 
 @needs_no_gpu
 def test_discovery_reports_no_device_with_a_reason():
-    assert moecomm.cuda.device_count() == 0
-    assert moecomm.cuda.available() is False
-    reason = moecomm.cuda.why_unavailable()
+    assert moecomm.wire.cuda.device_count() == 0
+    assert moecomm.wire.cuda.available() is False
+    reason = moecomm.wire.cuda.why_unavailable()
     assert isinstance(reason, str) and reason
-    assert moecomm.cuda.ipc_handle.__module__ == "moecomm.cuda"
-    assert moecomm.cuda is moecomm.__getattr__("cuda")
+    assert moecomm.wire.cuda.ipc_handle.__module__ == "moecomm.wire.cuda"
+    assert moecomm.wire.cuda is moecomm.__getattr__("wire").cuda
 
 
 @needs_no_gpu
@@ -65,10 +65,12 @@ def test_native_modules_report_no_device(cuda_native, nvshmem_native):
 @needs_no_gpu
 @pytest.mark.parametrize("name", ["_cuda", "_nvshmem"])
 def test_loader_says_no_device_when_built(name):
-    if not moecomm.cuda.built(name):
+    if not moecomm.wire.cuda.built(name):
         pytest.skip(f"moecomm.{name} not built")
-    load = moecomm.cuda.cuda_module if name == "_cuda" else moecomm.cuda.nvshmem_module
-    with pytest.raises(moecomm.cuda.GpuUnavailableError, match="is built, but there is no device"):
+    load = moecomm.wire.cuda.cuda_module if name == "_cuda" else moecomm.wire.cuda.nvshmem_module
+    with pytest.raises(
+        moecomm.wire.cuda.GpuUnavailableError, match="is built, but there is no device"
+    ):
         load()
     assert load(need_device=False).__name__ == f"moecomm.{name}"
 
@@ -83,15 +85,15 @@ def test_loader_says_not_built(monkeypatch, name):
         return real(modname, *a, **k)
 
     monkeypatch.setattr(importlib, "import_module", fake)
-    load = moecomm.cuda.cuda_module if name == "_cuda" else moecomm.cuda.nvshmem_module
-    with pytest.raises(moecomm.cuda.GpuUnavailableError, match="was not built"):
+    load = moecomm.wire.cuda.cuda_module if name == "_cuda" else moecomm.wire.cuda.nvshmem_module
+    with pytest.raises(moecomm.wire.cuda.GpuUnavailableError, match="was not built"):
         load(need_device=False)
-    assert moecomm.cuda.built(name) is False
+    assert moecomm.wire.cuda.built(name) is False
 
 
 def test_built_rejects_unknown_module():
     with pytest.raises(ValueError, match="unknown native GPU module"):
-        moecomm.cuda.built("_C")
+        moecomm.wire.cuda.built("_C")
 
 
 def test_ipc_types_derive_from_the_core_transport(cuda_native):
@@ -114,13 +116,13 @@ def test_ipc_bindings_raise_instead_of_crashing(cuda_native):
 @needs_no_gpu
 def test_cuda_python_helpers_raise_clear_errors():
     with pytest.raises(ValueError, match="positive device address"):
-        moecomm.cuda.ipc_handle(0)
+        moecomm.wire.cuda.ipc_handle(0)
     with pytest.raises(ValueError, match="64 bytes"):
-        moecomm.cuda.open_ipc_handle(b"short")
-    with pytest.raises(moecomm.cuda.GpuUnavailableError, match="cudaIpcGetMemHandle failed"):
-        moecomm.cuda.ipc_handle(0x7F0000000000)
-    with pytest.raises(moecomm.cuda.GpuUnavailableError, match="cudaIpcOpenMemHandle failed"):
-        moecomm.cuda.open_ipc_handle(bytes(64))
+        moecomm.wire.cuda.open_ipc_handle(b"short")
+    with pytest.raises(moecomm.wire.cuda.GpuUnavailableError, match="cudaIpcGetMemHandle failed"):
+        moecomm.wire.cuda.ipc_handle(0x7F0000000000)
+    with pytest.raises(moecomm.wire.cuda.GpuUnavailableError, match="cudaIpcOpenMemHandle failed"):
+        moecomm.wire.cuda.open_ipc_handle(bytes(64))
 
 
 def test_handle_round_trip(cuda_native):

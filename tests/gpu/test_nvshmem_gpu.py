@@ -18,7 +18,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import device_step as ds
-import moecomm.cuda
+import moecomm.wire.cuda
 import numpy as np
 import nvshmem_procs
 import pytest
@@ -28,7 +28,7 @@ SPAWN = mp.get_context("spawn")  # NVSHMEM is initialised once per process: fres
 
 
 def recv(conn, timeout=120.0):
-    timeout *= moecomm.cuda.deadline_scale()
+    timeout *= moecomm.wire.cuda.deadline_scale()
     assert conn.poll(timeout), f"NVSHMEM child did not answer within {timeout:.0f} s"
     msg = conn.recv()
     assert not (isinstance(msg, tuple) and msg and msg[0] == "error"), f"child failed: {msg}"
@@ -148,7 +148,7 @@ def test_two_pes_dispatch_gather_respond_combine(nvshmem_native, cuda_native, sk
     plane); then one full step, checked against numpy: the server gathered exactly the client's
     activations, and the client's combine is sum_k w[t, k] * x[t] (identity expert)."""
     reason = nvshmem_procs.two_pe_skip_reason(
-        moecomm.cuda.device_count(), nvshmem_procs.mps_active()
+        moecomm.wire.cuda.device_count(), nvshmem_procs.mps_active()
     )
     if reason is not None:
         skip_for_machine(reason)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 
-import moecomm.cuda
+import moecomm.wire.cuda
 import pytest
 import smoke_helpers as sh
 import torch
@@ -248,7 +248,7 @@ def test_every_launcher_accepts_the_step_arguments(which, cuda_native):
     """On the host: the step's configs and argument structs pass every check of the four
     launchers, which then fail at their first CUDA call (no device). A ValueError here is a
     wrong argument the GPU run would have hit."""
-    if cuda_native.device_count() > 0 or moecomm.cuda.available():
+    if cuda_native.device_count() > 0 or moecomm.wire.cuda.available():
         pytest.skip("a device is present: a launch with host pointers would fault")
     case = SMALL[which]
     x, ids, w = sh.make_inputs(case)

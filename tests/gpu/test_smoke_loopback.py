@@ -22,7 +22,7 @@ rank's client and server over its own region (the same loopback), against the ho
 Buffer on the same inputs, bit for bit.
 
 Every deadline the test passes (the combine's wait, the gather's payload wait, the Buffer's
-timeout) is multiplied by moecomm.cuda.deadline_scale() (MOECOMM_DEVICE_DEADLINE_SCALE: the
+timeout) is multiplied by moecomm.wire.cuda.deadline_scale() (MOECOMM_DEVICE_DEADLINE_SCALE: the
 sanitizer run sets it). test_smoke_helpers.py checks the host half of all this without a device.
 """
 
@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import time
 
-import moecomm.cuda
+import moecomm.wire.cuda
 import pytest
 import smoke_helpers as sh
 import torch
@@ -46,7 +46,7 @@ ADAPTER_TIMEOUT_S = 10.0
 def kernels():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA build of torch that sees the device")
-    return moecomm.cuda.cuda_module()
+    return moecomm.wire.cuda.cuda_module()
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_loopback_step_matches_the_host_path(name, kernels, device, model):
     (w13, w2), (w13_d, w2_d) = model
     x, ids, w = sh.make_inputs(case)
     host = sh.host_step(case, x, ids, w, w13, w2)
-    scale = moecomm.cuda.deadline_scale()
+    scale = moecomm.wire.cuda.deadline_scale()
     arrival_ns = int(sh.ARRIVAL_TIMEOUT_S * scale * 1e9)
     combine_ns = int(sh.COMBINE_TIMEOUT_S * scale * 1e9)
 
@@ -139,7 +139,7 @@ def test_deep_ep_single_rank_loopback(tmp_path, device):
         rank=0,
         num_ranks=1,
         store=store,
-        timeout=ADAPTER_TIMEOUT_S * moecomm.cuda.deadline_scale(),
+        timeout=ADAPTER_TIMEOUT_S * moecomm.wire.cuda.deadline_scale(),
     )
     buf = Buffer(None, **kw, store_prefix="smoke-cuda")
     twin = Buffer(None, **kw, store_prefix="smoke-host")

@@ -73,13 +73,13 @@ def test_registry_events_and_expiry():
         (3, "loss", "replaced"),
         (4, "join", "registered"),
     ]
-    with pytest.raises(registry.Superseded):
+    with pytest.raises(registry.SupersededError):
         reg.heartbeat(("server", "a"), "i0", now=0.4)
     assert reg.heartbeat(("server", "a"), "i1", now=0.5) == TTL
     assert reg.expire(now=0.5 + TTL - 0.01) == 0
     assert reg.expire(now=0.5 + TTL) == 1
     assert reg.events_since(4)[0]["reason"] == "expired"
-    with pytest.raises(registry.UnknownMember):
+    with pytest.raises(registry.UnknownMemberError):
         reg.heartbeat(("server", "a"), "i1", now=2.0)
     assert reg.events_since(reg.seq) == [] and reg.events_since(reg.seq + 1) is None
 
@@ -98,7 +98,7 @@ def test_registry_is_bounded(monkeypatch):
     reg = registry.Registry()
     reg.register(rec("a"), now=0.0)
     reg.register(rec("b"), now=0.0)
-    with pytest.raises(registry.Full, match="maximum of 2"):
+    with pytest.raises(registry.RegistryFullError, match="maximum of 2"):
         reg.register(rec("c"), now=0.0)
     reg.register(rec("b", metadata={"x": "y"}), now=0.0)  # a known member may still refresh
 

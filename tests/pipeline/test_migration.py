@@ -9,7 +9,7 @@ import functools
 import pytest
 from moecomm.pipeline.driver import Pipeline, run_decode
 from moecomm.pipeline.testing import expected_token, make_fake_stage, read_log
-from moecomm.protocol import SlotLayout
+from moecomm.wire.protocol import SlotLayout
 
 LAYERS, STAGES = 4, 2
 LAYOUT = SlotLayout(max_tokens=64, hidden=8, topk=1, encoding="f32", out_encoding="f32")

@@ -14,8 +14,8 @@ import time
 
 import pytest
 from moecomm.pipeline.driver import run_decode
-from moecomm.stage_channel import stage_layout
-from moecomm.transport import reap_stale_segments
+from moecomm.wire.shm import reap_stale_segments
+from moecomm.wire.stage import stage_layout
 from moecomm_serving.config import MoEConfig
 from moecomm_serving.pipeline_stages import model_pipeline
 from moecomm_serving.remote_experts import RemoteExperts

@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 from moecomm.errors import PeerLostError
-from moecomm.protocol import PAYLOAD_OFFSET
-from moecomm.stage_channel import StageInbox, StageReceiver, StageSender, as_tensor, stage_layout
-from moecomm.transport import ShmTransport, reap_stale_segments
+from moecomm.wire.protocol import PAYLOAD_OFFSET
+from moecomm.wire.shm import ShmTransport, reap_stale_segments
+from moecomm.wire.stage import StageInbox, StageReceiver, StageSender, as_tensor, stage_layout
 
 ROWS, HIDDEN, SLOTS, CLIENT = 4, 16, 2, 21
 LAYOUT = stage_layout(ROWS, HIDDEN, "f32")

@@ -21,10 +21,11 @@ import moecomm
 import pytest
 import torch
 from moecomm import _C
-from moecomm.errors import TimeoutError as MoecommTimeout
-from moecomm.protocol import Encoding, MessageKind, SlotState, make_signal
-from moecomm.slots import ClientChannel, ServerChannel
-from moecomm.transport import region_bytes_view
+from moecomm.errors import DeadlineExceededError
+from moecomm.wire.client import ClientChannel
+from moecomm.wire.protocol import Encoding, MessageKind, SlotState, make_signal
+from moecomm.wire.server import ServerChannel
+from moecomm.wire.views import region_bytes_view
 
 LAYOUT = moecomm.SlotLayout(max_tokens=16, hidden=64, topk=2)
 CLIENT = 41
@@ -253,7 +254,7 @@ def test_a_client_reads_the_answer_after_one_its_server_could_not_send(transport
         for chunk in issued:
             w.land(chunk)
         if not sent:
-            with pytest.raises(MoecommTimeout, match="no response"):
+            with pytest.raises(DeadlineExceededError, match="no response"):
                 c.wait(0, seq, timeout=ABSENT_S)
             continue
         r = c.wait(0, seq, timeout=READ_S)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from moecomm.runtime import AttentionClient
 from moecomm.runtime.launch import ModelSpec, spawn_expert_server
-from moecomm.runtime.registry import ClientIdInUse
+from moecomm.runtime.registry import ClientIdInUseError
 from proc_helpers import read_line
 
 SPEC = ModelSpec(num_layers=1, num_experts=4, hidden=32, intermediate=16, seed=2)
@@ -63,7 +63,7 @@ def test_a_second_live_client_with_the_same_id_is_refused_and_the_first_keeps_it
     first = client(servers, 7)
     try:
         want = step(first)
-        with pytest.raises(ClientIdInUse, match="client id 7 belongs to another live client"):
+        with pytest.raises(ClientIdInUseError, match="client id 7 belongs to another live client"):
             client(servers, 7)
         assert torch.equal(step(first), want)
         assert first.failovers == 0

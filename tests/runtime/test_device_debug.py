@@ -13,12 +13,12 @@ import subprocess
 import sys
 import types
 
-import moecomm.cuda
+import moecomm.wire.cuda
 import pytest
 import torch
-from moecomm.compat import _ll_device
+from moecomm.compat.low_latency import device as _ll_device
 from moecomm.runtime import device_client, device_debug, device_server
-from moecomm.runtime.device_client import DeviceHandle, DeviceStepFailed, _Server
+from moecomm.runtime.device_client import DeviceHandle, DeviceStepFailedError, _Server
 from moecomm.runtime.device_debug import (
     HEADER_BYTES,
     NUM_RECORDS,
@@ -110,9 +110,9 @@ def test_a_ring_that_wrapped_reports_the_overwritten_records():
 
 
 def test_the_python_layout_is_the_bindings():
-    if not moecomm.cuda.built("_cuda"):
+    if not moecomm.wire.cuda.built("_cuda"):
         pytest.skip("moecomm._cuda not built (no nvcc)")
-    lay = moecomm.cuda.cuda_module(need_device=False).WAIT_TRACE
+    lay = moecomm.wire.cuda.cuda_module(need_device=False).WAIT_TRACE
     assert lay["record_bytes"] == RECORD_BYTES == 80
     assert lay["header_bytes"] == HEADER_BYTES and lay["next_offset"] == 0
     assert lay["records"] == NUM_RECORDS and lay["bytes"] == TRACE_BYTES
@@ -132,9 +132,9 @@ def test_the_mode_is_read_from_the_environment(monkeypatch):
     for value, on in (("", False), ("0", False), ("1", True), ("yes", True)):
         monkeypatch.setenv(device_debug.DEBUG_ENV, value)
         assert device_debug.enabled() is on
-    if not moecomm.cuda.built("_cuda"):
+    if not moecomm.wire.cuda.built("_cuda"):
         return
-    code = "import moecomm.cuda as c; print(c.cuda_module(need_device=False).device_debug())"
+    code = "import moecomm.wire.cuda as c; print(c.cuda_module(need_device=False).device_debug())"
     for value, on in (("1", "True"), ("0", "False")):
         env = dict(os.environ, MOECOMM_DEVICE_DEBUG=value)
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
@@ -232,36 +232,40 @@ def test_a_failed_combine_prints_the_statuses_and_the_waits(monkeypatch, capsys)
     )
     c, _ = stand_in_client(monkeypatch, [0, 1], bytes(trace))
     h = DeviceHandle(0, 0, torch.zeros(2, 8), torch.tensor([[0, 1], [1, 0]]), torch.ones(2, 2))
-    with pytest.raises(DeviceStepFailed, match=r"experts \[1\] have no live server"):
+    with pytest.raises(DeviceStepFailedError, match=r"experts \[1\] have no live server"):
         c.combine(h, out=torch.zeros(2, 8))
     err = capsys.readouterr().err
     assert "moecomm device debug: client 0x5a: layer 0: combine attempt 0 failed" in err
     assert "slot 0 server 1: TIMEOUT" in err and "http://s1" in err
     assert "combine signal: peer 1" in err and "last saw RESPONSE_READY|2" in err
-    assert "DeviceStepFailed" in err
+    assert "DeviceStepFailedError" in err
 
 
 def test_without_the_mode_a_failed_combine_prints_nothing(monkeypatch, capsys):
     c, _ = stand_in_client(monkeypatch, [0, 1], None)
     h = DeviceHandle(0, 0, torch.zeros(2, 8), torch.tensor([[0, 1], [1, 0]]), torch.ones(2, 2))
-    with pytest.raises(DeviceStepFailed):
+    with pytest.raises(DeviceStepFailedError):
         c.combine(h, out=torch.zeros(2, 8))
     assert "device debug" not in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ the deadline scale
 def test_every_device_deadline_follows_the_scale(monkeypatch):
-    monkeypatch.delenv(moecomm.cuda.DEADLINE_SCALE_ENV, raising=False)
+    monkeypatch.delenv(moecomm.wire.cuda.DEADLINE_SCALE_ENV, raising=False)
     base = (
         device_client.combine_timeout_ns(0.25),
-        moecomm.cuda.arrival_timeout_ns(),
+        moecomm.wire.cuda.arrival_timeout_ns(),
         _ll_device.arrival_timeout_ns(),
     )
     # One fact: the GPU server's and the adapter's gathers wait the same 20 us.
-    assert base == (250_000_000, moecomm.cuda.ARRIVAL_TIMEOUT_NS, moecomm.cuda.ARRIVAL_TIMEOUT_NS)
-    monkeypatch.setenv(moecomm.cuda.DEADLINE_SCALE_ENV, "40")
+    assert base == (
+        250_000_000,
+        moecomm.wire.cuda.ARRIVAL_TIMEOUT_NS,
+        moecomm.wire.cuda.ARRIVAL_TIMEOUT_NS,
+    )
+    monkeypatch.setenv(moecomm.wire.cuda.DEADLINE_SCALE_ENV, "40")
     assert device_client.combine_timeout_ns(0.25) == 40 * base[0]
-    assert moecomm.cuda.arrival_timeout_ns() == 40 * base[1]
+    assert moecomm.wire.cuda.arrival_timeout_ns() == 40 * base[1]
     assert _ll_device.arrival_timeout_ns() == 40 * base[2]
     # Reached from the launch sites: the client's combine and the server's gather arguments.
     c, launches = stand_in_client(monkeypatch, [0, 0], None)
@@ -272,6 +276,6 @@ def test_every_device_deadline_follows_the_scale(monkeypatch):
     srv.layer_hosted, srv.workspace, srv.draining = torch.ones(2), torch.zeros(64), False
     assert srv._gather_args(1).arrival_timeout_ns == 40 * base[1]
     for bad in ("0", "-1", "x", "inf"):
-        monkeypatch.setenv(moecomm.cuda.DEADLINE_SCALE_ENV, bad)
+        monkeypatch.setenv(moecomm.wire.cuda.DEADLINE_SCALE_ENV, bad)
         with pytest.raises(ValueError, match="MOECOMM_DEVICE_DEADLINE_SCALE"):
             device_client.combine_timeout_ns(1.0)

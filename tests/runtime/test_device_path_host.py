@@ -9,19 +9,19 @@ import subprocess
 import sys
 
 import httpx
-import moecomm.cuda
+import moecomm.wire.cuda
 import pytest
 from moecomm.errors import MoecommError
-from moecomm.protocol import SlotLayout
 from moecomm.runtime import ExpertServer, random_experts
 from moecomm.runtime.control import HttpServer, http_transports, make_app
 from moecomm.runtime.device_handshake import check_device_offer
-from moecomm.runtime.transports import boot_id
+from moecomm.wire.choose import boot_id
+from moecomm.wire.protocol import SlotLayout
 from moecomm_serving.device_args import parse_random_spec
 
 LAYOUT = SlotLayout(8, 64, 2)
 CLI = [sys.executable, "-m", "moecomm_serving.cli"]
-NO_GPU = not moecomm.cuda.available()
+NO_GPU = not moecomm.wire.cuda.available()
 
 
 @pytest.fixture

@@ -238,9 +238,9 @@ def test_stopped_server_without_replica_fails_fast_naming_server_and_experts():
 
 @pytest.mark.timeout(300)
 def test_garbage_from_one_client_does_not_disturb_another(two_servers, transport):
-    from moecomm.protocol import SlotLayout
     from moecomm.runtime.control import http_connect
-    from moecomm.slots import ClientChannel
+    from moecomm.wire.client import ClientChannel
+    from moecomm.wire.protocol import SlotLayout
 
     good = client(two_servers, 41)
     layout = SlotLayout(8, SPEC.hidden, TOPK, "f32", "f32")
@@ -255,7 +255,7 @@ def test_garbage_from_one_client_does_not_disturb_another(two_servers, transport
         seq = rogue.send(0, x, bad_ids, scores, layer_id=0)
         with pytest.raises(moecomm.RemoteError, match="local expert 99") as info_err:
             rogue.wait(0, seq, 20)
-        assert info_err.value.status == int(moecomm.protocol.ResponseStatus.UNKNOWN_EXPERT)
+        assert info_err.value.status == int(moecomm.wire.protocol.ResponseStatus.UNKNOWN_EXPERT)
         seq = rogue.send(1, x, torch.zeros(2, TOPK, dtype=torch.int32), scores, layer_id=7)
         with pytest.raises(moecomm.RemoteError, match="no expert of layer 7"):
             rogue.wait(1, seq, 20)

@@ -9,6 +9,7 @@ import signal
 import httpx
 import pytest
 import torch
+from long_run import LONG
 from membership_procs import MONITOR_TOKEN
 from moecomm.membership import connect_membership
 from moecomm.runtime import AttentionClient
@@ -16,11 +17,7 @@ from moecomm.runtime.launch import ModelSpec, spawn_expert_server
 
 SPEC = ModelSpec(num_layers=2, num_experts=6, hidden=48, intermediate=24, seed=11)
 TTL = 1.0
-TRIALS = int(
-    os.environ.get(
-        "MOECOMM_FAILOVER_TRIALS", "20" if os.environ.get("MOECOMM_LONG") == "1" else "2"
-    )
-)
+TRIALS = int(os.environ.get("MOECOMM_FAILOVER_TRIALS", "20" if LONG else "2"))
 STEPS = 6
 TOPK = 2
 # Every expert on two of three servers.

@@ -4,16 +4,16 @@ suite sets MOECOMM_POISON_SLOTS=1 in conftest.py) a release overwrites the slot,
 fails every time: the server loop of the release before this rule read its statistics from the
 released slot and died on the poison (expert id 0x00BADBAD) at the first request."""
 
-import moecomm.slot_channel as slot_channel
-import moecomm.slots as slots
+import moecomm.wire.channel as slot_channel
 import pytest
 import torch
 from moecomm import _C
-from moecomm.protocol import SlotLayout
 from moecomm.runtime import ExpertServer
 from moecomm.runtime.experts import LayerExperts, random_experts
-from moecomm.slots import ClientChannel, ServerChannel
-from moecomm.transport import RegionViews
+from moecomm.wire.client import ClientChannel
+from moecomm.wire.protocol import SlotLayout
+from moecomm.wire.server import ServerChannel
+from moecomm.wire.views import RegionViews
 
 HIDDEN, INTER, EXPERTS, TOPK, MAX_TOKENS = 32, 16, 4, 2, 8
 EXPERT_WEIGHTS = random_experts(1, EXPERTS, HIDDEN, INTER, seed=7)
@@ -147,4 +147,4 @@ def test_poison_mode_is_on_in_the_test_suite():
     """conftest.py turns it on for every process the suite starts."""
     import os
 
-    assert os.environ.get(slots.POISON_ENV) == "1"
+    assert os.environ.get(slot_channel.POISON_ENV) == "1"

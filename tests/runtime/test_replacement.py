@@ -11,14 +11,14 @@ import pytest
 import torch
 from moecomm.errors import RemoteError
 from moecomm.ops.dispatch import pack_dispatch
-from moecomm.protocol import ResponseStatus, SlotLayout
 from moecomm.runtime import AttentionClient
 from moecomm.runtime.control import HttpServer, make_app
 from moecomm.runtime.experts import LayerExperts
 from moecomm.runtime.launch import ModelSpec, spawn_expert_server
 from moecomm.runtime.placement import PlacementController
 from moecomm.runtime.server import ExpertServer
-from moecomm.slots import ClientChannel
+from moecomm.wire.client import ClientChannel
+from moecomm.wire.protocol import ResponseStatus, SlotLayout
 
 SPEC = ModelSpec(num_layers=2, num_experts=12, hidden=64, intermediate=32, seed=5)
 TOKEN = "t0ken"

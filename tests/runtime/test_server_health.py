@@ -11,11 +11,11 @@ import torch
 from membership_procs import MONITOR_TOKEN
 from moecomm.errors import MoecommError, PeerOfflineError, RemoteError
 from moecomm.membership import connect_membership
-from moecomm.protocol import ResponseStatus, SlotLayout
 from moecomm.runtime import ExpertServer
 from moecomm.runtime.control import HttpServer, make_app
 from moecomm.runtime.experts import random_experts
-from moecomm.slots import ClientChannel
+from moecomm.wire.client import ClientChannel
+from moecomm.wire.protocol import ResponseStatus, SlotLayout
 
 HIDDEN, EXPERTS, TOPK = 16, 2, 1
 LAYOUT = SlotLayout(4, HIDDEN, TOPK, "f32", "f32")

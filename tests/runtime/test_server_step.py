@@ -6,14 +6,15 @@ case) answered through the copy path in the same pass; and, with an allocation c
 torch profiler's memory events), that a warm server step allocates no activation-sized storage.
 """
 
-import moecomm.slot_channel as slot_channel
+import moecomm.wire.channel as slot_channel
 import pytest
 import torch
 from moecomm.ops import quantize
-from moecomm.protocol import SlotLayout
 from moecomm.runtime import ExpertServer
 from moecomm.runtime.experts import LayerExperts, random_experts
-from moecomm.slots import ClientChannel, ServerChannel
+from moecomm.wire.client import ClientChannel
+from moecomm.wire.protocol import SlotLayout
+from moecomm.wire.server import ServerChannel
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 

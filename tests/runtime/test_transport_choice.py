@@ -10,9 +10,9 @@ from moecomm.errors import MoecommError
 from moecomm.runtime import AttentionClient
 from moecomm.runtime.experts import LayerExperts
 from moecomm.runtime.launch import ModelSpec, spawn_expert_server
-from moecomm.runtime.transports import TransportSet, choose
+from moecomm.wire.choose import TransportSet, choose
 
-nixl_ok, nixl_why = __import__("moecomm.nixl", fromlist=["available"]).available()
+nixl_ok, nixl_why = __import__("moecomm.wire.nixl", fromlist=["available"]).available()
 needs_nixl = pytest.mark.skipif(not nixl_ok, reason=f"NIXL is not installed: {nixl_why}")
 
 SPEC = ModelSpec(num_layers=2, num_experts=8, hidden=64, intermediate=32, seed=5)
@@ -108,7 +108,7 @@ def test_forcing_shm_against_a_nixl_only_server_is_a_clear_error(servers):
 def test_auto_refuses_shm_when_the_probe_does_not_match():
     """Same boot id but another /dev/shm (two containers on one kernel): the probe word is not
     there, so auto must not pick shm, and a shm-only pair is refused."""
-    from moecomm.runtime.transports import boot_id
+    from moecomm.wire.choose import boot_id
 
     offer = {
         "transports": ["shm"],
@@ -122,7 +122,7 @@ def test_auto_refuses_shm_when_the_probe_does_not_match():
 
 
 def test_nixl_without_the_extra_names_it(monkeypatch):
-    import moecomm.nixl as nx
+    import moecomm.wire.nixl as nx
 
     monkeypatch.setattr(nx, "_NIXL_MODULES", ("moecomm_no_such_nixl._api",))
     with pytest.raises(MoecommError, match=r"pip install 'moecomm\[nixl\]'"):
@@ -135,10 +135,10 @@ def test_nixl_without_the_extra_names_it(monkeypatch):
 def test_expert_weights_pulled_from_a_peer_over_nixl_are_bit_exact(servers):
     """Live re-placement across hosts: the exporter copies the expert into a region of the
     transport the reader speaks, the reader pulls it with one-sided READs."""
-    from moecomm.nixl import NixlTransport
     from moecomm.runtime.weights import pull_from_peer
+    from moecomm.wire.nixl import open_nixl_transport
 
-    got = pull_from_peer(NixlTransport(), servers[0].url, 1, 3, TOKEN, 20.0)
+    got = pull_from_peer(open_nixl_transport(), servers[0].url, 1, 3, TOKEN, 20.0)
     want = SPEC.experts()[1][3]
     for a, b in ((got.w1, want.w1), (got.w3, want.w3), (got.w2, want.w2)):
         assert a.dtype == b.dtype and torch.equal(a, b)

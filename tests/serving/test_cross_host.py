@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from moecomm import netns
-from moecomm.nixl import available as nixl_available
+from moecomm.wire.nixl import available as nixl_available
 from moecomm_serving.generate import SamplingParams, generate
 from moecomm_serving.tokenizer import ByteTokenizer
 

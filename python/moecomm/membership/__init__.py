@@ -22,12 +22,11 @@ from moecomm.membership.base import (
     HEARTBEATS_PER_TTL,
     Membership,
     Registration,
-    SupersededError,
     monitor_token,
 )
 from moecomm.membership.embedded import EmbeddedMembership, MonitorRemoteError
 from moecomm.membership.etcd import DEFAULT_PREFIX, EtcdError, EtcdMembership
-from moecomm.membership.member import Event, Member, MembershipError, Record
+from moecomm.membership.member import Event, Member, MembershipError, Record, SupersededError
 from moecomm.membership.monitor import MonitorServer
 from moecomm.membership.watcher import Watcher
 

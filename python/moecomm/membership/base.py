@@ -18,8 +18,8 @@ from typing import Any
 from moecomm.membership.member import (
     Event,
     Member,
-    MembershipError,
     Record,
+    SupersededError,
     check_ttl,
 )
 from moecomm.membership.watcher import Watcher
@@ -39,10 +39,6 @@ DEFAULT_HTTP_TIMEOUT_S = 5.0
 TOKEN_ENV = "MOECOMM_MONITOR_TOKEN"
 # Incarnations are random: 64 bits make a collision between two processes of one id negligible.
 INCARNATION_BYTES = 8
-
-
-class SupersededError(MembershipError):
-    """Another incarnation now holds this member's (role, member_id); this one must stop."""
 
 
 @dataclass

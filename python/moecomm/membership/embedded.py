@@ -12,9 +12,8 @@ from moecomm.membership.base import (
     DEFAULT_POLL_S,
     Lease,
     Membership,
-    SupersededError,
 )
-from moecomm.membership.member import MembershipError, Record
+from moecomm.membership.member import MembershipError, Record, SupersededError
 
 # Pause between attempts while the monitor is unreachable: short, because a restarted monitor
 # should be noticed quickly, and a watcher makes one cheap request per attempt.

@@ -22,6 +22,10 @@ class MembershipError(MoecommError):
     """The membership backend refused a request or answered something we cannot use."""
 
 
+class SupersededError(MembershipError):
+    """Another incarnation now holds this member's (role, member_id); this one must stop."""
+
+
 def monotonic_deadline(timeout: float) -> float:
     if timeout is None or timeout < 0:
         raise ValueError(f"every wait needs a deadline: timeout must be >= 0, got {timeout}")
@@ -56,6 +60,26 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+def _check_str_map(
+    field: str, keys: str, d: Any, max_items: int, max_key: int, max_value: int, min_value: int
+) -> None:
+    """`d` is a dict of at most `max_items` str -> str, keys of 1..`max_key` characters, values
+    of `min_value`..`max_value`; else ValueError naming `field` (its keys as `keys`)."""
+    _check(
+        isinstance(d, dict) and len(d) <= max_items,
+        f"{field} must be a dict of at most {max_items} items",
+    )
+    for k, v in d.items():
+        _check(
+            isinstance(k, str) and 0 < len(k) <= max_key,
+            f"{keys} must be 1..{max_key} characters, got {k!r}",
+        )
+        _check(
+            isinstance(v, str) and min_value <= len(v) <= max_value,
+            f"{field}[{k!r}] must be a string of {min_value}..{max_value} characters",
+        )
+
+
 @dataclass(frozen=True)
 class Member:
     """One participant: an expert server, an attention client, a pipeline stage, ...
@@ -87,19 +111,16 @@ class Member:
             isinstance(self.member_id, str) and bool(MEMBER_ID_RE.match(self.member_id)),
             f"member_id must match {MEMBER_ID_RE.pattern}, got {self.member_id!r}",
         )
-        _check(
-            isinstance(self.endpoints, dict) and len(self.endpoints) <= MAX_ENDPOINTS,
-            f"endpoints must be a dict of at most {MAX_ENDPOINTS} entries",
+        # endpoints: name -> URL, never empty; metadata: free strings, empty allowed.
+        _check_str_map(
+            "endpoints",
+            "endpoint names",
+            self.endpoints,
+            MAX_ENDPOINTS,
+            MAX_ENDPOINT_NAME,
+            MAX_ENDPOINT_URL,
+            1,
         )
-        for name, url in self.endpoints.items():
-            _check(
-                isinstance(name, str) and 0 < len(name) <= MAX_ENDPOINT_NAME,
-                f"endpoint names must be 1..{MAX_ENDPOINT_NAME} characters, got {name!r}",
-            )
-            _check(
-                isinstance(url, str) and 0 < len(url) <= MAX_ENDPOINT_URL,
-                f"endpoint {name!r} must be a URL of 1..{MAX_ENDPOINT_URL} characters",
-            )
         _check(
             isinstance(self.experts, dict) and len(self.experts) <= MAX_LAYERS,
             f"experts must map at most {MAX_LAYERS} layers to expert ids",
@@ -120,19 +141,15 @@ class Member:
             total <= MAX_HOSTED_EXPERTS,
             f"at most {MAX_HOSTED_EXPERTS} hosted experts per member, got {total}",
         )
-        _check(
-            isinstance(self.metadata, dict) and len(self.metadata) <= MAX_METADATA_ITEMS,
-            f"metadata must be a dict of at most {MAX_METADATA_ITEMS} items",
+        _check_str_map(
+            "metadata",
+            "metadata keys",
+            self.metadata,
+            MAX_METADATA_ITEMS,
+            MAX_METADATA_KEY,
+            MAX_METADATA_VALUE,
+            0,
         )
-        for k, v in self.metadata.items():
-            _check(
-                isinstance(k, str) and 0 < len(k) <= MAX_METADATA_KEY,
-                f"metadata keys must be 1..{MAX_METADATA_KEY} characters, got {k!r}",
-            )
-            _check(
-                isinstance(v, str) and len(v) <= MAX_METADATA_VALUE,
-                f"metadata[{k!r}] must be a string of at most {MAX_METADATA_VALUE} characters",
-            )
 
     def to_dict(self) -> dict[str, Any]:
         # JSON object keys are strings: layers travel as "0", "1", ... and come back as ints.

@@ -22,20 +22,19 @@ import threading
 import time
 from typing import Annotated
 
-import uvicorn
 from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
+from moecomm.http_thread import DEFAULT_HOST, START_TIMEOUT_S, STOP_TIMEOUT_S, HttpServer
 from moecomm.membership import member as m
 from moecomm.membership.base import TOKEN_ENV, monitor_token
-from moecomm.membership.member import Member, Record
-from moecomm.membership.registry import Full, Registry, Superseded, UnknownMember
+from moecomm.membership.member import Member, Record, SupersededError
+from moecomm.membership.registry import Registry, RegistryFullError, UnknownMemberError
 
 log = logging.getLogger("moecomm.membership.monitor")
 
-DEFAULT_HOST = "127.0.0.1"
 # A register request with every field at its bound is ~1.5 MB of JSON; nothing legitimate is
 # larger, and the body is refused before it is read.
 MAX_BODY_BYTES = 2 << 20
@@ -45,7 +44,6 @@ MAX_POLL_S = 30.0
 EXPIRY_SWEEP_S = 0.05
 # Long-polls still open at shutdown are cut after this, so a stop never waits a full poll.
 SHUTDOWN_GRACE_S = 0.5
-START_TIMEOUT_S = 30.0
 # How often the monitor process checks that its server thread still runs.
 LIVENESS_CHECK_S = 1.0
 
@@ -147,9 +145,9 @@ def make_app(token: str = "") -> FastAPI:
     def held(call, *args):
         try:
             return call(*args)
-        except UnknownMember as exc:
+        except UnknownMemberError as exc:
             raise HTTPException(status_code=404, detail=str(exc.args[0])) from None
-        except Superseded as exc:
+        except SupersededError as exc:
             raise HTTPException(status_code=409, detail=str(exc)) from None
 
     @app.post("/register")
@@ -160,7 +158,7 @@ def make_app(token: str = "") -> FastAPI:
             raise HTTPException(status_code=422, detail=f"invalid member: {exc}") from None
         try:
             kind = registry.register(Record(member, body.ttl, body.incarnation), time.monotonic())
-        except Full as exc:
+        except RegistryFullError as exc:
             raise HTTPException(status_code=507, detail=str(exc)) from None
         if kind:
             await notify()
@@ -226,17 +224,13 @@ class MonitorServer:
         if not _is_loopback(host) and not token:
             log.warning("monitor on %s without a token: anyone who can reach it can register", host)
         self.app = make_app(token)
-        config = uvicorn.Config(
+        self._http = HttpServer(
             self.app,
-            host=host,
-            port=port,
-            log_level="warning",
-            access_log=False,
-            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
-        )
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(
-            target=self._server.run, name="moecomm-monitor", daemon=True
+            host,
+            port,
+            what="the membership monitor (port in use?)",
+            thread_name="moecomm-monitor",
+            graceful_shutdown_s=SHUTDOWN_GRACE_S,
         )
         self.url = ""
 
@@ -246,22 +240,14 @@ class MonitorServer:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._http.alive
 
     def start(self, timeout: float = START_TIMEOUT_S) -> str:
-        self._thread.start()
-        deadline = time.monotonic() + timeout
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("the membership monitor did not start (port in use?)")
-            time.sleep(0.01)
-        host, port = self._server.servers[0].sockets[0].getsockname()[:2]
-        self.url = f"http://{host}:{port}"
+        self.url = self._http.start(timeout)
         return self.url
 
-    def stop(self, timeout: float = START_TIMEOUT_S) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout)
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        self._http.stop(timeout)
 
     def __enter__(self) -> MonitorServer:
         self.start()
@@ -271,16 +257,26 @@ class MonitorServer:
         self.stop()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="moecomm monitor", description="membership monitor: heartbeats, joins and losses"
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of the monitor process (`moecomm monitor` and ``python -m
+    moecomm.membership.monitor``), read by :func:`run`."""
     parser.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default loopback)")
     parser.add_argument("--port", type=int, default=0, help="port (0: any free one)")
     parser.add_argument(
         "--token-file", help=f"file holding the shared token (or set ${TOKEN_ENV}; not argv)"
     )
-    args = parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="moecomm monitor", description="membership monitor: heartbeats, joins and losses"
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serves until SIGTERM or SIGINT; prints the URL alone on the first stdout line."""
     token = monitor_token()
     if args.token_file:
         with open(args.token_file) as f:

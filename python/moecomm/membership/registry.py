@@ -10,7 +10,8 @@ from collections import deque
 from dataclasses import dataclass
 from itertools import islice
 
-from moecomm.membership.member import Record
+from moecomm.errors import deprecated_aliases
+from moecomm.membership.member import MembershipError, Record, SupersededError
 
 # Events kept for watchers that reconnect; one further behind gets a full snapshot instead.
 MAX_EVENT_LOG = 10_000
@@ -20,16 +21,24 @@ MAX_MEMBERS = 4096
 EPOCH_BYTES = 8
 
 
-class UnknownMember(KeyError):
+class UnknownMemberError(MembershipError, KeyError):
     """Heartbeat or deregister for a member this monitor does not hold (expired, restarted)."""
 
 
-class Superseded(Exception):
-    """The member is held by another incarnation."""
+class RegistryFullError(MembershipError):
+    """The monitor already holds MAX_MEMBERS members."""
 
 
-class Full(Exception):
-    """MAX_MEMBERS reached."""
+# The old names, deprecated: the family's names end in Error (docs/errors.md); Superseded is
+# the SupersededError a member's backend raises.
+__getattr__ = deprecated_aliases(
+    __name__,
+    {
+        "Full": "RegistryFullError",
+        "Superseded": "SupersededError",
+        "UnknownMember": "UnknownMemberError",
+    },
+)
 
 
 @dataclass
@@ -54,7 +63,7 @@ class Registry:
         key = rec.member.key
         old = self._members.get(key)
         if old is None and len(self._members) >= MAX_MEMBERS:
-            raise Full(f"the monitor holds its maximum of {MAX_MEMBERS} members")
+            raise RegistryFullError(f"the monitor holds its maximum of {MAX_MEMBERS} members")
         self._members[key] = Entry(rec, now + rec.ttl)
         if old is None:
             self._event("join", rec, "registered")
@@ -71,9 +80,11 @@ class Registry:
     def _held(self, key: tuple[str, str], incarnation: str) -> Entry:
         entry = self._members.get(key)
         if entry is None:
-            raise UnknownMember(f"{key[0]}/{key[1]} is not registered here (expired or restarted)")
+            raise UnknownMemberError(
+                f"{key[0]}/{key[1]} is not registered here (expired or restarted)"
+            )
         if entry.record.incarnation != incarnation:
-            raise Superseded(f"{key[0]}/{key[1]} is held by another incarnation")
+            raise SupersededError(f"{key[0]}/{key[1]} is held by another incarnation")
         return entry
 
     def heartbeat(self, key: tuple[str, str], incarnation: str, now: float) -> float:

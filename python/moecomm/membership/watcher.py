@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from moecomm.errors import DeadlineExceededError
 from moecomm.membership.member import (
     WATCH_START_TIMEOUT_S,
     Event,
@@ -90,7 +91,7 @@ class Watcher:
 
     def wait_for(self, predicate: Callable[[Event], bool], timeout: float) -> Event:
         """The first event for which `predicate` is true; events before it are consumed.
-        Raises TimeoutError naming what was seen when none matches within `timeout`."""
+        Raises DeadlineExceededError naming what was seen when none matches within `timeout`."""
         deadline = monotonic_deadline(timeout)
         seen = []
         while True:
@@ -101,7 +102,9 @@ class Watcher:
             if ev is not None:
                 seen.append(f"{ev.kind}:{ev.member.role}/{ev.member.member_id}({ev.reason})")
             elif time.monotonic() >= deadline or self._stop.is_set():
-                raise TimeoutError(f"no matching membership event within {timeout} s; saw {seen}")
+                raise DeadlineExceededError(
+                    f"no matching membership event within {timeout} s; saw {seen}"
+                )
 
     def members(self) -> list:
         """Members in this watcher's view (including those given a grace period)."""

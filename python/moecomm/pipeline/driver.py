@@ -21,12 +21,12 @@ from moecomm.errors import MoecommError
 from moecomm.pipeline.predictor import LatencyPredictor
 from moecomm.pipeline.scheduler import BubbleScheduler, stage_ranges
 from moecomm.pipeline.stage import STEP_TIMEOUT_S, StageSpec, stage_main
-from moecomm.protocol import SlotLayout
-from moecomm.stage_channel import stage_layout
-from moecomm.transport import reap_stale_segments
+from moecomm.wire.protocol import SlotLayout
+from moecomm.wire.shm import reap_stale_segments
+from moecomm.wire.stage import stage_layout
 
 # Loading a stage's weights in a fresh interpreter (torch import included) on a busy machine.
-START_TIMEOUT_S = 120.0
+STAGE_START_TIMEOUT_S = 120.0
 # How often the driver checks its stages' liveness while it waits for a result.
 LIVENESS_POLL_S = 0.05
 # Refit the predictor every this many results: a fit costs ~1 ms, a step several.
@@ -112,7 +112,7 @@ class Pipeline:
     # ------------------------------------------------------------------ set-up / tear-down
     def _connect(self) -> None:
         # ready = (_, doorbell, {(kind, src): receiver handle}, {(kind, dst): sender handle})
-        ready = [self._expect(i, "ready", START_TIMEOUT_S) for i in range(self.num_stages)]
+        ready = [self._expect(i, "ready", STAGE_START_TIMEOUT_S) for i in range(self.num_stages)]
         for i, conn in enumerate(self.conns):
             to_receivers = {
                 (kind, dst): (ready[dst][2][(kind, i)], ready[dst][1]) for kind, dst in ready[i][3]
@@ -120,7 +120,7 @@ class Pipeline:
             to_senders = {(kind, src): ready[src][3][(kind, i)] for kind, src in ready[i][2]}
             conn.send(("connect", to_receivers, to_senders))
         for i in range(self.num_stages):
-            self._expect(i, "connected", START_TIMEOUT_S)
+            self._expect(i, "connected", STAGE_START_TIMEOUT_S)
 
     def _expect(self, i: int, kind: str, timeout: float):
         deadline = time.monotonic() + timeout

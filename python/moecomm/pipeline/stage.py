@@ -9,14 +9,14 @@ Channels:
 - control: a duplex pipe to the driver. The driver sends commands in order (``step``,
   ``remap``, ``free``, ``stop``); the stage answers with profiles, results (last stage) and
   errors. Every stage sees every command, so all agree on step order and layer maps.
-- activations: a stage channel (``moecomm.stage_channel``, message kind STAGE) from stage b to
+- activations: a stage channel (``moecomm.wire.stage``, message kind STAGE) from stage b to
   b+1; micro-batch ``step`` is the package tagged ``step``, acknowledged by a header-only ack.
 - KV: a stage channel from every stage to every other; a layer's cache is one package tagged
   with the layer, chunked to the slot size. It is sent the moment the source finishes that
   layer in the last step under the old map; the destination computes its other layers and
   blocks only when it reaches the migrated one.
 
-All channels into a stage share one doorbell (:class:`~moecomm.stage_channel.StageInbox`): while
+All channels into a stage share one doorbell (:class:`~moecomm.wire.stage.StageInbox`): while
 it waits for anything, a stage takes and acknowledges whatever arrived, so a sender blocked on a
 full channel always makes progress. Nothing goes through a multiprocessing queue, so the same
 code runs across hosts once the transport does.
@@ -37,10 +37,10 @@ from typing import Protocol
 import safetensors.torch
 import torch
 
-from moecomm.errors import PeerLostError
-from moecomm.protocol import SlotLayout
-from moecomm.stage_channel import StageInbox, StageReceiver, StageSender, as_tensor
-from moecomm.transport import ShmTransport
+from moecomm.errors import DeadlineExceededError, PeerLostError
+from moecomm.wire.protocol import SlotLayout
+from moecomm.wire.shm import ShmTransport
+from moecomm.wire.stage import StageInbox, StageReceiver, StageSender, as_tensor
 
 # A micro-batch or a migrated KV cache that has not arrived within this long means a peer is
 # stuck or gone; generous because two cores are shared by all stages and other tenants.
@@ -171,7 +171,7 @@ class _Stage:
         deadline = time.monotonic() + self.spec.timeout_s
         while not self.conn.poll(IDLE_POLL_S):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"stage {self.spec.index}: no {kind!r} from the driver")
+                raise DeadlineExceededError(f"stage {self.spec.index}: no {kind!r} from the driver")
         msg = self.conn.recv()
         if msg[0] != kind:
             raise RuntimeError(f"stage {self.spec.index}: expected {kind!r}, got {msg[0]!r}")

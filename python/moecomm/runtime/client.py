@@ -20,19 +20,20 @@ from dataclasses import dataclass
 import torch
 
 from moecomm.errors import (
+    DeadlineExceededError,
     MoecommError,
     PeerLostError,
     PeerOfflineError,
     RemoteError,
-    TimeoutError,
 )
 from moecomm.ops.combine import combine as combine_partials
 from moecomm.ops.dispatch import ExpertMap, pack_dispatch
-from moecomm.protocol import ResponseStatus, SlotLayout, as_encoding
 from moecomm.runtime.server_pool import ServerPool
-from moecomm.runtime.transports import TransportSet
-from moecomm.slots import DEFAULT_TIMEOUT_S, ClientChannel
-from moecomm.transport import Transport
+from moecomm.wire.channel import DEFAULT_TIMEOUT_S
+from moecomm.wire.choose import TransportSet
+from moecomm.wire.client import ClientChannel
+from moecomm.wire.protocol import ResponseStatus, SlotLayout, as_encoding
+from moecomm.wire.transport import Transport
 
 log = logging.getLogger("moecomm.client")
 
@@ -90,7 +91,7 @@ class AttentionClient:
     """Client of a set of expert servers, reached by their control-plane URLs.
 
     `transport`: a Transport, or "shm", "nixl" or "auto" (per server: shm when it shares this
-    host's /dev/shm, nixl otherwise; runtime/transports.py). `host`: this process's address on
+    host's /dev/shm, nixl otherwise; wire/choose.py). `host`: this process's address on
     the network the servers are reached over (nixl carries bytes over that interface)."""
 
     def __init__(
@@ -287,7 +288,7 @@ class AttentionClient:
                         scales=b.scales,
                         wake=False,
                     )
-            except (PeerLostError, TimeoutError) as exc:  # the server is gone or stopped
+            except (PeerLostError, DeadlineExceededError) as exc:  # the server is gone or stopped
                 lost = type(exc)(f"server {self.urls[b.server]} layer {layer_id}: {exc}")
                 self.outstanding[b.server] += b.num_tokens
                 sent.append(Sent(b.server, -1, b.token_index, pairs, lost))
@@ -300,7 +301,7 @@ class AttentionClient:
         # on a busy core, and the next server would then start late.
         for s in sent:
             if s.error is None:
-                with contextlib.suppress(PeerLostError, TimeoutError):  # found at the wait
+                with contextlib.suppress(PeerLostError, DeadlineExceededError):  # found at the wait
                     self.channels[s.server].ring()
         return sent, replica
 
@@ -342,7 +343,7 @@ class AttentionClient:
                     return ch.wait(
                         handle.slot, sent.seq, max(0.0, min(left, WAIT_SLICE_S))
                     ).activations
-                except TimeoutError:
+                except DeadlineExceededError:
                     if time.monotonic() >= deadline:
                         raise
         finally:
@@ -376,7 +377,7 @@ class AttentionClient:
             for pos, sent in enumerate(handle.sent):
                 try:
                     partials.append(self._wait(handle, sent, timeout))
-                except (TimeoutError, PeerLostError, RemoteError) as exc:
+                except (DeadlineExceededError, PeerLostError, RemoteError) as exc:
                     if isinstance(exc, RemoteError) and exc.status not in _RESEND_STATUSES:
                         raise type(exc)(
                             exc.status,
@@ -449,7 +450,7 @@ class AttentionClient:
             for s in sent:
                 try:
                     parts.append(self._wait(handle, s, timeout))
-                except (TimeoutError, PeerLostError, RemoteError) as e:
+                except (DeadlineExceededError, PeerLostError, RemoteError) as e:
                     bad = bad or (s, e)
                     self._after_failure(s.server, e)
                     tried.add(s.server)

@@ -6,25 +6,26 @@ from __future__ import annotations
 
 import contextlib
 import hmac
-import threading
 import time
 
 import httpx
-import uvicorn
 from fastapi import FastAPI, HTTPException
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, Field
 
-from moecomm.errors import MoecommError
-from moecomm.protocol import SlotLayout, as_encoding
-from moecomm.runtime.health import metrics_lines
-from moecomm.runtime.registry import SESSION_BYTES, ClientIdInUse, UnknownSession
-from moecomm.runtime.server import MAX_SLOTS_PER_CLIENT, ExpertServer
-from moecomm.runtime.server_placement import ExpertHosted
-from moecomm.runtime.transports import choose
-from moecomm.runtime.weights import pull_from_peer
+from moecomm.errors import MoecommError, deprecated_aliases
 
-DEFAULT_HOST = "127.0.0.1"
+# Served from a thread of the expert server's process; the tests and benches that pair make_app
+# with it import it from here.
+from moecomm.http_thread import HttpServer  # noqa: F401
+from moecomm.runtime.health import metrics_lines
+from moecomm.runtime.registry import SESSION_BYTES, ClientIdInUseError, UnknownSessionError
+from moecomm.runtime.server import MAX_SLOTS_PER_CLIENT, ExpertServer
+from moecomm.runtime.server_placement import ExpertHostedError
+from moecomm.runtime.weights import pull_from_peer
+from moecomm.wire.choose import choose
+from moecomm.wire.protocol import SlotLayout, as_encoding
+
 # Bounds on connect fields: generous for real models, small enough that a bad request cannot
 # make the server allocate absurd regions (the byte total is checked again by the server).
 MAX_TOKENS_LIMIT = 1 << 16
@@ -40,9 +41,13 @@ TRANSPORT_NAMES = ("shm", "nixl", "cuda_ipc")
 HTTP_TIMEOUT_S = 10.0
 
 
-class ServerUnreachable(ConnectionError):
+class ServerUnreachableError(MoecommError, ConnectionError):
     """No answer from a server's control plane (down, stopped, wrong address), as opposed to
     an answer that refuses the request."""
+
+
+# The old name, deprecated: the family's names end in Error (docs/errors.md).
+__getattr__ = deprecated_aliases(__name__, {"ServerUnreachable": "ServerUnreachableError"})
 
 
 class LayoutModel(BaseModel):
@@ -161,7 +166,7 @@ def make_app(server: ExpertServer, token: str = "") -> FastAPI:
                 transport=body.transport,
                 response_ring_offset=body.response_ring_offset,
             )
-        except ClientIdInUse as exc:
+        except ClientIdInUseError as exc:
             raise HTTPException(status_code=409, detail=str(exc)) from exc
         except FileNotFoundError as exc:
             raise HTTPException(status_code=404, detail=str(exc)) from exc
@@ -189,7 +194,7 @@ def make_app(server: ExpertServer, token: str = "") -> FastAPI:
 
     @app.get("/transports")
     def transports():
-        """What a client needs to pick its transport (runtime/transports.py). Holds no
+        """What a client needs to pick its transport (wire/choose.py). Holds no
         secret: the NIXL connection info travels in the token-checked connect."""
         return server.offer()
 
@@ -198,7 +203,7 @@ def make_app(server: ExpertServer, token: str = "") -> FastAPI:
         authorize(body.token)
         try:
             return {"disconnected": server.disconnect(body.client_id, body.session)}
-        except UnknownSession as exc:
+        except UnknownSessionError as exc:
             raise HTTPException(status_code=409, detail=str(exc)) from exc
 
     @app.post("/drain")
@@ -253,7 +258,7 @@ def make_app(server: ExpertServer, token: str = "") -> FastAPI:
                     HTTP_TIMEOUT_S,
                 )
             out = server.load_expert(body.layer, body.expert, weights)
-        except ExpertHosted as exc:
+        except ExpertHostedError as exc:
             raise HTTPException(status_code=409, detail=str(exc)) from exc
         except (ValueError, KeyError, RuntimeError, OSError, MoecommError, httpx.HTTPError) as exc:
             raise HTTPException(status_code=400, detail=f"{type(exc).__name__}: {exc}") from exc
@@ -291,30 +296,6 @@ def make_app(server: ExpertServer, token: str = "") -> FastAPI:
     return app
 
 
-class HttpServer:
-    """uvicorn in a background thread: the expert loop and the control plane share a process."""
-
-    def __init__(self, app: FastAPI, host: str = DEFAULT_HOST, port: int = 0):
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-
-    def start(self, timeout: float = 30.0) -> str:
-        self._thread.start()
-        deadline = time.monotonic() + timeout
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("the HTTP control plane did not start")
-            time.sleep(0.01)
-        sock = self._server.servers[0].sockets[0]
-        host, port = sock.getsockname()[:2]
-        return f"http://{host}:{port}"
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout)
-
-
 def http_connect(
     url: str,
     client_id: int,
@@ -329,7 +310,7 @@ def http_connect(
 ) -> dict:
     """Client side of the connect handshake. `transport` names where the client's response
     slots live (the server must use the same one); `session` is the secret of a previous
-    connection to this server, when reconnecting. Raises ClientIdInUse when another live
+    connection to this server, when reconnecting. Raises ClientIdInUseError when another live
     client holds `client_id` there, ConnectionError naming the server otherwise."""
     body = {
         "client_id": client_id,
@@ -344,9 +325,9 @@ def http_connect(
     try:
         r = httpx.post(f"{url}/connect", json=body, timeout=timeout)
     except httpx.HTTPError as exc:
-        raise ServerUnreachable(f"connect to {url} failed: {exc}") from exc
+        raise ServerUnreachableError(f"connect to {url} failed: {exc}") from exc
     if r.status_code == 409:
-        raise ClientIdInUse(f"connect to {url} refused: {_detail(r)}")
+        raise ClientIdInUseError(f"connect to {url} refused: {_detail(r)}")
     if r.status_code != 200:
         raise ConnectionError(f"connect to {url} refused ({r.status_code}): {r.text}")
     return r.json()
@@ -358,7 +339,7 @@ def http_transports(url: str, timeout: float = HTTP_TIMEOUT_S) -> dict:
     try:
         r = httpx.get(f"{url}/transports", timeout=timeout)
     except httpx.HTTPError as exc:
-        raise ServerUnreachable(f"{url}/transports failed: {exc}") from exc
+        raise ServerUnreachableError(f"{url}/transports failed: {exc}") from exc
     if r.status_code == 404:
         return {"transports": ["shm"]}
     if r.status_code != 200:
@@ -380,7 +361,7 @@ def http_placement(url: str, client_id: int, timeout: float = HTTP_TIMEOUT_S) ->
             f"{url}/experts", params={"client_id": client_id, "load": False}, timeout=timeout
         )
     except httpx.HTTPError as exc:
-        raise ServerUnreachable(f"placement of {url}: {exc}") from exc
+        raise ServerUnreachableError(f"placement of {url}: {exc}") from exc
     if r.status_code != 200:
         raise ConnectionError(f"placement of {url} refused ({r.status_code}): {r.text}")
     return r.json()

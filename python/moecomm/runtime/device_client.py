@@ -19,7 +19,7 @@ The expert map the kernels route by is allocated once per layer and rewritten in
 membership change (:mod:`moecomm.runtime.device_maps`), so a captured graph survives failover.
 
 Every device deadline (the combine's ``timeout``) is multiplied by
-:func:`moecomm.cuda.deadline_scale` (``MOECOMM_DEVICE_DEADLINE_SCALE``, for sanitizers and
+:func:`moecomm.wire.cuda.deadline_scale` (``MOECOMM_DEVICE_DEADLINE_SCALE``, for sanitizers and
 debuggers). ``MOECOMM_DEVICE_DEBUG=1`` records every device wait and prints them with the
 per-server statuses on a failed step (:mod:`moecomm.runtime.device_debug`).
 """
@@ -33,18 +33,18 @@ from dataclasses import dataclass
 
 import torch
 
-import moecomm.cuda
+import moecomm.wire.cuda
 from moecomm import _C
-from moecomm.errors import MoecommError
+from moecomm.errors import MoecommError, deprecated_aliases
 from moecomm.ops._checks import check_tensor
-from moecomm.protocol import ENCODING_DTYPE, SlotLayout, as_encoding
 from moecomm.runtime import device_debug
 from moecomm.runtime.client import random_client_id
 from moecomm.runtime.device_maps import DEFAULT_MAX_EXPERTS, ExpertMaps
+from moecomm.wire.protocol import ENCODING_DTYPE, SlotLayout, as_encoding
 
 log = logging.getLogger("moecomm.device_client")
 
-__all__ = ["DeviceClient", "DeviceHandle", "DeviceStepFailed"]
+__all__ = ["DeviceClient", "DeviceHandle", "DeviceStepFailedError"]
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _ID_DTYPES = (torch.int32, torch.int64)
@@ -57,8 +57,12 @@ MAX_FAILOVERS = 4
 BUSY_RETRY_S = 0.01
 
 
-class DeviceStepFailed(MoecommError):
+class DeviceStepFailedError(MoecommError):
     """A device step could not be completed on any replica."""
+
+
+# The old names, deprecated: the family's names end in Error (docs/errors.md).
+__getattr__ = deprecated_aliases(__name__, {"DeviceStepFailed": "DeviceStepFailedError"})
 
 
 @dataclass
@@ -87,8 +91,8 @@ def _stream(device: torch.device) -> int:
 
 def combine_timeout_ns(timeout_s: float) -> int:
     """The combine kernel's deadline for a ``timeout_s`` wait: scaled by
-    ``MOECOMM_DEVICE_DEADLINE_SCALE`` (:func:`moecomm.cuda.deadline_scale`)."""
-    return int(timeout_s * 1e9 * moecomm.cuda.deadline_scale())
+    ``MOECOMM_DEVICE_DEADLINE_SCALE`` (:func:`moecomm.wire.cuda.deadline_scale`)."""
+    return int(timeout_s * 1e9 * moecomm.wire.cuda.deadline_scale())
 
 
 class DeviceClient:
@@ -111,7 +115,7 @@ class DeviceClient:
         token: str = "",
         max_experts: int = DEFAULT_MAX_EXPERTS,
     ):
-        self._k = moecomm.cuda.cuda_module()  # a clear error without a build or a device
+        self._k = moecomm.wire.cuda.cuda_module()  # a clear error without a build or a device
         if num_slots < 1 or max_servers < 1:
             raise ValueError("num_slots and max_servers must be >= 1")
         if timeout <= 0:
@@ -398,8 +402,8 @@ class DeviceClient:
 
     def _raise_failed(self, message: str) -> None:
         if self._trace is not None:
-            self.debug_report(f"DeviceStepFailed: {message}")
-        raise DeviceStepFailed(message)
+            self.debug_report(f"DeviceStepFailedError: {message}")
+        raise DeviceStepFailedError(message)
 
     # ------------------------------------------------------------------ debugging
     def debug_state(self) -> dict[str, str]:

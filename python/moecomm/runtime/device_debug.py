@@ -11,7 +11,7 @@ With the mode on:
 - the native launchers synchronize and check for errors after every kernel (a fault is raised
   naming the kernel that caused it), and the Python launch sites do the same after their own
   device work (the server's Triton expert MLP);
-- on a failure — a combine status other than OK, a ``DeviceStepFailed``, a CUDA error — the
+- on a failure — a combine status other than OK, a ``DeviceStepFailedError``, a CUDA error — the
   client or server prints (stderr) its recorded waits, newest first and grouped per awaited
   word, with its own state: the client's per-server status of every slot, the server's entry
   states. A first hang then names the word that never changed.

@@ -20,9 +20,9 @@ the one the GPU server was started with.
 from __future__ import annotations
 
 from moecomm.errors import MoecommError
-from moecomm.protocol import SlotLayout
 from moecomm.runtime.control import HTTP_TIMEOUT_S, http_connect, http_transports
-from moecomm.runtime.transports import boot_id
+from moecomm.wire.choose import boot_id
+from moecomm.wire.protocol import SlotLayout
 
 __all__ = ["check_device_offer", "connect_device"]
 

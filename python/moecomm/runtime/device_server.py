@@ -24,8 +24,8 @@ runs every hosted layer's expert MLP as a pass calls it, on a one-row batch, and
 Triton's JIT compiles take seconds on a cold cache, longer than a client's combine deadline, and
 would otherwise fall on the first request and get a healthy server evicted.
 
-The payload wait of the gather (:func:`moecomm.cuda.arrival_timeout_ns`:
-``ARRIVAL_TIMEOUT_NS`` times :func:`moecomm.cuda.deadline_scale`) is shared with the DeepEP
+The payload wait of the gather (:func:`moecomm.wire.cuda.arrival_timeout_ns`:
+``ARRIVAL_TIMEOUT_NS`` times :func:`moecomm.wire.cuda.deadline_scale`) is shared with the DeepEP
 adapter; ``MOECOMM_DEVICE_DEBUG=1`` records the device waits and prints them with the entry
 states when a pass fails (:mod:`moecomm.runtime.device_debug`).
 """
@@ -39,17 +39,22 @@ from collections.abc import Mapping
 
 import torch
 
-import moecomm.cuda
+import moecomm.wire.cuda
 from moecomm import _C
 from moecomm.errors import MoecommError
 from moecomm.ops.grouped_gemm import DEFAULT_BLOCK_M
 from moecomm.ops.quant import QUANTIZED_ENCODINGS, scales_per_token
-from moecomm.protocol import ENCODING_DTYPE, SlotLayout, as_encoding
 from moecomm.runtime import device_debug
 from moecomm.runtime.experts import ExpertWeights
-from moecomm.runtime.registry import SESSION_BYTES, ClientIdInUse, UnknownSession
+from moecomm.runtime.registry import (
+    ClientIdInUseError,
+    UnknownSessionError,
+    new_session_secret,
+    same_session,
+)
 from moecomm.runtime.server import CLIENT_CHECK_S, MAX_SLOTS_PER_CLIENT, ExpertServer
-from moecomm.runtime.transports import boot_id
+from moecomm.wire.choose import boot_id
+from moecomm.wire.protocol import ENCODING_DTYPE, SlotLayout, as_encoding
 
 log = logging.getLogger("moecomm.device_server")
 
@@ -84,7 +89,7 @@ class DeviceExpertServer(ExpertServer):
         max_step_tokens: int | None = None,
         dtype: torch.dtype = torch.bfloat16,
     ):
-        self._k = moecomm.cuda.cuda_module()  # a clear error without a build or a device
+        self._k = moecomm.wire.cuda.cuda_module()  # a clear error without a build or a device
         super().__init__(experts, server_id=server_id, transport="shm")
         if layout.hidden != self.hidden:
             raise ValueError(f"layout hidden {layout.hidden} != the experts' {self.hidden}")
@@ -196,8 +201,8 @@ class DeviceExpertServer(ExpertServer):
             for index, (cid, secret) in list(self._clients.items()):
                 if cid == client_id:
                     alive = self.ipc.peer_alive(self.table.peer_region(index))
-                    if alive and session != secret:
-                        raise ClientIdInUse(f"client id {client_id} is held by a live client")
+                    if alive and not same_session(session, secret):
+                        raise ClientIdInUseError(f"client id {client_id} is held by a live client")
                     self._remove(index)
             index = self.table.add_peer(client_handle)  # refuses another node, a dead owner
             try:
@@ -216,7 +221,7 @@ class DeviceExpertServer(ExpertServer):
             except BaseException:
                 self.table.remove_peer(index, [self.stream.cuda_stream])
                 raise
-            secret = _session_secret()
+            secret = new_session_secret()
             self._clients[index] = (client_id, secret)
         return {
             "server_id": self.server_id,
@@ -245,8 +250,8 @@ class DeviceExpertServer(ExpertServer):
         with self._lock:
             for index, (cid, secret) in list(self._clients.items()):
                 if cid == client_id:
-                    if session is not None and session != secret:
-                        raise UnknownSession(f"client {client_id}: not this session")
+                    if session is not None and not same_session(session, secret):
+                        raise UnknownSessionError(f"client {client_id}: not this session")
                     self._remove(index)
                     return True
         return False
@@ -333,7 +338,7 @@ class DeviceExpertServer(ExpertServer):
         g = self._k.ServerGatherArgs()
         g.layer_id, g.num_layers = layer, self.layer_hosted.shape[0]
         g.layer_hosted, g.workspace = self.layer_hosted.data_ptr(), self.workspace.data_ptr()
-        g.arrival_timeout_ns, g.block_m = moecomm.cuda.arrival_timeout_ns(), DEFAULT_BLOCK_M
+        g.arrival_timeout_ns, g.block_m = moecomm.wire.cuda.arrival_timeout_ns(), DEFAULT_BLOCK_M
         g.draining = self.draining
         return g
 
@@ -463,9 +468,3 @@ class DeviceExpertServer(ExpertServer):
         with self._lock:
             for index in list(self._clients):
                 self._remove(index)
-
-
-def _session_secret() -> str:
-    import secrets
-
-    return secrets.token_hex(SESSION_BYTES)

@@ -9,7 +9,7 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from moecomm.protocol import ResponseStatus, ValidateCode
+from moecomm.wire.protocol import ResponseStatus, ValidateCode
 
 
 def status_name(code: int) -> str:

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from moecomm.runtime.control import HttpServer, make_app
+from moecomm.errors import DeadlineExceededError
+from moecomm.http_thread import HttpServer
+from moecomm.runtime.control import make_app
 from moecomm.runtime.experts import random_experts
 from moecomm.runtime.server import ExpertServer
 
@@ -21,7 +23,9 @@ STOP = "stop"
 # server is heard about this late at most. Shorter than the membership library's general default
 # (moecomm.membership.DEFAULT_TTL_S, 5 s): serving wants a lost server out of the rotation fast.
 SERVING_TTL_S = 2.0
-START_TIMEOUT_S = 120.0
+# A spawned server process is up: a fresh interpreter imports torch, builds its experts and
+# warms up, on a busy machine.
+SERVER_START_TIMEOUT_S = 120.0
 # How often a server process checks for a stop request or a failed loop.
 SUPERVISE_S = 0.2
 # Exit status of a server process whose serving loop failed (a supervisor restarts it).
@@ -144,20 +148,26 @@ def spawn_expert_server(
 def start_server_process(target, args: tuple, server_id: str) -> ServerProcess:
     """Spawns a server process running `target(conn, *args)` and waits for the control-plane
     URL it sends on `conn` once it serves (see wait_for_stop for the rest of the protocol)."""
+    p, conn, url = spawn_ready(target, args, f"expert server {server_id}")
+    return ServerProcess(p, conn, url, server_id)
+
+
+def spawn_ready(target, args: tuple, what: str, timeout: float = SERVER_START_TIMEOUT_S):
+    """Spawns a fresh process running `target(conn, *args)` and waits up to `timeout` for the
+    first message it sends on `conn`, its sign that it serves. Returns (process, conn,
+    message); `what` names the process in the error when it does not start."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     p = ctx.Process(target=target, args=(child, *args), daemon=True)
     p.start()
     child.close()
-    if not parent.poll(START_TIMEOUT_S):
+    if not parent.poll(timeout):
         p.kill()
         p.join()
-        raise RuntimeError(f"expert server {server_id} did not start in {START_TIMEOUT_S} s")
+        raise DeadlineExceededError(f"{what} did not start in {timeout} s")
     try:
-        url = parent.recv()
+        message = parent.recv()
     except EOFError:
-        p.join(START_TIMEOUT_S)
-        raise RuntimeError(
-            f"expert server {server_id} exited during start-up (exit code {p.exitcode})"
-        ) from None
-    return ServerProcess(p, parent, url, server_id)
+        p.join(timeout)
+        raise RuntimeError(f"{what} exited during start-up (exit code {p.exitcode})") from None
+    return p, parent, message

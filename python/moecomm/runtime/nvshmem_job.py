@@ -44,9 +44,9 @@ class NvshmemJob:
     @classmethod
     def create(cls, nranks: int, creator: str = "creator") -> NvshmemJob:
         """A new job whose unique id NVSHMEM draws here (needs a GPU and moecomm._nvshmem)."""
-        import moecomm.cuda
+        import moecomm.wire.cuda
 
-        return cls(nranks, bytes(moecomm.cuda.nvshmem_module().get_unique_id()), creator)
+        return cls(nranks, bytes(moecomm.wire.cuda.nvshmem_module().get_unique_id()), creator)
 
     def join(self, member_id: str) -> dict:
         """The rank of ``member_id`` (the same one when it asks again); raises when full."""

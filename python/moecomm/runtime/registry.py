@@ -11,20 +11,41 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from moecomm.errors import MoecommError
-from moecomm.slots import ServerChannel
-from moecomm.transport import reap_stale_segments
+from moecomm.errors import MoecommError, deprecated_aliases
+from moecomm.wire.server import ServerChannel
+from moecomm.wire.shm import reap_stale_segments
 
 # 128 random bits: a session secret cannot be guessed by another client.
 SESSION_BYTES = 16
 
 
-class ClientIdInUse(MoecommError, ValueError):
+def new_session_secret() -> str:
+    """A fresh session secret, issued at connect (hex, 2 * SESSION_BYTES characters)."""
+    return secrets.token_hex(SESSION_BYTES)
+
+
+def same_session(given: str, secret: str) -> bool:
+    """`given` is `secret`, compared in constant time (a reply's timing tells nothing); as
+    bytes, because compare_digest refuses a str with non-ASCII characters (a bad request)."""
+    return hmac.compare_digest(given.encode(), secret.encode())
+
+
+class ClientIdInUseError(MoecommError, ValueError):
     """A connect asked for the id of another live client without its session secret."""
 
 
-class UnknownSession(MoecommError, ValueError):
+class UnknownSessionError(MoecommError, ValueError):
     """A disconnect named a client id with a session secret that is not the current one."""
+
+
+# The old names, deprecated: the family's names end in Error (docs/errors.md).
+__getattr__ = deprecated_aliases(
+    __name__,
+    {
+        "ClientIdInUse": "ClientIdInUseError",
+        "UnknownSession": "UnknownSessionError",
+    },
+)
 
 
 @dataclass
@@ -53,27 +74,28 @@ class ClientRegistry:
             return [s.channel for s in self._sessions.values()]
 
     def _may_replace(self, old: Session | None, session: str) -> bool:
-        if old is None or (session and hmac.compare_digest(session, old.secret)):
+        if old is None or (session and same_session(session, old.secret)):
             return True
         return not old.channel.transport.peer_alive(old.channel.client)
 
     def admit(self, client_id: int, session: str, make_channel: Callable[[], ServerChannel]):
         """Returns the new Session. `session` is the secret of a previous connect of this client
-        ("" for a first connect). Raises ClientIdInUse when another live client holds the id."""
+        ("" for a first connect). Raises ClientIdInUseError when another live client holds the
+        id."""
         with self._lock:
             old = self._sessions.get(client_id)
         if not self._may_replace(old, session):
-            raise ClientIdInUse(
+            raise ClientIdInUseError(
                 f"{self.server_id}: client id {client_id} belongs to another live client; "
                 "pick another id (the default is random) or reconnect with its session"
             )
         channel = make_channel()
-        new = Session(client_id, secrets.token_hex(SESSION_BYTES), channel)
+        new = Session(client_id, new_session_secret(), channel)
         with self._lock:
             current = self._sessions.get(client_id)
             if current is not old:  # a concurrent connect won the id meanwhile
                 channel.close()
-                raise ClientIdInUse(
+                raise ClientIdInUseError(
                     f"{self.server_id}: client id {client_id} was connected concurrently"
                 )
             self._sessions[client_id] = new
@@ -88,8 +110,8 @@ class ClientRegistry:
             old = self._sessions.get(client_id)
             if old is None:
                 return False
-            if session is not None and not hmac.compare_digest(session, old.secret):
-                raise UnknownSession(
+            if session is not None and not same_session(session, old.secret):
+                raise UnknownSessionError(
                     f"{self.server_id}: client id {client_id} is connected under another session"
                 )
             del self._sessions[client_id]

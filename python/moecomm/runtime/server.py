@@ -1,6 +1,6 @@
 """The expert server: hosts experts of any layers, answers clients over the slot protocol.
 
-A loop with no client coupling (DESIGN.md, "Expert server"): poll every client's request slots,
+A loop with no client coupling (docs/design.md, "Expert server"): poll every client's request slots,
 take every ready one (optionally waiting a batching window for more), reorganize the tokens of
 all ready batches of a layer together, run the grouped expert MLP over the active experts only,
 write each client's response and signal it with the request's sequence number. An idle server
@@ -21,16 +21,16 @@ import torch
 
 from moecomm import _C
 from moecomm.errors import MoecommError
-from moecomm.protocol import ResponseStatus, SlotLayout
 from moecomm.runtime.experts import ExpertWeights, LayerExperts
 from moecomm.runtime.health import LoopHealth, ServerStats
 from moecomm.runtime.registry import ClientRegistry
 from moecomm.runtime.server_placement import ServerPlacement
 from moecomm.runtime.server_step import StepBuffers, answer_layer
-from moecomm.runtime.transports import Doorbells, ShmProbe, TransportSet, boot_id
 from moecomm.runtime.weights import WeightExports
-from moecomm.slots import Request, ServerChannel
-from moecomm.transport import Transport
+from moecomm.wire.choose import Doorbells, ShmProbe, TransportSet, boot_id
+from moecomm.wire.protocol import ResponseStatus, SlotLayout
+from moecomm.wire.server import Request, ServerChannel
+from moecomm.wire.transport import Transport
 
 log = logging.getLogger("moecomm.server")
 
@@ -63,7 +63,7 @@ class ExpertServer:
     asked to host one it does not have (live re-placement; see ServerPlacement).
 
     `transport`: a Transport, or "shm", "nixl" or "auto" (both: each client speaks the one it
-    negotiated, see runtime/transports.py); `host` is the address the server is reached at
+    negotiated, see wire/choose.py); `host` is the address the server is reached at
     (nixl carries bytes over that interface)."""
 
     def __init__(
@@ -147,7 +147,7 @@ class ExpertServer:
     ) -> dict:
         """Allocates request slots for a client and attaches to its response slots. The answer
         carries a session secret: a later connect under the same id (the client reconnecting)
-        must present it, unless the process that held the id died. Raises ClientIdInUse when
+        must present it, unless the process that held the id died. Raises ClientIdInUseError when
         another live client holds `client_id`."""
         if self.draining:
             raise MoecommError(f"{self.server_id} is draining and accepts no new clients")

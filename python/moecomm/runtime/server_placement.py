@@ -22,9 +22,10 @@ import time
 from collections.abc import Callable
 
 from moecomm import _C
+from moecomm.errors import MoecommError, deprecated_aliases
 from moecomm.runtime.experts import ExpertWeights, LayerExperts
 from moecomm.runtime.registry import ClientRegistry
-from moecomm.transport import Region, SignalOp, Transport
+from moecomm.wire.transport import Region, SignalOp, Transport
 
 log = logging.getLogger("moecomm.server")
 
@@ -38,8 +39,12 @@ EPOCH_REGION_BYTES = _C.DOORBELL_BYTES
 EPOCH_OFFSET = 0
 
 
-class ExpertHosted(ValueError):
+class ExpertHostedError(MoecommError, ValueError):
     """The server already hosts (and publishes) this expert."""
+
+
+# The old name, deprecated: the family's names end in Error (docs/errors.md).
+__getattr__ = deprecated_aliases(__name__, {"ExpertHosted": "ExpertHostedError"})
 
 
 class ServerPlacement:
@@ -153,7 +158,7 @@ class ServerPlacement:
 
     def add(self, layer_id: int, expert: int, w: ExpertWeights) -> dict:
         """Hosts `expert` of `layer_id` from now on (a new local index). An expert that is
-        leaving is simply kept; one already published raises ExpertHosted."""
+        leaving is simply kept; one already published raises ExpertHostedError."""
         if expert < 0:
             raise ValueError(f"expert ids are >= 0, got {expert}")
         if w.hidden != self.hidden:
@@ -162,7 +167,7 @@ class ServerPlacement:
             current = self.layers.get(layer_id)
             if current is not None and current.local_of(expert) is not None:
                 if (layer_id, expert) not in self.leaving:
-                    raise ExpertHosted(f"layer {layer_id} expert {expert} is already hosted")
+                    raise ExpertHostedError(f"layer {layer_id} expert {expert} is already hosted")
                 with self.lock:
                     del self.leaving[(layer_id, expert)]
                     self.epoch += 1

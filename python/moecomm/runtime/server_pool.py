@@ -12,9 +12,8 @@ from collections import deque
 
 from moecomm.errors import MoecommError, PeerLostError
 from moecomm.ops.dispatch import ExpertMap
-from moecomm.protocol import SlotLayout
 from moecomm.runtime.control import (
-    ServerUnreachable,
+    ServerUnreachableError,
     http_connect,
     http_disconnect,
     http_health,
@@ -22,8 +21,9 @@ from moecomm.runtime.control import (
     http_transports,
 )
 from moecomm.runtime.server_placement import EPOCH_OFFSET
-from moecomm.runtime.transports import TransportSet, choose
-from moecomm.slots import ClientChannel
+from moecomm.wire.choose import TransportSet, choose
+from moecomm.wire.client import ClientChannel
+from moecomm.wire.protocol import SlotLayout
 
 log = logging.getLogger("moecomm.client")
 
@@ -74,7 +74,7 @@ class ServerPool:
         for i, url in enumerate(self.urls):
             try:
                 self.attach(url)
-            except ServerUnreachable as exc:
+            except ServerUnreachableError as exc:
                 self.channels.append(None)
                 self.sessions.append("")
                 self.hosted.append({})
@@ -84,7 +84,7 @@ class ServerPool:
                 self.evicted[i] = time.monotonic()  # probe at the first dispatch
                 unreachable.append(f"{url}: {exc}")
         if len(unreachable) == len(self.urls):
-            raise ServerUnreachable("no expert server answered: " + "; ".join(unreachable))
+            raise ServerUnreachableError("no expert server answered: " + "; ".join(unreachable))
         self.rebuild_maps()
         if self.missing:
             gone = f" (unreachable: {'; '.join(unreachable)})" if unreachable else ""
@@ -93,7 +93,7 @@ class ServerPool:
             log.warning("client %d: left out for now, %s", self.client_id, why)
 
     def attach(self, url: str, index: int | None = None) -> None:
-        # Per server: shm when it provably shares our /dev/shm, else nixl (transports.py).
+        # Per server: shm when it provably shares our /dev/shm, else nixl (wire/choose.py).
         name = choose(self.transports, http_transports(url, self.timeout), url)
         transport = self.transports.get(name)
         ch = ClientChannel(

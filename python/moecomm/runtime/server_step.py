@@ -20,8 +20,8 @@ import torch
 
 from moecomm.ops import ExpertWorkspace
 from moecomm.ops.quant import dequantize
-from moecomm.protocol import ENCODING_DTYPE, SlotLayout
 from moecomm.runtime.experts import LayerExperts
+from moecomm.wire.protocol import ENCODING_DTYPE, SlotLayout
 
 # A buffer that must grow grows at least this much, so a creeping load reallocates rarely.
 GROWTH = 1.5

@@ -19,7 +19,8 @@ import httpx
 import torch
 
 from moecomm.runtime.experts import ExpertWeights
-from moecomm.transport import Region, Transport, region_bytes_view, view
+from moecomm.wire.transport import Region, Transport
+from moecomm.wire.views import region_bytes_view, view
 
 # An export is freed this long after it was made even if its reader never released it.
 EXPORT_TTL_S = 60.0

@@ -1,0 +1,100 @@
+"""What several `moecomm` subcommands share, defined once: their common option groups and the
+foreground wait of a long-running service.
+
+A command that takes one of these options adds it with the function here, so the option has
+one name, default and help everywhere (`moecomm expert-server`, `frontend`, `rebalance`); the
+GPU path's options are in :mod:`moecomm_serving.device_args`, the tiny checkpoint's in
+:mod:`moecomm_serving.tiny`, the monitor's in :mod:`moecomm.membership.monitor`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+
+import torch
+from moecomm.wire.choose import TRANSPORT_CHOICES
+
+__all__ = [
+    "WAKE_S",
+    "add_servers_arguments",
+    "add_threads_argument",
+    "add_token_argument",
+    "add_transport_argument",
+    "set_threads",
+    "stop_on_signals",
+    "wait_for_stop",
+]
+
+# How often the foreground thread of a service checks for a stop request: the latency of Ctrl-C.
+WAKE_S = 0.2
+# What the clients of the expert servers (front end, rebalance) say about --token.
+CLIENT_TOKEN_HELP = "token of the expert servers' control planes"
+
+
+def add_threads_argument(p: argparse.ArgumentParser) -> None:
+    """--threads, read by :func:`set_threads`."""
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads of this process (default: torch's choice); give each process of "
+        "a host its share of the cores — oversubscribed thread pools spin against each other",
+    )
+
+
+def set_threads(args: argparse.Namespace) -> None:
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+
+
+def add_transport_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--transport",
+        default="auto",
+        choices=list(TRANSPORT_CHOICES),
+        help="data path to the other side: shm (one host), nixl (NIXL over UCX, across hosts; "
+        "pip install 'moecomm[nixl]') or auto (shm with peers that share this host's /dev/shm, "
+        "nixl with the others; shm only when NIXL is not installed)",
+    )
+
+
+def add_token_argument(p: argparse.ArgumentParser, help: str = CLIENT_TOKEN_HELP) -> None:
+    """--token: the shared secret of the expert servers' control planes ("" : none)."""
+    p.add_argument("--token", default="", help=help)
+
+
+def add_servers_arguments(
+    p: argparse.ArgumentParser, monitor_help: str, local_experts: bool = False
+) -> None:
+    """Where the expert servers are, exactly one of: --servers URL,URL,... or --monitor (a
+    membership to find them through); with `local_experts`, or --local-experts (none: the
+    experts run in this process). Read by :func:`moecomm_serving.remote_experts.remote_from_args`
+    and :func:`moecomm_serving.rebalance_cmd.server_list`."""
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--servers", help="expert server control URLs, comma-separated")
+    where.add_argument("--monitor", help=monitor_help)
+    if local_experts:
+        where.add_argument(
+            "--local-experts",
+            action="store_true",
+            help="run the experts in this process (the monolithic baseline)",
+        )
+
+
+def stop_on_signals(*signals: signal.Signals) -> threading.Event:
+    """An event set by any of `signals` (default SIGINT and SIGTERM), for :func:`wait_for_stop`."""
+    stop = threading.Event()
+    for sig in signals or (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def wait_for_stop(stop: threading.Event) -> None:
+    """Blocks the foreground thread until `stop` is set; waking every WAKE_S keeps the signal
+    handlers running (a thread blocked in one long wait would not see Ctrl-C promptly)."""
+    while not stop.wait(WAKE_S):
+        pass
