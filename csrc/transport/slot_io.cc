@@ -155,8 +155,14 @@ void check_request_shape(const SlotRing& ring, const RequestShape& shape) {
            " bytes does not fit the slot (", ring.slot_bytes() - kPayloadOffset, " bytes)");
 }
 
-void check_request(const SlotRing& ring, const RequestData& req) {
-  check_request_shape(ring, {req.layer_id, req.num_tokens, req.topk, req.encoding});
+namespace {
+
+RequestShape shape_of(const RequestData& req) {
+  return {req.layer_id, req.num_tokens, req.topk, req.encoding};
+}
+
+// What check_request adds to check_request_shape: the payload's pointers.
+void check_request_pointers(const RequestData& req) {
   const bool quantized = protocol::encoding_quantized(req.encoding);
   MC_CHECK(quantized == (req.scales != nullptr), quantized
                                                      ? "a quantized request needs scales"
@@ -165,38 +171,57 @@ void check_request(const SlotRing& ring, const RequestData& req) {
            "request activations, expert ids and scores are required");
 }
 
+// The checks of every request write (send_request, commit_request), made before its first
+// byte, and the payload layout they admit.
+PayloadLayout checked_request_layout(const Region& server, const SlotRing& ring, uint32_t slot,
+                                     uint64_t seq, const RequestShape& shape) {
+  ring.check(server, slot);
+  check_request_shape(ring, shape);
+  check_seq(seq);
+  return protocol::request_payload_layout(shape.num_tokens, ring.config.hidden, shape.topk,
+                                          shape.encoding);
+}
+
+// The payload is in place: the header, then REQUEST_READY|seq (a release: the payload and
+// header are visible before it), then the doorbell.
+void publish_request(Transport& t, Region& server, const SlotRing& ring, uint32_t slot,
+                     uint64_t client_id, uint64_t seq, const RequestShape& shape,
+                     const PayloadLayout& p, Region* doorbell, bool wake) {
+  const SlotHeader h =
+      make_header(MessageKind::kRequest, ring.config, shape.layer_id, shape.num_tokens, shape.topk,
+                  shape.encoding, p.total, client_id, seq, 0);
+  t.put(server, ring.slot_offset(slot) + kHeaderOffset, &h, sizeof(h));
+  t.signal(server, ring.slot_offset(slot) + kSignalOffset,
+           make_signal(SlotState::kRequestReady, seq), SignalOp::kSet);
+  if (wake) ring_doorbell(t, doorbell != nullptr ? *doorbell : server);
+}
+
+}  // namespace
+
+void check_request(const SlotRing& ring, const RequestData& req) {
+  check_request_shape(ring, shape_of(req));
+  check_request_pointers(req);
+}
+
 void send_request(Transport& t, Region& server, const SlotRing& ring, uint32_t slot,
                   uint64_t client_id, uint64_t seq, const RequestData& req, Region* doorbell,
                   bool wake) {
-  ring.check(server, slot);
-  check_request(ring, req);
-  check_seq(seq);
-  const PayloadLayout p =
-      protocol::request_payload_layout(req.num_tokens, ring.config.hidden, req.topk, req.encoding);
+  const RequestShape shape = shape_of(req);
+  const PayloadLayout p = checked_request_layout(server, ring, slot, seq, shape);
+  check_request_pointers(req);
   const uint64_t base = ring.slot_offset(slot) + kPayloadOffset;
   t.put(server, base + p.act_offset, req.activations, p.act_bytes);
   if (p.scale_bytes > 0) t.put(server, base + p.scale_offset, req.scales, p.scale_bytes);
   t.put(server, base + p.ids_offset, req.expert_ids, p.ids_bytes);
   t.put(server, base + p.scores_offset, req.scores, p.scores_bytes);
-  commit_request(t, server, ring, slot, client_id, seq,
-                 {req.layer_id, req.num_tokens, req.topk, req.encoding}, doorbell, wake);
+  publish_request(t, server, ring, slot, client_id, seq, shape, p, doorbell, wake);
 }
 
 void commit_request(Transport& t, Region& server, const SlotRing& ring, uint32_t slot,
                     uint64_t client_id, uint64_t seq, const RequestShape& shape, Region* doorbell,
                     bool wake) {
-  ring.check(server, slot);
-  check_request_shape(ring, shape);
-  check_seq(seq);
-  const SlotConfig& c = ring.config;
-  const PayloadLayout p =
-      protocol::request_payload_layout(shape.num_tokens, c.hidden, shape.topk, shape.encoding);
-  const SlotHeader h = make_header(MessageKind::kRequest, c, shape.layer_id, shape.num_tokens,
-                                   shape.topk, shape.encoding, p.total, client_id, seq, 0);
-  t.put(server, ring.slot_offset(slot) + kHeaderOffset, &h, sizeof(h));
-  t.signal(server, ring.slot_offset(slot) + kSignalOffset,
-           make_signal(SlotState::kRequestReady, seq), SignalOp::kSet);
-  if (wake) ring_doorbell(t, doorbell != nullptr ? *doorbell : server);
+  publish_request(t, server, ring, slot, client_id, seq, shape,
+                  checked_request_layout(server, ring, slot, seq, shape), doorbell, wake);
 }
 
 void ring_doorbell(Transport& t, Region& doorbell) {

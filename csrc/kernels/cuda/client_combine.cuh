@@ -169,11 +169,9 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(Backend b, Combi
 template <typename Backend>
 void launch_combine(const Backend& backend, uint32_t max_peers, const ClientConfig& cfg,
                     const CombineArgs& a, void* stream) {
-  check_client_config(cfg, max_peers, backend.local_base, a.slot, a.workspace);
-  MC_CHECK(a.num_tokens <= cfg.slot.max_tokens, "combine: ", a.num_tokens,
-           " tokens exceed max_tokens ", cfg.slot.max_tokens);
-  MC_CHECK(is_float_dtype(a.out_dtype), "combine: out must be BF16, FP16 or F32, got encoding ",
-           static_cast<int>(a.out_dtype));
+  check_client_call("combine", cfg, max_peers, backend.local_base, a.slot, a.workspace,
+                    a.num_tokens);
+  check_float_dtype(a.out_dtype, "combine: out");
   MC_CHECK(a.num_tokens == 0 || a.out != nullptr, "combine: out must be a non-null device pointer");
   MC_CHECK(a.timeout_ns > 0,
            "combine: timeout_ns must be > 0 (a wait without a deadline could "

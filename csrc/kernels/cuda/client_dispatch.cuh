@@ -16,6 +16,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/error.h"
 #include "kernels/cuda/device_common.cuh"
@@ -36,7 +37,6 @@ constexpr int kRouteThreads = 512;
 // Pack: one block per token, 8 warps: the quantize kernels' shape (see quant.cu).
 constexpr int kPackThreads = 256;
 constexpr int kPackWarps = kPackThreads / dev::kWarpSize;
-constexpr int kLanesPerScaleBlock = static_cast<int>(protocol::kScaleBlock) / dev::kWarpSize;
 // Put: a payload is cut into chunks of this size, one warp-put each: large enough that a NIC
 // put's fixed cost is amortised, small enough that a 1 MB payload spreads over 32 warps.
 constexpr uint64_t kPutChunkBytes = 32 * 1024;
@@ -232,6 +232,9 @@ __device__ inline void find_targets(const DispatchParams& p, uint64_t t, PackTar
   out->n = n;
 }
 
+// TIn: the element type of x; uint8_t is an already quantized x (DispatchArgs::x_scales), whose
+// e4m3 bytes and scales are copied as they are into the staging payload of every server the
+// token goes to.
 template <typename TIn>
 __global__ void __launch_bounds__(kPackThreads) pack_kernel(DispatchParams p) {
   __shared__ PackTargets dst;
@@ -244,15 +247,22 @@ __global__ void __launch_bounds__(kPackThreads) pack_kernel(DispatchParams p) {
   const uint32_t hidden = p.slot.hidden;
   const TIn* row = static_cast<const TIn*>(p.x) + t * p.x_row_stride;
   const Encoding enc = p.slot.encoding;
-  if (enc == Encoding::kInt8 || enc == Encoding::kFP8E4M3) {
+  if constexpr (std::is_same_v<TIn, uint8_t>) {
+    for (uint32_t c = threadIdx.x; c < hidden; c += kPackThreads) {
+      const uint8_t q = row[c];
+      for (uint32_t i = 0; i < n; ++i) dst.act[i][c] = q;
+    }
+    const uint64_t spt = protocol::encoding_scales_per_token(enc, hidden);
+    const float* scales = p.x_scales + t * spt;
+    for (uint64_t b = threadIdx.x; b < spt; b += kPackThreads) {
+      const float s = scales[b];
+      for (uint32_t i = 0; i < n; ++i) dst.scales[i][b] = s;
+    }
+  } else if (enc == Encoding::kInt8 || enc == Encoding::kFP8E4M3) {
     // One scale per token: the block-wide amax, then one pass that encodes.
     const bool int8 = enc == Encoding::kInt8;
-    float amax = 0.0f;
-    for (uint32_t c = threadIdx.x; c < hidden; c += kPackThreads) {
-      amax = fmaxf(amax, fabsf(dev::to_f32(row[c])));
-    }
-    amax = dev::block_max<kPackThreads>(amax, warp_smem);
-    const float scale = dev::scale_of(amax, int8 ? dev::kInt8Max : dev::kFp8E4M3Max);
+    const float scale = dev::token_scale<kPackThreads>(
+        row, hidden, int8 ? dev::kInt8Max : dev::kFp8E4M3Max, warp_smem);
     if (threadIdx.x == 0) {
       for (uint32_t i = 0; i < n; ++i) *dst.scales[i] = scale;
     }
@@ -267,25 +277,12 @@ __global__ void __launch_bounds__(kPackThreads) pack_kernel(DispatchParams p) {
     const uint32_t lane = threadIdx.x % dev::kWarpSize;
     const auto num_blocks = static_cast<uint32_t>(ceil_div(hidden, protocol::kScaleBlock));
     for (uint32_t b = warp; b < num_blocks; b += kPackWarps) {
-      const uint32_t base = b * protocol::kScaleBlock + lane;
-      float v[kLanesPerScaleBlock];
-      float amax = 0.0f;
-#pragma unroll
-      for (int i = 0; i < kLanesPerScaleBlock; ++i) {
-        const uint32_t c = base + i * dev::kWarpSize;
-        v[i] = c < hidden ? dev::to_f32(row[c]) : 0.0f;
-        amax = fmaxf(amax, fabsf(v[i]));
-      }
-      const float scale = dev::scale_of(dev::warp_max(amax), dev::kFp8E4M3Max);
+      const float scale =
+          dev::quantize_block128_warp(row, hidden, b, lane, [n](uint32_t c, uint8_t q) {
+            for (uint32_t i = 0; i < n; ++i) dst.act[i][c] = q;
+          });
       if (lane == 0) {
         for (uint32_t i = 0; i < n; ++i) dst.scales[i][b] = scale;
-      }
-#pragma unroll
-      for (int j = 0; j < kLanesPerScaleBlock; ++j) {
-        const uint32_t c = base + j * dev::kWarpSize;
-        if (c >= hidden) continue;
-        const uint8_t q = dev::encode<false>(v[j], scale);
-        for (uint32_t i = 0; i < n; ++i) dst.act[i][c] = q;
       }
     }
   } else {
@@ -294,29 +291,6 @@ __global__ void __launch_bounds__(kPackThreads) pack_kernel(DispatchParams p) {
       const float v = dev::to_f32(row[c]);
       for (uint32_t i = 0; i < n; ++i) dev::store_f32(dst.act[i], c, enc, v);
     }
-  }
-}
-
-// Pack of an already quantized row (DispatchArgs::x_scales): the e4m3 bytes and their scales
-// copied as they are into the staging payload of every server the token goes to.
-__global__ void __launch_bounds__(kPackThreads) pack_quantized_kernel(DispatchParams p) {
-  __shared__ PackTargets dst;
-  const uint64_t t = blockIdx.x;
-  if (threadIdx.x == 0) find_targets(p, t, &dst);
-  __syncthreads();
-  const uint32_t n = dst.n;
-  if (n == 0) return;  // uniform over the block
-  const uint32_t hidden = p.slot.hidden;
-  const uint8_t* row = static_cast<const uint8_t*>(p.x) + t * p.x_row_stride;
-  for (uint32_t c = threadIdx.x; c < hidden; c += kPackThreads) {
-    const uint8_t q = row[c];
-    for (uint32_t i = 0; i < n; ++i) dst.act[i][c] = q;
-  }
-  const uint64_t spt = protocol::encoding_scales_per_token(p.slot.encoding, hidden);
-  const float* scales = p.x_scales + t * spt;
-  for (uint64_t b = threadIdx.x; b < spt; b += kPackThreads) {
-    const float s = scales[b];
-    for (uint32_t i = 0; i < n; ++i) dst.scales[i][b] = s;
   }
 }
 
@@ -355,45 +329,31 @@ __global__ void __launch_bounds__(kPutThreads)
   backend.quiet_warp();
 }
 
-// Argument checks shared by dispatch and combine; `max_peers` is the backend's peer table size.
-inline void check_client_config(const ClientConfig& cfg, uint32_t max_peers, const void* local,
-                                uint32_t slot, const void* workspace) {
-  const protocol::SlotConfig& c = cfg.slot;
+// Argument checks shared by dispatch and combine (`op` names which); `max_peers` is the
+// backend's peer table size.
+inline void check_client_call(const char* op, const ClientConfig& cfg, uint32_t max_peers,
+                              const void* local, uint32_t slot, const void* workspace,
+                              uint32_t num_tokens) {
+  constexpr const char* kWho = "device client";
   MC_CHECK(cfg.num_servers >= 1, "device client: num_servers must be >= 1, got ", cfg.num_servers);
   MC_CHECK(cfg.num_servers <= max_peers, "device client: num_servers ", cfg.num_servers,
            " exceeds the peer table's max_peers ", max_peers);
   MC_CHECK(local != nullptr, "device client: the local region base is null");
   MC_CHECK(cfg.num_slots >= 1 && slot < cfg.num_slots, "device client: slot ", slot,
            " out of range for ", cfg.num_slots, " slots");
-  MC_CHECK(c.max_tokens >= 1 && c.hidden >= 1,
-           "device client: max_tokens and hidden must be "
-           ">= 1, got ",
-           c.max_tokens, " and ", c.hidden);
-  MC_CHECK(c.topk >= 1 && c.topk <= kMaxTopk, "device client: topk must be in [1, ", kMaxTopk,
-           "], got ", c.topk);
-  MC_CHECK(protocol::encoding_known(static_cast<uint8_t>(c.encoding)),
-           "device client: unknown request encoding ", static_cast<int>(c.encoding));
-  MC_CHECK(protocol::encoding_known(static_cast<uint8_t>(c.out_encoding)) &&
-               !protocol::encoding_quantized(c.out_encoding),
-           "device client: the response encoding must be BF16, FP16 or F32, got ",
-           static_cast<int>(c.out_encoding));
+  check_slot_config(cfg.slot, kWho);
   MC_CHECK(cfg.request_ring_offset != nullptr && cfg.response_ring_offset != nullptr,
            "device client: request_ring_offset and response_ring_offset are required");
-  MC_CHECK(workspace != nullptr && reinterpret_cast<uintptr_t>(workspace) % kCacheLine == 0,
-           "device client: workspace must be a non-null, ", kCacheLine,
-           "-byte aligned device pointer");
-}
-
-inline bool is_float_dtype(Encoding e) {
-  return e == Encoding::kBF16 || e == Encoding::kFP16 || e == Encoding::kF32;
+  check_workspace(workspace, kWho);
+  MC_CHECK(num_tokens <= cfg.slot.max_tokens, op, ": ", num_tokens, " tokens exceed max_tokens ",
+           cfg.slot.max_tokens);
 }
 
 template <typename Backend>
 void launch_dispatch(const Backend& backend, uint32_t max_peers, const ClientConfig& cfg,
                      const DispatchArgs& a, void* stream) {
-  check_client_config(cfg, max_peers, backend.local_base, a.slot, a.workspace);
-  MC_CHECK(a.num_tokens <= cfg.slot.max_tokens, "dispatch: ", a.num_tokens,
-           " tokens exceed max_tokens ", cfg.slot.max_tokens);
+  check_client_call("dispatch", cfg, max_peers, backend.local_base, a.slot, a.workspace,
+                    a.num_tokens);
   MC_CHECK(a.topk >= 1 && a.topk <= cfg.slot.topk, "dispatch: topk must be in [1, ", cfg.slot.topk,
            "], got ", a.topk);
   const bool quantized = a.x_dtype == Encoding::kFP8E4M3B128;
@@ -405,9 +365,7 @@ void launch_dispatch(const Backend& backend, uint32_t max_peers, const ClientCon
            static_cast<int>(cfg.slot.encoding));
   MC_CHECK(!quantized || a.num_tokens == 0 || a.x_scales != nullptr,
            "dispatch: an already quantized x needs x_scales");
-  MC_CHECK(is_float_dtype(a.weights_dtype),
-           "dispatch: topk_weights must be BF16, FP16 or F32, got encoding ",
-           static_cast<int>(a.weights_dtype));
+  check_float_dtype(a.weights_dtype, "dispatch: topk_weights");
   MC_CHECK(a.x_row_stride >= cfg.slot.hidden, "dispatch: x_row_stride must be >= hidden (",
            cfg.slot.hidden, "), got ", a.x_row_stride);
   MC_CHECK(a.num_tokens == 0 || (a.x && a.topk_ids && a.topk_weights),
@@ -444,8 +402,8 @@ void launch_dispatch(const Backend& backend, uint32_t max_peers, const ClientCon
   check_kernel(s, "dispatch route");
   if (a.num_tokens > 0) {
     switch (a.x_dtype) {
-      case Encoding::kFP8E4M3B128:
-        pack_quantized_kernel<<<a.num_tokens, kPackThreads, 0, s>>>(p);
+      case Encoding::kFP8E4M3B128:  // already quantized: its bytes and scales as they are
+        pack_kernel<uint8_t><<<a.num_tokens, kPackThreads, 0, s>>>(p);
         break;
       case Encoding::kBF16:
         pack_kernel<__nv_bfloat16><<<a.num_tokens, kPackThreads, 0, s>>>(p);

@@ -1,6 +1,7 @@
 // Device helpers shared by the CUDA kernels: element conversions, warp/block reductions and
-// scans, and the quantization steps of moecomm.ops.quant (IEEE division, round-half-even
-// conversions, step for step as the torch reference, which is what makes results bit-exact).
+// scans, a search over sorted offsets, and the quantization steps of moecomm.ops.quant (IEEE
+// division, round-half-even conversions, step for step as the torch reference, which is what
+// makes results bit-exact).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -19,6 +20,9 @@ constexpr unsigned kFullMask = 0xffffffffu;
 constexpr float kInt8Max = 127.0f;     // symmetric: -128 is never produced
 constexpr float kFp8E4M3Max = 448.0f;  // largest finite e4m3 (fn) value
 constexpr float kZeroScale = 1.0f;     // scale of an all-zero group, as in moecomm.ops.quant
+// Block-scaled fp8 (kFP8E4M3B128): one warp per 128-channel block, so each lane owns 4 channels.
+constexpr int kLanesPerScaleBlock = static_cast<int>(protocol::kScaleBlock) / kWarpSize;
+static_assert(protocol::kScaleBlock % kWarpSize == 0, "a scale block spans whole warps");
 
 __device__ __forceinline__ float to_f32(float v) {
   return v;
@@ -79,6 +83,32 @@ __device__ __forceinline__ uint8_t encode(float v, float scale) {
   }
 }
 
+// Block-scaled fp8 of one 128-channel block of `row`, by one warp (all lanes call it): lane l
+// owns channels block * 128 + l + 32 * i. store(c, byte) receives the e4m3 byte of each of the
+// lane's channels below `hidden`; every lane returns the block's scale. The quantize kernel and
+// the dispatch pack both encode through here, so their bytes are the same.
+template <typename T, typename Store>
+__device__ __forceinline__ float quantize_block128_warp(const T* row, uint32_t hidden,
+                                                        uint32_t block, uint32_t lane,
+                                                        Store store) {
+  const uint32_t base = block * protocol::kScaleBlock + lane;
+  float v[kLanesPerScaleBlock];
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kLanesPerScaleBlock; ++i) {
+    const uint32_t c = base + i * kWarpSize;
+    v[i] = c < hidden ? to_f32(row[c]) : 0.0f;
+    amax = fmaxf(amax, fabsf(v[i]));
+  }
+  const float scale = scale_of(warp_max(amax), kFp8E4M3Max);
+#pragma unroll
+  for (int i = 0; i < kLanesPerScaleBlock; ++i) {
+    const uint32_t c = base + i * kWarpSize;
+    if (c < hidden) store(c, encode<false>(v[i], scale));
+  }
+  return scale;
+}
+
 template <typename T>
 __device__ __forceinline__ T warp_inclusive_scan(T v) {
   const int lane = threadIdx.x % kWarpSize;
@@ -126,6 +156,35 @@ __device__ float block_max(float v, float* warp_max_smem) {
   m = warp_max(m);
   __syncthreads();  // warp_max_smem is reused by the next call
   return m;
+}
+
+// One scale per token (kInt8, kFP8E4M3) over a block of kThreads threads: the amax of the row,
+// then its scale; every thread gets it. `warp_max_smem`: kThreads / 32 floats of shared memory.
+template <int kThreads, typename T>
+__device__ float token_scale(const T* row, uint32_t hidden, float qmax, float* warp_max_smem) {
+  float amax = 0.0f;
+  for (uint32_t c = threadIdx.x; c < hidden; c += kThreads) {
+    amax = fmaxf(amax, fabsf(to_f32(row[c])));
+  }
+  return scale_of(block_max<kThreads>(amax, warp_max_smem), qmax);
+}
+
+// The largest i in [0, n) with sorted[i] <= x, for a non-decreasing `sorted` with sorted[0] <= x
+// (the caller's invariant) and n >= 1. Equal entries resolve to the last of them, so an empty
+// range (its start equal to the next one's) is passed over.
+template <typename T, typename V>
+__device__ __forceinline__ int32_t last_at_most(const T* sorted, int32_t n, V x) {
+  int32_t lo = 0;
+  int32_t hi = n;
+  while (hi - lo > 1) {
+    const int32_t mid = (lo + hi) / 2;
+    if (sorted[mid] <= x) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
 }
 
 }  // namespace moecomm::kernels::cuda::dev

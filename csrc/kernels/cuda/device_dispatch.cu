@@ -10,15 +10,9 @@ namespace moecomm::kernels::cuda {
 namespace {
 
 transport::cuda_ipc::IpcBackend backend_of(const IpcPeers& p) {
-  MC_CHECK(p.local_base != nullptr && p.peer_base != nullptr && p.alive != nullptr,
-           "IPC peers: local_base, peer_base and alive must be non-null device pointers");
-  transport::cuda_ipc::IpcBackend b;
-  b.local_base = p.local_base;
-  b.peer_base = p.peer_base;
-  b.alive = p.alive;
-  b.max_peers = p.max_peers;
-  b.wait_trace = p.wait_trace;
-  return b;
+  return {transport::device::BackendBase::of(p, p.peer_base,
+                                             "IPC peers: local_base, peer_base and alive"),
+          p.peer_base};
 }
 
 }  // namespace

@@ -21,17 +21,12 @@ using dev::encode;
 using dev::kFp8E4M3Max;
 using dev::kInt8Max;
 using dev::kWarpSize;
-using dev::scale_of;
 using dev::to_f32;
-using dev::warp_max;
 
 // 8 warps per token: enough loads in flight to cover a 7K-channel row, few enough that the
 // block-wide max is one shuffle round plus 8 shared-memory slots.
 constexpr int kThreadsPerBlock = 256;
 constexpr int kWarpsPerBlock = kThreadsPerBlock / kWarpSize;
-// Block-scaled fp8: one warp per 128-channel block, so each lane owns 4 channels of it.
-constexpr int kLanesPerScaleBlock = static_cast<int>(protocol::kScaleBlock) / kWarpSize;
-static_assert(protocol::kScaleBlock % kWarpSize == 0, "a scale block spans whole warps");
 
 // One scale per token: block-wide max, then one pass to encode.
 template <typename T, bool kInt8>
@@ -39,29 +34,12 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
     quantize_token_kernel(const T* __restrict__ x, uint64_t x_stride, uint32_t hidden,
                           uint8_t* __restrict__ q, float* __restrict__ scales) {
   __shared__ float warp_amax[kWarpsPerBlock];
-  __shared__ float token_scale;
   const uint64_t token = blockIdx.x;
   const T* row = x + token * x_stride;
   uint8_t* q_row = q + token * hidden;
-
-  float amax = 0.0f;
-  for (uint32_t c = threadIdx.x; c < hidden; c += kThreadsPerBlock) {
-    amax = fmaxf(amax, fabsf(to_f32(row[c])));
-  }
-  amax = warp_max(amax);
-  const int warp = threadIdx.x / kWarpSize;
-  const int lane = threadIdx.x % kWarpSize;
-  if (lane == 0) warp_amax[warp] = amax;
-  __syncthreads();
-  if (warp == 0) {
-    amax = warp_max(lane < kWarpsPerBlock ? warp_amax[lane] : 0.0f);
-    if (lane == 0) {
-      token_scale = scale_of(amax, kInt8 ? kInt8Max : kFp8E4M3Max);
-      scales[token] = token_scale;
-    }
-  }
-  __syncthreads();
-  const float scale = token_scale;
+  const float scale =
+      dev::token_scale<kThreadsPerBlock>(row, hidden, kInt8 ? kInt8Max : kFp8E4M3Max, warp_amax);
+  if (threadIdx.x == 0) scales[token] = scale;
   for (uint32_t c = threadIdx.x; c < hidden; c += kThreadsPerBlock) {
     q_row[c] = encode<kInt8>(to_f32(row[c]), scale);
   }
@@ -79,22 +57,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   const uint32_t warp = threadIdx.x / kWarpSize;
   const uint32_t lane = threadIdx.x % kWarpSize;
   for (uint32_t b = warp; b < num_blocks; b += kWarpsPerBlock) {
-    const uint32_t base = b * protocol::kScaleBlock + lane;
-    float v[kLanesPerScaleBlock];
-    float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kLanesPerScaleBlock; ++i) {
-      const uint32_t c = base + i * kWarpSize;
-      v[i] = c < hidden ? to_f32(row[c]) : 0.0f;
-      amax = fmaxf(amax, fabsf(v[i]));
-    }
-    const float scale = scale_of(warp_max(amax), kFp8E4M3Max);
+    const float scale = dev::quantize_block128_warp(
+        row, hidden, b, lane, [q_row](uint32_t c, uint8_t byte) { q_row[c] = byte; });
     if (lane == 0) scales[token * num_blocks + b] = scale;
-#pragma unroll
-    for (int i = 0; i < kLanesPerScaleBlock; ++i) {
-      const uint32_t c = base + i * kWarpSize;
-      if (c < hidden) q_row[c] = encode<false>(v[i], scale);
-    }
   }
 }
 

@@ -4,15 +4,16 @@
 
 #include "common/align.h"
 #include "common/error.h"
+#include "kernels/cuda/device_common.cuh"
 #include "kernels/cuda/launch_check.h"
 #include "kernels/cuda/reorg.h"
 
 namespace moecomm::kernels::cuda {
 namespace {
 
-constexpr int kWarpSize = 32;
+using dev::kFullMask;
+using dev::kWarpSize;
 static_assert(kReorgCopiesPerTile == kWarpSize, "one warp handles one tile");
-constexpr unsigned kFullMask = 0xffffffffu;
 // Warps per block: 8 tiles per block keeps blocks small enough that a decode step
 // (a few thousand copies, ~100 tiles) still spreads over many SMs.
 constexpr int kWarpsPerBlock = 8;
@@ -56,23 +57,6 @@ __global__ void column_scan_kernel(const int32_t* tile_hist, int64_t num_tiles, 
   counts[e] = run;
 }
 
-// Batch of a global token: the largest b with batch_offsets[b] <= token (empty batches, whose
-// offset equals the next one's, are skipped over).
-__device__ __forceinline__ int32_t batch_of(const int64_t* batch_offsets, int32_t num_batches,
-                                            int64_t token) {
-  int32_t lo = 0;
-  int32_t hi = num_batches;
-  while (hi - lo > 1) {
-    const int32_t mid = (lo + hi) / 2;
-    if (batch_offsets[mid] <= token) {
-      lo = mid;
-    } else {
-      hi = mid;
-    }
-  }
-  return lo;
-}
-
 template <typename Unit>
 __device__ void copy_row(const ReorgRows& rows, int64_t token, int64_t pos, int lane) {
   const auto* src = reinterpret_cast<const Unit*>(static_cast<const char*>(rows.x) +
@@ -97,7 +81,8 @@ __global__ void scatter_kernel(ReorgInputs in, ReorgRows rows, const int64_t* of
   int64_t pos = -1;
   if (e >= 0) {
     pos = offsets[e] + tile_prefix[tile * in.num_experts + e] + __popc(peers & earlier_lanes);
-    const int32_t b = batch_of(in.batch_offsets, in.num_batches, token);
+    // Its batch: the last b with batch_offsets[b] <= token (empty batches are passed over).
+    const int32_t b = dev::last_at_most(in.batch_offsets, in.num_batches, token);
     out.src_token[pos] = token;
     out.src_batch[pos] = b;
     out.src_row[pos] = static_cast<int32_t>(token - in.batch_offsets[b]);

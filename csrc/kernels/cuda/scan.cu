@@ -76,19 +76,11 @@ __global__ void tile_map_kernel(const int32_t* tile_offsets, const int32_t* acti
     tile_mblock[t] = 0;
     return;
   }
-  // Largest a with tile_offsets[a] <= t; tile_offsets[0] = 0 <= t always holds.
-  int32_t lo = 0;
-  int32_t hi = n_active;  // tile_offsets[n_active] = num_tiles > t
-  while (hi - lo > 1) {
-    const int32_t mid = (lo + hi) / 2;
-    if (tile_offsets[mid] <= t) {
-      lo = mid;
-    } else {
-      hi = mid;
-    }
-  }
-  tile_expert[t] = active[lo];
-  tile_mblock[t] = t - tile_offsets[lo];
+  // Largest a with tile_offsets[a] <= t: tile_offsets[0] = 0 <= t always holds, and
+  // tile_offsets[n_active] = num_tiles > t, so a < n_active.
+  const int32_t a = dev::last_at_most(tile_offsets, n_active, t);
+  tile_expert[t] = active[a];
+  tile_mblock[t] = t - tile_offsets[a];
 }
 
 }  // namespace

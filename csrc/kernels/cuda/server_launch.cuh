@@ -15,24 +15,14 @@ namespace moecomm::kernels::cuda::server {
 
 inline void check_server_config(const ServerConfig& cfg, uint32_t max_peers, const void* local,
                                 const void* workspace) {
+  constexpr const char* kWho = "device server";
   const protocol::SlotConfig& c = cfg.slot;
   MC_CHECK(cfg.num_clients >= 1 && cfg.num_clients <= max_peers,
            "device server: num_clients must be in [1, max_peers=", max_peers, "], got ",
            cfg.num_clients);
   MC_CHECK(cfg.num_slots >= 1, "device server: num_slots must be >= 1, got ", cfg.num_slots);
   MC_CHECK(local != nullptr, "device server: the local region base is null");
-  MC_CHECK(c.max_tokens >= 1 && c.hidden >= 1,
-           "device server: max_tokens and hidden must be "
-           ">= 1, got ",
-           c.max_tokens, " and ", c.hidden);
-  MC_CHECK(c.topk >= 1 && c.topk <= kMaxTopk, "device server: topk must be in [1, ", kMaxTopk,
-           "], got ", c.topk);
-  MC_CHECK(protocol::encoding_known(static_cast<uint8_t>(c.encoding)),
-           "device server: unknown request encoding ", static_cast<int>(c.encoding));
-  MC_CHECK(protocol::encoding_known(static_cast<uint8_t>(c.out_encoding)) &&
-               !protocol::encoding_quantized(c.out_encoding),
-           "device server: the response encoding must be BF16, FP16 or F32, got ",
-           static_cast<int>(c.out_encoding));
+  check_slot_config(c, kWho);
   // The reorganization moves rows in 2-byte units at least.
   const uint64_t row_bytes = uint64_t{c.hidden} * protocol::encoding_elem_bytes(c.encoding);
   MC_CHECK(row_bytes % 2 == 0,
@@ -45,9 +35,7 @@ inline void check_server_config(const ServerConfig& cfg, uint32_t max_peers, con
            ")");
   MC_CHECK(cfg.client_ids && cfg.request_ring_offset && cfg.response_ring_offset,
            "device server: client_ids, request_ring_offset and response_ring_offset are required");
-  MC_CHECK(workspace != nullptr && reinterpret_cast<uintptr_t>(workspace) % kCacheLine == 0,
-           "device server: workspace must be a non-null, ", kCacheLine,
-           "-byte aligned device pointer");
+  check_workspace(workspace, kWho);
 }
 
 inline ServerParams server_params(const ServerConfig& cfg, void* workspace) {
@@ -127,9 +115,7 @@ template <typename Backend>
 void launch_respond(const Backend& b, uint32_t max_peers, const ServerConfig& cfg,
                     const ServerRespondArgs& a, void* stream) {
   check_server_config(cfg, max_peers, b.local_base, a.workspace);
-  MC_CHECK(client::is_float_dtype(a.expert_out_dtype),
-           "server respond: expert_out must be BF16, FP16 or F32, got encoding ",
-           static_cast<int>(a.expert_out_dtype));
+  check_float_dtype(a.expert_out_dtype, "server respond: expert_out");
   MC_CHECK(a.expert_out != nullptr, "server respond: expert_out must be a non-null device pointer");
   const ServerParams p = server_params(cfg, a.workspace);
   auto s = static_cast<cudaStream_t>(stream);

@@ -8,7 +8,7 @@
 
 #include <cstdint>
 
-#include "transport/device/wait_trace.h"
+#include "transport/device/backend_base.h"
 
 #if defined(__CUDACC__)
 #include "transport/device/device_ops.cuh"
@@ -20,25 +20,12 @@ namespace moecomm::transport::cuda_ipc {
 constexpr uint64_t kVectorBytes = 16;
 constexpr uint32_t kWarpSize = 32;
 
-// Plain-old-data, passed to kernels by value. The arrays are device memory owned by the host
-// side (IpcPeerTable), which rewrites them when peers join or leave.
-struct IpcBackend {
-  uint8_t* local_base = nullptr;        // our own region
+// Plain-old-data, passed to kernels by value. The peer array is device memory owned by the host
+// side (IpcPeerTable), which rewrites it when peers join or leave.
+struct IpcBackend : device::BackendBase {
   uint8_t* const* peer_base = nullptr;  // [max_peers] mapped peer regions (nullptr = no peer)
-  const uint32_t* alive = nullptr;      // [max_peers] 1 = alive, 0 = gone or never joined
-  uint32_t max_peers = 0;
-  // The debug mode's wait trace (device memory), or nullptr: nothing recorded.
-  device::WaitTrace* wait_trace = nullptr;
 
 #if defined(__CUDACC__)
-  __device__ uint32_t num_peers() const { return max_peers; }
-
-  __device__ bool peer_alive(uint32_t peer) const {
-    return device::alive_in_mask(alive, max_peers, peer);
-  }
-
-  __device__ uint8_t* local(uint64_t offset) const { return local_base + offset; }
-
   // All lanes of the warp call this with the same arguments.
   __device__ void put_warp(uint32_t peer, uint64_t offset, const void* src, uint64_t bytes) const {
     const uint32_t lane = threadIdx.x % kWarpSize;

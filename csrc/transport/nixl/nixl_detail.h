@@ -178,18 +178,51 @@ struct Shared {
   }
 };
 
+// What both region kinds hold alike: the transport's shared state, the size, the handle a peer
+// attaches with, the memory kind and device, and the closed mark (closing gives up the name;
+// the region stays usable until destroyed, transport.h).
+class NixlRegion : public Region {
+ public:
+  uint64_t size() const final { return bytes_; }
+  std::string handle() const final { return handle_; }
+  void close() final { closed_ = true; }
+  bool closed() const final { return closed_; }
+  MemKind kind() const { return kind_; }
+  int32_t device() const { return device_; }
+
+ protected:
+  NixlRegion(std::shared_ptr<Shared> shared, uint64_t bytes, std::string handle, MemKind kind,
+             int32_t device)
+      : shared_(std::move(shared)),
+        bytes_(bytes),
+        handle_(std::move(handle)),
+        kind_(kind),
+        device_(device) {}
+
+  // "nixl region of <agent> at 0x<addr> (<bytes> bytes<note>)".
+  std::string describe_at(const std::string& agent, uint64_t addr, const char* note) const {
+    return "nixl region of " + agent + " at 0x" + hex(addr) + " (" + std::to_string(bytes_) +
+           " bytes" + note + ")";
+  }
+
+  std::shared_ptr<Shared> shared_;
+
+ private:
+  uint64_t bytes_;
+  std::string handle_;
+  MemKind kind_;
+  int32_t device_;
+  bool closed_ = false;
+};
+
 // Our memory: mapped by the transport (create_region), or the caller's (register_external).
-class OwnedRegion final : public Region {
+class OwnedRegion final : public NixlRegion {
  public:
   OwnedRegion(std::shared_ptr<Shared> shared, uint8_t* base, uint64_t bytes, uint64_t mapped,
               std::string handle, MemKind kind, int32_t device, bool external)
-      : shared_(std::move(shared)),
+      : NixlRegion(std::move(shared), bytes, std::move(handle), kind, device),
         base_(base),
-        bytes_(bytes),
         mapped_(mapped),
-        handle_(std::move(handle)),
-        kind_(kind),
-        device_(device),
         external_(external) {}
   ~OwnedRegion() override {
     {
@@ -203,45 +236,28 @@ class OwnedRegion final : public Region {
     if (!external_) retire(base_, mapped_);
   }
   // GPU memory has no host mapping: it is reached by transfers only.
-  uint8_t* data() override { return kind_ == MemKind::kHost ? base_ : nullptr; }
-  uint64_t size() const override { return bytes_; }
-  std::string handle() const override { return handle_; }
+  uint8_t* data() override { return kind() == MemKind::kHost ? base_ : nullptr; }
   bool owned() const override { return true; }
-  void close() override { closed_ = true; }
-  bool closed() const override { return closed_; }
   std::string describe() const override {
-    return "nixl region of " + shared_->agent + " at 0x" + hex(addr()) + " (" +
-           std::to_string(bytes_) + " bytes" + (kind_ == MemKind::kCuda ? ", cuda" : "") + ")";
+    return describe_at(shared_->agent, addr(), kind() == MemKind::kCuda ? ", cuda" : "");
   }
   uint64_t addr() const { return reinterpret_cast<uint64_t>(base_); }
-  MemKind kind() const { return kind_; }
-  int32_t device() const { return device_; }
 
  private:
-  std::shared_ptr<Shared> shared_;
   uint8_t* base_;
-  uint64_t bytes_;
   uint64_t mapped_;
-  std::string handle_;
-  MemKind kind_;
-  int32_t device_;
   bool external_;
-  bool closed_ = false;
 };
 
 // A peer's region: reached by transfers only, unless the peer is this very transport (`alias`).
-class PeerRegion final : public Region {
+class PeerRegion final : public NixlRegion {
  public:
   PeerRegion(std::shared_ptr<Shared> shared, std::string agent, uint64_t addr, uint64_t bytes,
              std::string handle, std::shared_ptr<Region> alias, MemKind kind, int32_t device)
-      : shared_(std::move(shared)),
+      : NixlRegion(std::move(shared), bytes, std::move(handle), kind, device),
         agent_(std::move(agent)),
         addr_(addr),
-        bytes_(bytes),
-        handle_(std::move(handle)),
-        alias_(std::move(alias)),
-        kind_(kind),
-        device_(device) {}
+        alias_(std::move(alias)) {}
   ~PeerRegion() override {
     if (alias_) return;
     {
@@ -255,31 +271,16 @@ class PeerRegion final : public Region {
     }
   }
   uint8_t* data() override { return alias_ ? alias_->data() : nullptr; }
-  uint64_t size() const override { return bytes_; }
-  std::string handle() const override { return handle_; }
   bool owned() const override { return false; }
-  void close() override { closed_ = true; }
-  bool closed() const override { return closed_; }
-  std::string describe() const override {
-    return "nixl region of " + agent_ + " at 0x" + hex(addr_) + " (" + std::to_string(bytes_) +
-           " bytes)";
-  }
+  std::string describe() const override { return describe_at(agent_, addr_, ""); }
   const std::string& agent() const { return agent_; }
   bool is_alias() const { return alias_ != nullptr; }
-  MemKind kind() const { return kind_; }
-  int32_t device() const { return device_; }
   uint64_t addr() const { return addr_; }
 
  private:
-  std::shared_ptr<Shared> shared_;
   std::string agent_;
   uint64_t addr_;
-  uint64_t bytes_;
-  std::string handle_;
   std::shared_ptr<Region> alias_;
-  MemKind kind_;
-  int32_t device_;
-  bool closed_ = false;
 };
 
 // Local memory of `r` (ours, or a peer that is ourselves), or nullptr for a remote region.

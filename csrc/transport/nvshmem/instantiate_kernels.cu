@@ -14,15 +14,9 @@ namespace moecomm::kernels::cuda {
 namespace {
 
 transport::nvshmem::NvshmemBackend backend_of(const NvshmemPeers& p) {
-  MC_CHECK(p.local_base != nullptr && p.peer_pe != nullptr && p.alive != nullptr,
-           "NVSHMEM peers: local_base, peer_pe and alive must be non-null device pointers");
-  transport::nvshmem::NvshmemBackend b;
-  b.local_base = p.local_base;
-  b.peer_pe = p.peer_pe;
-  b.alive = p.alive;
-  b.max_peers = p.max_peers;
-  b.wait_trace = p.wait_trace;
-  return b;
+  return {transport::device::BackendBase::of(p, p.peer_pe,
+                                             "NVSHMEM peers: local_base, peer_pe and alive"),
+          p.peer_pe};
 }
 
 }  // namespace

@@ -8,7 +8,7 @@
 
 #include <cstdint>
 
-#include "transport/device/wait_trace.h"
+#include "transport/device/backend_base.h"
 
 #if defined(__CUDACC__)
 #include <nvshmem.h>
@@ -19,25 +19,13 @@
 
 namespace moecomm::transport::nvshmem {
 
-// Plain-old-data, passed to kernels by value; arrays are device memory the host side rewrites
-// when peers are marked alive or dead (NVSHMEM's PE set itself is fixed at start).
-struct NvshmemBackend {
-  uint8_t* local_base = nullptr;     // our region: symmetric, same offset on every PE
+// Plain-old-data, passed to kernels by value; the arrays are device memory the host side
+// rewrites when peers are marked alive or dead (NVSHMEM's PE set itself is fixed at start).
+// local_base is symmetric: the same offset on every PE, which is how a put names its target.
+struct NvshmemBackend : device::BackendBase {
   const int32_t* peer_pe = nullptr;  // [max_peers] NVSHMEM PE of each moecomm peer
-  const uint32_t* alive = nullptr;   // [max_peers] liveness mask
-  uint32_t max_peers = 0;
-  // The debug mode's wait trace (device memory), or nullptr: nothing recorded.
-  device::WaitTrace* wait_trace = nullptr;
 
 #if defined(__CUDACC__)
-  __device__ uint32_t num_peers() const { return max_peers; }
-
-  __device__ bool peer_alive(uint32_t peer) const {
-    return device::alive_in_mask(alive, max_peers, peer);
-  }
-
-  __device__ uint8_t* local(uint64_t offset) const { return local_base + offset; }
-
   // No ordering against a later put_signal_warp: a caller that needs this data covered by a
   // later signal calls fence_warp() in between (see below). The kernels never mix the two: every
   // payload chunk is its own put_signal_warp (ADD of its bytes to the slot's arrival counter).
