@@ -84,6 +84,18 @@ def test_registry_events_and_expiry():
     assert reg.events_since(reg.seq) == [] and reg.events_since(reg.seq + 1) is None
 
 
+def test_registry_extend_credits_time_the_monitor_did_not_run():
+    reg = registry.Registry()
+    reg.register(rec("a"), now=0.0)
+    reg.register(rec("b"), now=0.5)
+    reg.extend(2.0)  # the monitor was stopped for 2 s
+    assert reg.expire(now=2.0 + TTL - 0.01) == 0  # a's deadline moved from TTL to 2 + TTL
+    assert reg.expire(now=2.0 + TTL) == 1
+    assert [e["member"]["member_id"] for e in reg.events_since(2)] == ["a"]
+    with pytest.raises(ValueError, match="positive"):
+        reg.extend(-1.0)
+
+
 def test_registry_log_overflow_asks_for_a_snapshot(monkeypatch):
     monkeypatch.setattr(registry, "MAX_EVENT_LOG", 4)
     reg = registry.Registry()

@@ -134,7 +134,9 @@ class Registration:
     """A live registration. Its thread heartbeats `HEARTBEATS_PER_TTL` times per TTL; when the
     backend answers that it forgot the member (lease expired, monitor or etcd restarted with an
     empty store), it registers again with the same incarnation. Unreachable backends are retried
-    at the same pace, so a member is back within one heartbeat interval of the backend."""
+    at the same pace, so a member is back within one heartbeat interval of the backend. An
+    `update` made while the backend cannot be reached is kept and published by the same thread
+    as soon as it answers again."""
 
     def __init__(self, backend: Membership, member: Member, ttl: float):
         self._backend = backend
@@ -144,6 +146,9 @@ class Registration:
         self._lease = backend._register(self._record, None)
         self.reregistrations = 0
         self.heartbeats = 0
+        # False while the backend may hold an older record than `member` (an update it could
+        # not be told of); the heartbeat thread publishes it and sets this back.
+        self.published = True
         self.superseded = False
         self.last_error: Exception | None = None
         self._stop = threading.Event()
@@ -165,24 +170,56 @@ class Registration:
     def interval(self) -> float:
         return self._lease.ttl / HEARTBEATS_PER_TTL
 
-    def update(self, member: Member) -> None:
+    def update(self, member: Member) -> bool:
         """Publishes new endpoints, hosted experts or metadata for this member (an "update"
-        event). The role and id cannot change: register a new member for that."""
+        event). The role and id cannot change: register a new member for that. Returns True
+        once published; False when the backend cannot be reached: the new fields are kept
+        (`member` has them) and the heartbeat thread publishes them when it answers again, so
+        a placement change or a drain during a monitor or etcd outage is not lost. A refusal
+        (MembershipError) raises and keeps the old fields."""
         if member.key != self._record.member.key:
             raise ValueError(f"update() keeps (role, member_id) {self._record.member.key}")
         with self._lock:
-            self._record = Record(member, self._record.ttl, self.incarnation)
-            self._lease = self._backend._register(self._record, self._lease)
+            old = self._record
+            self._record = Record(member, old.ttl, self.incarnation)
+            try:
+                self._lease = self._backend._register(self._record, self._lease)
+            except ConnectionError as exc:
+                self.published = False
+                self.last_error = exc
+                log.warning(
+                    "%s/%s: update kept until the membership backend answers again (%s)",
+                    *member.key,
+                    exc,
+                )
+                return False
+            except Exception:
+                self._record = old
+                raise
+            self.published = True
+            return True
 
     def heartbeat_now(self) -> None:
-        """One heartbeat (re-registering when the backend forgot us), in the caller's thread."""
+        """One heartbeat (re-registering when the backend forgot us, publishing an update it
+        missed), in the caller's thread."""
         with self._lock:
-            if self._backend._heartbeat(self._record, self._lease):
+            # Heartbeat first even with an update to publish: a newer incarnation holding the
+            # id answers SupersededError here, and registering would steal the id back.
+            known = self._backend._heartbeat(self._record, self._lease)
+            if known:
                 self.heartbeats += 1
-                return
-            self._lease = self._backend._register(self._record, None)
-            self.reregistrations += 1
-        log.info("re-registered %s/%s (the backend had lost it)", *self._record.member.key)
+                if self.published:
+                    return
+            # Forgotten (expired, backend restarted): a new lease. Known but missing an update
+            # (a backend that kept our lease across an outage): the same lease, new fields.
+            self._lease = self._backend._register(self._record, self._lease if known else None)
+            self.published = True
+            if not known:
+                self.reregistrations += 1
+        if known:
+            log.info("published %s/%s's update missed while unreachable", *self._record.member.key)
+        else:
+            log.info("re-registered %s/%s (the backend had lost it)", *self._record.member.key)
 
     def _run(self) -> None:
         failing = False

@@ -42,6 +42,13 @@ MAX_BODY_BYTES = 2 << 20
 MAX_POLL_S = 30.0
 # Expiry sweep period: the slack added to a TTL before a silent member is reported lost.
 EXPIRY_SWEEP_S = 0.05
+# A sweep this much later than planned means the monitor itself did not run (SIGSTOP, swapped
+# out, a starved loop): heartbeats sent meanwhile wait unread in its sockets and would be read
+# only after the sweep expired their senders. That time is credited to every lease instead, as
+# etcd extends every lease when a new leader takes over: a member is never evicted for the
+# monitor's own absence, and one that died is reported that much later. Ten sweeps: far above
+# a sweep's jitter; a loop starved that long on a loaded machine is credited too, rightly.
+STALL_S = 0.5
 # Long-polls still open at shutdown are cut after this, so a stop never waits a full poll.
 SHUTDOWN_GRACE_S = 0.5
 # How often the monitor process checks that its server thread still runs.
@@ -108,9 +115,16 @@ def make_app(token: str = "") -> FastAPI:
             changed.notify_all()
 
     async def sweep() -> None:
+        last = time.monotonic()
         while True:
             await asyncio.sleep(EXPIRY_SWEEP_S)
-            if registry.expire(time.monotonic()):
+            now = time.monotonic()
+            stalled = now - last - EXPIRY_SWEEP_S
+            last = now
+            if stalled > STALL_S:
+                registry.extend(stalled)
+                log.warning("the monitor did not run for %.2f s: every lease extended", stalled)
+            if registry.expire(now):
                 await notify()
 
     app = FastAPI(title="moecomm monitor", lifespan=lifespan)

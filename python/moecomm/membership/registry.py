@@ -97,6 +97,13 @@ class Registry:
         del self._members[key]
         self._event("loss", entry.record, "deregistered")
 
+    def extend(self, seconds: float) -> None:
+        """Moves every member's deadline `seconds` later (time the monitor did not run)."""
+        if seconds < 0:
+            raise ValueError(f"leases are extended by a positive time, got {seconds}")
+        for entry in self._members.values():
+            entry.deadline += seconds
+
     def expire(self, now: float) -> int:
         """Drops members whose deadline passed; returns how many."""
         dead = [k for k, e in self._members.items() if e.deadline <= now]

@@ -4,8 +4,9 @@ The view is the same for both backends. A backend feeds it changes (`put`, `dele
 any reconnect, a full `snapshot`. A snapshot is diffed against the view, so nothing that
 happened while the watcher was disconnected is missed. When the backend itself was replaced (a
 restarted monitor, an etcd with a fresh data dir), members missing from the first snapshot are
-given one TTL to re-register before they are reported lost: their heartbeats find the backend
-empty and register again, and peers must not drop live members because the monitor restarted.
+given one TTL (REREGISTER_GRACE_TTLS) to re-register before they are reported lost: their
+heartbeats find the backend empty and register again, and peers must not drop live members
+because the monitor restarted. While the backend cannot be reached the view stays as it was.
 """
 
 from __future__ import annotations
@@ -27,9 +28,19 @@ from moecomm.membership.member import (
 
 log = logging.getLogger("moecomm.membership")
 
-# Scheduling and one heartbeat round trip on top of a TTL before a member that has not
-# re-registered after a backend restart is declared lost.
+# A member missing from the first snapshot of a replaced store (a restarted monitor, an etcd on a
+# fresh data dir) has not had a chance to register there yet: it gets this many of its own TTLs
+# before it is reported lost. One TTL is what its lease already promises (three heartbeats, any
+# of which finds the empty store and registers again), and no more, so a member that died during
+# the outage is still reported about one TTL after the backend returned.
+REREGISTER_GRACE_TTLS = 1
+# Scheduling and one heartbeat round trip on top of that grace.
 GRACE_SLACK_S = 0.25
+
+
+def grace_s(rec: Record) -> float:
+    """How long a member missing from a replaced store has to register there again."""
+    return rec.ttl * REREGISTER_GRACE_TTLS + GRACE_SLACK_S
 
 
 class Watcher:
@@ -186,7 +197,7 @@ class Watcher:
             for key in [k for k in self._known if k not in seen]:
                 rec = self._known.pop(key)
                 if backend_changed:
-                    self._pending[key] = (rec, now + rec.ttl + GRACE_SLACK_S)
+                    self._pending[key] = (rec, now + grace_s(rec))
                 else:
                     self._emit("loss", rec, "missing")
             self._synced = True
