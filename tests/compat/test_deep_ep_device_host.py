@@ -7,6 +7,7 @@ error behaviour of the Buffer. The GPU round trips are in test_deep_ep_cuda.py."
 
 from __future__ import annotations
 
+import dataclasses
 from unittest import mock
 
 import moecomm.wire.cuda
@@ -17,6 +18,7 @@ from moecomm._C import Encoding
 from moecomm.compat.deep_ep import Buffer
 from moecomm.compat.low_latency.cast import deepep_cast, logfmt_roundtrip, pack_ue8m0
 from moecomm.compat.low_latency.device_ops import (
+    check_device_inputs,
     check_mode,
     combine_from_answers,
     expand_dispatch,
@@ -26,7 +28,12 @@ from moecomm.compat.low_latency.device_ops import (
     scatter_receive,
     ue8m0_scales,
 )
-from moecomm.compat.low_latency.layout import weighted_sum
+from moecomm.compat.low_latency.layout import (
+    LLShape,
+    check_dispatch_inputs,
+    check_peer_agrees,
+    weighted_sum,
+)
 from moecomm.ops.reorg import reorganize
 
 FP8 = Encoding.FP8_E4M3_B128
@@ -329,6 +336,36 @@ def test_input_device_and_mode_reject_mixing():
         check_mode("cpu", True)
     with pytest.raises(RuntimeError, match=r"runs on CUDA tensors .* got CPU tensors"):
         check_mode("cuda", False)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "match"),
+    [
+        ((0, 4, False), "num_max_dispatch_tokens_per_rank must be a positive int, got 0"),
+        ((4, True, False), "num_experts must be a positive int, got True"),
+        ((3, 4, False), "x has 4 tokens, more than num_max_dispatch_tokens_per_rank=3"),
+        ((4, 4, True), r"use_fp8 needs hidden to be a multiple of 128 .* got hidden=96"),
+    ],
+)
+def test_host_and_device_dispatch_checks_name_bad_sizes_alike(sizes, match):
+    x, idx = torch.zeros(4, 96, dtype=torch.bfloat16), torch.zeros(4, 2, dtype=torch.int64)
+    for check in (check_dispatch_inputs, check_device_inputs):
+        with pytest.raises(ValueError, match=match):
+            check(x, idx, *sizes)
+
+
+def test_a_peer_set_up_otherwise_is_named_with_both_shapes():
+    mine = LLShape(8, 128, 4, 2)
+    check_peer_agrees("deep_ep.Buffer", 0, 1, mine, LLShape(8, 128, 4, 2), True)
+    theirs = dataclasses.replace(mine, hidden=256)
+    with pytest.raises(
+        ValueError,
+        match=r"^deep_ep\.Buffer rank 0: rank 1 set up with .*hidden=256.*, this rank with "
+        r".*hidden=128",
+    ):
+        check_peer_agrees("deep_ep.Buffer", 0, 1, mine, theirs, True)
+    with pytest.raises(ValueError, match=r"^nixl_ep\.Buffer: rank 2 and rank 0 were given diff"):
+        check_peer_agrees("nixl_ep.Buffer", 0, 2, mine, mine, False)
 
 
 def _buffer(tmp_path):

@@ -25,6 +25,7 @@ against stale keys, get_dispatch_layout, Config.
 
 from __future__ import annotations
 
+import ast
 import datetime
 import inspect
 import multiprocessing as mp
@@ -43,6 +44,7 @@ import torch.distributed as dist
 from moecomm.compat import nixl_ep
 from moecomm.compat.nixl_ep import Buffer, Config, EventOverlap
 from moecomm.compat.nixl_ep_impl import buffer as nixl_ep_buffer
+from moecomm.compat.nixl_ep_impl import runtime as nixl_ep_runtime
 from moecomm.compat.nixl_ep_impl.pairs import handshake
 from moecomm.compat.nixl_ep_impl.runtime import SLOT_TOPK
 
@@ -653,3 +655,26 @@ def test_clean_buffer_of_the_earlier_api_checks_its_arguments_and_keeps_serving(
     _, count, _, _, _ = b.dispatch(x, idx, 8, use_fp8=False)
     assert int(count.sum()) == 7
     b.destroy()
+
+
+def test_the_runtime_drives_the_engine_through_its_public_surface():
+    """runtime.py reads and sets the engine's mask, plan, local slots and set-up through the
+    Engine's methods and properties, never through a private attribute of deep_ep.Buffer."""
+    tree = ast.parse(inspect.getsource(nixl_ep_runtime))
+
+    def is_engine(node: ast.expr) -> bool:
+        if isinstance(node, ast.Name):
+            return node.id in ("eng", "engine")
+        return isinstance(node, ast.Attribute) and node.attr == "engine"
+
+    private = sorted(
+        {
+            n.attr
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute)
+            and n.attr.startswith("_")
+            and not n.attr.startswith("__")
+            and is_engine(n.value)
+        }
+    )
+    assert private == []

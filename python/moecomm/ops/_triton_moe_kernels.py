@@ -84,15 +84,17 @@ def tile_map_kernel(
 
 
 @triton.jit
-def _tile_rows(
-    tile_expert_ptr, tile_mblock_ptr, row_start_ptr, row_count_ptr, t, BLOCK_M: tl.constexpr
-):
+def _tile(tile_expert_ptr, tile_mblock_ptr, row_start_ptr, row_count_ptr, t, num_cols,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """Tile t's expert, its BLOCK_M rows and their mask, and this program's BLOCK_N output
+    columns (of num_cols) and their mask."""
     e = tl.load(tile_expert_ptr + t)
     mb = tl.load(tile_mblock_ptr + t)
     m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = m < tl.load(row_count_ptr + e)
     rows = (tl.load(row_start_ptr + e) + m).to(tl.int64)
-    return e.to(tl.int64), rows, rmask
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return e.to(tl.int64), rows, rmask, n, n < num_cols
 
 
 @triton.jit
@@ -116,59 +118,22 @@ def _store_silu_mul(h_ptr, e, rows, rmask, n, nmask, acc_g, acc_u, stride_he, st
 
 
 @triton.jit
-def gate_up_kernel(
-    x_ptr,
-    w13_ptr,
-    h_ptr,
-    tile_expert_ptr,
-    tile_mblock_ptr,
-    totals_ptr,
-    row_start_ptr,
-    row_count_ptr,
-    hidden,
-    inter,
-    stride_xe,
-    stride_xm,
-    stride_xk,
-    stride_we,
-    stride_wn,
-    stride_wk,
-    stride_he,
-    stride_hm,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """h[rows, n] = silu(x @ w1[e].T) * (x @ w3[e].T) for one tile of one active expert.
-
-    Row r of expert e sits at e * stride_?e + r * stride_?m: the contiguous layout passes
-    stride_?e = 0 and row_start = offsets, the masked layout its expert stride and row_start 0."""
-    t = tl.program_id(0)
-    if t >= tl.load(totals_ptr + 1):
-        return
-    e, rows, rmask = _tile_rows(
-        tile_expert_ptr, tile_mblock_ptr, row_start_ptr, row_count_ptr, t, BLOCK_M
-    )
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < inter
-    x_rows = x_ptr + e * stride_xe + rows[:, None] * stride_xm
-    w = w13_ptr + e * stride_we
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        kmask = k < hidden
-        a = tl.load(
-            x_rows + k[None, :] * stride_xk, mask=rmask[:, None] & kmask[None, :], other=0.0
-        )
-        acc_g, acc_u = _gate_up_dots(a, w, n, k, kmask, nmask, inter, stride_wn, stride_wk,
-                                     acc_g, acc_u, DOT_PRECISION)  # fmt: skip
-    _store_silu_mul(h_ptr, e, rows, rmask, n, nmask, acc_g, acc_u, stride_he, stride_hm)
+def _load_x_tile(ptrs, mask, w_dtype, QUANTIZED: tl.constexpr):
+    """One [BLOCK_M, BLOCK_K] tile of x as the dots take it: float x as loaded (masked lanes
+    0); quantized x converted to the weight dtype, which is exact (e4m3 and int8 values are all
+    representable in fp16/bf16/f32)."""
+    if QUANTIZED:
+        # No `other=` on the quantized load (an int/float constant cast to fp8 is not lowered
+        # everywhere): masked lanes are zeroed after the exact conversion instead.
+        q = tl.load(ptrs, mask=mask)
+        a = tl.where(mask, q.to(w_dtype), 0.0).to(w_dtype)
+    else:
+        a = tl.load(ptrs, mask=mask, other=0.0)
+    return a
 
 
 @triton.jit
-def gate_up_scaled_kernel(
+def gate_up_kernel(
     x_ptr,
     xs_ptr,
     w13_ptr,
@@ -191,50 +156,57 @@ def gate_up_scaled_kernel(
     stride_wk,
     stride_he,
     stride_hm,
+    HAS_SCALES: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """gate_up_kernel for quantized x (float8_e4m3fn or int8) with f32 scales.
+    """h[rows, n] = silu(x @ w1[e].T) * (x @ w3[e].T) for one tile of one active expert.
 
-    The scale of row r for channels [b * SCALE_BLOCK, (b + 1) * SCALE_BLOCK) sits at
-    xs + e * stride_se + r * stride_sm + b * stride_sk; per-token scales pass stride_sk = 0.
-    DeepGEMM-style: each SCALE_BLOCK slice of K is accumulated on its own (the x tile converted
-    to the weight dtype unscaled, which is exact: e4m3 and int8 values are all representable in
-    fp16/bf16/f32), then that partial product is scaled per row and added to the accumulator.
-    BLOCK_K divides SCALE_BLOCK, so no K tile straddles two scale blocks."""
+    Row r of expert e sits at e * stride_?e + r * stride_?m: the contiguous layout passes
+    stride_?e = 0 and row_start = offsets, the masked layout its expert stride and row_start 0.
+
+    Float x (HAS_SCALES false): SCALE_BLOCK = BLOCK_K, xs_ptr and its strides are not read, and
+    the dots accumulate straight into the accumulators over the whole of K.
+
+    Quantized x (HAS_SCALES: float8_e4m3fn or int8 with f32 scales): the scale of row r for
+    channels [b * SCALE_BLOCK, (b + 1) * SCALE_BLOCK) sits at xs + e * stride_se + r * stride_sm
+    + b * stride_sk; per-token scales pass stride_sk = 0. DeepGEMM-style: each SCALE_BLOCK slice
+    of K is accumulated on its own (the x tile converted to the weight dtype unscaled, exact),
+    then that partial product is scaled per row and added to the accumulator. BLOCK_K divides
+    SCALE_BLOCK, so no K tile straddles two scale blocks."""
     t = tl.program_id(0)
     if t >= tl.load(totals_ptr + 1):
         return
-    e, rows, rmask = _tile_rows(
-        tile_expert_ptr, tile_mblock_ptr, row_start_ptr, row_count_ptr, t, BLOCK_M
-    )
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < inter
+    e, rows, rmask, n, nmask = _tile(tile_expert_ptr, tile_mblock_ptr, row_start_ptr,
+                                     row_count_ptr, t, inter, BLOCK_M, BLOCK_N)  # fmt: skip
     x_rows = x_ptr + e * stride_xe + rows[:, None] * stride_xm
-    s_rows = xs_ptr + e * stride_se + rows * stride_sm
     w = w13_ptr + e * stride_we
+    s_rows = xs_ptr + e * stride_se + rows * stride_sm  # read only with HAS_SCALES
     w_dtype = w13_ptr.dtype.element_ty
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kb in range(0, hidden, SCALE_BLOCK):
-        s = tl.load(s_rows + (kb // SCALE_BLOCK) * stride_sk, mask=rmask, other=0.0)
-        part_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        part_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if HAS_SCALES:
+            s = tl.load(s_rows + (kb // SCALE_BLOCK) * stride_sk, mask=rmask, other=0.0)
+            part_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            part_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        else:
+            part_g, part_u = acc_g, acc_u
         for kk in tl.static_range(0, SCALE_BLOCK, BLOCK_K):
             k = kb + kk + tl.arange(0, BLOCK_K)
             kmask = k < hidden
-            # No `other=` on the quantized load (an int/float constant cast to fp8 is not
-            # lowered everywhere): masked lanes are zeroed after the exact conversion instead.
             am = rmask[:, None] & kmask[None, :]
-            q = tl.load(x_rows + k[None, :] * stride_xk, mask=am)
-            a = tl.where(am, q.to(w_dtype), 0.0).to(w_dtype)
+            a = _load_x_tile(x_rows + k[None, :] * stride_xk, am, w_dtype, HAS_SCALES)
             part_g, part_u = _gate_up_dots(a, w, n, k, kmask, nmask, inter, stride_wn, stride_wk,
                                            part_g, part_u, DOT_PRECISION)  # fmt: skip
-        acc_g += part_g * s[:, None]
-        acc_u += part_u * s[:, None]
+        if HAS_SCALES:
+            acc_g += part_g * s[:, None]
+            acc_u += part_u * s[:, None]
+        else:
+            acc_g, acc_u = part_g, part_u
     _store_silu_mul(h_ptr, e, rows, rmask, n, nmask, acc_g, acc_u, stride_he, stride_hm)
 
 
@@ -270,11 +242,8 @@ def down_kernel(
     t = tl.program_id(0)
     if t >= tl.load(totals_ptr + 1):
         return
-    e, rows, rmask = _tile_rows(
-        tile_expert_ptr, tile_mblock_ptr, row_start_ptr, row_count_ptr, t, BLOCK_M
-    )
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < hidden
+    e, rows, rmask, n, nmask = _tile(tile_expert_ptr, tile_mblock_ptr, row_start_ptr,
+                                     row_count_ptr, t, hidden, BLOCK_M, BLOCK_N)  # fmt: skip
     h_rows = h_ptr + e * stride_he + rows[:, None] * stride_hm
     w = w2_ptr + e * stride_we
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)

@@ -63,6 +63,12 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _expert_stride(t: torch.Tensor | None) -> int:
+    """The expert stride a kernel takes for a ``[E or 1, rows, ...]`` view: 0 for the
+    contiguous layout's one block of rows (and for an absent tensor, never read)."""
+    return t.stride(0) if t is not None and t.shape[0] > 1 else 0
+
+
 @dataclass(frozen=True)
 class TileMap:
     """Group-shrink output in device memory, sized by host-known upper bounds.
@@ -169,35 +175,25 @@ def _launch_mlp(x3, xs3, counts, row_start, w13, w2, scores3, out3, inter, max_t
     hidden = x3.shape[2]
     precision = _dot_precision(w13.dtype)
     h = torch.empty(x3.shape[0], x3.shape[1], inter, dtype=w13.dtype, device=x3.device)
-    se_x = x3.stride(0) if x3.shape[0] > 1 else 0
-    se_h = h.stride(0) if h.shape[0] > 1 else 0
-    grid = (max_tiles, _cdiv(inter, _BLOCK_N))
-    if xs3 is None:
-        k.gate_up_kernel[grid](
-            x3, w13, h, tiles.tile_expert, tiles.tile_mblock, tiles.totals, row_start, counts,
-            hidden, inter, se_x, x3.stride(1), x3.stride(2), w13.stride(0), w13.stride(1),
-            w13.stride(2), se_h, h.stride(1),
-            BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, DOT_PRECISION=precision,
-        )  # fmt: skip
-    else:
-        se_s = xs3.stride(0) if xs3.shape[0] > 1 else 0
-        sk_s = xs3.stride(2) if xs3.shape[2] > 1 else 0  # per token: every block, one scale
-        k.gate_up_scaled_kernel[grid](
-            x3, xs3, w13, h, tiles.tile_expert, tiles.tile_mblock, tiles.totals, row_start,
-            counts, hidden, inter, se_x, x3.stride(1), x3.stride(2), se_s, xs3.stride(1), sk_s,
-            w13.stride(0), w13.stride(1), w13.stride(2), se_h, h.stride(1),
-            SCALE_BLOCK=_SCALE_BLOCK, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
-            DOT_PRECISION=precision,
-        )  # fmt: skip
-    se_y = out3.stride(0) if out3.shape[0] > 1 else 0
+    se_h = _expert_stride(h)
+    scaled = xs3 is not None
+    xs = xs3 if scaled else x3  # a pointer the float kernel never reads
+    sm_s = xs3.stride(1) if scaled else 0
+    sk_s = xs3.stride(2) if scaled and xs3.shape[2] > 1 else 0  # per token: every block, one scale
+    k.gate_up_kernel[(max_tiles, _cdiv(inter, _BLOCK_N))](
+        x3, xs, w13, h, tiles.tile_expert, tiles.tile_mblock, tiles.totals, row_start, counts,
+        hidden, inter, _expert_stride(x3), x3.stride(1), x3.stride(2), _expert_stride(xs3), sm_s,
+        sk_s, w13.stride(0), w13.stride(1), w13.stride(2), se_h, h.stride(1),
+        HAS_SCALES=scaled, SCALE_BLOCK=_SCALE_BLOCK if scaled else _BLOCK_K, BLOCK_M=block_m,
+        BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, DOT_PRECISION=precision,
+    )  # fmt: skip
     has_scores = scores3 is not None
     s = scores3 if has_scores else out3
-    se_s = scores3.stride(0) if has_scores and scores3.shape[0] > 1 else 0
     sm_s = scores3.stride(1) if has_scores else 0
     k.down_kernel[(max_tiles, _cdiv(hidden, _BLOCK_N))](
         h, w2, out3, s, tiles.tile_expert, tiles.tile_mblock, tiles.totals, row_start, counts,
-        hidden, inter, se_h, h.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), se_y,
-        out3.stride(1), se_s, sm_s,
+        hidden, inter, se_h, h.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
+        _expert_stride(out3), out3.stride(1), _expert_stride(scores3), sm_s,
         HAS_SCORES=has_scores, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
         DOT_PRECISION=precision,
     )  # fmt: skip

@@ -47,6 +47,7 @@ from moecomm.compat.low_latency.layout import (
     check_cost_stats,
     check_dispatch_inputs,
     check_host,
+    check_peer_agrees,
     check_same_shape,
     check_shape,
     shm_bytes_per_rank,
@@ -189,13 +190,10 @@ class Buffer(HostPath, NormalCalls):
             }
             infos = self._exchange(mine, prefix)
             for p, info in enumerate(infos):
-                if info["shape"] != mine["shape"]:
-                    raise ValueError(
-                        f"rank {p} set up with {LLShape(**info['shape']).describe()}, "
-                        f"rank {r} with {shape.describe()}"
-                    )
-                if info["replicas"] != mine["replicas"]:
-                    raise ValueError(f"rank {p} and rank {r} were given different replicas")
+                same_replicas = info["replicas"] == mine["replicas"]
+                check_peer_agrees(
+                    "deep_ep.Buffer", r, p, shape, LLShape(**info["shape"]), same_replicas
+                )
             for p, info in enumerate(infos):
                 self._clients[p].connect(info["server"][r])
                 self._servers[p].connect(info["client"][r])

@@ -262,15 +262,10 @@ class _Lane:
         self.c_resp_off = torch.arange(nr, **i64) * self.resp_ring + self.resp_base
         cc = k.ClientConfig()
         cc.num_servers, cc.num_slots, cc.client_id = nr, NUM_SLOTS, r + 1
-        self._slot_fields(cc)
-        cc.request_ring_offset = self.c_req_off.data_ptr()
-        cc.response_ring_offset = self.c_resp_off.data_ptr()
         self.ccfg = cc
-        self.c_layout = k.client_workspace_layout(cc)
-        self.c_ws = [
-            torch.zeros(self.c_layout["total"], dtype=torch.uint8, device=device)
-            for _ in range(NUM_SLOTS)
-        ]
+        self.c_layout, self.c_ws = self._workspaces(
+            cc, self.c_req_off, self.c_resp_off, k.client_workspace_layout
+        )
         self.next_seq = torch.zeros(nr, **i64)
         e, lc = shape.num_experts, self.num_local
         self.expert_server = torch.cat([torch.arange(e) // lc, torch.arange(nr)]).to(
@@ -298,16 +293,11 @@ class _Lane:
         sc = k.ServerConfig()
         sc.num_clients, sc.num_slots, sc.num_experts = nr, NUM_SLOTS, lc + 1
         sc.max_step_tokens = nr * self.max_tokens
-        self._slot_fields(sc)
         sc.client_ids = self.s_clients.data_ptr()
-        sc.request_ring_offset = self.s_req_off.data_ptr()
-        sc.response_ring_offset = self.s_resp_off.data_ptr()
         self.scfg = sc
-        self.s_layout = k.server_workspace_layout(sc)
-        self.s_ws = [
-            torch.zeros(self.s_layout["total"], dtype=torch.uint8, device=device)
-            for _ in range(NUM_SLOTS)
-        ]
+        self.s_layout, self.s_ws = self._workspaces(
+            sc, self.s_req_off, self.s_resp_off, k.server_workspace_layout
+        )
         self.layer_hosted = torch.ones(NUM_SLOTS, dtype=torch.uint8, device=device)
         rows = nr * m
         self.max_rows = int(self.s_layout["max_rows"])
@@ -339,10 +329,21 @@ class _Lane:
             col = self._w_exp[num_topk] = (rows // num_topk).float().view(-1, 1)
         return col
 
-    def _slot_fields(self, c) -> None:
+    def _workspaces(self, c, req_off: torch.Tensor, resp_off: torch.Tensor, workspace_layout):
+        """Completes a client or server config `c` (the slot fields of this lane's layout and
+        its ring offsets, tensors the caller keeps) and returns ``(workspace_layout(c), one
+        zeroed workspace of that layout per slot)``."""
         lay = self.layout
         c.max_tokens, c.hidden, c.topk = lay.max_tokens, lay.hidden, lay.topk
         c.encoding, c.out_encoding = int(lay.encoding), int(lay.out_encoding)
+        c.request_ring_offset = req_off.data_ptr()
+        c.response_ring_offset = resp_off.data_ptr()
+        layout = workspace_layout(c)
+        zeroed = [
+            torch.zeros(layout["total"], dtype=torch.uint8, device=self.device)
+            for _ in range(NUM_SLOTS)
+        ]
+        return layout, zeroed
 
     def recv_tensors(self, slot: int, use_ue8m0: bool = False):
         lc = self.num_local

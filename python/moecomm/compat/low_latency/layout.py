@@ -41,6 +41,20 @@ class LLShape:
         )
 
 
+def check_peer_agrees(
+    api: str, rank: int, peer: int, mine: LLShape, theirs: LLShape, same_replicas: bool
+) -> None:
+    """What a peer sent at set-up against this rank's own: the same shape and replicas, or a
+    ValueError naming both (``api`` names the Buffer, ``deep_ep.Buffer`` or ``nixl_ep.Buffer``)."""
+    if theirs != mine:
+        raise ValueError(
+            f"{api} rank {rank}: rank {peer} set up with {theirs.describe()}, this rank with "
+            f"{mine.describe()}"
+        )
+    if not same_replicas:
+        raise ValueError(f"{api}: rank {peer} and rank {rank} were given different replicas")
+
+
 def check_same_shape(have: LLShape, got: LLShape) -> None:
     """A call's shape against the buffer's: everything but the top-k must be the same."""
     keep = (have.num_max_dispatch_tokens_per_rank, have.hidden, have.num_experts)
@@ -112,7 +126,18 @@ def check_dispatch_inputs(
     x = check_host("x", x)
     topk_idx = check_host("topk_idx", topk_idx)
     check_dispatch_tensors(x, topk_idx)
-    m = _positive_int("num_max_dispatch_tokens_per_rank", num_max, MAX_TOKENS_PER_RANK)
+    _, e = check_dispatch_sizes(x, num_max, num_experts, use_fp8, MAX_TOKENS_PER_RANK)
+    check_topk(topk_idx, e)
+    return x, topk_idx
+
+
+def check_dispatch_sizes(
+    x: torch.Tensor, num_max: object, num_experts: object, use_fp8: bool, max_tokens=None
+) -> tuple[int, int]:
+    """``(num_max, num_experts)`` of a dispatch, on either path (reads no tensor value): both
+    positive ints (``num_max`` at most ``max_tokens`` when given), ``x`` within ``num_max``
+    tokens, and with ``use_fp8`` a hidden size the 128-channel scales divide."""
+    m = _positive_int("num_max_dispatch_tokens_per_rank", num_max, max_tokens)
     e = _positive_int("num_experts", num_experts)
     if x.shape[0] > m:
         raise ValueError(
@@ -123,8 +148,7 @@ def check_dispatch_inputs(
             f"use_fp8 needs hidden to be a multiple of {SCALE_BLOCK} (one scale per "
             f"{SCALE_BLOCK} channels), got hidden={x.shape[1]}"
         )
-    check_topk(topk_idx, e)
-    return x, topk_idx
+    return m, e
 
 
 def check_topk(topk_idx: torch.Tensor, num_experts: int) -> None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import logging
 
+import torch
+
 from moecomm.compat.low_latency.buffer import Buffer as DeepEPBuffer
 from moecomm.compat.low_latency.layout import NUM_SLOTS, LLShape, check_shape, slot_layout
 from moecomm.compat.low_latency.replicas import ReplicaPlan
@@ -89,6 +91,39 @@ class Engine(DeepEPBuffer):
         self._solo = {_ROUNDS: 0, _COMBINES: 0}
         self.layout = None
         self.failures: list[str] = []  # the last reasons ranks were masked, newest last
+        # NIXL-EP: every rank but this one is masked until connected.
+        self._mask.fill_(1)
+        self._mask[rank] = 0
+
+    # ------------------------------------------------------------------ the runtime's surface
+    @property
+    def destroyed(self) -> bool:
+        return self._destroyed
+
+    @property
+    def num_local(self) -> int:
+        """Local expert slots of this rank (the rows of recv_x); known once set up."""
+        return self._num_local
+
+    @property
+    def plan(self) -> ReplicaPlan:
+        """The replica plan (which ranks host which experts); known once set up."""
+        return self._plan
+
+    def is_masked(self, p: int) -> bool:
+        return bool(self._mask[p])
+
+    def set_masked(self, p: int, masked: bool) -> None:
+        """Masks (no data to or from it) or unmasks rank `p`; the runtime checks `p` first."""
+        self._mask[p] = int(bool(masked))
+
+    def mask_state(self) -> torch.Tensor:
+        """A copy of the mask: int32 ``[num_ranks]``, 1 = masked."""
+        return self._mask.clone()
+
+    def set_up(self, shape: LLShape) -> None:
+        """Sets this rank up for `shape` (at the first dispatch); pairs are added later."""
+        self._setup(shape)
 
     # ------------------------------------------------------------------ set-up, pairs
     def _exchange(self, mine: dict, prefix: str | None = None) -> list[dict]:

@@ -29,6 +29,7 @@ from moecomm.compat.low_latency.layout import (
     check_cost_stats,
     check_dispatch_inputs,
     check_host,
+    check_peer_agrees,
 )
 from moecomm.compat.low_latency.replicas import ReplicaPlan, check_replicas_arg
 from moecomm.compat.nixl_ep_impl.engine import Engine
@@ -138,15 +139,13 @@ class Runtime:
         ReplicaPlan(spec, num_ranks * num_experts_per_rank, num_ranks)  # checked now, not later
         self._transport = ShmTransport()
         engine = Engine(self.rank, num_ranks, self.timeout, spec, self._transport)
-        engine._mask.fill_(1)  # NIXL-EP: every rank but this one masked until connected
-        engine._mask[self.rank] = 0
         self.engine, self.num_ranks = engine, num_ranks
         self.num_experts_per_rank = num_experts_per_rank
 
     def need(self, method: str) -> Engine:
         if self.engine is None:
             raise RuntimeError(f"nixl_ep.Buffer.{method}: call update_memory_buffers first")
-        if self.engine._destroyed:
+        if self.engine.destroyed:
             raise RuntimeError(f"nixl_ep.Buffer.{method}: this Buffer was destroyed")
         return self.engine
 
@@ -186,7 +185,7 @@ class Runtime:
         if activate:
             for p in ranks:
                 if p != self.rank:
-                    eng._mask[p] = 0
+                    eng.set_masked(p, False)
 
     def disconnect(self, remote_ranks) -> None:
         eng = self.need("disconnect_ranks")
@@ -197,7 +196,7 @@ class Runtime:
             if p not in self.pairs:
                 raise ValueError(f"nixl_ep.Buffer.disconnect_ranks: rank {p} is not connected")
         for p in ranks:
-            eng._mask[p] = 1
+            eng.set_masked(p, True)
             eng.close_pair(p)
             self.pairs.pop(p).control.close()
 
@@ -214,7 +213,7 @@ class Runtime:
             raise ValueError(
                 f"nixl_ep.Buffer.update_mask_buffer: cannot unmask rank {rank}: not connected"
             )
-        eng._mask[rank] = int(bool(mask))
+        eng.set_masked(rank, mask)
 
     def query_mask(self, mask_status: torch.Tensor) -> None:
         eng = self.need("query_mask_buffer")
@@ -225,15 +224,15 @@ class Runtime:
                 f"mask_status must hold num_ranks={self.num_ranks} entries, got "
                 f"{mask_status.numel()}"
             )
-        mask_status.copy_(eng._mask.view(mask_status.shape).to(mask_status.device))
+        mask_status.copy_(eng.mask_state().view(mask_status.shape).to(mask_status.device))
 
     def clean_mask(self) -> None:
         eng = self.need("clean_mask_buffer")
         for p in range(self.num_ranks):
-            eng._mask[p] = int(not self.connected(p))
+            eng.set_masked(p, not self.connected(p))
 
     def active_rank_bound(self) -> int:
-        live = (self.engine._mask == 0).nonzero().flatten()
+        live = (self.engine.mask_state() == 0).nonzero().flatten()
         return int(live.max()) + 1
 
     def rank_bound(self, num_experts) -> int:
@@ -254,7 +253,7 @@ class Runtime:
 
     # ------------------------------------------------------------------ rounds
     def _live_peers(self) -> list[int]:
-        return [p for p in sorted(self.pairs) if not int(self.engine._mask[p])]
+        return [p for p in sorted(self.pairs) if not self.engine.is_masked(p)]
 
     @contextlib.contextmanager
     def _round(self, combine: bool = False):
@@ -276,7 +275,7 @@ class Runtime:
         rounds, combines = eng.counters()
         common = {
             "shape": list(dataclasses.astuple(shape)),
-            "replicas": hashlib.sha256(json.dumps(eng._plan.wire()).encode()).hexdigest(),
+            "replicas": hashlib.sha256(json.dumps(eng.plan.wire()).encode()).hexdigest(),
             "rounds": rounds,
             "combines": combines,
         }
@@ -289,13 +288,10 @@ class Runtime:
             except PEER_FAILURES as exc:
                 eng.fail(p, exc)
                 continue
-            if got["shape"] != common["shape"]:
-                raise ValueError(
-                    f"nixl_ep.Buffer rank {self.rank}: rank {p} dispatches "
-                    f"{LLShape(*got['shape']).describe()}, this rank {shape.describe()}"
-                )
-            if got["replicas"] != common["replicas"]:
-                raise ValueError(f"rank {p} and rank {self.rank} were given different replicas")
+            same_replicas = got["replicas"] == common["replicas"]
+            check_peer_agrees(
+                "nixl_ep.Buffer", self.rank, p, shape, LLShape(*got["shape"]), same_replicas
+            )
             eng.connect_pair(p, got)
             self.pairs[p].ready = True
             rounds, combines = max(rounds, got["rounds"]), max(combines, got["combines"])
@@ -342,7 +338,7 @@ class Runtime:
         shape = LLShape(num_max, x.shape[1], capacity, topk_idx.shape[1])
         if eng.shape is None:
             slot_topk = max(shape.num_topk, min(SLOT_TOPK, capacity))
-            eng._setup(dataclasses.replace(shape, num_topk=slot_topk))
+            eng.set_up(dataclasses.replace(shape, num_topk=slot_topk))
         elif shape.num_topk > eng.shape.num_topk:
             raise NotImplementedError(
                 f"nixl_ep.Buffer.dispatch with top-{shape.num_topk}: the slots hold top-k up to "
@@ -363,8 +359,8 @@ class Runtime:
             out_x, src_info, layout_range = recv_x, inner[0], inner[1]
         else:
             out_x = self._bounded_recv(recv_x, rb * m, inner.round % 2, use_fp8, use_ue8m0)
-            src_info = torch.empty(eng._num_local, rb * m, dtype=torch.int32)
-            layout_range = torch.empty(eng._num_local, rb, dtype=torch.int64)
+            src_info = torch.empty(eng.num_local, rb * m, dtype=torch.int32)
+            layout_range = torch.empty(eng.num_local, rb, dtype=torch.int64)
         handle = Handle(src_info, layout_range, m, h)
         handle.owner, handle.inner, handle.rank_bound = self, inner, rb
 
@@ -441,7 +437,7 @@ class Runtime:
         )
         handle = self._check_handle("combine", handle)
         rb, m, h = handle.rank_bound, handle[2], handle[3]
-        want = (eng._num_local, rb * m, h)
+        want = (eng.num_local, rb * m, h)
         check_host("x", x)
         if x.dtype != torch.bfloat16 or tuple(x.shape) != want:
             raise ValueError(f"x must be bf16 {list(want)}, got {x.dtype} {list(x.shape)}")
@@ -454,7 +450,7 @@ class Runtime:
             elif zero_copy:  # only checked: the engine reads its own combine buffer
                 x_full = eng.get_next_low_latency_combine_buffer(handle.inner)
             else:
-                x_full = self._pad(x, eng._num_local, m, h)
+                x_full = self._pad(x, eng.num_local, m, h)
             combined, _, inner_hook = eng.low_latency_combine(
                 x_full, topk_idx, topk_weights, handle.inner,
                 use_logfmt, zero_copy, False, return_recv_hook, out, full_cost,
