@@ -17,7 +17,9 @@ import torch
 from moecomm.wire.choose import TRANSPORT_CHOICES
 
 __all__ = [
+    "DEFAULT_MIN_REPLICAS",
     "WAKE_S",
+    "add_min_replicas_argument",
     "add_servers_arguments",
     "add_threads_argument",
     "add_token_argument",
@@ -31,6 +33,10 @@ __all__ = [
 WAKE_S = 0.2
 # What the clients of the expert servers (front end, rebalance) say about --token.
 CLIENT_TOKEN_HELP = "token of the expert servers' control planes"
+# Copies of every expert that re-placement keeps on distinct expert servers: with 2, losing any
+# one server leaves every expert served while its copies are re-homed (issue 28). Fewer when
+# fewer servers host a layer (the pass says so).
+DEFAULT_MIN_REPLICAS = 2
 
 
 def add_threads_argument(p: argparse.ArgumentParser) -> None:
@@ -60,6 +66,24 @@ def add_transport_argument(p: argparse.ArgumentParser) -> None:
         "pip install 'moecomm[nixl]') or auto (shm with peers that share this host's /dev/shm, "
         "nixl with the others; shm only when NIXL is not installed)",
     )
+
+
+def add_min_replicas_argument(p: argparse.ArgumentParser) -> None:
+    """--min-replicas, read by :func:`check_min_replicas` and the placement controller."""
+    p.add_argument(
+        "--min-replicas",
+        type=int,
+        default=DEFAULT_MIN_REPLICAS,
+        help="copies of every expert that re-placement keeps on distinct expert servers, and "
+        "restores at once when a server is lost (default %(default)s; as many as there are "
+        "servers when fewer, said in the pass's report; 1: EPLB's placement, cold experts on "
+        "one server)",
+    )
+
+
+def check_min_replicas(args: argparse.Namespace, command: str) -> None:
+    if args.min_replicas < 1:
+        raise SystemExit(f"moecomm {command}: --min-replicas must be >= 1, got {args.min_replicas}")
 
 
 def add_token_argument(p: argparse.ArgumentParser, help: str = CLIENT_TOKEN_HELP) -> None:

@@ -14,7 +14,14 @@ from moecomm.runtime.placement import (
     RebalanceReport,
 )
 
-from moecomm_serving.commands import add_servers_arguments, add_token_argument, stop_on_signals
+from moecomm_serving.commands import (
+    add_min_replicas_argument,
+    add_servers_arguments,
+    add_token_argument,
+    check_min_replicas,
+    stop_on_signals,
+    wait_for_stop,
+)
 from moecomm_serving.remote_experts import server_urls
 
 # A layer is re-placed only if its heaviest server drops by this fraction (5%): smaller gains
@@ -42,8 +49,10 @@ def add_controller_arguments(p: argparse.ArgumentParser, prefix: str = "") -> No
         f"--{prefix}min-tokens",
         type=int,
         default=MIN_WINDOW_TOKENS,
-        help="tokens the load window must hold before anything moves",
+        help="tokens the load window must hold before anything moves (restoring the copies of "
+        "--min-replicas does not wait for load)",
     )
+    add_min_replicas_argument(p)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -75,16 +84,19 @@ def server_list(args: argparse.Namespace):
 def summary(r: RebalanceReport) -> str:
     if r.skipped:
         return f"rebalance: nothing moved ({r.skipped})"
+    what = f"restored {r.min_replicas_held} copies, " if r.trigger == "restore" else ""
     text = (
-        f"rebalance: {len(r.moves)} moves over {r.servers} servers: {r.replicas_loaded} "
+        f"rebalance: {what}{len(r.moves)} moves over {r.servers} servers: {r.replicas_loaded} "
         f"loaded ({r.bytes_moved / 1e6:.2f} MB, {r.sources}), {r.replicas_dropped} dropped; "
         f"imbalance {r.imbalance_before:.3f} -> {r.imbalance_after:.3f}; "
         f"converged in {r.converge_seconds:.2f} s"
     )
+    text += f"; {r.redundancy_note}" if r.redundancy_note else ""
     return text + (f"; errors: {'; '.join(r.errors)}" if r.errors else "")
 
 
 def check_placement_args(args: argparse.Namespace) -> None:
+    check_min_replicas(args, "frontend")
     if args.eplb_interval > 0 and args.local_experts:
         raise SystemExit(
             "moecomm frontend: --eplb-interval needs expert servers (--servers or "
@@ -103,6 +115,7 @@ def start_placement(args: argparse.Namespace, servers) -> PlacementController | 
         weights_from=args.eplb_weights_from,
         min_gain=args.eplb_min_gain,
         min_tokens=args.eplb_min_tokens,
+        min_replicas=args.min_replicas,
         on_report=lambda r: r.skipped or print(f"frontend: {summary(r)}", flush=True),
     )
     controller.start(args.eplb_interval)
@@ -111,12 +124,14 @@ def start_placement(args: argparse.Namespace, servers) -> PlacementController | 
 
 
 def run(args: argparse.Namespace) -> int:
+    check_min_replicas(args, "rebalance")
     controller = PlacementController(
         server_list(args),
         args.token,
         weights_from=args.weights_from,
         min_gain=args.min_gain,
         min_tokens=args.min_tokens,
+        min_replicas=args.min_replicas,
     )
 
     def report(r: RebalanceReport) -> None:
@@ -127,9 +142,12 @@ def run(args: argparse.Namespace) -> int:
         report(r)
         return 1 if r.errors else 0
     stop = stop_on_signals()
-    while not stop.wait(args.interval):
-        try:
-            report(controller.rebalance())
-        except Exception as exc:  # one failed pass; the next one tries again
-            print(f"rebalance: pass failed: {type(exc).__name__}: {exc}", flush=True)
+    # A pass every --interval seconds (a failed one is logged; the next tries again) and, in
+    # between, the watch that restores the copies of a lost server at once.
+    controller.on_report = report
+    controller.start(args.interval)
+    try:
+        wait_for_stop(stop)
+    finally:
+        controller.stop()
     return 0

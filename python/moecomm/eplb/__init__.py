@@ -13,11 +13,14 @@ from .metrics import (
     replicas_moved,
 )
 from .policy import place_experts, rebalance_experts
+from .redundancy import Placement, gpus_per_expert
 
 __all__ = [
+    "Placement",
     "combine_windows",
     "duplicates",
     "gpu_loads",
+    "gpus_per_expert",
     "imbalance",
     "imbalance_per_layer",
     "place_experts",

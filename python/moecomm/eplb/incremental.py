@@ -10,7 +10,9 @@ Per layer, two candidates are built and the cheaper acceptable one is kept:
   ordered so that experts that stay keep their slot.
 
 The repair is kept when its heaviest GPU is within `tolerance` of the full one; a layer keeps
-its previous placement untouched when neither gains `min_gain` over it.
+its previous placement untouched when neither gains `min_gain` over it — unless it has an
+expert on fewer than `min_replicas` GPUs: such a layer is always re-placed (both candidates
+hold the constraint).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import torch
 from .assignment import max_weight_matching
 from .checks import as_weight, check_config
 from .packing import Packing, dedup, refine
-from .policy import finalize, rebalance_experts
+from .policy import finalize, min_replicas_limit, rebalance_experts
+from .redundancy import Placement, check_min_replicas, gpus_per_expert, result, spread
 from .replicas import replica_counts
 
 # A layer is re-placed only if its heaviest GPU drops by at least this fraction: smaller gains
@@ -138,8 +141,11 @@ def _valid_layers(
     return ok & (per_node.reshape(layers, num_nodes) == num_groups // num_nodes).all(axis=1)
 
 
-def _repair(w: np.ndarray, prev: np.ndarray, num_nodes: int, num_gpus: int, swaps: int):
-    """Keep prev, fix replica counts for the loads w, de-duplicate, a few improving swaps.
+def _repair(
+    w: np.ndarray, prev: np.ndarray, num_nodes: int, num_gpus: int, swaps: int, min_count: int = 1
+):
+    """Keep prev, fix replica counts for the loads w, de-duplicate, a few improving swaps; every
+    expert ends on at least min_count GPUs.
 
     Works per (layer, node): the node's experts stay on it, so groups stay where they are.
     Returns the new phy2log [L, N].
@@ -163,7 +169,7 @@ def _repair(w: np.ndarray, prev: np.ndarray, num_nodes: int, num_gpus: int, swap
     row_w = np.take_along_axis(w.repeat(num_nodes, axis=0), experts, axis=1)
     old_cnt = np.bincount((row * node_experts + local).ravel(), minlength=rows * node_experts)
     old_cnt = old_cnt.reshape(rows, node_experts)
-    new_cnt = replica_counts(row_w, node_slots, max_count=gpus_per_node)
+    new_cnt = replica_counts(row_w, node_slots, max_count=gpus_per_node, min_count=min_count)
     surplus = np.maximum(old_cnt - new_cnt, 0)
     deficit = np.maximum(new_cnt - old_cnt, 0)
 
@@ -209,6 +215,7 @@ def _repair(w: np.ndarray, prev: np.ndarray, num_nodes: int, num_gpus: int, swap
     dedup(packing, capacity, group)
     refine(packing, capacity, swaps, group)
     dedup(packing, capacity, group)
+    spread(packing, capacity, min_count)  # copies that missing replicas put on one GPU
     result_local = packing.slot_l.reshape(rows, node_slots)
     return np.take_along_axis(experts, result_local, axis=1).reshape(layers, num_slots)
 
@@ -234,7 +241,8 @@ def rebalance_incremental(
     min_gain: float = DEFAULT_MIN_GAIN,
     tolerance: float = DEFAULT_TOLERANCE,
     swaps: tuple[int, ...] = REPAIR_SWAPS,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    min_replicas: int = 1,
+) -> Placement:
     """Like rebalance_experts, but starting from `previous_phy2log` [layers, num_replicas] and
     moving as few replicas as it can (see the module docstring). Same outputs and policies;
     neither input is modified.
@@ -242,7 +250,8 @@ def rebalance_incremental(
     min_gain: a layer keeps its previous placement unless its heaviest GPU drops by this
       fraction. tolerance: the low-movement repair is used when its heaviest GPU is within this
       fraction of a full rebalance's. swaps: budgets of improving swaps after a repair, smallest
-      first.
+      first. min_replicas: as in rebalance_experts; a layer whose previous placement has an
+      expert on fewer GPUs is re-placed whatever the gain.
     """
     w = as_weight(weight)
     layers, num_experts = w.shape
@@ -260,8 +269,14 @@ def rebalance_incremental(
             raise ValueError(f"{name} must be in [0, 1), got {value}")
     nodes = num_nodes if hierarchical else 1
     groups = num_groups if hierarchical else 1
+    check_min_replicas(min_replicas)
+    most, _ = min_replicas_limit(num_experts, num_replicas, num_groups, num_nodes, num_gpus)
+    k = min(min_replicas, most)
 
-    full = rebalance_experts(w, num_replicas, num_groups, num_nodes, num_gpus)[0].numpy()
+    planned = rebalance_experts(
+        w, num_replicas, num_groups, num_nodes, num_gpus, min_replicas=min_replicas
+    )
+    full = planned[0].numpy()
     prev_np, w_np = prev.numpy(), w.numpy()
 
     def relabelled(rows: np.ndarray) -> np.ndarray:
@@ -276,13 +291,18 @@ def rebalance_incremental(
     # nodes) cannot be repaired: they start from the relabelled full placement instead.
     valid = _valid_layers(prev_np, num_experts, groups, nodes, num_gpus)
     start = np.where(valid[:, None], prev_np, relabelled(np.flatnonzero(~valid)))
-    peak_prev = np.where(valid, _layer_peak(prev_np, w_np, num_gpus), np.inf)
+    if k > 1:  # a layer short of copies is never kept as it is
+        slots = [num_replicas // num_gpus] * num_gpus
+        valid_kept = valid & (gpus_per_expert(prev_np, num_experts, slots).min(axis=1) >= k)
+    else:
+        valid_kept = valid
+    peak_prev = np.where(valid_kept, _layer_peak(prev_np, w_np, num_gpus), np.inf)
     peak_full = _layer_peak(full, w_np, num_gpus)
     chosen, peak_new = start, peak_full
     use_any = np.zeros(layers, dtype=bool)
     # Larger swap budgets first, so the smallest acceptable budget overwrites the others.
     for budget in sorted(swaps, reverse=True):
-        repaired = _repair(w_np, start, nodes, num_gpus, budget)
+        repaired = _repair(w_np, start, nodes, num_gpus, budget, k)
         peak_rep = _layer_peak(repaired, w_np, num_gpus)
         use_rep = peak_rep <= peak_full * (1.0 + tolerance)
         chosen = np.where(use_rep[:, None], repaired, chosen)
@@ -292,4 +312,5 @@ def rebalance_incremental(
     need_full = ~use_any & valid
     chosen = np.where(need_full[:, None], relabelled(np.flatnonzero(need_full)), chosen)
     keep = peak_new > peak_prev * (1.0 - min_gain)
-    return finalize(np.where(keep[:, None], prev_np, chosen), num_experts)
+    placed = finalize(np.where(keep[:, None], prev_np, chosen), num_experts)
+    return result(placed, [num_replicas // num_gpus] * num_gpus, min_replicas, planned.note)

@@ -10,6 +10,7 @@ import torch
 from . import native
 from .checks import as_weight, check_capacity, check_config, check_slots
 from .packing import MAX_REFINE_STEPS, balanced_pack, dedup, refine, rounds_are_optimal
+from .redundancy import Placement, check_min_replicas, effective, limit, result, spread
 from .replicas import expand_replicas, replica_counts
 
 # Divisor offsets tried, with counts capped at the GPUs available, beside the published counts
@@ -24,9 +25,11 @@ def place_rows(
     slots: list[int],
     capacity: np.ndarray | None = None,
     row_group: np.ndarray | None = None,
+    min_count: int = 1,
 ) -> np.ndarray:
     """weights [B, E] -> phy2log [B, sum(slots)] (local expert ids), pack p owning the next
-    slots[p] physical slots.
+    slots[p] physical slots; every expert on at least min_count distinct packs (the caller
+    checked that they fit: redundancy.limit).
 
     Replica counts: the published ones, and, for the rows where they differ, the ones capped at
     the packs available (for each COUNT_OFFSETS entry). Each is packed (rounds, de-duplication)
@@ -36,12 +39,15 @@ def place_rows(
     rows = weights.shape[0]
     num_slots = sum(slots)
     cap = np.ones(len(slots)) if capacity is None else capacity
-    counts = replica_counts(weights, num_slots)  # the published counts first: ties keep them
+    # The published counts first: ties keep them.
+    counts = replica_counts(weights, num_slots, min_count=min_count)
     origin = np.arange(rows)
     for offset in COUNT_OFFSETS:
         if offset == 0.0 and int(counts.max()) <= len(slots):
             continue  # the cap does not bind anywhere: same counts as the published ones
-        alt = replica_counts(weights, num_slots, max_count=len(slots), offset=offset)
+        alt = replica_counts(
+            weights, num_slots, max_count=len(slots), offset=offset, min_count=min_count
+        )
         differ = np.flatnonzero((alt != counts[:rows]).any(axis=1))
         counts = np.concatenate([counts, alt[differ]])
         origin = np.concatenate([origin, differ])
@@ -63,6 +69,9 @@ def place_rows(
         refine(packing, cap, MAX_REFINE_STEPS, row_group)
     # Duplicates the first pass kept for balance may go now, below the group's (layer's) peak.
     dedup(packing, cap, row_group)
+    # Redundancy is a hard constraint, after balance: the steps above never lower the packs an
+    # expert is on, so the experts still short are swapped apart last.
+    spread(packing, cap, min_count)
     # Labels are the local expert ids; -1 marks the padding of servers with fewer slots.
     labels = packing.slot_l.reshape(rows, -1)
     return labels[labels >= 0].reshape(rows, num_slots)
@@ -104,7 +113,7 @@ def finalize(
 
 
 def _place_split(
-    w: np.ndarray, groups: np.ndarray, group_size: int, slots: list[int]
+    w: np.ndarray, groups: np.ndarray, group_size: int, slots: list[int], min_count: int = 1
 ) -> tuple[np.ndarray, np.ndarray]:
     """Place replicas for a group-to-node split groups [L, nodes, groups per node].
 
@@ -117,7 +126,7 @@ def _place_split(
     node_w = np.take_along_axis(w.repeat(num_nodes, axis=0), node_experts, axis=1)
     # Replicas within each node, packed onto the node's GPUs, all nodes in one batch.
     layer_of_row = np.arange(layers).repeat(num_nodes)
-    local = place_rows(node_w, slots, row_group=layer_of_row)
+    local = place_rows(node_w, slots, row_group=layer_of_row, min_count=min_count)
     # Heaviest GPU of each layer, from the node rows' own loads.
     flat = (np.arange(local.shape[0])[:, None] * node_w.shape[1] + local).ravel()
     counts = np.bincount(flat, minlength=node_w.size).reshape(node_w.shape)
@@ -128,7 +137,12 @@ def _place_split(
 
 
 def _hierarchical(
-    w: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
+    w: np.ndarray,
+    num_replicas: int,
+    num_groups: int,
+    num_nodes: int,
+    num_gpus: int,
+    min_count: int = 1,
 ) -> np.ndarray:
     layers, num_experts = w.shape
     group_size = num_experts // num_groups
@@ -139,7 +153,7 @@ def _hierarchical(
     # heaviest first, the order in which the greedy breaks ties between equal replica claims.
     group_w = w.reshape(layers, num_groups, group_size).sum(axis=2)
     packed = balanced_pack(group_w, [per_node] * num_nodes)
-    phy2log, peak = _place_split(w, packed.table, group_size, slots)
+    phy2log, peak = _place_split(w, packed.table, group_size, slots, min_count)
     if per_node > 2 and num_nodes > 1:
         # A lower node peak does not always give a lower GPU peak: where the greedy's own split
         # differs from ours, place both and keep the better per layer. (With two groups per node
@@ -147,7 +161,7 @@ def _hierarchical(
         greedy = _greedy_split(group_w, num_nodes)
         differ = np.flatnonzero((greedy != packed.table).any(axis=(1, 2)))
         if differ.size:
-            alt, alt_peak = _place_split(w[differ], greedy[differ], group_size, slots)
+            alt, alt_peak = _place_split(w[differ], greedy[differ], group_size, slots, min_count)
             better = alt_peak < peak[differ]
             phy2log[differ[better]] = alt[better]
     return phy2log
@@ -173,13 +187,28 @@ def _greedy_split(group_w: np.ndarray, num_nodes: int) -> np.ndarray:
     return table
 
 
+def min_replicas_limit(
+    num_experts: int, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
+) -> tuple[int, str]:
+    """(most copies of every expert on distinct GPUs a rebalance_experts configuration fits,
+    what bounds it). In the hierarchical policy a group's replicas stay on its node, so each
+    node's experts share its GPUs."""
+    nodes = num_nodes if num_groups % num_nodes == 0 else 1
+    per_node = num_gpus // nodes
+    per_gpu = num_replicas // num_gpus
+    where = f"{per_node} GPUs of {per_gpu} slots" + (" per node" if nodes > 1 else "")
+    return limit([per_gpu] * per_node, num_experts // nodes), where
+
+
 def rebalance_experts(
     weight: torch.Tensor | np.ndarray,
     num_replicas: int,
     num_groups: int,
     num_nodes: int,
     num_gpus: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    *,
+    min_replicas: int = 1,
+) -> Placement:
     """EPLB-compatible placement of `num_replicas` physical expert slots.
 
     weight: [layers, num_logical_experts] loads (torch or numpy, never modified).
@@ -191,15 +220,21 @@ def rebalance_experts(
       logcnt [layers, num_logical_experts]: replica count of each expert (>= 1).
     Hierarchical policy when num_groups % num_nodes == 0 (groups packed onto nodes, every replica
     of a group on its node), global policy otherwise.
+    min_replicas: every expert on at least this many distinct GPUs (default 1: the published
+    placement, unchanged); where the configuration cannot hold it, as many as fit, said by a
+    log line and the result's `note` (a Placement: the triple, plus min_replicas, held, note).
     """
     w = as_weight(weight)
     hierarchical = check_config(w.size(1), num_replicas, num_groups, num_nodes, num_gpus)
+    most, where = min_replicas_limit(w.size(1), num_replicas, num_groups, num_nodes, num_gpus)
+    k, note = effective(check_min_replicas(min_replicas), most, where)
     w_np = w.numpy()
     if hierarchical:
-        phy2log = _hierarchical(w_np, num_replicas, num_groups, num_nodes, num_gpus)
+        phy2log = _hierarchical(w_np, num_replicas, num_groups, num_nodes, num_gpus, k)
     else:
-        phy2log = _hierarchical(w_np, num_replicas, 1, 1, num_gpus)
-    return finalize(phy2log, w.size(1))
+        phy2log = _hierarchical(w_np, num_replicas, 1, 1, num_gpus, k)
+    slots = [num_replicas // num_gpus] * num_gpus
+    return result(finalize(phy2log, w.size(1)), slots, min_replicas, note)
 
 
 def place_experts(
@@ -207,15 +242,19 @@ def place_experts(
     slots_per_gpu: Sequence[int],
     *,
     gpu_capacity: Sequence[float] | torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    min_replicas: int = 1,
+) -> Placement:
     """Global placement over servers of unequal size (EaaS extension).
 
     slots_per_gpu[g]: expert slots server g holds; its slots are the next slots_per_gpu[g] physical
     slots (server 0 first). gpu_capacity[g] (default 1 each): relative speed; balance is judged on
     load / capacity. Returns (phy2log, log2phy, logcnt) as rebalance_experts, with
-    num_replicas = sum(slots_per_gpu).
+    num_replicas = sum(slots_per_gpu). min_replicas: as in rebalance_experts.
     """
     w = as_weight(weight)
     slots = check_slots(slots_per_gpu, w.size(1))
     capacity = check_capacity(gpu_capacity, len(slots))
-    return finalize(place_rows(w.numpy(), slots, capacity.numpy()), w.size(1))
+    where = f"{len(slots)} GPUs of {slots} slots"
+    k, note = effective(check_min_replicas(min_replicas), limit(slots, w.size(1)), where)
+    phy2log = place_rows(w.numpy(), slots, capacity.numpy(), min_count=k)
+    return result(finalize(phy2log, w.size(1)), slots, min_replicas, note)

@@ -38,15 +38,35 @@ def _first_largest(values: np.ndarray, k: int) -> np.ndarray:
 
 
 def replica_counts(
-    weights: np.ndarray, num_slots: int, *, max_count: int | None = None, offset: float = 0.0
+    weights: np.ndarray,
+    num_slots: int,
+    *,
+    max_count: int | None = None,
+    offset: float = 0.0,
+    min_count: int = 1,
 ) -> np.ndarray:
     """weights [B, E] (>= 0) -> counts [B, E] int64, every row summing to num_slots.
 
     max_count: per-expert cap (raised to ceil(num_slots / E) when it could not fill the slots).
     offset: divisor offset; 0 reproduces the published greedy, larger values favour mid-sized
-    experts over the largest one.
+    experts over the largest one. min_count: replicas every expert gets at least (redundancy).
     """
     rows, num_experts = weights.shape
+    if min_count > 1:
+        if num_slots < min_count * num_experts:
+            raise ValueError(
+                f"need {min_count} slots per expert: {num_slots} slots, {num_experts} experts"
+            )
+        # The same greedy over the slots left once every expert holds min_count replicas: its
+        # j-th extra replica then divides the load by min_count - 1 + j (+ offset), so the
+        # divisors shift by the replicas each expert already holds.
+        base = min_count - 1
+        return base + replica_counts(
+            weights,
+            num_slots - base * num_experts,
+            max_count=None if max_count is None else max_count - base,
+            offset=offset + base,
+        )
     redundant = num_slots - num_experts
     if redundant < 0:
         raise ValueError(f"need at least one slot per expert: {num_slots} slots, {num_experts}")

@@ -6,6 +6,11 @@ expert, or read from the server's own checkpoint), published, and only then are 
 that leave marked as leaving. A leaving replica is still served; the server frees it once every
 client has picked up the new table (docs/placement.md). So at every moment each expert has a
 published replica, and no client request is ever lost to a move.
+
+Redundancy: with `min_replicas` k every plan puts each expert on k distinct servers (as many as
+host the layer, when fewer), and while the controller runs (start()) a watch re-reads the
+servers every `watch_s`: when one is lost and an expert falls below its copies, a restore pass
+re-homes them at once, without waiting for the next load-driven pass.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import httpx
@@ -22,6 +28,7 @@ import numpy as np
 import torch
 
 from moecomm.eplb import combine_windows, rebalance_incremental
+from moecomm.eplb.redundancy import check_min_replicas
 from moecomm.runtime.control import HTTP_TIMEOUT_S
 
 log = logging.getLogger("moecomm.placement")
@@ -39,6 +46,13 @@ CONVERGE_POLL_S = 0.05
 # Loads may take long on a real checkpoint (a DeepSeek-V3 expert is 44 MB); the HTTP deadline of
 # a load is this multiple of the controller's.
 LOAD_TIMEOUT_FACTOR = 6
+# How often the running controller checks that every expert still has its copies (a GET
+# /experts of each server without its load table, a few ms): the detection part of the time
+# from a server's loss to restored redundancy. A killed server refuses the next connect at once.
+REDUNDANCY_WATCH_S = 0.1
+# After a restore pass that could not restore everything (a load failed), the watch waits this
+# long before the next try instead of hammering the servers.
+RESTORE_RETRY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -82,6 +96,7 @@ class RebalanceReport:
     equally, as the clients' round robin does)."""
 
     started: float
+    trigger: str = "interval"  # "restore": a pass that re-homed the copies a lost server held
     window_tokens: int = 0
     servers: int = 0
     imbalance_before: float = 1.0
@@ -96,6 +111,9 @@ class RebalanceReport:
     converge_seconds: float = 0.0
     skipped: str = ""
     errors: list[str] = field(default_factory=list)
+    min_replicas: int = 1  # copies asked for
+    min_replicas_held: int = 0  # every expert of the planned layers is on this many servers
+    redundancy_note: str = ""  # why min_replicas_held < min_replicas ("" when it holds)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -124,7 +142,11 @@ class PlacementController:
 
     weights_from: "peer" pulls a replica's weights from a server that hosts it (over the
     transport), falling back to the target's checkpoint; "checkpoint" reads the checkpoint
-    first and falls back to a peer."""
+    first and falls back to a peer.
+
+    min_replicas: copies of every expert on distinct servers (default 1, EPLB's placement;
+    `moecomm` commands default to 2). watch_s: how often start()'s watch checks them (0: no
+    watch)."""
 
     def __init__(
         self,
@@ -139,9 +161,15 @@ class PlacementController:
         timeout: float = HTTP_TIMEOUT_S,
         converge_timeout: float = CONVERGE_TIMEOUT_S,
         on_report: Callable[[RebalanceReport], None] | None = None,
+        min_replicas: int = 1,
+        watch_s: float = REDUNDANCY_WATCH_S,
     ):
         if weights_from not in WEIGHT_SOURCES:
             raise ValueError(f"weights_from must be one of {WEIGHT_SOURCES}, got {weights_from!r}")
+        if watch_s < 0:
+            raise ValueError(f"watch_s must be >= 0, got {watch_s}")
+        self.min_replicas = check_min_replicas(min_replicas)
+        self.watch_s = watch_s
         self._servers = servers if callable(servers) else (lambda s=list(servers): s)
         self.token = token
         self.weights_from = weights_from
@@ -155,21 +183,44 @@ class PlacementController:
         self._last: dict[str, tuple[str, dict[tuple[int, int], int]]] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._watch_thread: threading.Thread | None = None
+        # One pass at a time: a restore and a load-driven pass would plan from the same tables.
+        self._pass = threading.Lock()
+        self._unanswered: set[str] = set()  # servers whose last GET /experts failed
+        self._report_lock = threading.Lock()
         self.reports: list[RebalanceReport] = []
         self._num_experts: dict[int, int] = {}  # layer -> experts seen in any pass
 
     # ------------------------------------------------------------------ reading the servers
-    def snapshot(self) -> list[ServerView]:
-        """GET /experts of every server; one that does not answer is left out of this pass."""
-        views = []
-        for url in list(self._servers()):
+    def snapshot(self, load: bool = True) -> list[ServerView]:
+        """GET /experts of every server, all at once (the watch's detection time is one round
+        trip, not one per server); without the load table with load=False. A server that does
+        not answer is left out of this pass. Views keep the servers' order."""
+        urls = list(self._servers())
+        params = None if load else {"load": "false"}
+
+        def read(url: str) -> ServerView | None:
             try:
-                r = httpx.get(f"{url}/experts", timeout=self.timeout)
+                r = httpx.get(f"{url}/experts", params=params, timeout=self.timeout)
                 r.raise_for_status()
-                views.append(ServerView.from_json(url, r.json()))
+                view = ServerView.from_json(url, r.json())
             except (httpx.HTTPError, KeyError, ValueError, TypeError) as exc:
-                log.warning("placement: %s left out of this pass: %s", url, exc)
-        return views
+                # Said once per outage: the watch re-reads a lost server every tick.
+                with self._report_lock:
+                    if url not in self._unanswered:
+                        log.warning("placement: %s left out of this pass: %s", url, exc)
+                    self._unanswered.add(url)
+                return None
+            with self._report_lock:
+                self._unanswered.discard(url)
+            return view
+
+        if len(urls) <= 1:
+            views = [read(u) for u in urls]
+        else:
+            with ThreadPoolExecutor(len(urls), thread_name_prefix="moecomm-snapshot") as pool:
+                views = list(pool.map(read, urls))
+        return [v for v in views if v is not None]
 
     def _window(self, views: list[ServerView]) -> dict[tuple[int, int], int]:
         """Tokens per (layer, expert) served since the previous snapshot, over all servers."""
@@ -187,6 +238,9 @@ class PlacementController:
     def _weights(self, layers: list[int], num_experts: dict[int, int]) -> dict[int, np.ndarray]:
         out = {}
         for layer in layers:
+            if not self._windows:  # a restore before any load-driven pass: no load known yet
+                out[layer] = np.zeros(num_experts[layer])
+                continue
             stack = np.zeros((len(self._windows), num_experts[layer]))
             for i, w in enumerate(self._windows):
                 for (lay, e), n in w.items():
@@ -196,26 +250,71 @@ class PlacementController:
         return out
 
     # ------------------------------------------------------------------ planning
+    def _learn_experts(self, views: list[ServerView]) -> dict[int, int]:
+        """Experts per layer, remembered across passes: after a server is lost, experts it alone
+        held are still part of the layer, and the plan gives them new homes."""
+        num_experts = self._num_experts
+        for v in views:
+            for layer, ids in v.layers.items():
+                top = max([*ids, *v.leaving.get(layer, []), -1]) + 1
+                num_experts[layer] = max(num_experts.get(layer, 0), top)
+        return num_experts
+
+    def _copies(self, placement: dict[int, list[set[int]]]) -> dict[int, np.ndarray]:
+        """{layer: [E] servers holding each expert}."""
+        out = {}
+        for layer, sets in placement.items():
+            count = np.zeros(self._num_experts.get(layer, 0), dtype=np.int64)
+            for s in sets:
+                for e in s:
+                    if e < count.size:
+                        count[e] += 1
+            out[layer] = count
+        return out
+
+    def short_layers(self, views: list[ServerView]) -> list[int]:
+        """Layers where an expert is on fewer servers than min_replicas (or than the servers
+        hosting the layer, when fewer): after a loss, what a restore pass re-homes."""
+        today = {
+            layer: [v.live(layer) for v in views if v.live(layer)] for layer in self._num_experts
+        }
+        short = []
+        for layer, count in self._copies(today).items():
+            need = min(self.min_replicas, len(today[layer])) if today[layer] else 1
+            if count.size and int(count.min()) < need:
+                short.append(layer)
+        return short
+
     def plan(self, views: list[ServerView], weights: dict[int, np.ndarray]):
-        """(moves, placement before, placement after) for the layers in `weights`. Layers are
-        placed over the servers that host them today, grouped so one rebalance call covers all
-        layers with the same server set."""
+        """(moves, placement before, placement after, notes) for the layers in `weights`.
+        Layers are placed over the servers that host them today, grouped so one rebalance call
+        covers all layers with the same server set; every expert gets min_replicas copies on
+        distinct servers, or as many as there are servers (said in `notes`)."""
         groups: dict[tuple[int, ...], list[int]] = {}
         for layer in sorted(weights):
             hosts = tuple(i for i, v in enumerate(views) if v.live(layer))
             if hosts:
                 groups.setdefault(hosts, []).append(layer)
         moves: list[Move] = []
+        notes: list[str] = []
         before: dict[int, list[set[int]]] = {}
         after: dict[int, list[set[int]]] = {}
         for hosts, layers in groups.items():
             num_experts = len(weights[layers[0]])
             same = [la for la in layers if len(weights[la]) == num_experts]
             n = len(hosts)
+            copies = min(self.min_replicas, n)
+            if copies < self.min_replicas:
+                notes.append(
+                    f"min_replicas={self.min_replicas} cannot hold for layers {same}: "
+                    f"{n} server{'s' if n > 1 else ''} host them; {copies} cop"
+                    f"{'y' if copies == 1 else 'ies'} of each expert"
+                )
             # Slots per server: what the fullest server holds today, and enough for every
-            # expert to have a replica (servers left after a loss take the orphans).
+            # expert to have `copies` replicas on distinct servers (servers left after a loss
+            # take the orphans and the lost copies).
             slots = max(len(views[h].live(la)) for h in hosts for la in same)
-            slots = max(slots, -(-num_experts // n))
+            slots = max(slots, -(-copies * num_experts // n))
             prev = np.zeros((len(same), n * slots), dtype=np.int64)
             for row, layer in enumerate(same):
                 for g, h in enumerate(hosts):
@@ -233,6 +332,7 @@ class PlacementController:
                 1,
                 n,
                 min_gain=self.min_gain,
+                min_replicas=copies,
             )[0].numpy()
             for row, layer in enumerate(same):
                 before[layer] = [views[h].live(layer) for h in hosts]
@@ -242,7 +342,7 @@ class PlacementController:
                     url = views[h].url
                     moves += [Move(layer, int(e), url, "load") for e in sorted(new_set - old_set)]
                     moves += [Move(layer, int(e), url, "drop") for e in sorted(old_set - new_set)]
-        return moves, before, after
+        return moves, before, after, notes
 
     # ------------------------------------------------------------------ applying
     def _post(self, url: str, route: str, body: dict, timeout: float) -> dict:
@@ -266,21 +366,40 @@ class PlacementController:
             except (httpx.HTTPError, RuntimeError) as exc:
                 errors.append(f"{source}: {exc}")
                 continue
-            report.replicas_loaded += 1
-            report.bytes_moved += int(out["bytes"])
-            report.load_seconds.append(float(out["seconds"]))
-            report.sources[source] = report.sources.get(source, 0) + 1
+            with self._report_lock:  # loads to different servers run in parallel
+                report.replicas_loaded += 1
+                report.bytes_moved += int(out["bytes"])
+                report.load_seconds.append(float(out["seconds"]))
+                report.sources[source] = report.sources.get(source, 0) + 1
             return True
-        report.errors.append(
-            f"load of layer {move.layer} expert {move.expert} on {move.server} failed: "
-            + "; ".join(errors)
-        )
+        with self._report_lock:
+            report.errors.append(
+                f"load of layer {move.layer} expert {move.expert} on {move.server} failed: "
+                + "; ".join(errors)
+            )
         return False
+
+    def _load_all(
+        self, loads: list[Move], views: list[ServerView], report: RebalanceReport
+    ) -> list[Move]:
+        """The loads, one thread per target server (a server applies its own changes one at a
+        time; different servers copy at once, which is what shortens a restore). Returns the
+        moves that loaded."""
+        by_server: dict[str, list[Move]] = {}
+        for m in loads:
+            by_server.setdefault(m.server, []).append(m)
+        if len(by_server) <= 1:
+            return [m for m in loads if self._load(m, views, report)]
+        with ThreadPoolExecutor(len(by_server), thread_name_prefix="moecomm-load") as pool:
+            done = pool.map(
+                lambda ms: [m for m in ms if self._load(m, views, report)], by_server.values()
+            )
+            return [m for ms in done for m in ms]
 
     def apply(self, moves: list[Move], views: list[ServerView], report: RebalanceReport) -> None:
         """Loads first, then drops; a drop happens only while another live replica remains."""
         start = time.monotonic()
-        loaded = [m for m in moves if m.action == "load" and self._load(m, views, report)]
+        loaded = self._load_all([m for m in moves if m.action == "load"], views, report)
         drops = [m for m in moves if m.action == "drop"]
         if drops:
             fresh = self.snapshot()  # what is live now that the loads are done
@@ -324,29 +443,59 @@ class PlacementController:
 
     # ------------------------------------------------------------------ one pass, or a loop
     def rebalance(self) -> RebalanceReport:
-        """Reads loads, plans and applies one re-placement; returns what it did."""
-        report = RebalanceReport(started=time.time())
-        views = self.snapshot()
-        report.servers = len(views)
-        if not views:
-            report.skipped = "no expert server answered"
-            return self._done(report)
-        self._windows.append(self._window(views))
-        # Remembered across passes: after a server is lost, experts it alone held are still
-        # part of the layer, and the plan gives them new homes (loaded from the checkpoint).
-        num_experts = self._num_experts
-        for v in views:
-            for layer, ids in v.layers.items():
-                top = max([*ids, *v.leaving.get(layer, []), -1]) + 1
-                num_experts[layer] = max(num_experts.get(layer, 0), top)
-        report.window_tokens = sum(sum(w.values()) for w in self._windows)
-        if report.window_tokens < self.min_tokens:
-            report.skipped = f"{report.window_tokens} tokens in the load window"
-            return self._done(report)
-        weights = self._weights(sorted(num_experts), num_experts)
-        moves, before, after = self.plan(views, weights)
+        """Reads loads, plans and applies one re-placement; returns what it did. With too little
+        load to go by it still restores the copies of experts below min_replicas."""
+        with self._pass:
+            report = RebalanceReport(started=time.time(), min_replicas=self.min_replicas)
+            views = self.snapshot()
+            report.servers = len(views)
+            if not views:
+                report.skipped = "no expert server answered"
+                return self._done(report)
+            self._windows.append(self._window(views))
+            num_experts = self._learn_experts(views)
+            report.window_tokens = sum(sum(w.values()) for w in self._windows)
+            layers = sorted(num_experts)
+            if report.window_tokens < self.min_tokens:
+                layers = self.short_layers(views)
+                if not layers:
+                    report.skipped = f"{report.window_tokens} tokens in the load window"
+                    return self._done(report)
+                report.trigger = "restore"
+            return self._plan_and_apply(views, self._weights(layers, num_experts), report)
+
+    def restore(self) -> RebalanceReport | None:
+        """One restore pass: when an expert is on fewer servers than min_replicas (a server was
+        lost), re-homes the missing copies now (a peer's or the checkpoint's weights), planned
+        from the last load windows. None when every expert has its copies."""
+        with self._pass:
+            views = self.snapshot(load=False)
+            if not views:
+                return None
+            num_experts = self._learn_experts(views)
+            layers = self.short_layers(views)
+            if not layers:
+                return None
+            report = RebalanceReport(
+                started=time.time(),
+                trigger="restore",
+                servers=len(views),
+                min_replicas=self.min_replicas,
+            )
+            report.window_tokens = sum(sum(w.values()) for w in self._windows)
+            return self._plan_and_apply(views, self._weights(layers, num_experts), report)
+
+    def _plan_and_apply(
+        self, views: list[ServerView], weights: dict[int, np.ndarray], report: RebalanceReport
+    ) -> RebalanceReport:
+        moves, before, after, notes = self.plan(views, weights)
         report.imbalance_before = _imbalance(before, weights)
         report.imbalance_after = _imbalance(after, weights)
+        copies = self._copies(after).values()
+        report.min_replicas_held = min((int(c.min()) for c in copies if c.size), default=0)
+        report.redundancy_note = "; ".join(notes)
+        if notes:
+            log.warning("placement: %s", report.redundancy_note)
         report.moves = moves
         if not moves:
             report.skipped = "the placement is already balanced"
@@ -360,8 +509,9 @@ class PlacementController:
             self.on_report(report)
         if report.moves or report.errors:
             log.info(
-                "placement: %d moves (%d loaded, %d dropped, %.1f MB) imbalance %.3f -> %.3f, "
-                "%.2f s%s",
+                "placement (%s): %d moves (%d loaded, %d dropped, %.1f MB) imbalance %.3f -> "
+                "%.3f, %.2f s%s",
+                report.trigger,
                 len(report.moves),
                 report.replicas_loaded,
                 report.replicas_dropped,
@@ -374,7 +524,8 @@ class PlacementController:
         return report
 
     def start(self, interval_s: float) -> None:
-        """Re-places every `interval_s` seconds in a background thread until stop()."""
+        """Re-places every `interval_s` seconds in a background thread until stop(); with
+        watch_s > 0 a second thread restores lost copies as soon as they are found missing."""
         if interval_s <= 0:
             raise ValueError(f"the re-placement interval must be > 0, got {interval_s}")
         if self._thread is not None:
@@ -390,9 +541,25 @@ class PlacementController:
 
         self._thread = threading.Thread(target=loop, name="moecomm-placement", daemon=True)
         self._thread.start()
+        if self.watch_s > 0:
+            self._watch_thread = threading.Thread(
+                target=self._watch, name="moecomm-placement-watch", daemon=True
+            )
+            self._watch_thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.watch_s):
+            try:
+                report = self.restore()
+            except Exception:  # a failed restore is logged; the next tick tries again
+                log.exception("placement: restore pass failed")
+                report = None
+            if report is not None and report.errors:
+                self._stop.wait(RESTORE_RETRY_S)
 
     def stop(self, timeout: float = 30.0) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
+        for thread in (self._thread, self._watch_thread):
+            if thread is not None:
+                thread.join(timeout)
+        self._thread = self._watch_thread = None
