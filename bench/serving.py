@@ -10,7 +10,14 @@ Each level runs `--repeats` times (default 3), the two systems alternating (mono
 ...), so a slow phase of this shared machine hits both; the table shows the median throughput of
 each system and the median of the per-repeat ratios with their range (min-max).
 
-Usage: python bench/serving.py [--concurrency 1,4,16,32] [--repeats 3] [--json PATH]
+With --pipeline, two more front ends over the same servers: the model in 2 pipeline stages with
+each engine step as one micro-batch (`pipe2`, --stage-micro-batches 1: one stage computes at a
+time) and cut into 2 micro-batches in flight at once (`pipe2ov`, the default: the stages overlap),
+both without standby stages; the table then adds each one's throughput and the ratios
+pipe2ov / disagg (the same servers, --stages 1), pipe2ov / mono and pipe2ov / pipe2 (what the
+overlap gives).
+
+Usage: python bench/serving.py [--concurrency 1,4,16,32] [--repeats 3] [--pipeline] [--json PATH]
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ def probe(url: str) -> list[str]:
     return out
 
 
-def start_systems(procs: Processes, ckpt: str) -> dict[str, str]:
+def start_systems(procs: Processes, ckpt: str, pipeline: bool = False) -> dict[str, str]:
     import subprocess
 
     subprocess.run([*CLI, "tiny", "--out", ckpt], check=True, capture_output=True, timeout=120)
@@ -72,15 +79,25 @@ def start_systems(procs: Processes, ckpt: str) -> dict[str, str]:
     ]
     mono = procs.start("monolith", [*common, "--local-experts"], "frontend")
     disagg = procs.start("disaggregated", [*common, "--servers", ",".join(urls)], "frontend")
-    return {
+    systems = {
         "monolith": mono.split(" listening on ")[1],
         "disaggregated": disagg.split(" listening on ")[1],
     }
+    if pipeline:
+        staged = [*common, "--servers", ",".join(urls), "--stages", "2", "--no-standby-stages"]
+        for name, micro in (("pipe2", 1), ("pipe2ov", 2)):
+            line = procs.start(name, [*staged, "--stage-micro-batches", str(micro)], "frontend")
+            systems[name] = line.split(" listening on ")[1]
+    return systems
+
+
+# Short names of the systems in the rows.
+KEYS = {"monolith": "mono", "disaggregated": "disagg", "pipe2": "pipe2", "pipe2ov": "pipe2ov"}
 
 
 def run_level(systems: dict[str, str], c: int, a) -> dict:
     """One concurrency level, `a.repeats` times per system, alternating."""
-    reps: dict[str, list[dict]] = {"mono": [], "disagg": []}
+    reps: dict[str, list[dict]] = {KEYS[name]: [] for name in systems}
     for _ in range(a.repeats):
         for name, url in systems.items():
             rep = run_bench(
@@ -93,7 +110,7 @@ def run_level(systems: dict[str, str], c: int, a) -> dict:
                 max_concurrency=c,
                 seed=c,
             )
-            reps["mono" if name == "monolith" else "disagg"].append(rep)
+            reps[KEYS[name]].append(rep)
     row: dict = {"concurrency": c, "repeats": a.repeats}
     for key, rs in reps.items():
         row[f"{key}_tok_s"] = statistics.median(r["output_throughput"] for r in rs)
@@ -108,6 +125,12 @@ def run_level(systems: dict[str, str], c: int, a) -> dict:
     row["ratios"] = ratios
     row["ratio"] = statistics.median(ratios)
     row["ratio_range"] = f"{min(ratios):.2f}-{max(ratios):.2f}"
+    if "pipe2ov" in reps:  # medians of the per-repeat ratios, as above
+        for ref in ("disagg", "mono", "pipe2"):
+            row[f"pipe2ov_vs_{ref}"] = statistics.median(
+                o["output_throughput"] / r["output_throughput"]
+                for o, r in zip(reps["pipe2ov"], reps[ref], strict=True)
+            )
     return row
 
 
@@ -120,14 +143,20 @@ def main(argv=None) -> int:
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3, help="runs per level and system")
+    ap.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="also --stages 2 front ends, with and without overlap",
+    )
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     procs = Processes()
     rows = []
     try:
         with tempfile.TemporaryDirectory(prefix="moecomm-bench-") as tmp:
-            systems = start_systems(procs, os.path.join(tmp, "tiny"))
-            same = probe(systems["monolith"]) == probe(systems["disaggregated"])
+            systems = start_systems(procs, os.path.join(tmp, "tiny"), a.pipeline)
+            outputs = [probe(url) for url in systems.values()]
+            same = all(o == outputs[0] for o in outputs)
             for c in [int(x) for x in a.concurrency.split(",")]:
                 rows.append(run_level(systems, c, a))
     finally:
@@ -153,6 +182,25 @@ def main(argv=None) -> int:
             ],
         )
     )
+    if a.pipeline:
+        print(
+            "\n--stages 2 over the same servers: one micro-batch per step (pipe2) and two in "
+            "flight (pipe2ov)\n"
+            + format_table(
+                rows,
+                [
+                    ("concurrency", "conc", "d"),
+                    ("pipe2_tok_s", "pipe2 tok/s", ".1f"),
+                    ("pipe2ov_tok_s", "pipe2ov tok/s", ".1f"),
+                    ("pipe2ov_vs_pipe2", "pipe2ov/pipe2", ".2f"),
+                    ("pipe2ov_vs_disagg", "pipe2ov/disagg", ".2f"),
+                    ("pipe2ov_vs_mono", "pipe2ov/mono", ".2f"),
+                    ("pipe2_tpot_ms", "pipe2 TPOT ms", ".1f"),
+                    ("pipe2ov_tpot_ms", "pipe2ov TPOT ms", ".1f"),
+                    ("pipe2ov_failed", "failed", "d"),
+                ],
+            )
+        )
     at32 = next((r["ratio"] for r in rows if r["concurrency"] == 32), None)
     if at32 is not None:
         print(

@@ -90,6 +90,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(default 1: the whole model in this process)",
     )
     p.add_argument(
+        "--standby-stages",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --stages N > 1: keep a second set of N stage processes started, so a lost "
+        "stage is replaced without waiting for new ones to start (--no-standby-stages saves "
+        "their memory; a replacement then starts new stages); see docs/pipeline.md",
+    )
+    p.add_argument(
+        "--stage-micro-batches",
+        type=int,
+        default=None,
+        help="with --stages N > 1: micro-batches (1..N) each engine step is cut into, all in "
+        "flight at once so the stages compute at the same time (default 1: no overlap, faster "
+        "where the stages share a few cores; see docs/pipeline.md)",
+    )
+    p.add_argument(
         "--eplb-interval",
         type=float,
         default=0.0,

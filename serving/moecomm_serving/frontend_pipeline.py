@@ -5,6 +5,8 @@ with --local-experts), behind the same OpenAI API as the single-process front en
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import os
 
 import torch
@@ -31,19 +33,38 @@ def run_pipelined(args: argparse.Namespace) -> int:
             f"moecomm frontend: {args.stages} stages need at least as many layers, the model "
             f"has {config.num_hidden_layers}"
         )
+    micro = 1 if args.stage_micro_batches is None else args.stage_micro_batches
+    if not 1 <= micro <= args.stages:  # one slot per stage boundary and micro-batch in flight
+        raise SystemExit(
+            f"moecomm frontend: --stage-micro-batches must be in [1, {args.stages}], got {micro}"
+        )
     remote = None if args.local_experts else remote_from_args(args)
     where = "in-process experts" if remote is None else "expert servers"
     print(f"starting {args.stages} pipeline stages over {where}", flush=True)
-    pipe = model_pipeline(
+    build = functools.partial(
+        model_pipeline,
         args.checkpoint,
         args.stages,
         dtype=torch.float32,
         max_tokens=args.max_batch_tokens,
         remote=remote,
-        client_id=args.client_id,
         return_logits=True,
     )
-    model = PipelinedModel(pipe, config)
+    banks = itertools.count()
+
+    def start(initial_k: int = 0):
+        # A given client id names the first stage's client (the others follow it). The serving
+        # pipeline and its standby are up at once, so they take turns between two banks of ids:
+        # a pipeline is only started once the one that held its bank is closed.
+        bank = next(banks) % 2
+        cid = None if args.client_id is None else args.client_id + bank * args.stages
+        return build(client_id=cid, initial_k=initial_k)
+
+    pipe = start()
+    say = functools.partial(print, flush=True)
+    model = PipelinedModel(
+        pipe, config, restart=start, standby=args.standby_stages, say=say, micro_batches=micro
+    )
     http = controller = None
     try:
         tokenizer = load_tokenizer(args.checkpoint, config)
@@ -53,6 +74,7 @@ def run_pipelined(args: argparse.Namespace) -> int:
         http = start_frontend(app, args.host, args.port)
         ranges = " | ".join(f"{r.start}-{r.stop - 1}" for r in pipe.ranges)
         print(f"pipeline stages ready: layers {ranges}", flush=True)
+        print(f"pipeline stage pids: {' '.join(map(str, pipe.pids))}", flush=True)
         # The last line of the start-up, in the single-process front end's format (the demo
         # and scripts read the URL from it).
         print(f"frontend {name} listening on {http.url}", flush=True)

@@ -67,6 +67,7 @@ def test_killed_stage_gives_a_clear_error(tiny_dir):
             pipe.submit([0], [3], [1], [9])
             pipe.result()
         assert pipe.closed
+        pipe.close()  # the survivors are reaped in the background; close() waits for that
         assert all(not p.is_alive() for p in pipe.procs)
 
 

@@ -12,6 +12,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -29,6 +30,15 @@ from moecomm.wire.stage import stage_layout
 STAGE_START_TIMEOUT_S = 120.0
 # How often the driver checks its stages' liveness while it waits for a result.
 LIVENESS_POLL_S = 0.05
+# A stage the kernel reports stopped (SIGSTOP, a debugger) this long is declared lost and killed:
+# a serving stage never stops itself, and a stopped one holds up every micro-batch behind it. A
+# slow stage still runs, so this can be far below the step deadline (which a loaded 2-core host
+# needs); one second lets a stop/continue pair of a checkpointing tool pass.
+STOPPED_DEADLINE_S = 1.0
+# How long the stages of a failed pipeline get to stop (and close their expert clients) before
+# they are killed; nobody waits for it but close(): a survivor next to a dead stage notices within
+# its inbox slice (0.5 s), one waiting on a live but blocked neighbour would wait for its deadline.
+FAILED_STOP_GRACE_S = 1.0
 # Refit the predictor every this many results: a fit costs ~1 ms, a step several.
 REFIT_EVERY = 32
 # Results profiled before the first fit: the first steps are prefills and cold caches, and a
@@ -37,7 +47,20 @@ WARMUP_RESULTS = 16
 
 
 class PipelineError(MoecommError):
-    """A stage failed or died; the message names the stage and what happened."""
+    """A stage failed or died; the message names the stage and what happened (``stage``: its
+    index, when one stage is to blame)."""
+
+    stage: int | None = None
+    detail: str = ""
+
+
+def _stopped(pid: int) -> bool:
+    """Whether the kernel reports `pid` stopped (state T: SIGSTOP; t: stopped by a tracer)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False  # gone already: the exit code says so
 
 
 def _preload(num_layers: int, num_stages: int, k_max: int, index: int) -> range:
@@ -86,6 +109,8 @@ class Pipeline:
         self.inflight: deque[int] = deque()
         self.profiles: list[tuple] = []  # (stage, step, num_new, lengths, layer_times[, t_sample])
         self.closed = False
+        self._stopped_since: dict[int, float] = {}  # stage -> when it was first seen stopped
+        self._closer: threading.Thread | None = None  # reaps the stages of a failed pipeline
         try:
             for i in range(num_stages):
                 parent, child = ctx.Pipe()
@@ -140,8 +165,12 @@ class Pipeline:
             self._check_alive(wait=True)
             raise PipelineError(f"stage {i} closed its control pipe") from None
         if msg[0] == "error":
-            self._fail(f"stage {msg[1]} failed: {msg[2].strip().splitlines()[-1]}", msg[2])
+            self._fail(f"stage {msg[1]} failed: {msg[2].strip().splitlines()[-1]}", msg[2], msg[1])
         return msg
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
 
     def _check_alive(self, wait: bool = False) -> None:
         if wait:  # a closed pipe: give the exit code a moment to be reaped
@@ -157,31 +186,80 @@ class Pipeline:
                             self._fail(
                                 f"stage {msg[1]} failed: {msg[2].strip().splitlines()[-1]}",
                                 msg[2],
+                                msg[1],
                             )
             what = ", ".join(
                 f"stage {i} (pid {p.pid}) exited with code {p.exitcode}"
                 + (f" (signal {-p.exitcode})" if p.exitcode < 0 else "")
                 for i, p in dead
             )
-            steps = f"steps {list(self.inflight)} in flight" if self.inflight else "idle"
-            self._fail(f"pipeline stage lost: {what}; {steps}")
+            self._fail(f"pipeline stage lost: {what}; {self._steps()}", stage=dead[0][0])
+        now = time.monotonic()
+        for i, p in enumerate(self.procs):
+            if not _stopped(p.pid):
+                self._stopped_since.pop(i, None)
+                continue
+            since = self._stopped_since.setdefault(i, now)
+            if now - since > STOPPED_DEADLINE_S:
+                # Killed, not left stopped: it must never wake up and act on a stale step. Reaped
+                # here, so it is gone (not a zombie) once the failure is raised.
+                os.kill(p.pid, signal.SIGKILL)
+                p.join(STOPPED_DEADLINE_S)
+                self._fail(
+                    f"pipeline stage lost: stage {i} (pid {p.pid}) stopped for more than "
+                    f"{STOPPED_DEADLINE_S} s; {self._steps()}",
+                    stage=i,
+                )
 
-    def _fail(self, message: str, detail: str = "") -> None:
-        self.close()
+    def _steps(self) -> str:
+        return f"steps {list(self.inflight)} in flight" if self.inflight else "idle"
+
+    def _fail(self, message: str, detail: str = "", stage: int | None = None) -> None:
+        self._abandon()
         err = PipelineError(message)
-        err.detail = detail
+        err.detail, err.stage = detail, stage
         raise err
 
-    def close(self) -> None:
-        """Stops every stage (asks, then kills after a deadline) and reaps their segments."""
+    def check(self) -> None:
+        """Raises PipelineError (and closes the pipeline) if a stage died or is stopped."""
+        if self.closed:
+            raise PipelineError("the pipeline is closed")
+        self._check_alive()
+
+    def _abandon(self) -> None:
+        """Closes a failed pipeline without waiting for its stages to exit: they are asked to
+        stop, and a thread kills whichever is left after FAILED_STOP_GRACE_S and reaps their
+        segments. A replacement shares nothing with them, so it need not wait (a survivor's exit,
+        torch's teardown included, takes about a second on a loaded host); :meth:`close` waits."""
         if self.closed:
             return
         self.closed = True
+        self._ask_stop()
+        self._closer = threading.Thread(
+            target=self._reap, args=(FAILED_STOP_GRACE_S,), name="moecomm-stage-reaper", daemon=True
+        )
+        self._closer.start()
+
+    def close(self, grace_s: float | None = None) -> None:
+        """Stops every stage (asks, then kills after `grace_s`, by default a quarter of the step
+        deadline) and reaps their segments; after a failure, waits until that is done."""
+        if self.closed:
+            if self._closer is not None:
+                self._closer.join()
+            return
+        self.closed = True
+        self._ask_stop()
+        self._reap(self.timeout_s / 4 if grace_s is None else grace_s)
+
+    def _ask_stop(self) -> None:
         for conn in self.conns:
             with contextlib.suppress(OSError, BrokenPipeError):
                 conn.send(("stop",))
+
+    def _reap(self, grace_s: float) -> None:
+        deadline = time.monotonic() + grace_s
         for p in self.procs:
-            p.join(self.timeout_s / 4)
+            p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 os.kill(p.pid, signal.SIGKILL)
                 p.join(self.timeout_s / 4)

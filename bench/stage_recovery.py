@@ -1,0 +1,260 @@
+"""Stage supervision: how long `moecomm frontend --stages 2` takes to serve again after one of
+its stage processes is killed (SIGKILL) or stopped (SIGSTOP) mid-stream, with the replacement
+stages started then (`new`) or kept started in the background (`standby`), and what taking the
+lost stage's layers over in a surviving stage would have to load at least.
+
+Set-up: the tiny checkpoint, two expert servers (experts 0-11 and 4-15), one front end with
+`--stages 2` over them (one per mode). Every trial sends STREAMS greedy streamed requests at
+once; when the first has KILL_AFTER tokens, the bench kills (or stops) one stage and notes the
+time. Reported per trial:
+
+- `stall_s`: the longest time after the fault in which no stream received a token (client
+  side; the tokens of the step that was running when the fault hit still arrive after it, so
+  "the first token after the fault" would measure nothing); a stop includes the driver's
+  STOPPED_DEADLINE_S;
+- the front end's own account (its `pipeline restarted` line): `restart_s` = `spawn_s` (the
+  failed pipeline closed and the new one ready: for `new`, processes spawned, weights loaded,
+  expert clients connected, channels joined) + `reprefill_s` (every live sequence's tokens fed
+  again);
+- `step_s`: the median gap between tokens after the recovery (one engine step);
+- `same_tokens`: every stream's tokens equal the fault-free run's; `new_pids`: no stage
+  process of before the fault serves after it.
+
+The alternative to a restart, surviving stages taking the lost stage's layers over, needs at
+least the lost layers' weights read into a running process, plus the same re-prefill and the
+rewiring of the channels; `takeover_load_s` times that read in this warm interpreter (the lower
+bound of what it adds).
+
+Usage: python bench/stage_recovery.py [--trials 3] [--json bench/results/stage_recovery.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import httpx
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import format_table, write_json
+from moecomm.wire.shm import reap_stale_segments
+from moecomm_serving.checkpoint import Checkpoint
+from moecomm_serving.demo import CLI, ONE_THREAD
+from moecomm_serving.model import stage_tensor_names
+
+START_S = 180.0
+REQUEST_TIMEOUT_S = 120.0
+STREAMS = 6
+MAX_NEW = 32
+KILL_AFTER = 4
+STEP_TOKENS = 64
+RESTARTED = re.compile(
+    r"pipeline restarted in ([\d.]+) s \(stages ([\d.]+) s, re-prefill ([\d.]+) s"
+)
+
+
+class Proc:
+    """A child and every line it printed (a thread reads them, so its pipe never fills)."""
+
+    def __init__(self, args: list[str]):
+        self.p = subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self.cond = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.p.stdout:
+            with self.cond:
+                self.lines.append(line.rstrip())
+                self.cond.notify_all()
+
+    def wait_line(self, prefix: str, count: int = 1, timeout: float = START_S) -> list[str]:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                found = [ln for ln in self.lines if ln.startswith(prefix)]
+                if len(found) >= count:
+                    return found
+                left = deadline - time.monotonic()
+                if left <= 0 or self.p.poll() is not None:
+                    raise RuntimeError(f"no line {prefix!r} ({count}): {self.lines[-5:]}")
+                self.cond.wait(min(left, 1.0))
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGINT)
+            try:
+                self.p.wait(30)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait(30)
+        reap_stale_segments(self.p.pid)
+
+
+def stage_pids(fe: Proc) -> list[int]:
+    return [int(x) for x in fe.wait_line("pipeline stage pids: ")[-1].split(": ")[1].split()]
+
+
+async def run_streams(url: str, fault=None) -> tuple[list[list[int]], list[list[float]], float]:
+    """STREAMS greedy streams at once; returns their tokens, each token's arrival time and the
+    time of the fault (nan without one)."""
+    when = [float("nan")]
+
+    async def one(c, i):
+        body = {"model": "tiny", "prompt": f"stage recovery stream {i}", "max_tokens": MAX_NEW}
+        body.update(temperature=0, ignore_eos=True, return_token_ids=True, stream=True)
+        ids, times = [], []
+        async with c.stream(
+            "POST", f"{url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S
+        ) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                new = json.loads(line[6:])["choices"][0].get("token_ids") or []
+                ids += new
+                times += [time.monotonic()] * len(new)
+                if fault is not None and i == 0 and len(ids) >= KILL_AFTER and when[0] != when[0]:
+                    when[0] = time.monotonic()
+                    fault()
+        return ids, times
+
+    async with httpx.AsyncClient() as c:
+        got = await asyncio.gather(*[one(c, i) for i in range(STREAMS)])
+    return [g[0] for g in got], [g[1] for g in got], when[0]
+
+
+def trial(fe: Proc, url: str, want: list[list[int]], how: str, victim: int) -> dict:
+    before = stage_pids(fe)
+    restarts = len([ln for ln in fe.lines if ln.startswith("pipeline restarted")])
+    sig = signal.SIGKILL if how == "kill" else signal.SIGSTOP
+    tokens, times, t_fault = asyncio.run(run_streams(url, lambda: os.kill(before[victim], sig)))
+    line = fe.wait_line("pipeline restarted", restarts + 1, REQUEST_TIMEOUT_S)[-1]
+    m = RESTARTED.match(line)
+    after = [t for ts in times for t in ts if t > t_fault]
+    steps = sorted(b - a for ts in times for a, b in itertools.pairwise(ts) if a > t_fault + 1.0)
+    return {
+        "fault": how,
+        "stage": victim,
+        "stall_s": max(b - a for a, b in itertools.pairwise([t_fault, *sorted(after)])),
+        "restart_s": float(m.group(1)),
+        "spawn_s": float(m.group(2)),
+        "reprefill_s": float(m.group(3)),
+        "step_s": statistics.median(steps) if steps else float("nan"),
+        "same_tokens": tokens == want,
+        "new_pids": not set(stage_pids(fe)) & set(before),
+    }
+
+
+def takeover_load(ckpt: str, layers: range, repeats: int = 5) -> float:
+    """Median seconds to read `layers`' non-expert weights (the experts live on the servers)
+    in this warm interpreter: the least a surviving stage would do to take them over."""
+    ck = Checkpoint(ckpt)
+    names = stage_tensor_names(ck.config, layers)
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        ck.read(names, torch.float32, "cpu")
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def run_mode(ckpt: str, urls: list[str], standby: bool, trials: int) -> tuple[list[dict], list]:
+    """A front end with (or without) its standby stages; `trials` of every fault."""
+    flag = "--standby-stages" if standby else "--no-standby-stages"
+    fe = Proc(
+        [
+            "frontend", "--checkpoint", ckpt, "--model-name", "tiny", "--port", "0",
+            "--servers", ",".join(urls), "--stages", "2", flag,
+            "--max-batch-tokens", str(STEP_TOKENS), *ONE_THREAD,
+        ]
+    )  # fmt: skip
+    rows = []
+    try:
+        url = fe.wait_line("frontend ")[0].split(" listening on ")[1]
+        want, _, _ = asyncio.run(run_streams(url))  # fault-free, and warms the stages up
+        for _ in range(trials):
+            for how, victim in (("kill", 0), ("kill", 1), ("stop", 0), ("stop", 1)):
+                if standby:  # a trial measures a replacement by a standby that is up
+                    restarts = len([ln for ln in fe.lines if ln.startswith("pipeline restarted")])
+                    fe.wait_line("pipeline standby stages ready", restarts + 1)
+                row = trial(fe, url, want, how, victim)
+                row["mode"] = "standby" if standby else "new"
+                rows.append(row)
+                print(row, flush=True)
+        return rows, [ln for ln in fe.lines if ln.startswith("pipeline stage lost")]
+    finally:
+        fe.stop()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--trials", type=int, default=3, help="trials per (mode, fault, stage)")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    servers: list[Proc] = []
+    rows, lost = [], []
+    try:
+        with tempfile.TemporaryDirectory(prefix="moecomm-recovery-") as tmp:
+            ckpt = os.path.join(tmp, "tiny")
+            subprocess.run([*CLI, "tiny", "--out", ckpt], check=True, capture_output=True)
+            urls = []
+            for experts in ("0-11", "4-15"):
+                s = Proc(["expert-server", "--checkpoint", ckpt, "--experts", experts, *ONE_THREAD])
+                servers.append(s)
+                line = s.wait_line("expert server")[0]
+                urls.append(line.split(" listening on ")[1].split(": ")[0])
+            for standby in (False, True):
+                got, lines = run_mode(ckpt, urls, standby, a.trials)
+                rows += got
+                lost += lines
+            load = takeover_load(ckpt, range(2, 4))
+    finally:
+        for p in reversed(servers):
+            p.stop()
+    print(
+        format_table(
+            rows,
+            [
+                ("mode", "stages from", "s"),
+                ("fault", "fault", "s"),
+                ("stage", "stage", "d"),
+                ("stall_s", "stall s", ".3f"),
+                ("restart_s", "restart s", ".3f"),
+                ("spawn_s", "stages s", ".3f"),
+                ("reprefill_s", "re-prefill s", ".3f"),
+                ("step_s", "step s", ".3f"),
+                ("same_tokens", "same tokens", "d"),
+            ],
+        )
+    )
+    summary: dict = {}
+    for mode in ("new", "standby"):
+        for how in ("kill", "stop"):
+            rs = [r for r in rows if r["mode"] == mode and r["fault"] == how]
+            keys = ("stall_s", "restart_s", "spawn_s", "reprefill_s", "step_s")
+            summary[f"{mode}/{how}"] = {k: statistics.median(r[k] for r in rs) for k in keys}
+            summary[f"{mode}/{how}"]["max_stall_s"] = max(r["stall_s"] for r in rs)
+            summary[f"{mode}/{how}"]["trials"] = len(rs)
+    summary["takeover_load_s"] = load
+    summary["all_same_tokens"] = all(r["same_tokens"] for r in rows)
+    summary["all_new_pids"] = all(r["new_pids"] for r in rows)
+    print(json.dumps(summary, indent=1))
+    write_json(a.json, {"trials": rows, "summary": summary, "lost_lines": lost})
+    return 0 if summary["all_same_tokens"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
