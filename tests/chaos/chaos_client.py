@@ -79,8 +79,40 @@ def connect_live(job: ClientJob) -> tuple[AttentionClient, int]:
     raise ConnectionError(f"no connect in {CONNECT_ATTEMPTS} attempts: {error}")
 
 
+@dataclass(frozen=True)
+class Timing:
+    """When one request was dispatched and combined (CLOCK_MONOTONIC, comparable with the
+    test's fault times), how long its thread waited for a CPU in between, and when its combine
+    evicted a server (url -> time): what a slow reroute is made of."""
+
+    sent: float
+    done: float
+    runqueue_s: float | None
+    evicted_at: dict
+
+
 def _newly_evicted(client: AttentionClient, before: dict) -> list[str]:
     return [client.urls[s] for s, until in client.evicted.items() if before.get(s) != until]
+
+
+def _evicted_at(client: AttentionClient, before: dict) -> dict:
+    """An eviction sets `evicted[s]` to its own time plus evict_s: its time is read back."""
+    return {
+        client.urls[s]: until - client.evict_s
+        for s, until in client.evicted.items()
+        if before.get(s) != until
+    }
+
+
+def _runqueue_s() -> float | None:
+    """Seconds this thread has waited for a CPU so far (/proc schedstat, field 2): a reroute
+    that is slow because its client was not scheduled shows here, not in the library. None
+    where the kernel keeps no schedstat (CONFIG_SCHED_INFO off)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _step(client: AttentionClient, keys: list[BatchKey], rng: random.Random, send) -> None:
@@ -88,11 +120,12 @@ def _step(client: AttentionClient, keys: list[BatchKey], rng: random.Random, sen
     for key in keys:
         x, ids, w, layer = make_batch(key)
         try:
-            handles.append((key, client.dispatch(x, ids, w, layer)))
+            sent = (time.monotonic(), _runqueue_s())
+            handles.append((key, sent, client.dispatch(x, ids, w, layer)))
         except Exception as exc:  # reported, and this micro-batch is lost
             send(("error", key.as_tuple(), "dispatch", f"{type(exc).__name__}: {exc}"))
     rng.shuffle(handles)  # combine A then B, or B then A
-    for key, handle in handles:
+    for key, (sent_at, runq_at), handle in handles:
         failovers, evicted = client.failovers, dict(client.evicted)
         try:
             y = client.combine(handle)
@@ -105,7 +138,10 @@ def _step(client: AttentionClient, keys: list[BatchKey], rng: random.Random, sen
             send(("error", key.as_tuple(), "combine", f"combined to {got}"))
             continue
         moved = client.failovers - failovers
-        send(("done", key.as_tuple(), done, moved, _newly_evicted(client, evicted), _bytes(y)))
+        runq = _runqueue_s()
+        waited = None if runq is None or runq_at is None else runq - runq_at
+        timing = Timing(sent_at, done, waited, _evicted_at(client, evicted))
+        send(("done", key.as_tuple(), timing, moved, _newly_evicted(client, evicted), _bytes(y)))
 
 
 def _bytes(y: torch.Tensor) -> bytes:

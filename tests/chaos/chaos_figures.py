@@ -25,7 +25,12 @@ _SUMMED = (
     "client_kills",
     "client_stops",
 )
-_LISTS = ("reroute_after_kill_ms", "reroute_after_stop_ms")
+_LISTS = ("reroute_after_kill_ms", "reroute_after_stop_ms", "stop_overrun_ms")
+# Per server kill: what its reroute time is made of (chaos_trial.Trial._reroute_detail).
+_DETAIL = "reroute_after_kill"
+# The slowest reroutes after a kill are listed with their parts: a tail is explained, not just
+# stated.
+SLOWEST_SHOWN = 3
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -61,6 +66,12 @@ class Figures:
                 "p99": _round(percentile(values, 99)),
                 "max": _round(max(values) if values else None),
             }
+        kills = [{"seed": t["seed"], **d} for t in self.trials for d in t.get(_DETAIL, [])]
+        # A kill no client re-routed around: every client connected after it (and left the dead
+        # server out), or none was running. Counted, so that n above is read against it.
+        out["kills_not_rerouted"] = sum(d["ms"] is None for d in kills)
+        measured = sorted((d for d in kills if d["ms"] is not None), key=lambda d: -d["ms"])
+        out["slowest_reroutes"] = measured[:SLOWEST_SHOWN]
         return out
 
     def lines(self) -> list[str]:
@@ -78,8 +89,19 @@ class Figures:
             f"client kills {s['client_kills']}, client stops {s['client_stops']}, "
             f"skipped {s['skipped']}",
             f"fault -> first re-routed completion: after kill -9 p50 {kill['p50']} ms "
-            f"p99 {kill['p99']} ms (n={kill['n']}); after SIGSTOP p50 {stop['p50']} ms "
-            f"p99 {stop['p99']} ms (n={stop['n']})",
+            f"p99 {kill['p99']} ms max {kill['max']} ms (n={kill['n']}, "
+            f"{s['kills_not_rerouted']} kills not re-routed: no client used the server after "
+            f"them); after SIGSTOP p50 {stop['p50']} ms p99 {stop['p99']} ms "
+            f"max {stop['max']} ms (n={stop['n']})",
+            *(
+                f"  slow: seed {d['seed']} {d['ms']} ms by {d['client']}: dispatched at "
+                f"{d['sent_ms']} ms, server evicted at {d['evicted_ms']} ms; waited for a CPU "
+                f"{d['runqueue_ms']} ms, held by SIGSTOP {d['frozen_ms']} ms"
+                for d in s["slowest_reroutes"]
+            ),
+            f"SIGSTOP held minus planned hold: p50 {s['stop_overrun_ms']['p50']} ms, "
+            f"max {s['stop_overrun_ms']['max']} ms (n={s['stop_overrun_ms']['n']}; below 0: "
+            "resumed when the trial ended)",
         ]
 
     def write_json(self) -> str | None:

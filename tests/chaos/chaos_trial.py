@@ -15,7 +15,7 @@ from multiprocessing.connection import wait as wait_any
 
 import moecomm
 from chaos_checks import probe_problems, segment_problems, server_problems
-from chaos_client import GO, ClientJob, client_main
+from chaos_client import GO, ClientJob, Timing, client_main
 from chaos_model import HOSTED, SPEC, BatchKey, Reference
 from chaos_plan import CLIENT_IDS, CLIENT_TIMEOUT_S, EVICT_S, THINK_S, Fault, TrialPlan
 from moecomm.runtime.launch import spawn_expert_server
@@ -42,6 +42,7 @@ class ClientProc:
     conn: object
     killed: bool = False
     stopped_until: float | None = None
+    stop_record: list | None = None  # its entry in Trial.stops while it is stopped
     said_ready: bool = False
     said_exit: bool = False
     done: set = field(default_factory=set)
@@ -67,6 +68,7 @@ class ServerState:
     proc: object  # ServerProcess
     killed: bool = False
     stopped_until: float | None = None
+    stop_record: list | None = None  # its entry in Trial.stops while it is stopped
 
 
 @dataclass
@@ -74,6 +76,8 @@ class Completion:
     t: float
     moved: int  # failovers during this combine
     evicted: tuple[str, ...]  # servers this combine evicted
+    client: str  # the process that completed it
+    timing: Timing
 
 
 class Trial:
@@ -92,7 +96,10 @@ class Trial:
         self.pending = list(plan.faults)
         self.problems: list[str] = []
         self.completions: list[Completion] = []
+        self.answers: list[tuple[str, tuple, bytes]] = []  # (client process, key, result)
         self.faults: list[tuple[float, Fault, str]] = []  # (time struck, fault, victim url)
+        # Processes held by SIGSTOP: [name, stopped at, resumed at (None: not yet), planned].
+        self.stops: list[list] = []
         self.counts = dict.fromkeys(("connects", "connect_retries", "skipped"), 0)
 
     # ------------------------------------------------------------------ processes
@@ -163,12 +170,14 @@ class Trial:
     def _handle(self, cp: ClientProc, msg: tuple) -> None:
         kind = msg[0]
         if kind == "done":
-            _, key, t, moved, evicted, y = msg
+            _, key, timing, moved, evicted, y = msg
             cp.done.add(key)
-            self.completions.append(Completion(t, moved, tuple(evicted)))
-            wrong = self.ref.mismatch(BatchKey(*key), y)
-            if wrong is not None:
-                self.problems.append(f"{cp.name} request {key[3:]}: wrong result, {wrong}")
+            self.completions.append(Completion(timing.done, moved, tuple(evicted), cp.name, timing))
+            # Checked once the trial is over (check_answers), not here: this loop strikes the
+            # faults and ends the stops on time, and a reference forward pass per answer kept
+            # it from doing so (0.05-2 s each on a loaded 2-core machine: a 0.8 s stop lasted
+            # 4 s) while it took CPU from the clients that were re-routing.
+            self.answers.append((cp.name, key, y))
         elif kind == "error":
             _, key, stage, reason = msg
             if key is not None:
@@ -234,6 +243,8 @@ class Trial:
         else:
             stop_process(pid)
             victim.stopped_until = now + fault.hold_s
+            victim.stop_record = [victim.name, struck, None, fault.hold_s]
+            self.stops.append(victim.stop_record)
         self.faults.append((struck, fault, url))
         return True
 
@@ -246,6 +257,9 @@ class Trial:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGCONT)
                 v.stopped_until = None
+                if v.stop_record is not None:
+                    v.stop_record[2] = time.monotonic()
+                    v.stop_record = None
 
     # ------------------------------------------------------------------ the trial
     def run(self) -> None:
@@ -273,6 +287,13 @@ class Trial:
             self._resume_due()
         self.counts["skipped"] += len(self.pending)
         self._resume_due(everything=True)
+
+    def check_answers(self) -> None:
+        """Every answer a client reported, against the fault-free reference, bit for bit."""
+        for name, key, y in self.answers:
+            wrong = self.ref.mismatch(BatchKey(*key), y)
+            if wrong is not None:
+                self.problems.append(f"{name} request {key[3:]}: wrong result, {wrong}")
 
     def check(self) -> None:
         """Post-trial checks: surviving servers healthy and answering, then no leaked segment."""
@@ -331,12 +352,18 @@ class Trial:
                 survived += len(keys)
         lost = sum(len(cp.planned_keys() - cp.done) for cp in self.finished if not cp.killed)
         reroute = {"kill": [], "stop": []}
+        detail = []
         for t, fault, url in self.faults:
             if fault.target != "server":
                 continue
-            after = [c.t - t for c in self.completions if c.t > t and c.moved and url in c.evicted]
+            after = [c for c in self.completions if c.t > t and c.moved and url in c.evicted]
             if after:
-                reroute[fault.action].append(min(after) * 1e3)
+                first = min(after, key=lambda c: c.t)
+                reroute[fault.action].append((first.t - t) * 1e3)
+                if fault.action == "kill":
+                    detail.append(self._reroute_detail(t, url, first))
+            elif fault.action == "kill":
+                detail.append({"server": url, "ms": None})
         struck = [f for _, f, _ in self.faults]
         return {
             "requests": completed,
@@ -352,6 +379,36 @@ class Trial:
             "client_stops": sum(f.target == "client" and f.action == "stop" for f in struck),
             "reroute_after_kill_ms": reroute["kill"],
             "reroute_after_stop_ms": reroute["stop"],
+            "reroute_after_kill": detail,
+            # How much longer than planned each SIGSTOP held its process: this loop ends the
+            # stops, so a late loop shows here (and stretches every reroute behind a stop).
+            "stop_overrun_ms": [
+                round(((end - start) - hold) * 1e3, 1)
+                for _, start, end, hold in self.stops
+                if end is not None
+            ],
+        }
+
+    def _reroute_detail(self, t: float, url: str, c: Completion) -> dict:
+        """What the time from the kill at `t` to the first completion `c` re-routed around it
+        is made of, in ms from the kill: when `c` was dispatched, when its combine evicted the
+        dead server, how long its client waited for a CPU and how long it was held by SIGSTOP
+        in that window."""
+        frozen = sum(
+            max(0.0, min(c.t, end if end is not None else c.t) - max(t, start))
+            for name, start, end, _ in self.stops
+            if name == c.client
+        )
+        ms = lambda v: round((v - t) * 1e3, 2)  # noqa: E731
+        waited = c.timing.runqueue_s
+        return {
+            "server": url,
+            "ms": ms(c.t),
+            "client": c.client,
+            "sent_ms": ms(c.timing.sent),
+            "evicted_ms": ms(c.timing.evicted_at.get(url, c.t)),
+            "runqueue_ms": None if waited is None else round(waited * 1e3, 2),
+            "frozen_ms": round(frozen * 1e3, 2),
         }
 
 
@@ -370,11 +427,14 @@ class TrialResult:
     wall_s: float
 
 
-def run_trial(seed: int, plan: TrialPlan, reference: Reference) -> TrialResult:
+def run_trial(
+    seed: int, plan: TrialPlan, reference: Reference, trial_cls: type[Trial] = Trial
+) -> TrialResult:
     """Runs the trial of `plan` and its checks; every process is gone when this returns,
-    whether the trial passed, failed or was interrupted."""
+    whether the trial passed, failed or was interrupted. `trial_cls`: a variant of Trial to
+    compare with (bench/chaos_reroute.py)."""
     start = time.monotonic()
-    trial = Trial(plan, reference)
+    trial = trial_cls(plan, reference)
     try:
         try:
             trial.start_servers()
@@ -385,6 +445,7 @@ def run_trial(seed: int, plan: TrialPlan, reference: Reference) -> TrialResult:
             trial.check()
     finally:
         trial.cleanup()
+    trial.check_answers()  # every process is gone: the reference has the CPU to itself
     return TrialResult(
         seed, plan.describe(), trial.problems, trial.figures(), time.monotonic() - start
     )

@@ -8,6 +8,11 @@ CI runs a few trials; MOECOMM_LONG=1 runs LONG_TRIALS. A failing trial prints it
 it alone with
 
     MOECOMM_CHAOS_SEED=<seed> .venv/bin/python -m pytest tests/chaos -k random_kills
+
+The figures printed at the end give p50/p99/max of kill -> first re-routed completion, the
+kills no client re-routed around, and the slowest reroutes with their parts (dispatched,
+evicted, waiting for a CPU, held by SIGSTOP); bench/chaos_reroute.py runs kill seeds with the
+trial loop before and after issue 28's fix, side by side.
 """
 
 from __future__ import annotations
@@ -15,10 +20,11 @@ from __future__ import annotations
 import os
 
 import pytest
+from chaos_client import ClientJob, Timing
 from chaos_figures import FIGURES
 from chaos_model import MAX_TOKENS, BatchKey, make_batch
-from chaos_plan import CLIENT_IDS, plan_trial
-from chaos_trial import run_trial
+from chaos_plan import CLIENT_IDS, CLIENT_TIMEOUT_S, EVICT_S, THINK_S, plan_trial
+from chaos_trial import ClientProc, Trial, run_trial
 from long_run import LONG
 
 SEED_ENV = "MOECOMM_CHAOS_SEED"
@@ -60,6 +66,40 @@ def _run(seed: int, plan, reference):
 def test_the_ci_seeds_strike_every_kind_of_fault():
     kinds = {(f.target, f.action) for s in CI_SEEDS for f in plan_trial(s).faults}
     assert kinds == {(t, a) for t in ("server", "client") for a in ("kill", "stop")}
+
+
+class _CountingReference:
+    """The real reference, counting when it is asked."""
+
+    def __init__(self, reference):
+        self.reference, self.calls = reference, 0
+
+    def mismatch(self, key, got):
+        self.calls += 1
+        return self.reference.mismatch(key, got)
+
+
+def test_the_trial_loop_checks_answers_only_after_the_trial(reference):
+    """The loop that reads the clients' answers also strikes the faults and ends the stops on
+    time: a reference forward pass per answer there made a 0.81 s SIGSTOP of seed 86 last 4 s
+    on a loaded machine, struck that stop next to the kill instead of 35 requests before it,
+    and so stretched or hid the kill's reroute. Answers are only recorded while the trial
+    runs; check_answers finds a wrong one afterwards."""
+    counting = _CountingReference(reference)
+    plan = plan_trial(FAULT_FREE_SEED, faults=False)
+    trial = Trial(plan, counting)
+    job = ClientJob(FAULT_FREE_SEED, CLIENT_IDS[0], 0, (), (1,), CLIENT_TIMEOUT_S, EVICT_S, THINK_S)
+    cp = ClientProc(0, 0, job, process=None, conn=None)
+    keys = [BatchKey(FAULT_FREE_SEED, CLIENT_IDS[0], 0, 0, 0, m) for m in range(2)]
+    right = reference.output_bytes(keys[0])
+    wrong = bytes(len(reference.output_bytes(keys[1])) or 4)
+    for key, y in ((keys[0], right), (keys[1], wrong)):
+        trial._handle(cp, ("done", key.as_tuple(), Timing(1.0, 1.01, 0.0, {}), 0, [], y))
+    assert counting.calls == 0, "the trial loop computed a reference"
+    assert len(trial.completions) == 2 and not trial.problems
+    trial.check_answers()
+    assert counting.calls == 2
+    assert len(trial.problems) == 1 and "(0, 0, 1): wrong result" in trial.problems[0]
 
 
 @pytest.mark.timeout(TRIAL_TIMEOUT_S)
