@@ -5,7 +5,7 @@ anything is installed. The stages themselves are in gpu_check_stages.py."""
 
 from __future__ import annotations
 
-from gpu_check_run import CALL_RESERVE_S, STAGE_OVERHEAD_S
+from gpu_check_run import CALL_RESERVE_S, KILL_GRACE_S, MIN_RUN_S, STAGE_OVERHEAD_S
 
 # ---------------------------------------------------------------------------------------------
 # The plan: two calls of the device tool. Budgets in seconds; each call's stages, with
@@ -21,7 +21,9 @@ COMMAND_LIMIT_S = 600.0
 PLAN = {
     1: {"preflight": 20.0, "build": 195.0, "smoke": 45.0, "core": 85.0},
     # The build is call 1's, reused (its stamp, the import check): seconds on a warm machine.
-    2: {"preflight": 10.0, "build": 15.0, "deepep": 110.0, "bench": 45.0, "sanitizer": 40.0},
+    # The preflight's probe took 5.7 s on an H200; a command starts only with MIN_RUN_S +
+    # KILL_GRACE_S of its stage left, so no budget may be below STAGE_FLOOR_S.
+    2: {"preflight": 15.0, "build": 15.0, "deepep": 105.0, "bench": 45.0, "sanitizer": 40.0},
 }
 # What a build from scratch gets, also in call 2 when the machine was not warm any more.
 BUILD_FULL_S = PLAN[1]["build"]
@@ -48,6 +50,9 @@ DEFAULT_BUDGETS = {
 # Without a device no device time is spent: `make build` may rebuild on a small machine.
 NO_DEVICE_BUDGETS = {"preflight": 60.0, "build": 420.0, "host": 90.0}
 NO_DEVICE_LIMIT_S = 590.0
+# The least budget a stage can run a command in (10 s: the call-2 preflight of 2026-11-28 had
+# exactly that and never started its probe), with a few seconds for the command itself.
+STAGE_FLOOR_S = MIN_RUN_S + KILL_GRACE_S + 3.0
 
 
 def stage_total(budgets: dict) -> float:
@@ -66,6 +71,12 @@ def plan_problems() -> list[str]:
         total = stage_total(budgets)
         if total > CALL_LIMITS_S[call]:
             problems.append(f"call {call}: {total:.0f} s > its {CALL_LIMITS_S[call]:.0f} s")
+        short = [n for n, b in budgets.items() if b < STAGE_FLOOR_S]
+        if short:
+            problems.append(
+                f"call {call}: {', '.join(short)} below {STAGE_FLOOR_S:.0f} s (a command starts "
+                f"only with {MIN_RUN_S + KILL_GRACE_S:.0f} s of its stage left)"
+            )
         unknown = set(budgets) - set(STAGE_ORDER)
         if unknown:
             problems.append(f"call {call}: unknown stages {sorted(unknown)}")

@@ -12,7 +12,9 @@ import triton
 import triton.language as tl
 
 # Sentinel for "past every tile" in the tile-map search: larger than any tile count we launch.
-_TILE_END_SENTINEL = 2**30
+# A tl.constexpr: the compiler refuses a plain global inside a kernel (the interpreter allows
+# it, which is how this first failed only on an H200).
+_TILE_END_SENTINEL = tl.constexpr(2**30)
 
 
 @triton.jit

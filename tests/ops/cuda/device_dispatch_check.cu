@@ -9,7 +9,8 @@
 //   device_dispatch_check graph CASE      the same step captured once as a CUDA graph and
 //                                         replayed for every step of CASE with new inputs
 //   device_dispatch_check timeout CASE    no server runs: combine ends by its deadline with
-//                                         TIMEOUT; dead peers end at once with PEER_LOST
+//                                         TIMEOUT, the slot reused is SLOT_BUSY, dead peers
+//                                         (on the other slot) end at once with PEER_LOST
 // Prints OK and exits 0 when everything matches; the first mismatch goes to stderr.
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -385,36 +386,53 @@ bool graph(World& w, cudaStream_t st) {
 }
 
 // Dispatch + combine with no server step: every server with tokens must time out by the
-// deadline; then, with every peer marked dead, they must be reported lost at once.
+// deadline; the same slot used again is not sent (its request may still be read: SLOT_BUSY,
+// protocol v2); then, on the other slot with every peer marked dead, they are reported lost at
+// once.
 bool timeout(World& w, cudaStream_t st) {
   const Step& s = w.c.steps[0];
   const kc::ClientWorkspaceLayout cl = kc::client_workspace_layout(w.c.servers, w.slot);
   struct Trial {
+    uint32_t slot;
     uint64_t timeout_ns;
     kc::ServerStatus want;
     double max_s;  // generous: launch overhead and a busy machine
   };
+  static_assert(kSlots >= 2, "the dead-peer trial needs a slot the timed-out one is not");
+  const uint32_t other_slot = kSlot == 0 ? 1 : 0;
+  // A client workspace is one slot's (its pending sequence numbers say which requests are
+  // unanswered), so the other slot gets its own.
+  uint8_t* other_ws = dev_alloc<uint8_t>(cl.total);
   const std::vector<uint32_t> dead(w.c.servers, 0);
-  for (const Trial trial : {Trial{kShortTimeoutNs, kc::ServerStatus::kTimeout, 3.0},
-                            Trial{kCombineTimeoutNs, kc::ServerStatus::kPeerLost, 2.0}}) {
+  for (const Trial trial :
+       {Trial{kSlot, kShortTimeoutNs, kc::ServerStatus::kTimeout, 3.0},
+        Trial{kSlot, kShortTimeoutNs, kc::ServerStatus::kSlotBusy, 3.0},
+        Trial{other_slot, kCombineTimeoutNs, kc::ServerStatus::kPeerLost, 2.0}}) {
     if (trial.want == kc::ServerStatus::kPeerLost) {
       copy_sync(w.client_alive, dead.data(), dead.size() * sizeof(uint32_t));
     }
+    uint8_t* ws = trial.slot == kSlot ? w.client_ws : other_ws;
+    kc::DispatchArgs d = w.dispatch;
+    d.slot = trial.slot;
+    d.workspace = ws;
     kc::CombineArgs a = w.combine;
+    a.slot = trial.slot;
+    a.workspace = ws;
     a.timeout_ns = trial.timeout_ns;
     const auto start = std::chrono::steady_clock::now();
-    kc::launch_client_dispatch(w.client_peers, w.ccfg, w.dispatch, st);
+    kc::launch_client_dispatch(w.client_peers, w.ccfg, d, st);
     kc::launch_client_combine(w.client_peers, w.ccfg, a, st);
     MC_CUDA_CHECK(cudaStreamSynchronize(st));
     const double took =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (took > trial.max_s) return fail("combine took " + std::to_string(took) + " s");
-    const auto status = host_copy<int32_t>(w.client_ws + cl.status, w.c.servers);
+    const auto status = host_copy<int32_t>(ws + cl.status, w.c.servers);
     for (uint32_t srv = 0; srv < w.c.servers; ++srv) {
       const auto want = s.count[srv] ? trial.want : kc::ServerStatus::kNotSent;
       if (status[srv] != static_cast<int32_t>(want)) {
-        return fail("server " + std::to_string(srv) + ": status " + std::to_string(status[srv]) +
-                    ", want " + std::to_string(static_cast<int>(want)));
+        return fail("slot " + std::to_string(trial.slot) + ", server " + std::to_string(srv) +
+                    ": status " + std::to_string(status[srv]) + ", want " +
+                    std::to_string(static_cast<int>(want)));
       }
     }
     const auto y = host_copy<uint8_t>(w.y, s.y.size());
