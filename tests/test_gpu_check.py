@@ -1,7 +1,9 @@
 """tools/gpu_check.py on a machine without a GPU: the plan fits the device budget, how it reads
 pytest's and compute-sanitizer's reports (also what a killed pytest leaves), what it does with no
 device, a stage over its budget, files a stage had no time for, the build's reuse, the preflight's
-verdict, one pytest per DeepEP scenario, and what it writes as it goes. A fake Python (a tiny
+verdict, one pytest per DeepEP scenario, what it writes as it goes, a test file resumed after
+the test that crashed its pytest (real pytest runs over synthetic files that segfault and
+hang), and tools/gpu_triage.sh's per-test verdicts. A fake Python (a tiny
 script that answers like pytest, pip and the import check) stands in for the real commands;
 nothing here needs a device or builds anything, and it all takes seconds."""
 
@@ -694,3 +696,188 @@ def test_a_gpu_bench_row_that_did_not_run(device, status):
         res, {"ok": "yes", "dispatch_us": 80.0, "combine_us": 90.0, "calc_diff": 1e-4}, True
     )
     assert res.status == gr.PASSED and "dispatch 80.0 µs" in res.reason
+
+
+# ---------------------------------------------------------------------------------------------
+# A test file whose pytest dies under a test: the runner resumes it after that test
+
+SYNTH_CRASHES = textwrap.dedent(
+    """\
+    import os, signal, time
+
+    def test_a_passes():
+        pass
+
+    def test_b_fails():
+        assert 1 == 2, "b is wrong"
+
+    def test_c_segfaults():
+        os.kill(os.getpid(), signal.SIGSEGV)
+
+    def test_d_passes():
+        pass
+
+    def test_e_hangs():
+        # pytest-timeout's SIGALRM cannot end it: only the runner's kill at the file's timeout.
+        signal.signal(signal.SIGALRM, signal.SIG_IGN)
+        time.sleep(120)
+
+    def test_f_passes():
+        pass
+    """
+)
+
+
+# A file's (or a stage's) timeout in these tests: long enough for a real pytest to start and
+# run a few tests on a loaded 2-core machine, short enough to wait out a hang.
+HANG_CAP_S = 15.0
+
+
+def _synth_tree(root: Path, name: str, text: str) -> str:
+    (root / "tests").mkdir(parents=True, exist_ok=True)
+    (root / "tests" / name).write_text(text)
+    return f"tests/{name}"
+
+
+def test_a_crashed_file_is_resumed_after_the_test_that_killed_it(tmp_path, fast):
+    """A real pytest (this venv's) over a file whose third test segfaults and whose fifth hangs
+    past the file's timeout: three pytest runs, every test with its own verdict, the failure's
+    text kept from the run the segfault ended, in summary.json and summary.md."""
+    rel = _synth_tree(tmp_path, "test_synth.py", SYNTH_CRASHES)
+    ctx = make_ctx(tmp_path, True)
+
+    def body(run):
+        run.pytest_file(rel, [rel], cap=HANG_CAP_S, test_timeout=60.0)
+
+    res = gr.run_stage(gr.Stage("core", body), 4 * HANG_CAP_S, ctx)
+    (fr,) = res.files
+    got = {c["test"].split("::")[-1]: c for c in fr.cases}
+    assert list(got) == sorted(got)  # the file's order
+    assert {k: c["outcome"] for k, c in got.items()} == {
+        "test_a_passes": "passed",
+        "test_b_fails": "failed",
+        "test_c_segfaults": "crashed",
+        "test_d_passes": "passed",
+        "test_e_hangs": "crashed",
+        "test_f_passes": "passed",
+    }, fr.cases
+    assert "b is wrong" in got["test_b_fails"]["note"]  # written before the segfault
+    segv = got["test_c_segfaults"]["note"]
+    assert segv.startswith("killed by SIGSEGV") and "Fatal Python error: Segmentation fault" in segv
+    assert "test_synth.py" in segv  # the faulthandler frame of the test itself
+    assert got["test_e_hangs"]["note"].startswith(f"killed by its {HANG_CAP_S:.0f} s timeout")
+    assert (fr.status, fr.parts, fr.passed, fr.failed, fr.crashed) == (gr.FAILED, 3, 3, 1, 2)
+    assert fr.counts_from == "per-test log" and fr.killed
+    assert fr.reason.startswith("crashed in test_c_segfaults (killed by SIGSEGV) and 1 more")
+    assert "0 not run" in fr.reason
+    # The segfault left no junit (the part killed at its timeout may have written one on SIGINT).
+    assert fr.junit.endswith("junit/core.test_synth.part2.xml"), fr.junit
+    assert "core.test_synth.xml" not in fr.junit
+    log = ctx.path("core.log").read_text()
+    assert log.count("--deselect=tests/test_synth.py::test_c_segfaults") == 2
+    summary = json.loads((ctx.out / "summary.json").read_text())
+    assert summary["tests"]["crashed"] == 2 and summary["tests"]["passed"] == 3
+    assert len(summary["stages"][0]["files"][0]["cases"]) == 6
+    md = (ctx.out / "summary.md").read_text()
+    assert "| core | tests/test_synth.py | failed | 3 | 1 | 0 | 0 | 2 |" in md
+    assert "- `tests/test_synth.py::test_c_segfaults` **crashed**: killed by SIGSEGV" in md
+    assert "`tests/test_synth.py::test_b_fails` **failed**" in md
+
+
+def test_tests_after_a_crash_the_stage_has_no_time_for_are_not_run(tmp_path, fast, monkeypatch):
+    """The stage's budget is spent (made so at once after the first pytest, not waited for):
+    the crashed test is named, the tests that never ran are "not run", one pytest only."""
+    rel = _synth_tree(
+        tmp_path,
+        "test_late.py",
+        "import os, signal\n"
+        "def test_a_segfaults():\n    os.kill(os.getpid(), signal.SIGSEGV)\n"
+        "def test_b_passes():\n    pass\n"
+        "def test_c_passes():\n    pass\n",
+    )
+    command = gr.StageRun.command
+
+    def then_no_time(self, *args, **kw):
+        got = command(self, *args, **kw)
+        self.deadline = time.monotonic()
+        return got
+
+    monkeypatch.setattr(gr.StageRun, "command", then_no_time)
+    ctx = make_ctx(tmp_path, True)
+    body = lambda run: run.pytest_file(rel, [rel])  # noqa: E731
+    res = gr.run_stage(gr.Stage("core", body), 4 * HANG_CAP_S, ctx)
+    (fr,) = res.files
+    assert [c["outcome"] for c in fr.cases] == ["crashed", "not run", "not run"], fr.cases
+    assert fr.cases[1]["note"] == "the stage's budget was spent after a crash"
+    assert (fr.parts, fr.crashed, fr.junit) == (1, 1, None)
+    assert "2 not run" in fr.reason and res.status == gr.FAILED
+
+
+def test_a_file_that_ends_normally_has_its_per_test_rows(tmp_path, fast):
+    rel = _synth_tree(
+        tmp_path,
+        "test_plain.py",
+        "import pytest\ndef test_a():\n    pass\n"
+        "def test_b():\n    pytest.skip('no device here')\n"
+        "@pytest.fixture\ndef broken():\n    raise RuntimeError('fixture broke')\n"
+        "def test_c(broken):\n    pass\n",
+    )
+    ctx = make_ctx(tmp_path, True)
+    res = gr.run_stage(gr.Stage("core", lambda run: run.pytest_file(rel, [rel])), 30.0, ctx)
+    (fr,) = res.files
+    assert (fr.parts, fr.counts_from, fr.passed, fr.skipped, fr.errors) == (1, "junit", 1, 1, 1)
+    outcomes = {c["test"].split("::")[-1]: (c["outcome"], c["note"]) for c in fr.cases}
+    assert outcomes["test_a"] == ("passed", "")
+    assert outcomes["test_b"][0] == "skipped" and "no device here" in outcomes["test_b"][1]
+    assert outcomes["test_c"][0] == "error" and "fixture broke" in outcomes["test_c"][1]
+
+
+# ---------------------------------------------------------------------------------------------
+# tools/gpu_triage.sh
+
+
+def test_triage_gives_per_test_verdicts_and_packs_what_each_node_left(tmp_path):
+    """The triage script with this venv's Python (no build): a tiny pytest node gets its junit
+    and one verdict per test; a `cmd:` node that segfaults is named a crash with its signal;
+    the tarball holds each node's output and the junit."""
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "test_tiny.py").write_text(
+        "import pytest\npytestmark = pytest.mark.gpu\n"
+        "def test_ok():\n    pass\n"
+        "def test_bad():\n    assert 1 == 2, 'tiny is wrong'\n"
+    )
+    out = tmp_path / "out"
+    segv = '$PY -c "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"'
+    env = {
+        **os.environ,
+        "OUT": str(out),
+        "TRIAGE_PY": str(ROOT / ".venv" / "bin" / "python"),
+        "TRIAGE_BUDGET_S": "200",
+        "TRIAGE_NODE_S": "60",
+    }
+    proc = subprocess.run(
+        [
+            "bash",
+            str(ROOT / "tools" / "gpu_triage.sh"),
+            str(tmp_path / "t" / "test_tiny.py"),
+            f"cmd:{segv}",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    first = next(ln for ln in lines if ln.startswith("[1] "))
+    assert first.startswith("[1] rc=1 ") and "1 failed, 1 passed" in first
+    assert "    PASSED test_tiny::test_ok" in lines
+    assert "    FAILED test_tiny::test_bad: AssertionError: tiny is wrong assert 1 == 2" in lines
+    second = next(ln for ln in lines if ln.startswith("[2] "))
+    assert second.startswith("[2] CRASH rc=139 (SIGSEGV) :: "), second
+    with tarfile.open(out / "triage.tar.gz") as tar:
+        names = {n.removeprefix("./") for n in tar.getnames()}
+        assert {"01.txt", "01.xml", "02.txt"} <= names
+        head = tar.extractfile("./01.txt").read().decode()
+    # The per-test timeout is well below the node's limit, so a hang fails inside pytest.
+    assert "(node limit 60 s, per test 36 s)" in head

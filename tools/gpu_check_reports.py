@@ -1,17 +1,31 @@
 """What tools/gpu_check.py reads back: pytest's junit XML, its ``-v`` progress lines and summary
-line (what a killed pytest leaves) and compute-sanitizer's
-error summaries. Pure functions over text and files: no import of the runner or the stages.
-Standard library only: it runs before anything is installed."""
+line (what a killed pytest leaves), the per-test log its pytest plugin writes (below) and
+compute-sanitizer's error summaries. Pure functions over text and files: no import of the
+runner or the stages. Standard library only: it runs before anything is installed.
+
+It is also a pytest plugin (``-p gpu_check_reports`` with tools/ on PYTHONPATH): with
+``GPU_CHECK_CASES`` set, each test's start and each phase's report is appended to that file as
+one JSON line the moment it happens, so a pytest that a segfault or a kill ends still leaves
+which tests finished, how, with their failure text, and which one was running."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import re
 import shutil
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-COUNT_KEYS = ("passed", "failed", "skipped", "errors")
+COUNT_KEYS = ("passed", "failed", "skipped", "errors", "crashed")
+# The per-test outcomes of a test file (a crashed test is one whose process died under it).
+CASE_OUTCOMES = ("passed", "failed", "skipped", "error", "crashed", "not run")
+CASES_ENV = "GPU_CHECK_CASES"
+PLUGIN = "gpu_check_reports"
+# A failure's text is kept to its last this many characters (the assertion and its E lines
+# are at the end of pytest's long report).
+CASE_TEXT_CHARS = 1500
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,6 +170,110 @@ def counts_of_run(junit: Path | None, text: str) -> tuple[dict | None, str]:
         counts["tests"] = sum(counts.values())
         return counts, "summary line"
     return None, ""
+
+
+# ---------------------------------------------------------------------------------------------
+# The pytest plugin: a per-test log that survives the process
+
+
+def _append_case(entry: dict) -> None:
+    path = os.environ.get(CASES_ENV)
+    if not path:
+        return
+    # One write per line, file closed at once: what a later segfault cannot take back.
+    with open(path, "a") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+def pytest_collection_finish(session) -> None:
+    _append_case({"collected": [item.nodeid for item in session.items]})
+
+
+def pytest_runtest_logstart(nodeid, location) -> None:
+    _append_case({"start": nodeid})
+
+
+def pytest_runtest_logreport(report) -> None:
+    entry = {"test": report.nodeid, "when": report.when, "outcome": report.outcome}
+    if hasattr(report, "wasxfail"):
+        entry["xfail"] = True
+    if report.failed:
+        entry["text"] = report.longreprtext[-CASE_TEXT_CHARS:]
+    elif report.skipped and isinstance(report.longrepr, tuple):
+        entry["text"] = str(report.longrepr[2])[:CASE_TEXT_CHARS]
+    _append_case(entry)
+
+
+@dataclasses.dataclass
+class CaseLog:
+    """What the plugin's log says: the tests collected (in the first pytest's order; a resumed
+    one collects what it did not deselect), the outcome of each finished test with its
+    text, and the tests that started and did not finish."""
+
+    collected: list
+    outcomes: dict  # nodeid -> (outcome, text)
+    unfinished: list
+
+
+def _outcome_of(phases: dict) -> tuple[str, str]:
+    """One test's outcome from its phase reports, as pytest counts it: a failed call "failed",
+    a failed setup or teardown "error", a skip or an xfail "skipped"."""
+    for when in ("setup", "call", "teardown"):
+        rep = phases.get(when)
+        if rep and rep["outcome"] == "failed":
+            key = "failed" if when == "call" and not rep.get("xfail") else "error"
+            return key, (f"{when}: " if when != "call" else "") + rep.get("text", "")
+    for when in ("setup", "call"):
+        rep = phases.get(when)
+        if rep and rep["outcome"] == "skipped":
+            return "skipped", ("xfail: " if rep.get("xfail") else "") + rep.get("text", "")
+    return "passed", ""
+
+
+def read_cases(path: Path) -> CaseLog | None:
+    """The plugin's log; None when there is none (the plugin did not load)."""
+    if not path.exists():
+        return None
+    collected: list = []
+    phases: dict[str, dict] = {}
+    started: dict[str, None] = {}
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:  # a line cut by a kill in mid-write
+            continue
+        if "collected" in entry:  # a resumed pytest collects what is left: a subset
+            collected += [n for n in entry["collected"] if n not in collected]
+        elif "start" in entry:
+            started[entry["start"]] = None
+        elif "test" in entry:
+            phases.setdefault(entry["test"], {})[entry["when"]] = entry
+    outcomes = {node: _outcome_of(ph) for node, ph in phases.items() if "teardown" in ph}
+    unfinished = [n for n in started if n not in outcomes]
+    return CaseLog(collected, outcomes, unfinished)
+
+
+FATAL = "Fatal Python error"
+# Frames of a faulthandler dump kept for a crashed test: the innermost ones outside the
+# interpreter's and pytest's own files say where it died.
+FAULT_FRAMES = 6
+
+
+def fault_excerpt(text: str) -> str:
+    """The last faulthandler dump of a pytest's output, shortened: its "Fatal Python error"
+    line and the innermost frames not in site-packages; "" when there is none."""
+    at = text.rfind(FATAL)
+    if at < 0:
+        return ""
+    lines = text[at:].splitlines()
+    keep = [lines[0].strip()]
+    frames = [
+        ln.strip()
+        for ln in lines[1:]
+        if ln.strip().startswith("File ") and "site-packages" not in ln and "<frozen" not in ln
+    ]
+    keep += frames[:FAULT_FRAMES]
+    return "; ".join(keep)
 
 
 def slug(text: str) -> str:

@@ -24,9 +24,22 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from gpu_check_reports import COUNT_KEYS, counts_of_run, slug
+from gpu_check_reports import (
+    CASE_OUTCOMES,
+    CASES_ENV,
+    COUNT_KEYS,
+    FATAL,
+    PLUGIN,
+    CaseLog,
+    counts_of_run,
+    fault_excerpt,
+    parse_pytest_summary,
+    read_cases,
+    slug,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
+TOOLS = Path(__file__).resolve().parent
 PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
 # A stage some of whose test files were not run (its budget was spent) with none failed.
 INCOMPLETE = "incomplete"
@@ -50,6 +63,10 @@ MIN_RUN_S = 5.0
 # pytest-timeout per test is this much below its file's timeout (start-up, the junit write).
 PYTEST_MARGIN_S = 5.0
 LOG_TAIL_LINES = 25
+# A test file is resumed after at most this many crashes: each new pytest pays its start (torch,
+# a CUDA context: seconds), so a file where everything crashes would otherwise spend the stage
+# on itself; what is left then is reported "not run".
+MAX_PARTS = 20
 
 
 @dataclasses.dataclass
@@ -67,9 +84,14 @@ class FileResult:
     skipped: int = 0
     errors: int = 0
     counts_from: str = ""
+    crashed: int = 0
     killed: bool = False
     junit: str | None = None
     not_passed: list = dataclasses.field(default_factory=list)
+    # Per test, when the plugin's log was there: {"test", "outcome", "note"} (CASE_OUTCOMES).
+    cases: list = dataclasses.field(default_factory=list)
+    # pytest processes it took: more than 1 when a crash made the runner resume the file.
+    parts: int = 1
 
 
 @dataclasses.dataclass
@@ -317,43 +339,84 @@ class StageRun:
         prefix: tuple = (),
         judge: Callable[[FileResult, Run], None] | None = None,
     ) -> FileResult:
-        """One pytest process over one test file (or node id): ``-v -rA`` (progress lines a
-        killed run still leaves), its own junit, pytest-timeout per test below the file's
-        timeout (``cap``, or what is left of the stage). The row is added to the stage and the
-        summaries are rewritten at once."""
+        """One test file (or node id): ``pytest -v -rA`` (progress lines a killed run still
+        leaves), its own junit, pytest-timeout per test below the file's timeout (``cap``, or
+        what is left of the stage), and the per-test log of gpu_check_reports' plugin. When the
+        process dies under a test (a signal, a "Fatal Python error", a kill at its timeout) that
+        test is recorded "crashed" and a new pytest runs the file's tests that have no result
+        yet, until none is left or the stage's budget is spent (each part at most ``cap``). The
+        row is added to the stage and the summaries are rewritten at once."""
         junit = self.ctx.junit_path(self.name, name)
         junit.parent.mkdir(parents=True, exist_ok=True)
-        junit.unlink(missing_ok=True)
-        avail = self.left() - KILL_GRACE_S
-        limit = avail if cap is None else min(cap, avail)
-        if limit < MIN_RUN_S:
+        cases_log = self.ctx.path(f"{self.name}.{slug(name)}.cases.jsonl")
+        cases_log.parent.mkdir(parents=True, exist_ok=True)
+        cases_log.unlink(missing_ok=True)
+        env = {**(env or {}), CASES_ENV: str(cases_log), "PYTHONPATH": _plugin_path(env)}
+        parts: list[tuple[Run, Path]] = []
+        crashes: dict[str, str] = {}  # nodeid -> what ended its process
+        log = None
+        while True:
+            part_junit = junit if not parts else junit.with_suffix(f".part{len(parts)}.xml")
+            part_junit.unlink(missing_ok=True)
+            avail = self.left() - KILL_GRACE_S
+            limit = avail if cap is None else min(cap, avail)
+            if limit < MIN_RUN_S:
+                break
+            per_test = int(max(3.0, min(test_timeout, limit - PYTEST_MARGIN_S)))
+            done = [*(log.outcomes if log else ()), *crashes]
+            cmd = [
+                *prefix,
+                self.ctx.python,
+                "-m",
+                "pytest",
+                "-v",
+                "-rA",
+                "-p",
+                "no:cacheprovider",
+                "-p",
+                PLUGIN,
+                *args,
+                *(f"--deselect={n}" for n in done),
+                f"--junitxml={part_junit}",
+                f"--timeout={per_test}",
+            ]
+            label = f"pytest {name}" + (f" (resumed, part {len(parts) + 1})" if parts else "")
+            run = self.command(cmd, label=label, env=env, timeout=limit)
+            if run is None:  # the budget went while the command was being prepared
+                break
+            parts.append((run, part_junit))
+            log = read_cases(cases_log)
+            why = crash_text(run)
+            running = [n for n in (log.unfinished if log else ()) if n not in crashes]
+            if why is None or not running:
+                break  # done, or it died outside a test: nothing to step past
+            excerpt = fault_excerpt(run.output)
+            crashes[running[-1]] = why + (f"; {excerpt}" if excerpt else "")
+            self.note(f"{running[-1]} crashed ({why}); the file's other tests run on")
+            left = [n for n in log.collected if n not in log.outcomes and n not in crashes]
+            if not left or len(parts) >= MAX_PARTS:
+                break
+        if not parts:
             return self.add_file(
                 FileResult(self.name, name, NOT_RUN, "not run: stage budget spent")
             )
-        per_test = int(max(3.0, min(test_timeout, limit - PYTEST_MARGIN_S)))
-        cmd = [
-            *prefix,
-            self.ctx.python,
-            "-m",
-            "pytest",
-            "-v",
-            "-rA",
-            "-p",
-            "no:cacheprovider",
-            *args,
-            f"--junitxml={junit}",
-            f"--timeout={per_test}",
-        ]
-        run = self.command(cmd, label=f"pytest {name}", env=env, timeout=limit)
-        if run is None:  # the budget went while the command was being prepared
-            return self.add_file(
-                FileResult(self.name, name, NOT_RUN, "not run: stage budget spent")
+        if crashes:
+            unrun = (
+                f"not resumed again after {MAX_PARTS} pytest runs"
+                if len(parts) >= MAX_PARTS
+                else "the stage's budget was spent after a crash"
             )
-        fr = file_result(self.name, name, run, junit)
-        if junit.exists():
-            fr.junit = self.ctx.rel(junit)
+            fr = resumed_result(self.name, name, parts, log, crashes, unrun)
+        else:
+            run, _ = parts[0]
+            fr = file_result(self.name, name, run, junit)
+            if log is not None:
+                fr.cases = case_rows(log, {})
+        # Each pytest run its own junit (a crashed one leaves none): the row names those there.
+        written = [self.ctx.rel(j) for _, j in parts if j.exists()]
+        fr.junit = ", ".join(written) or None
         if judge is not None:
-            judge(fr, run)
+            judge(fr, parts[-1][0])
         return self.add_file(fr)
 
     def add_file(self, fr: FileResult) -> FileResult:
@@ -362,6 +425,83 @@ class StageRun:
         self.ctx.echo(line + (f" — {fr.reason}" if fr.reason else ""))
         write_summary(self.ctx)
         return fr
+
+
+def _plugin_path(env: dict | None) -> str:
+    """PYTHONPATH with tools/ first, so that ``-p gpu_check_reports`` loads in the test Python
+    (a virtual environment that has nothing of tools/)."""
+    rest = (env or {}).get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    return os.pathsep.join(p for p in (str(TOOLS), rest) if p)
+
+
+def crash_text(run: Run) -> str | None:
+    """What ended a pytest under a test, or None when it ended by itself: a kill at its
+    timeout, a signal, a "Fatal Python error" (faulthandler), another exit without pytest's
+    summary (pytest-timeout's thread method ends the process with os._exit)."""
+    if run.timed_out:
+        who = "the stage timeout" if run.stage_bound else f"its {run.timeout_s:.0f} s timeout"
+        return f"killed by {who} after {run.duration_s:.0f} s"
+    if run.returncode < 0:
+        return exit_text(run.returncode)
+    fatal = next((ln.strip() for ln in run.output.splitlines() if FATAL in ln), "")
+    if fatal:
+        return f"{exit_text(run.returncode)}: {fatal[fatal.index(FATAL) :][:120]}"
+    if run.returncode != 0 and parse_pytest_summary(run.output) is None:
+        return f"{exit_text(run.returncode)} without pytest's summary"
+    return None
+
+
+def case_rows(log: CaseLog, crashes: dict, unrun: str = "") -> list[dict]:
+    """One row per test of the file, in collection order: its outcome and a note (the failure's
+    last lines, the skip reason, what ended a crashed test's process, ``unrun`` for a test that
+    never ran)."""
+    rows = {}
+    for node in [*log.collected, *log.outcomes, *crashes]:
+        if node in rows:
+            continue
+        if node in crashes:
+            outcome, note = "crashed", crashes[node]
+        elif node in log.outcomes:
+            outcome, note = log.outcomes[node]
+        else:
+            outcome, note = "not run", unrun
+        rows[node] = {"test": node, "outcome": outcome, "note": note}
+    return list(rows.values())
+
+
+def resumed_result(
+    stage: str, name: str, parts: list, log: CaseLog, crashes: dict, unrun: str
+) -> FileResult:
+    """The row of a file whose pytest died under a test and was resumed: counts per test from
+    the plugin's log over all its parts, failed (a crash is a failure)."""
+    rows = case_rows(log, crashes, unrun)
+    count = {o: sum(r["outcome"] == o for r in rows) for o in CASE_OUTCOMES}
+    fr = FileResult(
+        stage,
+        name,
+        FAILED,
+        duration_s=round(sum(r.duration_s for r, _ in parts), 2),
+        tests=len(rows),
+        passed=count["passed"],
+        failed=count["failed"],
+        skipped=count["skipped"],
+        errors=count["error"],
+        crashed=count["crashed"],
+        counts_from="per-test log",
+        killed=any(r.timed_out for r, _ in parts),
+        cases=rows,
+        parts=len(parts),
+    )
+    fr.not_passed = [r["test"] for r in rows if r["outcome"] not in ("passed", "skipped")][:10]
+    first = next(iter(crashes))
+    fr.reason = f"crashed in {first.split('::')[-1]} ({crashes[first].split(';')[0]})"
+    if len(crashes) > 1:
+        fr.reason += f" and {len(crashes) - 1} more"
+    fr.reason += (
+        f"; {len(parts)} pytest runs: {fr.passed} passed, {fr.failed} failed, {fr.errors} "
+        f"errors, {fr.crashed} crashed, {count['not run']} not run"
+    )
+    return fr
 
 
 def _counts_text(fr: FileResult) -> str:
@@ -567,6 +707,31 @@ def _cell(text) -> str:
     return str(text or "").replace("|", "\\|").replace("\n", " ")
 
 
+# A test's note in summary.md is cut to this (summary.json keeps the plugin's whole text).
+CASE_NOTE_CHARS = 240
+
+
+def _case_lines(rows: list) -> list:
+    """summary.md's per-test section: each test of a file that did not pass, with its outcome
+    and note (the passed ones of such a file are counted, and listed in summary.json)."""
+    out = []
+    for f in rows:
+        bad = [c for c in f.get("cases", []) if c["outcome"] not in ("passed", "skipped")]
+        if not bad:
+            continue
+        ok = sum(c["outcome"] == "passed" for c in f["cases"])
+        head = f"{f['stage']} {f['name']} ({ok} passed"
+        head += f", {f['parts']} pytest runs):" if f.get("parts", 1) > 1 else "):"
+        out.append(f"- {head}")
+        for c in bad:
+            note = " ".join(c["note"].split())
+            if len(note) > CASE_NOTE_CHARS:  # a crash says why first, a failure at its end
+                crash = c["outcome"] == "crashed"
+                note = note[:CASE_NOTE_CHARS] + "…" if crash else "…" + note[-CASE_NOTE_CHARS:]
+            out.append(f"  - `{c['test']}` **{c['outcome']}**" + (f": {note}" if note else ""))
+    return ["", "## Tests that did not pass", "", *out] if out else []
+
+
 def summary_markdown(data: dict) -> str:
     where = "with a device" if data["device"] else "without a device"
     if data["complete"]:
@@ -582,7 +747,7 @@ def summary_markdown(data: dict) -> str:
         f"{data['started_utc']}, {where} ({data['device_reason']}), python `{data['python']}`; "
         f"{data['duration_s']} s{limit}; {state}. Stages: {counts or 'none yet'}. Tests: "
         f"{t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped, "
-        f"{t['errors']} errors.",
+        f"{t['errors']} errors, {t['crashed']} crashed.",
     ]
     if data["packed"]:
         lines += ["", "Logs and junit files are in logs.tar.gz and junit.tar.gz next to this."]
@@ -602,16 +767,17 @@ def summary_markdown(data: dict) -> str:
             "",
             "## Test files",
             "",
-            "| stage | test file | status | passed | failed | skipped | errors | seconds | note "
-            "| junit |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| stage | test file | status | passed | failed | skipped | errors | crashed | "
+            "seconds | note | junit |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for f in rows:
             lines.append(
                 f"| {f['stage']} | {_cell(f['name'])} | {f['status']} | {f['passed']} | "
-                f"{f['failed']} | {f['skipped']} | {f['errors']} | {f['duration_s']:.1f} | "
-                f"{_cell(f['reason'])} | {f['junit'] or ''} |"
+                f"{f['failed']} | {f['skipped']} | {f['errors']} | {f['crashed']} | "
+                f"{f['duration_s']:.1f} | {_cell(f['reason'])} | {f['junit'] or ''} |"
             )
+        lines += _case_lines(rows)
     for r in data["stages"]:
         for k, v in r["figures"].items():
             if isinstance(v, list) and v:
@@ -633,6 +799,9 @@ def print_summary(ctx: Context, exit_code: int) -> None:
         for f in r.files:
             if f.status not in (PASSED,):
                 print(f"  {'':<{width}}    {f.name}: {f.status} — {f.reason}")
+            for c in f.cases:
+                if c["outcome"] == "crashed":
+                    print(f"  {'':<{width}}      crashed: {c['test']} — {c['note'][:200]}")
     skipped = [r.name for r in ctx.order if r.status == SKIPPED]
     if skipped:
         print(f"[gpu-check] skipped: {', '.join(skipped)} (reasons above)")
