@@ -40,6 +40,32 @@ def _drift(samples: list, warm_s: float, end_s: float) -> dict:
     return out
 
 
+def rss_processes(pids: dict[str, int], samples: dict, warm_s: float, end_s: float) -> list:
+    """One row per process (role -> pid): its drift between warm_s and end_s (see above)."""
+    return [
+        {"process": role, "pid": pid, **_drift(samples.get(role, []), warm_s, end_s)}
+        for role, pid in pids.items()
+    ]
+
+
+def rss_failures(procs: list[dict], limit: float) -> list[str]:
+    """A process with too few samples to judge, or whose |drift| exceeds `limit`."""
+    out = []
+    for p in procs:
+        if p["drift"] is None:
+            out.append(f"{p['process']}: {p['samples']} RSS samples after warm-up")
+        elif abs(p["drift"]) > limit:
+            out.append(
+                f"{p['process']}: RSS drift {p['drift']:+.1%} > {limit:.0%} "
+                f"({p['base_mb']:.1f} -> {p['end_mb']:.1f} MB)"
+            )
+    return out
+
+
+def max_abs_drift(procs: list[dict]) -> float | None:
+    return max((abs(p["drift"]) for p in procs if p["drift"] is not None), default=None)
+
+
 def _rss_at(samples: dict, t_end: float, prefix: str) -> float | None:
     """Sum over the processes whose role starts with `prefix` of their last sample <= t_end."""
     total, any_ = 0, False
@@ -96,10 +122,7 @@ def analyse(run, cfg: dict, placement, duration: float, wall: float, health, lea
             totals[key] += k[src]
     steady = duration if run.steady_end_s is None else run.steady_end_s
     warm = cfg["warmup_frac"] * steady
-    procs = [
-        {"process": role, "pid": run.procs[role], **_drift(run.rss.get(role, []), warm, steady)}
-        for role in run.procs
-    ]
+    procs = rss_processes(run.procs, run.rss, warm, steady)
     failures = list(run.failures)
     if run.hang:
         failures.append(f"hang: {run.hang}")
@@ -110,14 +133,7 @@ def analyse(run, cfg: dict, placement, duration: float, wall: float, health, lea
         failures.append(f"only {totals['round_trips']} of {cfg['round_trips']} round trips")
     if not totals["checked"]:
         failures.append("no result was checked")
-    for p in procs:
-        if p["drift"] is None:
-            failures.append(f"{p['process']}: {p['samples']} RSS samples after warm-up")
-        elif abs(p["drift"]) > cfg["drift_limit"]:
-            failures.append(
-                f"{p['process']}: RSS drift {p['drift']:+.1%} > {cfg['drift_limit']:.0%} "
-                f"({p['base_mb']:.1f} -> {p['end_mb']:.1f} MB)"
-            )
+    failures += rss_failures(procs, cfg["drift_limit"])
     for s, h in health.items():
         bad = {k: h.get(k) for k in SERVER_COUNTERS if h.get(k)}
         if h["status"] != 200 or bad:
@@ -140,9 +156,7 @@ def analyse(run, cfg: dict, placement, duration: float, wall: float, health, lea
         "warmup_end_s": warm,
         "steady_end_s": steady,
         "rss": {"processes": procs, "samples": run.rss},
-        "max_abs_drift": max(
-            (abs(p["drift"]) for p in procs if p["drift"] is not None), default=None
-        ),
+        "max_abs_drift": max_abs_drift(procs),
         "health": health,
         "leaked_segments": leaked,
         "error_samples": run.errors,
@@ -151,6 +165,31 @@ def analyse(run, cfg: dict, placement, duration: float, wall: float, health, lea
         "failures": failures,
         "ok": not failures,
     }
+
+
+def print_rss(r: dict, end_what: str) -> None:
+    """The per-process RSS table of a result with "rss", "warmup_end_s" and "steady_end_s"."""
+    if not r["rss"]["processes"]:
+        print("\nno RSS sample")
+        return
+    print(
+        f"\nRSS from the end of the warm-up ({r['warmup_end_s']:.1f} s) until {end_what} "
+        f"({r['steady_end_s']:.1f} s); drift = last vs first window:"
+    )
+    print(
+        format_table(
+            r["rss"]["processes"],
+            [
+                ("process", "process", ""),
+                ("pid", "pid", "d"),
+                ("samples", "samples", "d"),
+                ("base_mb", "first MB", ".1f"),
+                ("end_mb", "last MB", ".1f"),
+                ("peak_mb", "peak MB", ".1f"),
+                ("drift", "drift", "+.2%"),
+            ],
+        )
+    )
 
 
 def print_report(r: dict) -> None:
@@ -183,24 +222,7 @@ def print_report(r: dict) -> None:
             ],
         )
     )
-    print(
-        f"\nRSS from the end of the warm-up ({r['warmup_end_s']:.1f} s) until the first client "
-        f"ended ({r['steady_end_s']:.1f} s); drift = last vs first window:"
-    )
-    print(
-        format_table(
-            r["rss"]["processes"],
-            [
-                ("process", "process", ""),
-                ("pid", "pid", "d"),
-                ("samples", "samples", "d"),
-                ("base_mb", "first MB", ".1f"),
-                ("end_mb", "last MB", ".1f"),
-                ("peak_mb", "peak MB", ".1f"),
-                ("drift", "drift", "+.2%"),
-            ],
-        )
-    )
+    print_rss(r, "the first client ended")
     t, lat = r["totals"], r["latency_us"]
     rate = r["round_trips_per_s"] or 0.0
     print(
@@ -245,14 +267,26 @@ def plot(r: dict, path: str) -> None:
         f"soak: {c['clients']} clients, {c['servers']} servers x{c['replicas']} replicas, "
         f"{r['totals']['round_trips']} round trips, per {c['interval_s']:g} s"
     )
+    plot_rss(ax2, r, (ax1, ax2))
+    save_figure(fig, path)
+
+
+def plot_rss(ax, r: dict, shaded: tuple) -> None:
+    """RSS of every process over time on `ax`; the warm-up and the wind-down (not in the
+    drift) greyed on every axis in `shaded`."""
     for role, ss in r["rss"]["samples"].items():
-        ax2.plot([t for t, _ in ss], [kb / KB_PER_MB for _, kb in ss], lw=1, label=role)
-    for ax in (ax1, ax2):
-        ax.axvspan(0, r["warmup_end_s"], color="0.9", zorder=0)
-        ax.axvspan(r["steady_end_s"], r["duration_s"], color="0.9", zorder=0)
-    ax2.set_ylabel("RSS (MB)")
-    ax2.set_xlabel("time since start (s); grey: warm-up and wind-down (not in the drift)")
-    ax2.legend(ncol=6, fontsize=7)
+        ax.plot([t for t, _ in ss], [kb / KB_PER_MB for _, kb in ss], lw=1, label=role)
+    for a in shaded:
+        a.axvspan(0, r["warmup_end_s"], color="0.9", zorder=0)
+        a.axvspan(r["steady_end_s"], r["duration_s"], color="0.9", zorder=0)
+    ax.set_ylabel("RSS (MB)")
+    ax.set_xlabel("time since start (s); grey: warm-up and wind-down (not in the drift)")
+    ax.legend(ncol=6, fontsize=7)
+
+
+def save_figure(fig, path: str) -> None:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=100)
