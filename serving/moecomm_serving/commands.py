@@ -16,14 +16,18 @@ import threading
 import torch
 from moecomm.wire.choose import TRANSPORT_CHOICES
 
+from moecomm_serving.kv_blocks import DEFAULT_BLOCK_TOKENS
+
 __all__ = [
     "DEFAULT_MIN_REPLICAS",
     "WAKE_S",
+    "add_kv_cache_arguments",
     "add_min_replicas_argument",
     "add_servers_arguments",
     "add_threads_argument",
     "add_token_argument",
     "add_transport_argument",
+    "kv_cache_kwargs",
     "set_threads",
     "stop_on_signals",
     "wait_for_stop",
@@ -66,6 +70,39 @@ def add_transport_argument(p: argparse.ArgumentParser) -> None:
         "pip install 'moecomm[nixl]') or auto (shm with peers that share this host's /dev/shm, "
         "nixl with the others; shm only when NIXL is not installed)",
     )
+
+
+def add_kv_cache_arguments(p: argparse.ArgumentParser) -> None:
+    """--kv-block-tokens and --prefix-cache-bytes, read by :func:`kv_cache_kwargs`."""
+    p.add_argument(
+        "--kv-block-tokens",
+        type=int,
+        default=DEFAULT_BLOCK_TOKENS,
+        help="tokens per block of the paged KV cache (default %(default)s; 0: one growable "
+        "buffer per request and layer, the old cache)",
+    )
+    p.add_argument(
+        "--prefix-cache-bytes",
+        type=int,
+        default=0,
+        help="byte budget of the prefix cache: KV blocks of earlier prompts kept (least "
+        "recently used evicted) so a request that starts the same way skips that prefill "
+        "(default 0: off; needs the paged cache)",
+    )
+
+
+def kv_cache_kwargs(args: argparse.Namespace, command: str) -> dict:
+    """The engine's KV cache settings from :func:`add_kv_cache_arguments`'s options."""
+    if args.kv_block_tokens < 0 or args.prefix_cache_bytes < 0:
+        raise SystemExit(
+            f"moecomm {command}: --kv-block-tokens and --prefix-cache-bytes must be >= 0"
+        )
+    if args.prefix_cache_bytes and not args.kv_block_tokens:
+        raise SystemExit(f"moecomm {command}: --prefix-cache-bytes needs --kv-block-tokens > 0")
+    return {
+        "kv_block_tokens": args.kv_block_tokens or None,
+        "prefix_cache_bytes": args.prefix_cache_bytes,
+    }
 
 
 def add_min_replicas_argument(p: argparse.ArgumentParser) -> None:

@@ -27,6 +27,7 @@ from moecomm.http_thread import DEFAULT_HOST, HttpServer
 
 from moecomm_serving import openai_api as oa
 from moecomm_serving.generate import SamplingParams
+from moecomm_serving.kv_blocks import DEFAULT_BLOCK_TOKENS
 from moecomm_serving.metrics import ServingMetrics
 from moecomm_serving.model import MoETransformer
 from moecomm_serving.scheduler import (
@@ -122,6 +123,8 @@ class Frontend:
         batch_wait_s: float = 0.0,
         chat_template: oa.ChatTemplate | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        kv_block_tokens: int | None = DEFAULT_BLOCK_TOKENS,
+        prefix_cache_bytes: int = 0,
     ):
         self.model, self.tok, self.model_name = model, tokenizer, model_name
         self.max_body_bytes = max_body_bytes
@@ -140,7 +143,13 @@ class Frontend:
         # every EOS id the checkpoint's generation config lists ends a request
         eos_ids = getattr(tokenizer, "eos_ids", None) or None
         self.engine = Engine(
-            model, max_batch_tokens, max_num_seqs, batch_wait_s=batch_wait_s, eos_token_id=eos_ids
+            model,
+            max_batch_tokens,
+            max_num_seqs,
+            batch_wait_s=batch_wait_s,
+            eos_token_id=eos_ids,
+            kv_block_tokens=kv_block_tokens,
+            prefix_cache_bytes=prefix_cache_bytes,
         )
         backend = model.experts
         self.metrics = ServingMetrics(
@@ -148,6 +157,9 @@ class Frontend:
             running=lambda: self.engine.num_running,
             # AttentionClient counts its re-sends to replicas; local experts never fail over
             failovers=lambda: int(getattr(backend, "failovers", 0)),
+            # a pipelined model (--stages N) counts the replacements of its lost stages
+            stage_recoveries=getattr(model, "recovery_counts", None),
+            prefix_cache=self.engine.prefix_cache,
         )
 
     # ------------------------------------------------------------------ checks
@@ -367,6 +379,8 @@ def make_frontend_app(
     batch_wait_s: float = 0.0,
     chat_template: oa.ChatTemplate | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    kv_block_tokens: int | None = DEFAULT_BLOCK_TOKENS,
+    prefix_cache_bytes: int = 0,
 ) -> FastAPI:
     """The FastAPI app; its engine thread starts and stops with the app's lifespan.
 
@@ -374,6 +388,8 @@ def make_frontend_app(
     `chat_template`: a function of the messages; None uses the tokenizer's own template (the
     checkpoint's, as transformers renders it) or else :func:`openai_api.default_chat_template`.
     Requests stop on every id of ``tokenizer.eos_ids``; bodies over `max_body_bytes` get a 413.
+    `kv_block_tokens` and `prefix_cache_bytes` size the paged KV cache and the prefix cache
+    (see :class:`~moecomm_serving.scheduler.Engine`).
     """
     fe = Frontend(
         model,
@@ -386,6 +402,8 @@ def make_frontend_app(
         batch_wait_s,
         chat_template,
         max_body_bytes,
+        kv_block_tokens,
+        prefix_cache_bytes,
     )
 
     @contextlib.asynccontextmanager

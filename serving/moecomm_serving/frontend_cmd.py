@@ -12,10 +12,12 @@ from moecomm.runtime.launch import SERVING_TTL_S
 from moecomm.runtime.registry import ClientIdInUseError
 
 from moecomm_serving.commands import (
+    add_kv_cache_arguments,
     add_servers_arguments,
     add_threads_argument,
     add_token_argument,
     add_transport_argument,
+    kv_cache_kwargs,
     set_threads,
     stop_on_signals,
     wait_for_stop,
@@ -113,6 +115,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "seconds, while serving (default 0: off); see `moecomm rebalance` for the settings",
     )
     add_controller_arguments(p, prefix="eplb-")
+    add_kv_cache_arguments(p)
     add_device_arguments(p, server=False)
 
 
@@ -138,6 +141,10 @@ def connect_remote_experts(args: argparse.Namespace, config):
 def run(args: argparse.Namespace) -> int:
     if args.stages < 1:
         raise SystemExit(f"moecomm frontend: --stages must be >= 1, got {args.stages}")
+    if args.stages > 1 and args.prefix_cache_bytes:
+        # The stages keep their own growable caches (docs/pipeline.md); a prefix cache there
+        # would have to be shared by every stage's blocks.
+        raise SystemExit("moecomm frontend: --prefix-cache-bytes works with --stages 1 only")
     check_placement_args(args)
     if is_cuda(args) and (args.eplb_interval > 0 or args.local_experts):
         raise SystemExit(
@@ -160,7 +167,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"loading {args.checkpoint}", flush=True)
     model = load_model(args.checkpoint, experts=experts, dtype=torch.float32)
     name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
-    app = make_frontend_app(model, tokenizer, name, args.max_batch_tokens)
+    app = make_frontend_app(
+        model, tokenizer, name, args.max_batch_tokens, **kv_cache_kwargs(args, "frontend")
+    )
     stop = stop_on_signals()
     http = start_frontend(app, args.host, args.port)
     print(f"frontend {name} listening on {http.url}", flush=True)

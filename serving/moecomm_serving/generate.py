@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from moecomm_serving.kv_blocks import BlockPool, PagedSequence
 from moecomm_serving.model import MoETransformer
+from moecomm_serving.prefix_cache import PrefixCache
 
 FINISH_STOP = "stop"  # produced a stop token (end of sequence)
 FINISH_LENGTH = "length"  # reached max_new_tokens
@@ -90,12 +92,26 @@ class Generation:
         prompt: Sequence[int],
         params: SamplingParams = DEFAULT_PARAMS,
         eos_token_id: int | Sequence[int] | None = None,
+        pool: BlockPool | None = None,
+        prefix_cache: PrefixCache | None = None,
     ):
         if len(prompt) == 0:
             raise ValueError("every prompt needs at least one token")
+        if prefix_cache is not None:
+            if pool is None:
+                pool = prefix_cache.pool
+            elif pool is not prefix_cache.pool:
+                raise ValueError("the prefix cache keeps blocks of another pool")
         self.prompt = [int(t) for t in prompt]
         self.params = params
-        self.cache = model.new_sequence()
+        self.prefix_cache = prefix_cache
+        # (a pipeline's model keeps the caches in its stages: it takes no pool)
+        self.cache = model.new_sequence() if pool is None else model.new_sequence(pool)
+        # Prompt tokens whose keys came from the prefix cache: their prefill is skipped.
+        self.cached = 0
+        if prefix_cache is not None:
+            blocks, self.cached = prefix_cache.match(self.prompt)
+            self.cache.adopt(blocks, self.cached)
         self.generator = params.make_generator()
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
@@ -113,7 +129,19 @@ class Generation:
         """Tokens the next forward appends: the prompt first, then the last sampled token."""
         if self.finished:
             raise RuntimeError("this generation has finished")
-        return self.prompt if not self.tokens else self.tokens[-1:]
+        return self.prompt[self.cached :] if not self.tokens else self.tokens[-1:]
+
+    def remember(self) -> None:
+        """Offers the full blocks cached so far to the prefix cache (after the prefill, so
+        requests running meanwhile share the prompt; again at the end, for a next turn)."""
+        if self.prefix_cache is not None and not self.cache.released:
+            done = self.prompt + self.tokens[:-1] if self.tokens else self.prompt
+            self.prefix_cache.insert(done[: self.cache.length], self.cache)
+
+    def release(self) -> None:
+        """Frees a paged cache's blocks (those the prefix cache kept stay); idempotent."""
+        if isinstance(self.cache, PagedSequence):
+            self.cache.release()
 
     def accept(self, logits: torch.Tensor) -> int:
         """Samples the next token from this sequence's logits and updates the finish state."""
@@ -137,21 +165,41 @@ def generate(
     prompts: Sequence[Sequence[int]],
     params: SamplingParams | Sequence[SamplingParams] = DEFAULT_PARAMS,
     eos_token_id: int | Sequence[int] | None = None,
+    pool: BlockPool | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> list[Generation]:
     """Generates for several prompts of different lengths at once.
 
     Prefill runs all prompts in one packed forward; then each step decodes one token for every
     unfinished sequence. A sequence stops at ``max_new_tokens``, at one of its
     ``stop_token_ids``, or at `eos_token_id` (the config's by default) unless ``ignore_eos``.
+    With `pool` the caches are paged in it (and freed at the end); with `prefix_cache` prompts
+    start from the blocks it holds and leave theirs in it.
     """
     per = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
     if len(per) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(per)} sampling params")
-    out = [Generation(model, p, sp, eos_token_id) for p, sp in zip(prompts, per, strict=True)]
+    out = [
+        Generation(model, p, sp, eos_token_id, pool, prefix_cache)
+        for p, sp in zip(prompts, per, strict=True)
+    ]
     active = list(out)
-    while active:
-        step(model, active)
-        active = [g for g in active if not g.finished]
+    try:
+        first = True
+        while active:
+            step(model, active)
+            if first:
+                for g in active:
+                    g.remember()
+                first = False
+            for g in active:
+                if g.finished:
+                    g.remember()
+                    g.release()
+            active = [g for g in active if not g.finished]
+    finally:
+        for g in out:
+            g.release()
     return out
 
 

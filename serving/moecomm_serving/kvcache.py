@@ -5,6 +5,13 @@ owns, keyed by global layer id, so a stage that hands layers to another can move
 entries (:meth:`SequenceKV.pop_layer` / :meth:`SequenceKV.put_layer`). Sequences of a batch are
 independent objects of independent lengths: a batch of decode steps, a batch of prefills of
 different lengths, or a mix, all go through one forward (see :class:`ForwardBatch`).
+
+The serving engine caches in fixed-size blocks instead (:mod:`moecomm_serving.kv_blocks`, with
+the prefix cache of :mod:`moecomm_serving.prefix_cache` on top); its
+:class:`~moecomm_serving.kv_blocks.PagedSequence` has this module's interface (``layer(i)``
+with ``append`` / ``truncate`` / ``length``), so a forward takes either, and returns the same
+bytes with either. This growable cache stays the default of ``MoETransformer.new_sequence()``
+and what pipeline stages use (they move one layer's cache between processes).
 """
 
 from __future__ import annotations
@@ -116,14 +123,14 @@ class ForwardBatch:
     ``past[j] ... past[j] + num_new[j] - 1``.
     """
 
-    caches: list[SequenceKV]
+    caches: list  # SequenceKV or kv_blocks.PagedSequence: anything with length and layer(i)
     num_new: list[int]
     past: list[int]
     starts: list[int]
     positions: torch.Tensor  # [T] int64
 
     @classmethod
-    def build(cls, caches: Sequence[SequenceKV], num_new: Sequence[int], device) -> ForwardBatch:
+    def build(cls, caches: Sequence, num_new: Sequence[int], device) -> ForwardBatch:
         if len(caches) != len(num_new):
             raise ValueError(f"{len(caches)} caches but {len(num_new)} token counts")
         if not caches:

@@ -9,7 +9,8 @@ compute any quantile over any window:
 - E2E: arrival -> last token.
 
 Plus counters (requests by outcome, prompt and generated tokens, failovers of the experts
-backend), gauges (queue depth, running requests, generated tokens/s over a sliding window).
+backend, replacements of lost pipeline stages by kind), gauges (queue depth, running requests,
+generated tokens/s over a sliding window).
 Everything is updated under one lock: the engine thread and the event loop both write.
 """
 
@@ -40,6 +41,10 @@ LATENCY_BUCKETS_S = (
     30.0,
     60.0,
 )
+# Label values of the stage-recovery counter: the standby pipeline took over, or a new one
+# was started (moecomm_serving.pipeline_model.Recovery.standby). Both are always rendered, so a
+# scraper sees a 0 before the first recovery instead of a missing series.
+RECOVERY_KINDS = ("standby", "new")
 # Window of the tokens/s gauge: long enough to smooth step jitter, short enough to track load.
 THROUGHPUT_WINDOW_S = 10.0
 
@@ -81,9 +86,15 @@ class ServingMetrics:
         queue_depth: Callable[[], int],
         running: Callable[[], int],
         failovers: Callable[[], int],
+        stage_recoveries: Callable[[], dict[str, int]] | None = None,
+        prefix_cache=None,
     ):
         self._lock = threading.Lock()
         self._queue_depth, self._running, self._failovers = queue_depth, running, failovers
+        # Replacements of the pipeline stages by kind (RECOVERY_KINDS); none without stages.
+        self._stage_recoveries = stage_recoveries or dict
+        # The engine's PrefixCache (moecomm_serving.prefix_cache), or None: no series then.
+        self._prefix_cache = prefix_cache
         p = PREFIX
         self.ttft = Histogram(f"{p}_time_to_first_token_seconds", "Arrival to first token.")
         self.itl = Histogram(f"{p}_inter_token_latency_seconds", "Gap between two tokens.")
@@ -161,4 +172,53 @@ class ServingMetrics:
             "Re-sends of expert requests to a replica (AttentionClient.failovers).",
             self._failovers(),
         )
+        name = f"{p}_stage_recoveries_total"
+        counts = self._stage_recoveries()
+        lines += [
+            f"# HELP {name} Replacements of lost pipeline stages: by the standby stages kept "
+            "started, or by new ones.",
+            f"# TYPE {name} counter",
+        ]
+        lines += [f'{name}{{kind="{k}"}} {int(counts.get(k, 0))}' for k in RECOVERY_KINDS]
+        if self._prefix_cache is not None:
+            lines += _prefix_cache_lines(self._prefix_cache)
         return "\n".join(lines) + "\n"
+
+
+def _prefix_cache_lines(cache) -> list[str]:
+    """The prefix cache's series. Its counters are written by the engine thread only; a
+    scrape reads each int once, so a series is never torn (at worst one step old)."""
+    p, s = f"{PREFIX}_prefix_cache", cache.stats
+    per_token = cache.pool.block_bytes // cache.pool.block_tokens
+    rows = [
+        ("counter", "lookups_total", "Prompts looked up in the prefix cache.", s.lookups),
+        ("counter", "hits_total", "Prompts that reused at least one cached block.", s.hits),
+        ("counter", "query_tokens_total", "Prompt tokens looked up.", s.query_tokens),
+        ("counter", "hit_tokens_total", "Prompt tokens served from the cache.", s.hit_tokens),
+        ("gauge", "hit_rate", "hit_tokens_total / query_tokens_total.", s.hit_rate),
+        (
+            "counter",
+            "hit_bytes_total",
+            "KV bytes reused instead of computed.",
+            s.hit_tokens * per_token,
+        ),
+        ("gauge", "bytes", "KV bytes the prefix cache holds.", cache.bytes),
+        ("gauge", "capacity_bytes", "The prefix cache's byte budget.", cache.max_bytes),
+        (
+            "counter",
+            "evicted_blocks_total",
+            "Blocks evicted (least recently used).",
+            s.evicted_blocks,
+        ),
+        (
+            "counter",
+            "saved_prefill_seconds_total",
+            "TTFT saved (estimate): skipped prefill tokens times the marginal forward "
+            "seconds per token, fitted over recent engine steps.",
+            s.saved_prefill_s,
+        ),
+    ]
+    out = []
+    for kind, name, help_text, value in rows:
+        out += _scalar(kind, f"{p}_{name}", help_text, value)
+    return out

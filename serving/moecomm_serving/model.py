@@ -28,6 +28,7 @@ from moecomm_serving.backends import ExpertsBackend, LocalExperts
 from moecomm_serving.checkpoint import Checkpoint, global_names, layer_names
 from moecomm_serving.config import MoEConfig
 from moecomm_serving.deepseek import DeepseekLayer
+from moecomm_serving.kv_blocks import DEFAULT_BLOCK_TOKENS, BlockPool, PagedSequence
 from moecomm_serving.kvcache import ForwardBatch, SequenceKV
 from moecomm_serving.layer import DecoderLayer, linear, rms_norm
 from moecomm_serving.rope import Rotary
@@ -100,12 +101,31 @@ class MoETransformer:
             return 1, c.mla.kv_lora_rank, c.mla.qk_rope_head_dim
         return c.num_key_value_heads, c.head_dim, c.head_dim
 
-    def new_sequence(self) -> SequenceKV:
-        """An empty KV cache for one sequence over this model's layers."""
+    def new_sequence(self, pool: BlockPool | None = None) -> SequenceKV | PagedSequence:
+        """An empty KV cache for one sequence over this model's layers: paged in `pool` (see
+        :meth:`new_block_pool`), else one growable buffer per layer."""
         heads, k_dim, v_dim = self.kv_shape
-        return SequenceKV(self.layers, heads, k_dim, self.dtype, self.device, v_dim)
+        if pool is None:
+            return SequenceKV(self.layers, heads, k_dim, self.dtype, self.device, v_dim)
+        mine = (tuple(self.layers), self.kv_shape, self.dtype, self.device)
+        theirs = (pool.layers, pool.kv_shape, pool.dtype, pool.device)
+        if mine != theirs:
+            raise ValueError(
+                f"block pool (layers, kv shape, dtype, device) {theirs} does not fit this "
+                f"model's {mine}"
+            )
+        return PagedSequence(pool)
 
-    def prepare(self, caches: Sequence[SequenceKV], num_new: Sequence[int]) -> ForwardBatch:
+    def new_block_pool(self, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> BlockPool:
+        """A paged KV cache for this model's layers: blocks of `block_tokens` tokens."""
+        heads, k_dim, v_dim = self.kv_shape
+        return BlockPool(
+            self.layers, heads, k_dim, v_dim, self.dtype, self.device, block_tokens=block_tokens
+        )
+
+    def prepare(
+        self, caches: Sequence[SequenceKV | PagedSequence], num_new: Sequence[int]
+    ) -> ForwardBatch:
         """The packed layout of a forward that adds `num_new[j]` tokens to sequence j."""
         batch = ForwardBatch.build(caches, num_new, self.device)
         top = max(p + n for p, n in zip(batch.past, batch.num_new, strict=True))
@@ -160,7 +180,7 @@ class MoETransformer:
     def forward(
         self,
         token_ids: Sequence[Sequence[int] | torch.Tensor],
-        caches: Sequence[SequenceKV],
+        caches: Sequence[SequenceKV | PagedSequence],
         all_logits: bool = False,
     ) -> torch.Tensor:
         """Appends ``token_ids[j]`` to sequence j and returns logits.

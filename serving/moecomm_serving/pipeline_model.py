@@ -248,6 +248,13 @@ class PipelinedModel:
         if self._standby_on:
             self._start_standby()
 
+    def recovery_counts(self) -> dict[str, int]:
+        """Replacements so far by kind, for /metrics: "standby" (the standby stages took over)
+        and "new" (new stages were started). Any thread: it reads a copy of the list."""
+        done = list(self.recoveries)
+        standby = sum(r.standby for r in done)
+        return {"standby": standby, "new": len(done) - standby}
+
     def _reprefill(self) -> tuple[int, int]:
         """Feeds every live sequence's tokens to the new stages (as many per micro-batch as its
         slots hold, a long sequence over several); returns (sequences, tokens)."""

@@ -15,6 +15,14 @@ forward, so none of them has a trustworthy next token) with an :class:`ErrorEven
 keeps serving the others. A failed request is never retried: its stream has already shown
 tokens, and a sampled continuation would not be reproducible.
 
+KV cache. By default every request's cache is paged (:mod:`moecomm_serving.kv_blocks`, one
+block pool per engine) and its blocks are freed the moment the request leaves, whatever the
+reason (finished, failed, cancelled, expired). With a prefix cache
+(:mod:`moecomm_serving.prefix_cache`), a new request starts from the cached blocks of its
+prompt's longest cached prefix and prefills only the rest; a request's full blocks enter the
+cache once its prompt is prefilled (so requests running meanwhile share them) and again when it
+finishes (prompt and answer: the next turn of a chat).
+
 Only the engine thread touches the model, so an experts backend that is not thread-safe (an
 :class:`moecomm.runtime.AttentionClient`) is safe behind it; the health probe is a request too.
 """
@@ -31,7 +39,9 @@ from dataclasses import dataclass, field
 from moecomm.errors import DeadlineExceededError, MoecommError, deprecated_aliases
 
 from moecomm_serving.generate import Generation, SamplingParams
+from moecomm_serving.kv_blocks import DEFAULT_BLOCK_TOKENS
 from moecomm_serving.model import MoETransformer
+from moecomm_serving.prefix_cache import PrefixCache
 
 # How long the idle engine sleeps on its condition before re-checking stop and deadlines.
 IDLE_POLL_S = 0.05
@@ -39,6 +49,14 @@ IDLE_POLL_S = 0.05
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
 # Bounds the waiting queue so overload answers 503 at once instead of timing out later.
 DEFAULT_MAX_QUEUE = 1024
+# The prefill a prefix-cache hit skips is valued at the marginal cost of one more token in a
+# forward: the slope of step seconds against step tokens, fitted over recent steps (a step's
+# fixed cost, which a hit does not save, is the intercept). Each step's weight in the fit decays
+# by this factor per later step: ~100 steps of memory, enough to hold a few prefills among the
+# decodes, short enough to follow a change of load.
+STEP_COST_DECAY = 0.99
+# Below this variance of step sizes (relative to their mean square) there is no slope to fit.
+MIN_TOKEN_SPREAD = 1e-3
 
 
 @dataclass(frozen=True)
@@ -122,6 +140,10 @@ class Engine:
             before the first step, so a burst shares its prefill forward (0: start at once).
         eos_token_id: end-of-sequence id, or every id that ends a sequence (the model config's by
             default).
+        kv_block_tokens: tokens per block of the paged KV cache (None: one growable buffer per
+            sequence and layer, the old cache). A model without ``new_block_pool`` (a pipeline,
+            whose stages keep the caches) always uses its own.
+        prefix_cache_bytes: byte budget of the prefix cache (0: none); needs the paged cache.
     """
 
     def __init__(
@@ -132,6 +154,8 @@ class Engine:
         max_queue: int = DEFAULT_MAX_QUEUE,
         batch_wait_s: float = 0.0,
         eos_token_id: int | Sequence[int] | None = None,
+        kv_block_tokens: int | None = DEFAULT_BLOCK_TOKENS,
+        prefix_cache_bytes: int = 0,
     ):
         if max_batch_tokens < 1 or max_num_seqs < 1 or max_queue < 1:
             raise ValueError(
@@ -145,6 +169,17 @@ class Engine:
         self.batch_wait_s = batch_wait_s
         self.eos_token_id = eos_token_id
         self.stats = EngineStats()
+        new_pool = getattr(model, "new_block_pool", None)
+        if prefix_cache_bytes < 0:
+            raise ValueError(f"prefix_cache_bytes must be >= 0, got {prefix_cache_bytes}")
+        if prefix_cache_bytes and (kv_block_tokens is None or new_pool is None):
+            raise ValueError("a prefix cache needs the paged KV cache (kv_block_tokens)")
+        self.pool = new_pool(kv_block_tokens) if new_pool and kv_block_tokens else None
+        self.prefix_cache = (
+            PrefixCache(self.pool, prefix_cache_bytes) if prefix_cache_bytes else None
+        )
+        # decayed sums of 1, x, y, x*x, x*y over steps (x: tokens, y: seconds), see _note_step
+        self._fit = [0.0] * 5
         self._waiting: deque[EngineRequest] = deque()
         self._active: list[EngineRequest] = []
         self._cond = threading.Condition()
@@ -228,6 +263,8 @@ class Engine:
 
     def _finish(self, req: EngineRequest, event: Event) -> None:
         req.done = True
+        if req.generation is not None:
+            req.generation.release()
         if isinstance(event, ErrorEvent):
             self.stats.failed += 1
         else:
@@ -249,6 +286,8 @@ class Engine:
         expired = [r for r in self._active if not r.cancelled and now > r.deadline]
         for req in self._active:
             req.done = req.done or req.cancelled
+            if req.cancelled:
+                req.generation.release()
         # leave the batch before the error goes out, so whoever reads it sees a consistent engine
         self._active = [r for r in self._active if not r.done and r not in expired]
         for req in expired:
@@ -264,12 +303,20 @@ class Engine:
                 req = self._waiting.popleft()
                 try:
                     req.generation = Generation(
-                        self.model, req.prompt, req.params, self.eos_token_id
+                        self.model,
+                        req.prompt,
+                        req.params,
+                        self.eos_token_id,
+                        self.pool,
+                        self.prefix_cache,
                     )
                 except Exception as exc:  # a bad request must not take the engine down
                     self._finish(req, ErrorEvent(str(exc), 400, time.monotonic()))
                     continue
-                budget -= len(req.prompt)
+                # a prefix-cache hit: those prompt tokens are in the cache already
+                req.prefilled = req.generation.cached
+                self._note_hit(req.generation.cached)
+                budget -= len(req.prompt) - req.prefilled
                 self._active.append(req)
 
     def _plan(self) -> list[tuple[EngineRequest, list[int]]]:
@@ -302,6 +349,7 @@ class Engine:
             self.stats.step_failures += 1
             self._active = [r for r in self._active if r not in batch]
             for req in batch:
+                req.generation.release()
                 if not req.cancelled:
                     self._finish(req, ErrorEvent(f"forward step failed: {exc}", 500, now))
             return
@@ -311,11 +359,13 @@ class Engine:
         for row, (req, feed) in enumerate(plan):
             if not req.generation.tokens:
                 prefills += 1
-                chunks += len(feed) < len(req.prompt)
+                chunks += len(feed) < len(req.prompt) - req.generation.cached
                 req.prefilled += len(feed)
                 if req.prefilled < len(req.prompt):
                     continue  # a prompt chunk: no token until the whole prompt is in
+                req.generation.remember()  # the whole prompt is cached: share it from now on
             out.append((req, req.generation.accept(logits[row])))
+        self._note_step(now - t0, sum(len(f) for _, f in plan))
         s = self.stats
         s.steps += 1
         s.busy_s += now - t0
@@ -326,6 +376,10 @@ class Engine:
         s.prefill_chunks += chunks
         for req in batch:
             req.done = req.cancelled or req.generation.finished
+            if req.generation.finished and not req.cancelled:
+                req.generation.remember()  # prompt and answer: a next chat turn starts here
+            if req.done:
+                req.generation.release()
         # finished requests leave the batch before their events go out (consistent counters)
         self._active = [r for r in self._active if not r.done]
         for req, tok in out:
@@ -334,6 +388,31 @@ class Engine:
             req.emit(TokenEvent(tok, now, req.generation.finish_reason))
             if req.generation.finished:
                 self._finish(req, FinishEvent(req.generation.finish_reason, now))
+
+    def _note_step(self, seconds: float, tokens: int) -> None:
+        """Adds one step to the decayed least-squares fit of seconds against tokens."""
+        if self.prefix_cache is None:
+            return
+        f = self._fit
+        for k, value in enumerate((1.0, tokens, seconds, tokens * tokens, tokens * seconds)):
+            f[k] = STEP_COST_DECAY * f[k] + value
+
+    def seconds_per_token(self) -> float | None:
+        """Marginal forward seconds per token: the fit's slope, or, while every step seen had
+        about the same size (no slope to fit), the mean cost per token (an upper bound)."""
+        n, sx, sy, sxx, sxy = self._fit
+        if not sx:
+            return None
+        spread = n * sxx - sx * sx
+        if spread > MIN_TOKEN_SPREAD * n * sxx:
+            return max(0.0, (n * sxy - sx * sy) / spread)
+        return sy / sx
+
+    def _note_hit(self, tokens: int) -> None:
+        """Credits a prefix-cache hit with the prefill time it skips (estimated)."""
+        rate = self.seconds_per_token() if tokens else None
+        if rate is not None:
+            self.prefix_cache.stats.saved_prefill_s += tokens * rate
 
     def _fail_all(self, message: str, status: int) -> None:
         now = time.monotonic()

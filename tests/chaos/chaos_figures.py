@@ -105,12 +105,17 @@ class Figures:
         ]
 
     def write_json(self) -> str | None:
-        path = os.environ.get(JSON_ENV)
+        path = json_path()
         if not path or not self.trials:
             return None
         with open(path, "w") as f:
             json.dump({"summary": self.summary(), "trials": self.trials}, f, indent=1)
         return path
+
+
+def json_path() -> str | None:
+    """Where the chaos figures go as JSON ($MOECOMM_CHAOS_JSON; read here only), or None."""
+    return os.environ.get(JSON_ENV) or None
 
 
 def _round(v: float | None) -> float | None:

@@ -40,13 +40,20 @@ FAULT_FREE_SEED = 10_000
 TRIAL_TIMEOUT_S = 180
 
 
-def chaos_seeds() -> list[int]:
+def trial_seeds(ci_seeds: tuple[int, ...], long_trials: int) -> list[int]:
+    """The seeds a chaos test runs: the one of $MOECOMM_CHAOS_SEED (a replay), 1..N for
+    $MOECOMM_CHAOS_TRIALS=N, 1..long_trials under MOECOMM_LONG=1, else `ci_seeds`. Read here
+    only (test_deployment_chaos.py uses it too)."""
     if os.environ.get(SEED_ENV):
         return [int(os.environ[SEED_ENV])]
     trials = os.environ.get(TRIALS_ENV)
     if trials:
         return list(range(1, int(trials) + 1))
-    return list(range(1, LONG_TRIALS + 1)) if LONG else list(CI_SEEDS)
+    return list(range(1, long_trials + 1)) if LONG else list(ci_seeds)
+
+
+def chaos_seeds() -> list[int]:
+    return trial_seeds(CI_SEEDS, LONG_TRIALS)
 
 
 def _replay(seed: int) -> str:
