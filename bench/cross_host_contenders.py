@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import re
 import socket
@@ -210,6 +211,8 @@ def gloo_client(a: argparse.Namespace) -> list[int]:
 
 
 # ---------------------------------------------------------------------------- moecomm
+# The roles that run moecomm over nixl (see _transport).
+NIXL_ROLES = ("nixl", "nixl-words")
 # Both ends exchange region handles through files in the run's temporary directory under /tmp
 # (shared by every namespace of the lab): a file appears whole (written, then renamed).
 CLIENT_ID = 1
@@ -238,10 +241,12 @@ def _get_handle(a: argparse.Namespace, who: str) -> str:
 
 
 def _transport(a: argparse.Namespace):
-    if a.contender == "nixl":
+    if a.contender in NIXL_ROLES:
         from moecomm.wire.nixl import open_nixl_transport
 
-        return open_nixl_transport(host=a.self_addr)
+        # "nixl": the signal word rides on the payload's notification (one transfer per
+        # message); "nixl-words": each word its own WRITE, waited for (the earlier path).
+        return open_nixl_transport(host=a.self_addr, notify=a.contender == "nixl")
     import moecomm
 
     return moecomm.ShmTransport()
@@ -261,13 +266,17 @@ def moecomm_server(a: argparse.Namespace) -> None:
     from moecomm.wire.transport import WaitOp
 
     t = _transport(a)
+    clock = time.perf_counter_ns
+    answer_ns = []  # the server's own leg: its answer (signal, or respond), per round trip
     if a.size == "signal":
         mine = t.create_region(128)
         _put_handle(a, "server", mine.handle)
         peer = t.attach(_get_handle(a, "client"))
         for i in range(1, a.iters + 1):
             t.wait(mine, PING_OFFSET, WaitOp.EQUAL, i, timeout_ns=WAIT_NS, peer=peer)
+            t0 = clock()
             t.signal(peer, PING_OFFSET, i)
+            answer_ns.append(clock() - t0)
     else:
         ch = ServerChannel(t, _layout(), CLIENT_ID, num_slots=1)
         _put_handle(a, "server", ch.handle)
@@ -277,8 +286,11 @@ def moecomm_server(a: argparse.Namespace) -> None:
             for req in ch.wait(WAIT_S):
                 if not req.valid:
                     raise RuntimeError(f"invalid request in slot {req.slot}")
+                t0 = clock()
                 ch.respond(req, req.activations)
+                answer_ns.append(clock() - t0)
                 served += 1
+    _put_handle(a, "server_legs", json.dumps({"answer_ns": answer_ns, **_engine_counters(t)}))
     _put_handle(a, "served", "served")
     _get_handle(a, "done")
 
@@ -288,6 +300,8 @@ def moecomm_client(a: argparse.Namespace) -> list[int]:
     from moecomm.wire.transport import WaitOp
 
     t = _transport(a)
+    clock = time.perf_counter_ns
+    legs: list[tuple[int, int]] = []  # per round trip: (send, wait) in ns
     if a.size == "signal":
         mine = t.create_region(128)
         peer = t.attach(_get_handle(a, "server"))
@@ -296,10 +310,12 @@ def moecomm_client(a: argparse.Namespace) -> list[int]:
 
         def once():
             counter[0] += 1
+            t0 = clock()
             t.signal(peer, PING_OFFSET, counter[0])
-            return t.wait(
-                mine, PING_OFFSET, WaitOp.EQUAL, counter[0], timeout_ns=WAIT_NS, peer=peer
-            )
+            t1 = clock()
+            v = t.wait(mine, PING_OFFSET, WaitOp.EQUAL, counter[0], timeout_ns=WAIT_NS, peer=peer)
+            legs.append((t1 - t0, clock() - t1))
+            return v
 
         samples = time_calls(once, a.iters, a.warmup)
         assert once() == counter[0], "moecomm signal word differs from what was sent"
@@ -312,7 +328,11 @@ def moecomm_client(a: argparse.Namespace) -> list[int]:
         last = [None]
 
         def once():
-            last[0] = client.wait(0, client.send(0, x, ids, sc), WAIT_S).activations
+            t0 = clock()
+            seq = client.send(0, x, ids, sc)
+            t1 = clock()
+            last[0] = client.wait(0, seq, WAIT_S).activations
+            legs.append((t1 - t0, clock() - t1))
 
         samples = time_calls(once, a.iters, a.warmup)
         x, ids, sc = make_request(2)
@@ -320,8 +340,31 @@ def moecomm_client(a: argparse.Namespace) -> list[int]:
         once()
         assert torch.equal(last[0], x), "moecomm decode response differs from the request"
     _get_handle(a, "served")
+    timed = legs[a.warmup : a.warmup + a.iters]  # the timed round trips only
+    a.legs = {
+        "client_send_ns": [s for s, _ in timed],
+        "client_wait_ns": [w for _, w in timed],
+        "client": _engine_counters(t),
+        "server": json.loads(_get_handle(a, "server_legs")),
+    }
     _put_handle(a, "done", "done")
     return samples
+
+
+def _engine_counters(t) -> dict:
+    """The nixl engine's counters (transfers by kind, notifications, reposted transfers), or
+    nothing for another transport."""
+    e = getattr(t, "engine", None)
+    if e is None:
+        return {}
+    return {
+        "writes": e.transfers_by_op["WRITE"],
+        "reads": e.transfers_by_op["READ"],
+        "notifications_sent": e.notifications_sent,
+        "notifications_received": e.notifications_received,
+        "prepared_reposts": e.prepared_hits,
+        "xfer_ns": e.xfer_ns,
+    }
 
 
 def shm_client(a: argparse.Namespace) -> list[int]:
@@ -348,6 +391,7 @@ ROLES: dict[str, tuple[Callable, Callable]] = {
     "zmq": (zmq_server, zmq_client),
     "gloo": (gloo_server, gloo_client),
     "nixl": (moecomm_server, moecomm_client),
+    "nixl-words": (moecomm_server, moecomm_client),
     "shm": (moecomm_server, shm_client),
 }
 

@@ -62,17 +62,39 @@ class PyEngine final : public nixl::Engine {
                   int64_t timeout_ns) override {
     return xfer("read", agent, segs, timeout_ns);
   }
+  XferStatus write_notify(const std::string& agent, const std::vector<Segment>& segs,
+                          const std::vector<nixl::Word>& words, int64_t timeout_ns) override {
+    py::gil_scoped_acquire gil;
+    py::list w;
+    for (const nixl::Word& x : words) w.append(py::make_tuple(x.addr, x.value));
+    return static_cast<XferStatus>(
+        call_locked<int>("write_notify", agent, segment_list(segs), w, timeout_ns));
+  }
+  std::vector<nixl::Word> drain_notifs() override {
+    if (!Py_IsInitialized()) return {};
+    py::gil_scoped_acquire gil;
+    std::vector<nixl::Word> out;
+    for (py::handle t : call_locked<py::list>("drain_notifs")) {
+      auto pair = t.cast<py::tuple>();
+      out.push_back({pair[0].cast<uint64_t>(), pair[1].cast<uint64_t>()});
+    }
+    return out;
+  }
 
  private:
   XferStatus xfer(const char* op, const std::string& agent, const std::vector<Segment>& segs,
                   int64_t timeout_ns) {
     py::gil_scoped_acquire gil;
+    return static_cast<XferStatus>(call_locked<int>(op, agent, segment_list(segs), timeout_ns));
+  }
+
+  static py::list segment_list(const std::vector<Segment>& segs) {
     py::list l;
     for (const Segment& s : segs) {
       l.append(py::make_tuple(s.local, s.remote, s.bytes, kind_name(s.local_kind), s.local_device,
                               kind_name(s.remote_kind), s.remote_device));
     }
-    return static_cast<XferStatus>(call_locked<int>(op, agent, l, timeout_ns));
+    return l;
   }
 
   template <typename R, typename... A>
@@ -106,15 +128,18 @@ class PyEngine final : public nixl::Engine {
 void register_nixl(py::module_& m) {
   py::class_<nixl::NixlTransport, Transport, std::shared_ptr<nixl::NixlTransport>>(
       m, "NixlTransport", py::dynamic_attr())
-      .def(py::init(
-               [](py::object engine, int64_t spin_ns, int64_t poll_ns, int64_t xfer_timeout_ns) {
-                 return std::make_shared<nixl::NixlTransport>(
-                     std::make_shared<PyEngine>(std::move(engine)),
-                     nixl::NixlOptions{spin_ns, poll_ns, xfer_timeout_ns});
-               }),
+      .def(py::init([](py::object engine, int64_t spin_ns, int64_t poll_ns, int64_t xfer_timeout_ns,
+                       bool notify) {
+             return std::make_shared<nixl::NixlTransport>(
+                 std::make_shared<PyEngine>(std::move(engine)),
+                 nixl::NixlOptions{spin_ns, poll_ns, xfer_timeout_ns, notify});
+           }),
            py::arg("engine"), py::arg("spin_ns") = nixl::kDefaultSpinNs,
            py::arg("poll_ns") = nixl::kDefaultPollNs,
-           py::arg("xfer_timeout_ns") = nixl::kDefaultXferTimeoutNs)
+           py::arg("xfer_timeout_ns") = nixl::kDefaultXferTimeoutNs, py::arg("notify") = true)
+      .def("drain", &nixl::NixlTransport::drain, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("notify",
+                             [](const nixl::NixlTransport& t) { return t.options().notify; })
       .def_property_readonly("agent_name", &nixl::NixlTransport::agent_name)
       .def("peers", &nixl::NixlTransport::peers)
       .def(

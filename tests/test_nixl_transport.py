@@ -218,13 +218,16 @@ def test_add_to_a_peer_word_from_two_writers_always_changes_it(reaper):
 
     # Lock step: every completed ring, from either writer, leaves a value never seen before.
     order = random.Random(SEED)
+    last = 0
     for _ in range(30):
         w = order.randrange(2)
         conn = writers[w][1]
         conn.send(("ring", 1, 0))
         assert recv(conn) == "rung"
         rings[w] += 1
-        last = observe(t.load(bell, 0))  # the ring returned: it has landed
+        # The ring went (a notification: it lands after the ring returns, never before a ring
+        # sent earlier): the word changes to a new value, then stays until the next ring.
+        last = observe(t.wait(bell, 0, WaitOp.NOT_EQUAL, last, timeout_ns=WAIT_NS))
     # Free running: both ring at once while we wait on the word like a server on its doorbell.
     per_writer = 100
     for _, conn, _ in writers:

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -29,6 +30,9 @@ constexpr uint64_t kScratchBytes = 64;
 constexpr uint64_t kStageAlign = 64;
 // kAdd on a peer's word writes (tag << 32 | counter): a value no other writer can produce.
 constexpr int kTagShift = 32;
+// load() of our own word drains notifications at most this often: a server scanning its slots
+// loads many words in a row, and one drain (a call into the NIXL agent) serves them all.
+constexpr int64_t kLoadDrainIntervalNs = 10'000;
 
 inline int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -99,6 +103,11 @@ struct Shared {
   std::unordered_set<std::string> lost;
   std::unordered_map<uint64_t, std::weak_ptr<Region>> owned;  // by address: attaching to oneself
   std::unordered_map<std::string, uint32_t> peer_refs;        // for peers(); the engine counts too
+  // Held by the one thread draining notifications, across the engine call, so words are stored
+  // in the order they came; others only try it (a waiter holding the GIL must never block on a
+  // thread that needs the GIL).
+  std::mutex drain_mu;
+  std::atomic<int64_t> last_drain_ns{0};
 
   ~Shared() {
     for (auto& [id, s] : staging) {
@@ -159,15 +168,21 @@ struct Shared {
              " did not complete in time: the peer is stopped or unreachable");
   }
 
-  // Writes every queued put of this thread (one transfer per peer) and waits for them.
-  void flush(Staging& s, int64_t timeout_ns) {
-    if (s.pending.empty()) return;
+  // Writes every queued put of this thread (one transfer per peer) and waits for them; the puts
+  // to `keep` (an agent) are not written but returned, for the caller's own transfer.
+  std::vector<Segment> flush(Staging& s, int64_t timeout_ns, const std::string* keep = nullptr) {
+    std::vector<Segment> kept;
+    if (s.pending.empty()) return kept;
     std::vector<Pending> queued;
     queued.swap(s.pending);
-    s.used = kScratchBytes;
+    s.used = kScratchBytes;  // the caller's transfer is complete before this thread puts again
     std::vector<std::string> order;
     std::unordered_map<std::string, std::vector<Segment>> by_peer;
     for (const Pending& p : queued) {
+      if (keep != nullptr && p.agent == *keep) {
+        kept.push_back(p.seg);
+        continue;
+      }
       auto [it, fresh] = by_peer.try_emplace(p.agent);
       if (fresh) order.push_back(p.agent);
       it->second.push_back(p.seg);
@@ -175,6 +190,28 @@ struct Shared {
     for (const std::string& peer : order) {
       check(engine->write(peer, by_peer[peer], timeout_ns), peer, "write");
     }
+    return kept;
+  }
+
+  // Our host memory holding the 8-aligned word at `addr`, or null: a notification may name only
+  // a word of a region we own (the region is returned to keep it alive while the word is stored).
+  std::shared_ptr<Region> host_region_of(uint64_t addr, uint8_t** at) {
+    if (addr % sizeof(uint64_t) != 0) return nullptr;
+    std::vector<std::pair<uint64_t, std::weak_ptr<Region>>> regions;
+    {
+      std::lock_guard<std::mutex> lock(mu);        // copied out: a region's last reference may go
+      regions.assign(owned.begin(), owned.end());  // below, and its destructor takes `mu`
+    }
+    for (auto& [base, weak] : regions) {
+      if (addr < base) continue;
+      std::shared_ptr<Region> r = weak.lock();
+      if (r == nullptr || r->data() == nullptr || addr - base + sizeof(uint64_t) > r->size()) {
+        continue;
+      }
+      *at = reinterpret_cast<uint8_t*>(addr);
+      return r;
+    }
+    return nullptr;
   }
 };
 

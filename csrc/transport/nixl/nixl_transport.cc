@@ -176,16 +176,47 @@ void NixlTransport::signal(Region& dst, uint64_t offset, uint64_t value, SignalO
   MC_CHECK(peer.kind() == MemKind::kHost, "signal words live in host memory, not in ",
            peer.describe());
   Staging& s = shared_->mine();
-  shared_->flush(s, options_.xfer_timeout_ns);  // everything put before lands first
-  if (s.base == nullptr) shared_->grow(s, 0);
   const uint64_t word =
       op == SignalOp::kAdd ? (shared_->tag | (shared_->counter.fetch_add(1) + 1)) : value;
+  if (options_.notify) {
+    // One transfer: this thread's puts to the peer, with the word as its notification (the
+    // header, "Ordering"); puts queued for other peers go first, each waited for.
+    const std::vector<Segment> segs = shared_->flush(s, options_.xfer_timeout_ns, &peer.agent());
+    shared_->check(shared_->engine->write_notify(peer.agent(), segs, {{peer.addr() + offset, word}},
+                                                 options_.xfer_timeout_ns),
+                   peer.agent(), "signal");
+    // A notification sent alone is not tracked by NIXL: if UCX could not put it on the wire at
+    // once, it leaves at the next progress of our worker, which a drain makes now (instead of
+    // the progress thread's next pass, up to its delay later). Words that came meanwhile are
+    // stored as usual.
+    if (segs.empty()) drain();
+    return;
+  }
+  shared_->flush(s, options_.xfer_timeout_ns);  // everything put before lands first
+  if (s.base == nullptr) shared_->grow(s, 0);
   std::memcpy(s.base, &word, sizeof(word));
   shared_->check(
       shared_->engine->write(
           peer.agent(), {{reinterpret_cast<uint64_t>(s.base), peer.addr() + offset, sizeof(word)}},
           options_.xfer_timeout_ns),
       peer.agent(), "signal");
+}
+
+size_t NixlTransport::drain() {
+  std::unique_lock<std::mutex> lock(shared_->drain_mu, std::try_to_lock);
+  if (!lock.owns_lock()) return 0;  // another thread drains, and stores in order
+  shared_->last_drain_ns.store(now_ns(), std::memory_order_relaxed);
+  const std::vector<Word> words = shared_->engine->drain_notifs();
+  size_t stored = 0;
+  for (const Word& w : words) {
+    uint8_t* at = nullptr;
+    const std::shared_ptr<Region> keep = shared_->host_region_of(w.addr, &at);
+    if (keep == nullptr) continue;  // not a word of ours (a region closed since): dropped
+    // Release: the notification came after the bytes (the header), and so does the word.
+    word_at(at, 0).store(w.value, std::memory_order_release);
+    ++stored;
+  }
+  return stored;
 }
 
 WaitResult NixlTransport::wait(Region& local, uint64_t offset, const WaitPredicate& pred,
@@ -200,6 +231,7 @@ WaitResult NixlTransport::wait(Region& local, uint64_t offset, const WaitPredica
   for (;;) {
     const uint64_t v = w.load(std::memory_order_acquire);
     if (pred.satisfied(v)) return {WaitStatus::kOk, v};
+    if (drain() > 0) continue;  // words came by notification: look again at once
     const int64_t now = now_ns();
     if (now >= deadline) return {WaitStatus::kTimeout, v};
     if (peer != nullptr && now >= next_peer_check) {
@@ -243,7 +275,12 @@ void NixlTransport::read(Region& region, uint64_t offset, void* dst, uint64_t by
 
 uint64_t NixlTransport::load(Region& local, uint64_t offset) {
   check_word(local, offset);
-  if (uint8_t* base = local_of(local)) return word_at(base, offset).load(std::memory_order_acquire);
+  if (uint8_t* base = local_of(local)) {
+    if (now_ns() - shared_->last_drain_ns.load(std::memory_order_relaxed) >= kLoadDrainIntervalNs) {
+      drain();
+    }
+    return word_at(base, offset).load(std::memory_order_acquire);
+  }
   uint64_t v = 0;
   read(local, offset, &v, sizeof(v));  // a peer's word: one small read across the network
   return v;

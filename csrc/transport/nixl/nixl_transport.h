@@ -5,16 +5,34 @@
 // only its own memory (no wake-up crosses the network: waits spin, then poll with short sleeps),
 // and writes to a peer are one-sided NIXL WRITEs.
 //
-// Ordering (slot_io: payload, header, signal, doorbell). NIXL gives no order between transfers,
-// but its UCX backend flushes the endpoint behind every transfer, so a transfer reported DONE has
-// landed in the target's memory. The transport therefore:
+// Ordering (slot_io: payload, header, signal, doorbell): one message, one transfer. NIXL gives
+// no order between two transfers, and none between the descriptors of one, but a transfer may
+// carry a notification, and NIXL's UCX backend sends it only once the transfer is complete at the
+// target: postXfer/checkXfer in src/plugins/ucx/ucx_backend.cpp post the notification's active
+// message only after the request status, which includes the endpoint flush behind the WRITE,
+// reports success (the Python API's `transfer(handle, notif_msg)` says "notification message to
+// send after transfer is done"). So the notification is the signal word and the doorbell: the
+// receiver learns of the arrival without a second transfer. The transport therefore:
 //   put:    copies the bytes into a per-thread registered staging buffer and queues them (the
 //           caller may reuse its memory at once, as with shm);
-//   signal: writes every queued put of this thread as ONE transfer and waits for it to complete,
-//           then writes the signal word and waits for that too, so a reader that sees the word
-//           sees everything put before it; a doorbell after it lands after it;
+//   signal: writes this thread's queued puts to that peer as ONE transfer that carries the word
+//           (address, value) as its notification; the receiver's transport stores the word into
+//           its own memory when it drains its notifications (every wait drains them, and a
+//           load of its own word at most every 10 µs), after the bytes, so a reader that sees
+//           the word sees everything put before it. With nothing queued the notification goes
+//           alone. The initiator still waits for the WRITE's completion: NIXL sends the
+//           attached notification from the initiator's own status check (checkXfer), so without
+//           that wait the word would not leave; this is one wait per message, not one per word.
+//           Notifications from one agent arrive in the order sent: the UCX backend's default
+//           of one worker gives one endpoint per peer, one active-message stream, so a doorbell
+//           sent after a signal word is stored after it (with several workers this would need
+//           a second look). A word sent alone is not tracked: the sender never learns it
+//           arrived (liveness comes from the waiter's probes, as before). Queued puts to other
+//           peers are written (and waited for) first.
 //   fence:  writes the queue and waits.
-// A message costs one payload transfer plus one small transfer per signal word.
+// A message costs one payload transfer (one round trip at the initiator) plus one notification
+// per word; the old path (`notify = false`: the word as its own WRITE, waited for) stays for
+// comparison (bench/cross_host.py, the row "moecomm-nixl (word per WRITE)").
 //
 // A peer's word cannot be added to (NIXL has no remote atomics), so SignalOp::kAdd on a peer's
 // word writes a value that word never held before (this transport's random tag and a counter).
@@ -59,6 +77,12 @@ struct Segment {
   int32_t remote_device = 0;
 };
 
+// A signal word for a peer to store into its own memory, carried by a notification.
+struct Word {
+  uint64_t addr = 0;
+  uint64_t value = 0;
+};
+
 enum class XferStatus : uint8_t {
   kDone = 0,      // complete at the target
   kPeerLost = 1,  // the peer disconnected or its agent is unknown
@@ -87,6 +111,13 @@ class Engine {
                            int64_t timeout_ns) = 0;
   virtual XferStatus read(const std::string& agent, const std::vector<Segment>& segs,
                           int64_t timeout_ns) = 0;
+  // Writes `segs` (waiting for them as write() does), then has `words` delivered to the peer as
+  // one notification that NIXL sends only after the bytes are complete at the target. With no
+  // segments the notification goes at once and nothing is waited for.
+  virtual XferStatus write_notify(const std::string& agent, const std::vector<Segment>& segs,
+                                  const std::vector<Word>& words, int64_t timeout_ns) = 0;
+  // The words peers sent this agent since the last call, in the order each peer sent them.
+  virtual std::vector<Word> drain_notifs() = 0;
 };
 
 // How long a waiter spins on its word before it polls with sleeps: a round trip over a fast
@@ -111,6 +142,9 @@ struct NixlOptions {
   int64_t spin_ns = kDefaultSpinNs;
   int64_t poll_ns = kDefaultPollNs;
   int64_t xfer_timeout_ns = kDefaultXferTimeoutNs;
+  // Signal words ride on the payload's notification (one transfer per message); false: each
+  // word is its own WRITE, waited for (two dependent transfers per message, plus the doorbell).
+  bool notify = true;
 };
 
 namespace detail {
@@ -134,6 +168,9 @@ class NixlTransport final : public Transport {
                         uint64_t desired) override;
   void fence() override;
   bool peer_alive(const Region& peer) override;
+  // Stores the signal words peers sent by notification into our memory; returns how many.
+  // wait() and load() call it; a caller polling memory some other way calls it itself.
+  size_t drain();
 
   // Registers memory the caller owns (a host buffer, or a CUDA allocation: kind kCuda) as a region
   // peers can attach to. The caller keeps it alive until the region and every peer holding its

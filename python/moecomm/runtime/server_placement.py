@@ -5,6 +5,10 @@ retired index behind (LayerExperts). Every change bumps the server's placement e
 one-line region of the server that every client maps at connect; clients read it at each
 dispatch (one load per server), and on a change
 fetch the table (GET /experts?client_id=...), which tells the server they have it (an ack).
+Pushed instead of read (subscribe): a client that hands the server a word of its own memory gets
+every change written into it (one signal per change and client: over nixl a notification, no
+network read per dispatch); the client then loads its own word. Either way, the stale-map rule
+below stays the safety net: a push that is late only delays the new table.
 
 Dropping an expert has two steps. Unload marks it *leaving*: it disappears from the published
 table, so clients stop routing to it, but it is still served. It is freed only once every
@@ -22,7 +26,12 @@ import time
 from collections.abc import Callable
 
 from moecomm import _C
-from moecomm.errors import MoecommError, deprecated_aliases
+from moecomm.errors import (
+    DeadlineExceededError,
+    MoecommError,
+    PeerLostError,
+    deprecated_aliases,
+)
 from moecomm.runtime.experts import ExpertWeights, LayerExperts
 from moecomm.runtime.registry import ClientRegistry
 from moecomm.wire.transport import Region, SignalOp, Transport
@@ -75,6 +84,10 @@ class ServerPlacement:
         self.leaving: dict[tuple[int, int], int] = {}  # (layer, expert) -> epoch it left at
         self.retired_layers: set[int] = set()
         self._acks: dict[int, tuple[int, float]] = {}  # client -> (epoch, when)
+        # client -> (transport, the client's epoch word): pushed to on every change. The lock
+        # orders a subscription's first write against the pushes of concurrent changes.
+        self._pushed: dict[int, tuple[Transport, Region]] = {}
+        self._push_lock = threading.Lock()
         # Poll start of the last loop pass that served everything it found.
         self.served_through = 0.0
         self._stop = threading.Event()
@@ -144,6 +157,47 @@ class ServerPlacement:
         self.transport.signal(self.region, EPOCH_OFFSET, self.epoch, SignalOp.SET)
         for t, region in self.mirrors.values():
             t.signal(region, EPOCH_OFFSET, self.epoch, SignalOp.SET)
+        with self._push_lock:
+            epoch = self.epoch  # read under the lock: a newer change pushes its own after us
+            for client_id, (t, word) in list(self._pushed.items()):
+                self._push(client_id, t, word, epoch)
+
+    def _push(self, client_id: int, transport: Transport, word: Region, epoch: int) -> None:
+        """One signal into a client's epoch word (the push lock is held). A client that cannot
+        be reached is unsubscribed: its liveness is the registry's business, and a client that
+        comes back subscribes again at connect."""
+        try:
+            transport.signal(word, EPOCH_OFFSET, epoch, SignalOp.SET)
+        except (PeerLostError, DeadlineExceededError) as exc:
+            log.warning("placement: epoch %d not pushed to client %d: %s", epoch, client_id, exc)
+            self._pushed.pop(client_id, None)
+            word.close()
+
+    def subscribe(self, client_id: int, transport: Transport, handle: str) -> None:
+        """From now on every epoch change is written into the client's word at `handle` (offset
+        EPOCH_OFFSET of a region of the client's, reached over `transport`), starting with the
+        current epoch at once. A client has one word: subscribing again replaces it."""
+        word = transport.attach(handle)
+        if word.size < EPOCH_OFFSET + 8:
+            word.close()
+            raise ValueError(f"a placement epoch word needs 8 bytes at offset {EPOCH_OFFSET}")
+        with self._push_lock:
+            old = self._pushed.pop(client_id, None)
+            self._pushed[client_id] = (transport, word)
+            self._push(client_id, transport, word, self.epoch)
+        if old is not None:
+            old[1].close()
+
+    def unsubscribe(self, client_id: int) -> None:
+        """No more pushes to this client (it left)."""
+        with self._push_lock:
+            old = self._pushed.pop(client_id, None)
+        if old is not None:
+            old[1].close()
+
+    def subscribers(self) -> list[int]:
+        with self._push_lock:
+            return sorted(self._pushed)
 
     def _swap(self, layer_id: int, new: LayerExperts | None) -> None:
         """Under `lock`: installs a layer's new table and announces it."""
@@ -244,11 +298,37 @@ class ServerPlacement:
         self.on_change()
 
     def forget(self, client_id: int) -> None:
-        """A client left (disconnected, or dropped as dead): its ack is no longer kept."""
+        """A client left (disconnected, or dropped as dead): its ack is no longer kept, and its
+        epoch word no longer pushed to."""
         self._acks.pop(client_id, None)
+        self.unsubscribe(client_id)
 
     def close(self) -> None:
         self._stop.set()
+        with self._push_lock:
+            pushed, self._pushed = list(self._pushed.values()), {}
+        for _, word in pushed:
+            word.close()
         self.region.close()
         for _, region in self.mirrors.values():
             region.close()
+
+
+class EpochWord:
+    """A client's end of a pushed placement epoch: a word in the client's own memory that the
+    server writes on every change (ServerPlacement.subscribe with `handle`). Reading it is a
+    load of local memory, never a transfer; 0 until the server's first push."""
+
+    def __init__(self, transport: Transport):
+        self.transport = transport
+        self.region: Region = transport.create_region(EPOCH_REGION_BYTES)
+
+    @property
+    def handle(self) -> str:
+        return self.region.handle
+
+    def read(self) -> int:
+        return self.transport.load(self.region, EPOCH_OFFSET)
+
+    def close(self) -> None:
+        self.region.close()

@@ -45,6 +45,14 @@ SPIN_S = 50e-6
 # NIXL errors of a well-formed handle whose agent cannot be reached (it died, or its address is
 # not routable from here), as opposed to a handle NIXL cannot parse.
 _UNREACHABLE_ERRORS = ("nixlBackendError", "nixlRemoteDisconnectError")
+# A signal word rides on a NIXL notification (nixl_transport.h, "Ordering"): the message is this
+# tag, then (address, value) pairs of little-endian u64s; anything else a peer sends is ignored.
+NOTIF_MAGIC = b"MCW1"
+_NOTIF_WORD = struct.Struct("<QQ")
+# Prepared transfers kept for reposting, per engine: a slot's payload and its signal repeat the
+# same descriptors every message, so the handle is made once. Bounded, since a stream of changing
+# sizes would otherwise keep one per size; the oldest is released first.
+MAX_PREPARED_XFERS = 256
 # NIXL's memory segment types by our memory kinds.
 _SEGMENT = {"host": "DRAM", "cuda": "VRAM"}
 # SIOCGIFADDR: the IPv4 address of an interface (linux/sockios.h).
@@ -163,7 +171,16 @@ class NixlEngine:
         self._lock = threading.Lock()
         self._regs: dict[int, object] = {}
         self._peers: dict[str, int] = {}
+        # (op, agent, segments) -> a transfer handle that completed and may be posted again.
+        self._prepared: dict[tuple, object] = {}
         self.transfers = 0
+        self.transfers_by_op = {"WRITE": 0, "READ": 0}  # what a message costs, by kind
+        self.prepared_hits = 0
+        # Time from posting to completion of every transfer, summed (the per-leg breakdown of
+        # bench/cross_host.py: how much of a send is the network transfer itself).
+        self.xfer_ns = 0
+        self.notifications_sent = 0
+        self.notifications_received = 0
 
     # ------------------------------------------------------------------ the Engine interface
     def agent_name(self) -> str:
@@ -181,6 +198,8 @@ class NixlEngine:
         with self._lock:
             descs = self._regs.pop(addr, None)
             if descs is not None:
+                # A prepared transfer holds this memory's local metadata: none may outlive it.
+                self._drop_prepared(lambda key: True)
                 self.agent.deregister_memory(descs)
 
     def add_peer(self, blob: str) -> str:
@@ -210,6 +229,7 @@ class NixlEngine:
                 self._peers[agent] = n
                 return
             self._peers.pop(agent, None)
+            self._drop_prepared(lambda key: key[1] == agent)
             try:
                 self.agent.remove_remote_agent(agent)
             except Exception as exc:  # gone already: nothing to disconnect
@@ -221,49 +241,131 @@ class NixlEngine:
     def read(self, agent: str, segs: list, timeout_ns: int) -> int:
         return self._xfer("READ", agent, segs, timeout_ns)
 
+    def write_notify(self, agent: str, segs: list, words: list, timeout_ns: int) -> int:
+        """Writes `segs` and then sets the peer's signal `words` ((address, value) pairs) through
+        one NIXL notification, which NIXL's UCX backend sends only once the WRITE is complete at
+        the target (nixl_transport.h, "Ordering"). Without segments the notification goes alone
+        and nothing is waited for."""
+        msg = NOTIF_MAGIC + b"".join(_NOTIF_WORD.pack(a, v) for a, v in words)
+        if not segs:
+            try:
+                self.agent.send_notif(agent, msg)
+                self.notifications_sent += 1
+            except Exception as exc:  # not connected, or its agent is gone
+                log.debug("nixl: notification to %s refused: %s", agent, exc)
+                return _C.NIXL_XFER_PEER_LOST
+            return _C.NIXL_XFER_DONE
+        return self._xfer("WRITE", agent, segs, timeout_ns, msg)
+
+    def drain_notifs(self) -> list:
+        """The signal words peers sent since the last call, in the order each peer sent them, as
+        (address, value) pairs for the transport to store into its own memory. Under the lock,
+        so two draining threads never apply one peer's words out of order."""
+        out = []
+        with self._lock:
+            try:
+                notifs = self.agent.get_new_notifs()
+            except Exception as exc:  # the agent is shutting down: nothing more arrives
+                log.debug("nixl: reading notifications: %s", exc)
+                return out
+            for agent, msgs in notifs.items():
+                for msg in msgs:
+                    body = bytes(msg)
+                    n = len(body) - len(NOTIF_MAGIC)
+                    if not body.startswith(NOTIF_MAGIC) or n % _NOTIF_WORD.size:
+                        log.debug("nixl: ignoring a notification from %s: %r", agent, body[:16])
+                        continue
+                    out.extend(_NOTIF_WORD.iter_unpack(body[len(NOTIF_MAGIC) :]))
+                    self.notifications_received += 1
+        return out
+
     # ------------------------------------------------------------------ transfers
-    def _xfer(self, op: str, agent: str, segs: list, timeout_ns: int) -> int:
+    def _drop_prepared(self, which) -> None:
+        """Releases the prepared transfers whose key `which` selects (the lock is held)."""
+        for key in [k for k in self._prepared if which(k)]:
+            try:
+                self.agent.release_xfer_handle(self._prepared.pop(key))
+            except Exception as exc:
+                log.debug("nixl: releasing a prepared transfer: %s", exc)
+
+    def _handle(self, op: str, agent: str, lk: str, rk: str, g: list):
+        """A transfer of segments `g` (one pair of memory kinds) to `agent`: the prepared one when
+        the same segments went before, else a new one (the lock is held)."""
+        key = (op, agent, lk, rk, tuple(g))
+        h = self._prepared.pop(key, None)
+        if h is not None:
+            self.prepared_hits += 1
+            return key, h
+        a = self.agent
+        local = a.get_xfer_descs([(lo, n, ld) for lo, _, n, ld, _ in g], _SEGMENT[lk])
+        remote = a.get_xfer_descs([(r, n, rd) for _, r, n, _, rd in g], _SEGMENT[rk])
+        return key, a.initialize_xfer(op, local, remote, agent)
+
+    def _keep(self, key, h) -> None:
+        """Keeps a completed transfer for reposting (the lock is held)."""
+        self._prepared[key] = h
+        while len(self._prepared) > MAX_PREPARED_XFERS:
+            oldest = next(iter(self._prepared))
+            self._drop_prepared(lambda k, oldest=oldest: k == oldest)
+
+    def _xfer(self, op: str, agent: str, segs: list, timeout_ns: int, notif: bytes = b"") -> int:
         """One NIXL transfer per pair of memory kinds (a descriptor list has one kind), all
-        posted before any is waited for."""
+        posted before any is waited for. `notif` goes with the last one; with more than one
+        transfer it is sent on its own once all are complete, so it still follows every byte."""
         a = self.agent
         deadline = time.monotonic() + timeout_ns / 1e9
         groups: dict[tuple, list] = {}
         for lo, r, n, lk, ld, rk, rd in segs:
             groups.setdefault((lk, rk), []).append((lo, r, n, ld, rd))
-        handles = []
+        attach = notif if len(groups) == 1 else b""
+        posted = []  # [key, handle, state]: each handle is this call's alone until kept
         try:
             try:
-                for (lk, rk), g in groups.items():
-                    local = a.get_xfer_descs([(lo, n, ld) for lo, _, n, ld, _ in g], _SEGMENT[lk])
-                    remote = a.get_xfer_descs([(r, n, rd) for _, r, n, _, rd in g], _SEGMENT[rk])
-                    handles.append(a.initialize_xfer(op, local, remote, agent))
+                with self._lock:
+                    for (lk, rk), g in groups.items():
+                        key, h = self._handle(op, agent, lk, rk, g)
+                        posted.append([key, h, None])
             except Exception as exc:  # disconnected, or its metadata is gone with it
                 log.debug("nixl: %s to %s refused: %s", op, agent, exc)
                 return _C.NIXL_XFER_PEER_LOST
-            states = [a.transfer(h) for h in handles]
+            posted_at = time.monotonic_ns()
+            for p in posted:
+                p[2] = a.transfer(p[1], attach)
             spin_until = time.monotonic() + SPIN_S
-            while any(st == "PROC" for st in states):
+            while any(p[2] == "PROC" for p in posted):
                 now = time.monotonic()
                 if now >= deadline:
-                    # In flight for good: a posted handle cannot be released.
-                    handles = [h for h, st in zip(handles, states, strict=True) if st != "PROC"]
+                    # In flight for good: a posted handle can be neither reposted nor released.
+                    posted = [p for p in posted if p[2] != "PROC"]
                     return _C.NIXL_XFER_TIMEOUT
                 if now >= spin_until:
                     time.sleep(0)  # lets other Python threads run during a long transfer
-                states = [
-                    st if st != "PROC" else a.check_xfer_state(h)
-                    for h, st in zip(handles, states, strict=True)
-                ]
-            self.transfers += len(handles)
-            ok = all(st == "DONE" for st in states)
-            return _C.NIXL_XFER_DONE if ok else _C.NIXL_XFER_PEER_LOST
+                for p in posted:
+                    if p[2] == "PROC":
+                        # NIXL sends an attached notification from here, once it finds the
+                        # transfer complete: the wait is what lets it go.
+                        p[2] = a.check_xfer_state(p[1])
+            self.transfers += len(posted)
+            self.transfers_by_op[op] += len(posted)
+            self.xfer_ns += time.monotonic_ns() - posted_at
+            if not all(p[2] == "DONE" for p in posted):
+                return _C.NIXL_XFER_PEER_LOST
+            if notif and not attach:
+                a.send_notif(agent, notif)
+            if notif:
+                self.notifications_sent += 1
+            with self._lock:
+                for p in posted:
+                    self._keep(p[0], p[1])
+            posted = []
+            return _C.NIXL_XFER_DONE
         except Exception as exc:
             log.debug("nixl: %s to %s failed: %s", op, agent, exc)
             return _C.NIXL_XFER_PEER_LOST
         finally:
-            for h in handles:
+            for p in posted:  # failed or timed out: never posted again
                 try:
-                    a.release_xfer_handle(h)
+                    a.release_xfer_handle(p[1])
                 except Exception as exc:
                     log.debug("nixl: releasing a transfer to %s: %s", agent, exc)
 
@@ -275,9 +377,12 @@ def open_nixl_transport(
     poll_ns: int | None = None,
     xfer_timeout_s: float | None = None,
     progress_us: int | None = None,
+    notify: bool = True,
 ) -> _C.NixlTransport:
     """A nixl transport with its own NIXL agent. `host`: the address this process serves on;
-    UCX carries bytes over that interface (unless UCX_NET_DEVICES says otherwise)."""
+    UCX carries bytes over that interface (unless UCX_NET_DEVICES says otherwise). `notify`:
+    a signal word rides on its payload's NIXL notification, one transfer per message (False:
+    each word is its own WRITE, waited for; kept to measure the difference)."""
     engine = NixlEngine(name=name, host=host, progress_us=progress_us)
     kwargs = {}
     if spin_ns is not None:
@@ -286,7 +391,7 @@ def open_nixl_transport(
         kwargs["poll_ns"] = int(poll_ns)
     if xfer_timeout_s is not None:
         kwargs["xfer_timeout_ns"] = int(xfer_timeout_s * 1e9)
-    t = _C.NixlTransport(engine, **kwargs)
+    t = _C.NixlTransport(engine, notify=bool(notify), **kwargs)
     t.engine = engine  # for callers that want the agent (counters, UCX queries)
     return t
 
