@@ -7,6 +7,7 @@ import os
 import sys
 
 from moecomm.membership import monitor
+from moecomm.pipeline import agent as stage_agent
 
 from moecomm_serving import demo, expert_server, frontend_cmd, loadgen, rebalance_cmd, tiny
 from moecomm_serving.device_args import add_device_arguments
@@ -17,6 +18,7 @@ subcommands:
   monitor         the embedded membership monitor (heartbeats, joins, losses)
   expert-server   host experts of a checkpoint behind the slot protocol and an HTTP control plane
   frontend        the attention side: the model with its KV cache behind the OpenAI API
+  stage-agent     run pipeline stages here for a front end on another host (--stage-hosts)
   rebalance       re-place experts on running expert servers from their measured load
   demo            monitor + two expert servers + a front end on the tiny model, a few prompts
   bench           a load generator against any OpenAI-compatible endpoint
@@ -59,6 +61,14 @@ COMMANDS = {
         "this process (--local-experts).",
         frontend_cmd.add_arguments,
         frontend_cmd.run,
+    ),
+    "stage-agent": (
+        "run pipeline stages for a front end on another host",
+        "Listen for `moecomm frontend --stages N --stage-hosts ...` on another host and run the "
+        "stages it places here, each as a process of its own. The token file is the right to "
+        "run code on this host: keep it secret and listen on a private network.",
+        stage_agent.add_arguments,
+        stage_agent.run,
     ),
     "rebalance": (
         "re-place experts on running servers from their load",

@@ -25,7 +25,7 @@ from moecomm_serving.commands import (
 from moecomm_serving.config import MoEConfig
 from moecomm_serving.device_args import add_device_arguments, is_cuda, require_gpu
 from moecomm_serving.frontend import make_frontend_app, start_frontend
-from moecomm_serving.frontend_pipeline import run_pipelined
+from moecomm_serving.frontend_pipeline import add_stage_host_arguments, run_pipelined
 from moecomm_serving.model import LOCAL, load_model
 from moecomm_serving.rebalance_cmd import (
     add_controller_arguments,
@@ -107,6 +107,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "flight at once so the stages compute at the same time (default 1: no overlap, faster "
         "where the stages share a few cores; see docs/pipeline.md)",
     )
+    add_stage_host_arguments(p)
     p.add_argument(
         "--eplb-interval",
         type=float,
@@ -141,6 +142,8 @@ def connect_remote_experts(args: argparse.Namespace, config):
 def run(args: argparse.Namespace) -> int:
     if args.stages < 1:
         raise SystemExit(f"moecomm frontend: --stages must be >= 1, got {args.stages}")
+    if args.stages == 1 and (args.stage_hosts or args.stage_token_file):
+        raise SystemExit("moecomm frontend: --stage-hosts and --stage-token-file need --stages > 1")
     if args.stages > 1 and args.prefix_cache_bytes:
         # The stages keep their own growable caches (docs/pipeline.md); a prefix cache there
         # would have to be shared by every stage's blocks.

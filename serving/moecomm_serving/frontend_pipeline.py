@@ -10,6 +10,7 @@ import itertools
 import os
 
 import torch
+from moecomm.pipeline.remote import parse_address, read_token
 
 from moecomm_serving.commands import set_threads, stop_on_signals, wait_for_stop
 from moecomm_serving.config import MoEConfig
@@ -19,6 +20,58 @@ from moecomm_serving.pipeline_stages import model_pipeline
 from moecomm_serving.rebalance_cmd import server_list, start_placement
 from moecomm_serving.remote_experts import remote_from_args
 from moecomm_serving.tokenizer import load_tokenizer
+
+
+def add_stage_host_arguments(p: argparse.ArgumentParser) -> None:
+    """`moecomm frontend`'s options that place pipeline stages on other hosts."""
+    p.add_argument(
+        "--stage-hosts",
+        default=None,
+        help="with --stages N > 1: where each stage runs, N comma-separated entries, each "
+        "'local' (a process here) or HOST:PORT of a stage agent on another host (`python -m "
+        "moecomm.pipeline.agent --host HOST --port PORT --token-file F` there; the checkpoint "
+        "must be at the same path). Stages on one host talk over shm, across hosts over nixl "
+        "(default: every stage here)",
+    )
+    p.add_argument(
+        "--stage-token-file",
+        default=None,
+        help="with --stage-hosts: file holding the token the stage agents check (the same file "
+        "content as theirs)",
+    )
+
+
+def stage_placement(args: argparse.Namespace) -> tuple[list[str | None] | None, bytes]:
+    """(stage_hosts, token) from --stage-hosts / --stage-token-file, with clear errors."""
+    spec = getattr(args, "stage_hosts", None)
+    if not spec:
+        return None, b""
+    places = [p.strip() for p in spec.split(",")]
+    if len(places) != args.stages:
+        raise SystemExit(
+            f"moecomm frontend: --stage-hosts names {len(places)} places for {args.stages} "
+            "stages (one per stage, 'local' for this host)"
+        )
+    for place in places:
+        if place != "local":
+            try:
+                parse_address(place)
+            except ValueError as exc:
+                raise SystemExit(f"moecomm frontend: --stage-hosts: {exc}") from None
+    if all(p == "local" for p in places):
+        return None, b""
+    host = getattr(args, "host", None) or ""
+    if host == "localhost" or host.startswith("127.") or host == "::1":
+        raise SystemExit(
+            "moecomm frontend: --stage-hosts with stages on other hosts needs --host set to this "
+            f"host's address on their network (got {host}): the local stages carry nixl over it"
+        )
+    token_file = getattr(args, "stage_token_file", None)
+    if not token_file:
+        raise SystemExit(
+            "moecomm frontend: --stage-hosts with remote stages needs --stage-token-file"
+        )
+    return [None if p == "local" else p for p in places], read_token(token_file)
 
 
 def run_pipelined(args: argparse.Namespace) -> int:
@@ -38,6 +91,7 @@ def run_pipelined(args: argparse.Namespace) -> int:
         raise SystemExit(
             f"moecomm frontend: --stage-micro-batches must be in [1, {args.stages}], got {micro}"
         )
+    stage_hosts, stage_token = stage_placement(args)
     remote = None if args.local_experts else remote_from_args(args)
     where = "in-process experts" if remote is None else "expert servers"
     print(f"starting {args.stages} pipeline stages over {where}", flush=True)
@@ -49,6 +103,9 @@ def run_pipelined(args: argparse.Namespace) -> int:
         max_tokens=args.max_batch_tokens,
         remote=remote,
         return_logits=True,
+        stage_hosts=stage_hosts,
+        host=None if args.host in (None, "", "0.0.0.0") else args.host,
+        stage_token=stage_token,
     )
     banks = itertools.count()
 
@@ -79,7 +136,9 @@ def run_pipelined(args: argparse.Namespace) -> int:
         # and scripts read the URL from it).
         print(f"frontend {name} listening on {http.url}", flush=True)
         # The stages' clients share the servers: the controller reads them from the flags.
-        controller = start_placement(args, server_list(args))
+        # In-process experts have no servers to place on (--eplb-interval is refused above).
+        if not args.local_experts:
+            controller = start_placement(args, server_list(args))
         wait_for_stop(stop)
     finally:
         print("frontend: stopping", flush=True)

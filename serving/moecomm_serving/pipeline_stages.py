@@ -12,12 +12,14 @@ checkpoint directory.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
 import torch
 from moecomm.pipeline.driver import Pipeline
 from moecomm.pipeline.scheduler import max_moves
+from moecomm.pipeline.stage import stage_host
 from moecomm.wire.protocol import SlotLayout
 
 from moecomm_serving.config import MoEConfig
@@ -165,6 +167,10 @@ def _make_stage(
     owned: range,
 ):
     dtype = getattr(torch, dtype_name) if dtype_name else None
+    here = stage_host()
+    if remote is not None and remote.host is not None and here is not None:
+        # A stage on another host reaches the expert servers from that host's address.
+        remote = dataclasses.replace(remote, host=here)
     # One attention client per stage process: ids must differ, so a given base id is offset.
     cid = None if client_id is None else client_id + index
     return ModelStage(path, preload, owned, dtype, sampling, remote, max_tokens, cid, return_logits)
@@ -183,6 +189,10 @@ def model_pipeline(
     remote: RemoteExperts | None = None,
     client_id: int | None = None,
     return_logits: bool = False,
+    stage_hosts: Sequence[str | None] | None = None,
+    transport: str | None = None,
+    host: str | None = None,
+    stage_token: bytes | str = b"",
 ) -> Pipeline:
     """Spawns `num_stages` stage processes over the checkpoint at `path`.
 
@@ -193,6 +203,10 @@ def model_pipeline(
     `remote` (default: in-process experts) names the expert servers every stage's MoE layers
     call, each stage through its own attention client (ids `client_id + stage`, random by
     default); `return_logits` makes the last stage return logits rows instead of tokens.
+    `stage_hosts` (one entry per stage: "local" / None, or the HOST:PORT of a stage agent,
+    ``python -m moecomm.pipeline.agent``), `transport`, `host` and `stage_token` place stages
+    on other hosts (see :class:`moecomm.pipeline.driver.Pipeline`); the checkpoint must be at
+    `path` on those hosts too.
     """
     if dtype not in _ENCODINGS:
         raise ValueError(f"dtype must be one of {sorted(map(str, _ENCODINGS))}, got {dtype}")
@@ -211,6 +225,7 @@ def model_pipeline(
         return_logits,
     )
     kwargs = {} if timeout_s is None else {"timeout_s": timeout_s}
+    kwargs.update(stage_hosts=stage_hosts, transport=transport, host=host, stage_token=stage_token)
     return Pipeline(
         factory, n, num_stages, layout, k_max, initial_k, num_slots or num_stages, **kwargs
     )

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 
 from moecomm.errors import MoecommError
 from moecomm.pipeline.predictor import LatencyPredictor
+from moecomm.pipeline.remote import RemoteStage, start_remote
 from moecomm.pipeline.scheduler import BubbleScheduler, stage_ranges
-from moecomm.pipeline.stage import STEP_TIMEOUT_S, StageSpec, stage_main
+from moecomm.pipeline.stage import PEER_LOST_PREFIX, STEP_TIMEOUT_S, StageSpec, stage_main
 from moecomm.wire.protocol import SlotLayout
 from moecomm.wire.shm import reap_stale_segments
 from moecomm.wire.stage import stage_layout
@@ -39,6 +40,10 @@ STOPPED_DEADLINE_S = 1.0
 # they are killed; nobody waits for it but close(): a survivor next to a dead stage notices within
 # its inbox slice (0.5 s), one waiting on a live but blocked neighbour would wait for its deadline.
 FAILED_STOP_GRACE_S = 1.0
+# A stage that reports a lost peer is a witness, not the culprit: the driver looks this long for
+# a stage that died (its exit or closed connection arrives within milliseconds of the peer's
+# report) and blames that one, so the error names the stage or host that was lost.
+PEER_LOST_BLAME_S = 1.0
 # Refit the predictor every this many results: a fit costs ~1 ms, a step several.
 REFIT_EVERY = 32
 # Results profiled before the first fit: the first steps are prefills and cold caches, and a
@@ -81,6 +86,13 @@ class Pipeline:
             weights of every layer they can receive up to that.
         initial_k: the layer map at start (0: uniform).
         num_slots: micro-batches in flight per stage boundary.
+        stage_hosts: where each stage runs: None (or an entry None / "local") spawns it here;
+            ``HOST:PORT`` starts it under the stage agent there (``moecomm.pipeline.agent``).
+        transport: what the stages offer each other (``moecomm.wire.choose``): "shm", "nixl" or
+            "auto" (shm between stages on one host, nixl across); default "auto" when a stage
+            runs elsewhere, else "shm".
+        host: the address the local stages carry nixl over (None: any interface).
+        stage_token: the token the stage agents check (needed with remote stages).
     """
 
     def __init__(
@@ -93,7 +105,26 @@ class Pipeline:
         initial_k: int = 0,
         num_slots: int = 2,
         timeout_s: float = STEP_TIMEOUT_S,
+        stage_hosts: Sequence[str | None] | None = None,
+        transport: str | None = None,
+        host: str | None = None,
+        stage_token: bytes | str = b"",
     ):
+        places = [None if h in (None, "", "local") else h for h in (stage_hosts or [])]
+        if stage_hosts is not None and len(places) != num_stages:
+            raise ValueError(
+                f"stage_hosts names {len(places)} places for {num_stages} stages (one per stage; "
+                "'local' for this host)"
+            )
+        self.stage_hosts = places or [None] * num_stages
+        remote = any(self.stage_hosts)
+        if isinstance(stage_token, str):
+            stage_token = stage_token.encode()
+        if remote and not stage_token:
+            raise ValueError("stages on other hosts need the stage agents' token (stage_token)")
+        self.transport = transport or ("auto" if remote else "shm")
+        # (i, j) -> the transport stages i and j speak, once connected
+        self.transports: dict[tuple[int, int], str] = {}
         self.num_layers, self.num_stages = num_layers, num_stages
         self.num_slots, self.timeout_s = num_slots, timeout_s
         self.layout = stage_layout(layout.max_tokens, layout.hidden, layout.encoding)
@@ -123,7 +154,23 @@ class Pipeline:
                     num_slots,
                     factory,
                     timeout_s,
+                    self.transport,
+                    host,
                 )
+                if self.stage_hosts[i] is not None:
+                    parent.close()
+                    child.close()
+                    try:
+                        stage = start_remote(self.stage_hosts[i], stage_token, spec)
+                    except ConnectionError as exc:
+                        # A PipelineError, so a supervisor that replaces lost stages retries
+                        # (bounded) and then reports it, as for a stage that died.
+                        err = PipelineError(f"stage {i}: {exc}")
+                        err.stage = i
+                        raise err from None
+                    self.procs.append(stage)
+                    self.conns.append(stage.conn)
+                    continue
                 p = ctx.Process(target=stage_main, args=(spec, child), daemon=True)
                 p.start()
                 child.close()
@@ -136,11 +183,31 @@ class Pipeline:
 
     # ------------------------------------------------------------------ set-up / tear-down
     def _connect(self) -> None:
-        # ready = (_, doorbell, {(kind, src): receiver handle}, {(kind, dst): sender handle})
+        # hello = (_, offer, pid, host name): what each stage offers its peers
+        hellos = [self._expect(i, "hello", STAGE_START_TIMEOUT_S) for i in range(self.num_stages)]
+        for p, hello in zip(self.procs, hellos, strict=True):
+            if isinstance(p, RemoteStage):
+                p.pid = hello[2]
+        offers = [h[1] for h in hellos]
+        for conn in self.conns:
+            conn.send(("offers", offers))
+        # ready = (_, {transport: doorbell}, {(kind, src): receiver handle},
+        #          {(kind, dst): sender handle}, {peer: transport})
         ready = [self._expect(i, "ready", STAGE_START_TIMEOUT_S) for i in range(self.num_stages)]
+        for i in range(self.num_stages):
+            for j, name in ready[i][4].items():
+                if ready[j][4].get(i) != name:
+                    raise PipelineError(
+                        f"stages {i} and {j} disagree on their transport: stage {i} picked "
+                        f"{name}, stage {j} picked {ready[j][4].get(i)} (one can read the "
+                        "other's shared memory, not the reverse?)"
+                    )
+                self.transports[(i, j)] = name
         for i, conn in enumerate(self.conns):
+            choice = ready[i][4]
             to_receivers = {
-                (kind, dst): (ready[dst][2][(kind, i)], ready[dst][1]) for kind, dst in ready[i][3]
+                (kind, dst): (ready[dst][2][(kind, i)], ready[dst][1][choice[dst]])
+                for kind, dst in ready[i][3]
             }
             to_senders = {(kind, src): ready[src][3][(kind, i)] for kind, src in ready[i][2]}
             conn.send(("connect", to_receivers, to_senders))
@@ -165,8 +232,20 @@ class Pipeline:
             self._check_alive(wait=True)
             raise PipelineError(f"stage {i} closed its control pipe") from None
         if msg[0] == "error":
+            if msg[2].startswith(PEER_LOST_PREFIX):
+                self._blame_the_dead()
             self._fail(f"stage {msg[1]} failed: {msg[2].strip().splitlines()[-1]}", msg[2], msg[1])
         return msg
+
+    def _blame_the_dead(self) -> None:
+        """A stage lost a peer: if a stage died, that one is the failure to report (raises);
+        its death may reach us a moment after its peer's report, hence the short wait."""
+        deadline = time.monotonic() + PEER_LOST_BLAME_S
+        while True:
+            self._check_alive()
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(LIVENESS_POLL_S)
 
     @property
     def pids(self) -> list[int]:
@@ -176,7 +255,11 @@ class Pipeline:
         if wait:  # a closed pipe: give the exit code a moment to be reaped
             for p in self.procs:
                 p.join(LIVENESS_POLL_S)
-        dead = [(i, p) for i, p in enumerate(self.procs) if p.exitcode is not None]
+        dead = [
+            (i, p)
+            for i, p in enumerate(self.procs)
+            if (p.poll_gone() if isinstance(p, RemoteStage) else p.exitcode is not None)
+        ]
         if dead:
             for i, _ in dead:  # a stage that failed (rather than died) said why: report that
                 with contextlib.suppress(EOFError, OSError):
@@ -189,14 +272,18 @@ class Pipeline:
                                 msg[1],
                             )
             what = ", ".join(
-                f"stage {i} (pid {p.pid}) exited with code {p.exitcode}"
+                f"stage {i} {p.describe()} closed its control connection (it exited or its host "
+                "is gone)"
+                if isinstance(p, RemoteStage)
+                else f"stage {i} (pid {p.pid}) exited with code {p.exitcode}"
                 + (f" (signal {-p.exitcode})" if p.exitcode < 0 else "")
                 for i, p in dead
             )
             self._fail(f"pipeline stage lost: {what}; {self._steps()}", stage=dead[0][0])
         now = time.monotonic()
         for i, p in enumerate(self.procs):
-            if not _stopped(p.pid):
+            # A remote stage's process state is not visible here: its step deadline covers it.
+            if isinstance(p, RemoteStage) or not _stopped(p.pid):
                 self._stopped_since.pop(i, None)
                 continue
             since = self._stopped_since.setdefault(i, now)
@@ -260,11 +347,14 @@ class Pipeline:
         deadline = time.monotonic() + grace_s
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
+            if isinstance(p, RemoteStage):
+                p.kill()  # its end of the connection closes: it exits (nothing to reap here)
+            elif p.is_alive():
                 os.kill(p.pid, signal.SIGKILL)
                 p.join(self.timeout_s / 4)
         for p in self.procs:
-            reap_stale_segments(p.pid)
+            if not isinstance(p, RemoteStage):
+                reap_stale_segments(p.pid)
 
     def __enter__(self) -> Pipeline:
         return self

@@ -16,10 +16,16 @@ Channels:
   layer in the last step under the old map; the destination computes its other layers and
   blocks only when it reaches the migrated one.
 
-All channels into a stage share one doorbell (:class:`~moecomm.wire.stage.StageInbox`): while
-it waits for anything, a stage takes and acknowledges whatever arrived, so a sender blocked on a
-full channel always makes progress. Nothing goes through a multiprocessing queue, so the same
-code runs across hosts once the transport does.
+All channels into a stage share one doorbell (:class:`~moecomm.wire.stage.StageInbox`; one per
+transport when it speaks several): while it waits for anything, a stage takes and acknowledges
+whatever arrived, so a sender blocked on a full channel always makes progress.
+
+Transports: each pair of stages speaks the transport the runtime would pick for a client and a
+server (``moecomm.wire.choose``): shm when the two share this host's shared memory (same boot id
+and each other's probe word readable), nixl otherwise. Each stage offers what its ``transport``
+allows, sees every other stage's offer (relayed by the driver), and picks per peer; the driver
+checks that both ends of every pair picked the same. The control connection is a pipe to a
+local driver, or a TCP connection (``moecomm.pipeline.agent``) to a driver on another host.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -38,8 +45,8 @@ import safetensors.torch
 import torch
 
 from moecomm.errors import DeadlineExceededError, PeerLostError
+from moecomm.wire.choose import ShmProbe, TransportSet, boot_id, choose
 from moecomm.wire.protocol import SlotLayout
-from moecomm.wire.shm import ShmTransport
 from moecomm.wire.stage import StageInbox, StageReceiver, StageSender, as_tensor
 
 # A micro-batch or a migrated KV cache that has not arrived within this long means a peer is
@@ -53,6 +60,8 @@ IDLE_POLL_S = 0.5
 # (which it gives whenever it waits for anything), so two keep the copy streaming.
 KV_SLOTS = 2
 ACT, KV = "act", "kv"
+# How a stage's error report starts when it lost a peer (the driver then looks for the dead one).
+PEER_LOST_PREFIX = "peer lost: "
 
 
 class StageCompute(Protocol):
@@ -100,6 +109,10 @@ class StageSpec:
     num_slots: int
     factory: Callable[[int, range, range], StageCompute]  # (index, preload, owned) -> compute
     timeout_s: float = STEP_TIMEOUT_S
+    # What this stage offers its peers (one of wire.choose.TRANSPORT_CHOICES) and the address
+    # nixl carries its bytes over (None: any interface).
+    transport: str = "shm"
+    host: str | None = None
 
     @property
     def first(self) -> bool:
@@ -119,15 +132,29 @@ class _Stage:
         self.awaiting: dict[int, int] = {}  # layer owned now whose cache is on its way -> source
         self.layout = SlotLayout.from_dict(spec.layout)
         self.compute = None  # built last: its start-up (weights, expert servers) is the slow part
-        t = ShmTransport()
-        self.inbox = StageInbox(t)
+        self.inbox: StageInbox | None = None
         self.senders: dict[tuple[str, int], StageSender] = {}
         self.receivers: dict[tuple[str, int], StageReceiver] = {}
+        self.transports = TransportSet(spec.transport, host=spec.host)
+        shm = "shm" in self.transports.names
+        self.probe = ShmProbe(self.transports.get("shm")) if shm else None
+        self.choices: dict[int, str] = {}  # peer stage -> transport name
+
+    def _open_channels(self, offers: list[dict]) -> None:
+        """Picks the transport of every peer from its offer, then makes the channels."""
+        spec = self.spec
         me, n = spec.index, spec.num_stages
+        for j in range(n):
+            if j != me:
+                self.choices[j] = choose(self.transports, offers[j], f"pipeline stage {j}")
+        used = sorted(set(self.choices.values())) or [self.transports.names[0]]
+        self.inbox = StageInbox([self.transports.get(name) for name in used])
         # The sender's index is the connection's client id: both ends know it.
         for kind, dst, slots in self._links(me, n):
+            t = self.transports.get(self.choices[dst])
             self.senders[(kind, dst)] = StageSender(t, self.layout, me, slots, f"{kind}->{dst}")
         for kind, src, slots in self._links_in(me, n):
+            t = self.transports.get(self.choices[src])
             r = StageReceiver(t, self.layout, src, slots, f"{kind}<-{src}")
             self.receivers[(kind, src)] = r
             self.inbox.add((kind, src), r)
@@ -149,13 +176,25 @@ class _Stage:
                 yield KV, src, KV_SLOTS
 
     # ------------------------------------------------------------------ set-up
+    def offer(self) -> dict:
+        """What this stage offers its peers, in the shape of a server's GET /transports."""
+        out = {"transports": list(self.transports.names), "boot_id": boot_id()}
+        if self.probe is not None:
+            out["shm_probe"] = self.probe.describe()
+        return out
+
     def handshake(self) -> None:
+        self.conn.send(("hello", self.offer(), os.getpid(), socket.gethostname()))
+        _, offers = self._recv("offers")
+        self._open_channels(offers)
+        bells = {name: self.inbox.doorbell_handle_of(name) for name in set(self.choices.values())}
         self.conn.send(
             (
                 "ready",
-                self.inbox.doorbell_handle,
+                bells,
                 {key: r.handle for key, r in self.receivers.items()},
                 {key: s.handle for key, s in self.senders.items()},
+                dict(self.choices),
             )
         )
         # For each of our senders: (receiver handle, doorbell) at its destination; for each of
@@ -262,12 +301,28 @@ class _Stage:
             self.compute.close()
         for s in self.senders.values():
             s.close()
-        self.inbox.close()
+        if self.inbox is not None:
+            self.inbox.close()
+        if self.probe is not None:
+            self.probe.close()
+
+
+# The spec of the stage running in this process (set by stage_main), for the compute's factory.
+_RUNNING: StageSpec | None = None
+
+
+def stage_host() -> str | None:
+    """The address this stage process's host carries nixl over (its agent's address for a stage
+    on another host, the driver's `host` for a local one); None outside a stage or when unset.
+    A compute that opens its own connections (expert servers over nixl) binds them to it."""
+    return None if _RUNNING is None else _RUNNING.host
 
 
 def stage_main(spec: StageSpec, conn) -> None:
     """Child-process entry point. Any failure is reported to the driver, then re-raised (the
     process exits non-zero, which the driver also sees)."""
+    global _RUNNING
+    _RUNNING = spec
     torch.set_num_threads(1)  # stages share the host's cores; one thread each
     # Ctrl-C in a terminal reaches the whole process group: the driver decides when stages
     # stop (and they stop on their own when it dies).
@@ -279,7 +334,7 @@ def stage_main(spec: StageSpec, conn) -> None:
         stage.run()
     except PeerLostError as e:
         with contextlib.suppress(OSError):
-            conn.send(("error", spec.index, f"peer lost: {e}"))
+            conn.send(("error", spec.index, f"{PEER_LOST_PREFIX}{e}"))
         raise
     except (EOFError, BrokenPipeError, ConnectionResetError):
         # The driver's pipe broke (it was killed with its front end): nobody is left to tell

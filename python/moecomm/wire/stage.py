@@ -15,6 +15,7 @@ doorbell (:class:`StageInbox`), so the process sleeps on one word whichever peer
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -140,22 +141,25 @@ class StageSender(Channel):
             raise RuntimeError(f"{self.name}: slot {slot} still holds an unacknowledged chunk")
         self._next_slot = (slot + 1) % self.num_slots
         seq = self._seq
-        _C.send_stage(
-            self.transport,
-            self.receiver,
-            self.data_ring,
-            slot,
-            self.client_id,
-            seq,
-            tag,
-            index,
-            count,
-            self.layout.encoding if encoding is None else encoding,
-            piece.data_ptr(),
-            piece.numel(),
-            self.doorbell,
-            True,
-        )
+        try:
+            _C.send_stage(
+                self.transport,
+                self.receiver,
+                self.data_ring,
+                slot,
+                self.client_id,
+                seq,
+                tag,
+                index,
+                count,
+                self.layout.encoding if encoding is None else encoding,
+                piece.data_ptr(),
+                piece.numel(),
+                self.doorbell,
+                True,
+            )
+        except PeerLostError as exc:  # name the channel: the transport knows only the peer's agent
+            raise type(exc)(f"{self.name}: {exc}") from None
         self._seq += 1
         self._pending[slot] = (seq, tag, index)
 
@@ -256,11 +260,26 @@ class StageReceiver(Channel):
 
 class StageInbox:
     """The receivers of one process, sleeping on one shared doorbell, with the packages they
-    reassemble. Senders connect with ``doorbell_handle=inbox.doorbell_handle``."""
+    reassemble. Senders connect with ``doorbell_handle=inbox.doorbell_handle``.
 
-    def __init__(self, transport: Transport):
-        self.transport = transport
-        self.doorbell: Region = transport.create_region(_C.DOORBELL_BYTES)
+    `transport`: one transport, or several (a pipeline stage speaks shm to the stages of its own
+    host and nixl to the others): then there is one doorbell per transport, each sender rings the
+    one in the memory its transport writes (:meth:`doorbell_handle_of`), and the inbox sleeps on
+    the single doorbell when there is one, else polls them all (a remote write cannot wake a
+    futex sleeper anyway)."""
+
+    def __init__(self, transport: Transport | Sequence[Transport]):
+        transports = [transport] if isinstance(transport, Transport) else list(transport)
+        if not transports:
+            raise ValueError("stage inbox: needs at least one transport")
+        names = [t.name for t in transports]
+        if len(set(names)) != len(names):
+            raise ValueError(f"stage inbox: one doorbell per transport, got {names}")
+        self.transport = transports[0]
+        self._bells: dict[str, tuple[Transport, Region]] = {
+            t.name: (t, t.create_region(_C.DOORBELL_BYTES)) for t in transports
+        }
+        self.doorbell: Region = self._bells[self.transport.name][1]
         self.receivers: dict[object, StageReceiver] = {}
         self._parts: dict[tuple[object, int], list] = {}  # (source, tag) -> chunks so far
         self.ready: dict[tuple[object, int], tuple[Encoding, torch.Tensor]] = {}
@@ -269,17 +288,41 @@ class StageInbox:
     def doorbell_handle(self) -> str:
         return self.doorbell.handle
 
+    def doorbell_handle_of(self, transport_name: str) -> str:
+        """The handle of the doorbell a sender over `transport_name` rings."""
+        if transport_name not in self._bells:
+            raise ValueError(
+                f"stage inbox: no doorbell for transport {transport_name!r} "
+                f"(has {', '.join(self._bells)})"
+            )
+        return self._bells[transport_name][1].handle
+
+    def _bell_values(self) -> dict[str, int]:
+        return {n: t.load(b, 0) for n, (t, b) in self._bells.items()}
+
+    def _wait_bells(self, seen: dict[str, int], timeout: float) -> bool:
+        """Sleeps until a doorbell moves past `seen` or `timeout` passes; False on timeout."""
+        if len(self._bells) == 1:
+            ((name, (t, bell)),) = self._bells.items()
+            status, _ = _C.wait_doorbell(t, bell, seen[name], timeout_ns(timeout), None)
+            return status == WaitStatus.OK
+        deadline = time.monotonic() + timeout
+        while self._bell_values() == seen:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(MULTI_BELL_POLL_S)
+        return True
+
     def add(self, source: object, receiver: StageReceiver) -> None:
         self.receivers[source] = receiver
 
     def pump(self, timeout: float) -> bool:
         """Takes every chunk that arrived, sleeping up to `timeout` for the first one; returns
         whether a package completed. Raises PeerLostError when a sender process died."""
-        seen = self.transport.load(self.doorbell, 0)
+        seen = self._bell_values()
         if self.take_arrived():
             return True
-        status, _ = _C.wait_doorbell(self.transport, self.doorbell, seen, timeout_ns(timeout), None)
-        if status != WaitStatus.OK:  # timed out: a peer that died never rings again
+        if not self._wait_bells(seen, timeout):  # timed out: a peer that died never rings again
             for source, r in self.receivers.items():
                 if not r.peer_alive():
                     reap_stale_segments()
@@ -322,12 +365,16 @@ class StageInbox:
     def close(self) -> None:
         for r in self.receivers.values():
             r.close()
-        self.doorbell.close()
+        for _, bell in self._bells.values():
+            bell.close()
 
 
 # Longest sleep on the shared doorbell before a caller re-checks its deadline and the senders'
 # liveness (a dead sender never rings).
 INBOX_SLICE_S = 0.5
+# With doorbells on several transports the inbox polls them at this period. Stage steps take
+# milliseconds, so 100 µs adds little latency while leaving the shared cores to the compute.
+MULTI_BELL_POLL_S = 100e-6
 
 
 def as_tensor(encoding: Encoding, data: torch.Tensor, hidden: int) -> torch.Tensor:
