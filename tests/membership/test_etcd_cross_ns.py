@@ -9,7 +9,6 @@ membership once its lease runs out, as seen from the front end's namespace."""
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import sys
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lab_procs import start_logged, wait_for_log
 from membership_procs import etcd_binary
 from moecomm import netns
 from moecomm.wire.nixl import available as nixl_available
@@ -93,21 +93,6 @@ if __name__ == "__main__":  # stage 0 is spawned: it re-imports this file
 """
 
 
-def wait_for(log: Path, text: str, proc, deadline: float) -> None:
-    while time.monotonic() < deadline:
-        if log.exists() and text in log.read_text(errors="replace"):
-            return
-        if proc.poll() is not None:
-            pytest.fail(f"{proc.args[-1]!r} exited ({proc.returncode}): {log.read_text()[-3000:]}")
-        time.sleep(0.05)
-    pytest.fail(f"no {text!r} in {log} in time: {log.read_text()[-3000:] if log.exists() else ''}")
-
-
-def start(lab, host, argv, log: Path):
-    f = open(log, "w")  # noqa: SIM115 - the child writes it; closed with the lab
-    return lab.spawn(host, argv, env=dict(os.environ), stdout=f, stderr=f)
-
-
 def etcd_argv(binary: str, addr: str, data_dir: Path) -> list[str]:
     client = f"http://{addr}:{ETCD_CLIENT_PORT}"
     # Peers only on the namespace's loopback: a single-member cluster has none to talk to.
@@ -141,8 +126,8 @@ def test_etcd_in_its_own_namespace_serves_servers_frontend_and_stages(tiny_mixtr
     with netns.Lab() as lab:
         eh, s1, s2, ah, fe = (lab.add_host(n) for n in ("etcd", "s1", "s2", "st", "fe"))
         deadline = time.monotonic() + START_S
-        e = start(lab, eh, etcd_argv(binary, eh.addr, tmp_path / "etcd-data"), logs["etcd"])
-        wait_for(logs["etcd"], ETCD_READY, e, deadline)
+        e = start_logged(lab, eh, etcd_argv(binary, eh.addr, tmp_path / "etcd-data"), logs["etcd"])
+        wait_for_log(logs["etcd"], ETCD_READY, e, deadline)
         etcd_url = f"etcd://{eh.addr}:{ETCD_CLIENT_PORT}/t{secrets.token_hex(4)}"
         servers = {}
         for name, h in (("s1", s1), ("s2", s2)):
@@ -151,12 +136,12 @@ def test_etcd_in_its_own_namespace_serves_servers_frontend_and_stages(tiny_mixtr
                 "--host", h.addr, "--port", str(SERVER_PORT), "--transport", "nixl",
                 "--threads", "1", "--monitor", etcd_url, "--ttl", str(TTL_S),
             ]  # fmt: skip
-            servers[name] = start(lab, h, argv, logs[name])
+            servers[name] = start_logged(lab, h, argv, logs[name])
         agent_argv = [*PY, "-m", "moecomm.pipeline.agent", "--host", ah.addr]
         agent_argv += ["--port", str(AGENT_PORT), "--token-file", str(key)]
-        agent = start(lab, ah, agent_argv, logs["agent"])
+        agent = start_logged(lab, ah, agent_argv, logs["agent"])
         for name, p in (*servers.items(), ("agent", agent)):
-            wait_for(logs[name], "listening on", p, deadline)
+            wait_for_log(logs[name], "listening on", p, deadline)
         args = {
             "etcd": etcd_url,
             "ckpt": str(tiny_mixtral_dir),
@@ -172,8 +157,8 @@ def test_etcd_in_its_own_namespace_serves_servers_frontend_and_stages(tiny_mixtr
         script, cfg = tmp_path / "driver.py", tmp_path / "driver.json"
         script.write_text(DRIVER)
         cfg.write_text(json.dumps(args))
-        d = start(lab, fe, [*PY, str(script), str(cfg)], logs["fe"])
-        wait_for(logs["fe"], "decoded", d, time.monotonic() + DRIVER_S)
+        d = start_logged(lab, fe, [*PY, str(script), str(cfg)], logs["fe"])
+        wait_for_log(logs["fe"], "decoded", d, time.monotonic() + DRIVER_S)
         lab.kill(servers["s2"])  # SIGKILL: its lease is left to expire
         flag.write_text("1")
         assert d.wait(timeout=DRIVER_S) == 0, logs["fe"].read_text()[-3000:]

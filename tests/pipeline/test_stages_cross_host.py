@@ -8,7 +8,6 @@ killed mid-run is a clear PipelineError naming the stage, in well under the step
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lab_procs import start_logged, wait_for_log
 from moecomm import netns
 from moecomm.pipeline.testing import expected_token
 from moecomm.wire.nixl import available as nixl_available
@@ -93,25 +93,10 @@ if __name__ == "__main__":  # the local stage is spawned: it re-imports this fil
 """
 
 
-def wait_for(log: Path, text: str, proc, deadline: float) -> None:
-    while time.monotonic() < deadline:
-        if log.exists() and text in log.read_text(errors="replace"):
-            return
-        if proc.poll() is not None:
-            pytest.fail(f"{proc.args[-1]!r} exited ({proc.returncode}): {log.read_text()[-3000:]}")
-        time.sleep(0.05)
-    pytest.fail(f"no {text!r} in {log} in time: {log.read_text()[-3000:] if log.exists() else ''}")
-
-
-def start(lab, host, argv, log: Path):
-    f = open(log, "w")  # noqa: SIM115 - the child writes it; closed with the lab
-    return lab.spawn(host, argv, env=dict(os.environ), stdout=f, stderr=f)
-
-
 def start_agent(lab, host, token_file: Path, log: Path):
     argv = [*PY, "-m", "moecomm.pipeline.agent", "--host", host.addr, "--port", str(AGENT_PORT)]
-    p = start(lab, host, [*argv, "--token-file", str(token_file)], log)
-    wait_for(log, "stage agent listening on", p, time.monotonic() + START_S)
+    p = start_logged(lab, host, [*argv, "--token-file", str(token_file)], log)
+    wait_for_log(log, "stage agent listening on", p, time.monotonic() + START_S)
     return p
 
 
@@ -120,9 +105,9 @@ def run_driver(lab, fe, args: dict, tmp_path: Path, on_decoded=None) -> dict:
     script.write_text(DRIVER)
     cfg.write_text(json.dumps(args))
     log = tmp_path / "driver.log"
-    d = start(lab, fe, [*PY, str(script), str(cfg)], log)
+    d = start_logged(lab, fe, [*PY, str(script), str(cfg)], log)
     if on_decoded is not None:
-        wait_for(log, "decoded", d, time.monotonic() + DRIVER_S)
+        wait_for_log(log, "decoded", d, time.monotonic() + DRIVER_S)
         on_decoded()
     try:
         rc = d.wait(timeout=DRIVER_S)
@@ -257,7 +242,7 @@ def local_agent(tmp_path):
     with open(log, "w") as f:
         p = subprocess.Popen([*argv, "--token-file", str(key)], stdout=f, stderr=f)
     try:
-        wait_for(log, "stage agent listening on", p, time.monotonic() + START_S)
+        wait_for_log(log, "stage agent listening on", p, time.monotonic() + START_S)
         yield f"127.0.0.1:{port}", token
     finally:
         p.terminate()
@@ -382,16 +367,17 @@ def test_moecomm_frontend_places_a_stage_on_another_host_from_the_command_line(t
     with netns.Lab() as lab:
         fe, a = lab.add_host("fe"), lab.add_host("a")
         agent_argv = ["stage-agent", "--host", a.addr, "--port", str(AGENT_PORT)]
-        agent = start(lab, a, [*cli, *agent_argv, "--token-file", str(key)], tmp_path / "a.log")
-        wait_for(tmp_path / "a.log", "stage agent listening on", agent, time.monotonic() + START_S)
+        a_log = tmp_path / "a.log"
+        agent = start_logged(lab, a, [*cli, *agent_argv, "--token-file", str(key)], a_log)
+        wait_for_log(a_log, "stage agent listening on", agent, time.monotonic() + START_S)
         fe_argv = [
             "frontend", "--checkpoint", str(tiny_dir), "--model-name", "tiny", "--local-experts",
             "--stages", "2", "--stage-hosts", f"local,{a.addr}:{AGENT_PORT}",
             "--stage-token-file", str(key), "--host", fe.addr, "--port", str(FRONTEND_PORT),
             "--threads", "1",
         ]  # fmt: skip
-        front = start(lab, fe, [*cli, *fe_argv], tmp_path / "fe.log")
-        wait_for(
+        front = start_logged(lab, fe, [*cli, *fe_argv], tmp_path / "fe.log")
+        wait_for_log(
             tmp_path / "fe.log", "frontend tiny listening on", front, time.monotonic() + START_S
         )
         script, out = tmp_path / "ask.py", tmp_path / "answer.json"

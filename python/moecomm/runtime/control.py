@@ -72,6 +72,9 @@ class ConnectModel(BaseModel):
     # cuda_ipc: where the server's response ring starts in the client's region (one region
     # holds the rings of all the client's servers).
     response_ring_offset: int = Field(default=0, ge=0, lt=1 << 40)
+    # The handle of the client's placement epoch word (server_placement.EpochWord): the server
+    # pushes every epoch change into it. Clients from before the field existed read ours.
+    placement_word: str = Field(default="", max_length=MAX_HANDLE_LEN)
 
 
 class JoinModel(BaseModel):
@@ -165,6 +168,7 @@ def make_app(server: ExpertServer, token: str = "") -> FastAPI:
                 body.session,
                 transport=body.transport,
                 response_ring_offset=body.response_ring_offset,
+                placement_word=body.placement_word,
             )
         except ClientIdInUseError as exc:
             raise HTTPException(status_code=409, detail=str(exc)) from exc

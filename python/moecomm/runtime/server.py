@@ -144,11 +144,17 @@ class ExpertServer:
         session: str = "",
         transport: str | None = None,
         response_ring_offset: int = 0,
+        placement_word: str = "",
     ) -> dict:
         """Allocates request slots for a client and attaches to its response slots. The answer
         carries a session secret: a later connect under the same id (the client reconnecting)
         must present it, unless the process that held the id died. Raises ClientIdInUseError when
-        another live client holds `client_id`."""
+        another live client holds `client_id`.
+
+        `placement_word`: the handle of a word in the client's memory (an EpochWord) into which
+        every placement epoch change is pushed from now on (ServerPlacement.subscribe), so the
+        client never reads ours across the network; the answer's `placement_pushed` says so. A
+        handle that cannot be attached is refused (ValueError) and the client is not admitted."""
         if self.draining:
             raise MoecommError(f"{self.server_id} is draining and accepts no new clients")
         if not self.health.ok:
@@ -183,6 +189,17 @@ class ExpertServer:
             return channel
 
         new = self.clients.admit(client_id, session, make_channel)
+        if placement_word:
+            # After admit: a connect refused there (the id is someone else's) must not replace
+            # that client's subscription. Refused here, the half-made connection is undone.
+            try:
+                self.placement.subscribe(client_id, self.transports.get(name), placement_word)
+            except (ValueError, OSError, MoecommError) as exc:
+                self.clients.remove(client_id, new.secret)
+                self.placement.forget(client_id)
+                raise ValueError(
+                    f"placement_word {placement_word[:64]!r} cannot be used: {exc}"
+                ) from exc
         self.buffers.reserve(layout, num_slots)
         channel = new.channel
         table = self.placement.describe(client_id)
@@ -197,6 +214,7 @@ class ExpertServer:
             "hosted": table["layers"],
             "placement_epoch": table["epoch"],
             "placement_handle": self.placement.handle(name),
+            "placement_pushed": bool(placement_word),
             "session": new.secret,
         }
 

@@ -1,14 +1,13 @@
 """The expert server's table of hosted experts as it changes while serving.
 
 A placement change never renumbers: a new expert gets a new local index, a dropped one leaves a
-retired index behind (LayerExperts). Every change bumps the server's placement epoch, a word in a
-one-line region of the server that every client maps at connect; clients read it at each
-dispatch (one load per server), and on a change
-fetch the table (GET /experts?client_id=...), which tells the server they have it (an ack).
-Pushed instead of read (subscribe): a client that hands the server a word of its own memory gets
-every change written into it (one signal per change and client: over nixl a notification, no
-network read per dispatch); the client then loads its own word. Either way, the stale-map rule
-below stays the safety net: a push that is late only delays the new table.
+retired index behind (LayerExperts). Every change bumps the server's placement epoch and is pushed
+(subscribe) into a word of each connected client's own memory (one signal per change and
+client: over nixl a notification, no network read per dispatch); the client loads its own word
+at each dispatch and, on a change, fetches the table (GET /experts?client_id=...), which tells
+the server it has it (an ack). A client of an older server, which does not push, reads the
+server's epoch word instead (a one-line region every client maps at connect). Either way, the
+stale-map rule below stays the safety net: a push that is late only delays the new table.
 
 Dropping an expert has two steps. Unload marks it *leaving*: it disappears from the published
 table, so clients stop routing to it, but it is still served. It is freed only once every

@@ -20,7 +20,7 @@ from moecomm.runtime.control import (
     http_placement,
     http_transports,
 )
-from moecomm.runtime.server_placement import EPOCH_OFFSET
+from moecomm.runtime.server_placement import EPOCH_OFFSET, EpochWord
 from moecomm.wire.choose import TransportSet, choose
 from moecomm.wire.client import ClientChannel
 from moecomm.wire.protocol import SlotLayout
@@ -31,6 +31,21 @@ log = logging.getLogger("moecomm.client")
 HEALTH_PROBE_TIMEOUT_S = 2.0
 # Local expert indices at and above this are placeholders for experts with no live replica.
 _NO_LOCAL = 1 << 30
+
+
+class _PolledEpoch:
+    """A server's own epoch word, mapped: read with a transfer (over nixl, an 8-byte READ per
+    micro-batch). Only for servers from before pushed epochs, which ignore `placement_word`."""
+
+    def __init__(self, transport, region):
+        self.transport = transport
+        self.region = region
+
+    def read(self) -> int:
+        return self.transport.load(self.region, EPOCH_OFFSET)
+
+    def close(self) -> None:
+        self.region.close()
 
 
 class ServerPool:
@@ -58,7 +73,9 @@ class ServerPool:
         self.sessions: list[str] = []  # per server: the secret of our connection
         self.hosted: list[dict[int, list[int]]] = []  # per server: local index -> expert or -1
         self.epochs: list[int] = []  # per server: the placement epoch `hosted` is from
-        self.epoch_words: list = []  # per server: its epoch region, mapped (None: not known)
+        # Per server: where its placement epoch is read (None: a server with a fixed table) — our
+        # own EpochWord the server pushes into, or, for an older server, its word (_PolledEpoch).
+        self.epoch_words: list[EpochWord | _PolledEpoch | None] = []
         self.maps: dict[int, ExpertMap] = {}
         self.missing: dict[int, list[int]] = {}  # layer -> experts with no live replica
         self.evicted: dict[int, float] = {}  # server -> monotonic time it may come back
@@ -99,6 +116,10 @@ class ServerPool:
         ch = ClientChannel(
             transport, self.layout, self.client_id, self.num_slots, name=f"server {url}"
         )
+        # A word of our memory the server pushes every placement epoch change into: learning a
+        # change then costs a local load, not a network read per micro-batch.
+        pushed = EpochWord(transport)
+        word = None
         try:
             info = http_connect(
                 url,
@@ -110,14 +131,24 @@ class ServerPool:
                 self.timeout,
                 transport=name,
                 session=self.sessions[index] if index is not None else "",
+                extra={"placement_word": pushed.handle},
             )
             ch.connect(info["server_handle"], info["doorbell_handle"])
-            # Servers from before live re-placement have no epoch word: their table is fixed.
-            handle = info.get("placement_handle")
-            word = transport.attach(handle) if handle else None
+            if info.get("placement_pushed"):
+                word, pushed = pushed, None
+            elif info.get("placement_handle"):
+                # A server from before pushed epochs ignores `placement_word`: read its own word
+                # (one READ per micro-batch over nixl), as clients did then.
+                word = _PolledEpoch(transport, transport.attach(info["placement_handle"]))
+            # else: a server from before live re-placement; its table is fixed.
         except Exception:
             ch.close()
+            if word is not None:
+                word.close()
             raise
+        finally:
+            if pushed is not None:  # not subscribed: nobody writes it
+                pushed.close()
         hosted = {int(k): v for k, v in info["hosted"].items()}
         epoch = int(info.get("placement_epoch", 0))
         if index is None:
@@ -163,9 +194,12 @@ class ServerPool:
         i = self.urls.index(url)
         ch = self.channels[i]
         self.channels[i] = None
+        word, self.epoch_words[i] = self.epoch_words[i], None
         self.rebuild_maps()
         if ch is not None:
             ch.close()
+        if word is not None:
+            word.close()
 
     def live(self, server: int) -> bool:
         return server not in self.evicted and self.channels[server] is not None
@@ -234,22 +268,33 @@ class ServerPool:
         return True
 
     def refresh_placement(self) -> None:
-        """Between two micro-batches: a server whose placement epoch (a word of its doorbell
-        line, one load) moved on since our table is asked for its new table, and the expert
-        maps are rebuilt once. A server that does not answer keeps its old table (if it is
-        gone, failover takes it out)."""
+        """Between two micro-batches: a server whose placement epoch moved on since our table is
+        asked for its new table (which acks it), and the expert maps are rebuilt once. The epoch
+        is a word of our own memory the server pushed it into (a local load, no transfer); only
+        an older server's word is read across (one READ per micro-batch over nixl). A server that
+        does not answer keeps its old table (if it is gone, failover takes it out).
+
+        A pushed word finds no dead server, as the READ did before any request went out: a dead
+        server is found by the request itself (a send to it raises PeerLostError, or its answer
+        misses the deadline), and combine() re-sends that share to a replica at once; the
+        membership's loss events and the /health probes of readmit() work as before. A push that
+        is late (or lost with its sender) only delays the new table: a request naming an expert
+        the server no longer has gets STALE_MAP and is re-sent on a fresh table."""
         changed = False
         for i, word in enumerate(self.epoch_words):
             if word is None or not self.live(i):
                 continue
-            # Over nixl this is a small read of the server's memory (one network round trip),
-            # which finds a dead server before any request is sent to it.
             try:
-                epoch = self.channels[i].transport.load(word, EPOCH_OFFSET)
-            except (PeerLostError, TimeoutError) as exc:
+                epoch = word.read()
+            except (PeerLostError, TimeoutError) as exc:  # only a polled (remote) word
                 self.evict(i, f"its placement word cannot be read: {exc}")  # rebuilds the maps
                 continue
-            if epoch != self.epochs[i]:
+            # A pushed word holds 0 until the first push lands, and epochs only grow: a push
+            # older than the table we fetched (it raced our GET) is no news.
+            news = (
+                epoch > self.epochs[i] if isinstance(word, EpochWord) else epoch != self.epochs[i]
+            )
+            if news:
                 changed |= self.fetch_placement(i)
         if changed:
             self.rebuild_maps()
