@@ -16,7 +16,9 @@ when the re-routed request was dispatched, when the dead server was evicted, how
 client waited for a CPU, how long it was held by SIGSTOP. Load average is recorded with every
 trial: this machine is shared, so compare the two variants within one run only.
 
-Usage: python bench/chaos_reroute.py [--seeds N] [--json bench/results/chaos_reroute.json]
+Usage: python bench/chaos_reroute.py [--seeds N] [--variants inline,deferred]
+       [--json bench/results/chaos_reroute.json]
+(`--variants deferred` runs the fixed loop alone: the many-trial measurement of the reroute time.)
 """
 
 from __future__ import annotations
@@ -82,13 +84,20 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--seeds", type=int, default=10, help="how many kill seeds (each run twice)")
     ap.add_argument("--only", default="", help="comma-separated seeds instead of the first N")
+    ap.add_argument(
+        "--variants", default=",".join(VARIANTS), help="which loops to run (comma-separated)"
+    )
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    variants = tuple(v for v in a.variants.split(",") if v)
+    unknown = set(variants) - set(VARIANTS)
+    if unknown or not variants:
+        ap.error(f"--variants: one or more of {', '.join(VARIANTS)}, got {a.variants!r}")
     seeds = [int(s) for s in a.only.split(",") if s] or kill_seeds(a.seeds)
     reference = Reference()
     trials = []
     for i, seed in enumerate(seeds):
-        order = VARIANTS if i % 2 == 0 else VARIANTS[::-1]
+        order = variants if i % 2 == 0 else variants[::-1]
         for variant in order:
             load = os.getloadavg()[0]
             cls = InlineTrial if variant == "inline" else Trial
@@ -117,7 +126,7 @@ def main(argv=None) -> int:
                 flush=True,
             )
     out = {"seeds": seeds, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    for variant in VARIANTS:
+    for variant in variants:
         mine = [t for t in trials if t["variant"] == variant]
         kills = [d for t in mine for d in t["reroute_after_kill"]]
         out[variant] = {
