@@ -871,8 +871,16 @@ def test_triage_gives_per_test_verdicts_and_packs_what_each_node_left(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     first = next(ln for ln in lines if ln.startswith("[1] "))
     assert first.startswith("[1] rc=1 ") and "1 failed, 1 passed" in first
-    assert "    PASSED test_tiny::test_ok" in lines
-    assert "    FAILED test_tiny::test_bad: AssertionError: tiny is wrong assert 1 == 2" in lines
+    # junit's classname is the module's dotted path from pytest's rootdir, which depends on
+    # where tmp_path lies (test_tiny, or tt.t.test_tiny): match the module's own name.
+    verdicts = {
+        (ln.split()[0], ln.split()[1].rsplit(".", 1)[-1]): ln.split(": ", 1)[-1]
+        for ln in lines
+        if ln.startswith("    PASSED ") or ln.startswith("    FAILED ")
+    }
+    assert ("PASSED", "test_tiny::test_ok") in verdicts, lines
+    failed = verdicts[("FAILED", "test_tiny::test_bad:")]
+    assert failed == "AssertionError: tiny is wrong assert 1 == 2", lines
     second = next(ln for ln in lines if ln.startswith("[2] "))
     assert second.startswith("[2] CRASH rc=139 (SIGSEGV) :: "), second
     with tarfile.open(out / "triage.tar.gz") as tar:

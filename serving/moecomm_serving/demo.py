@@ -153,7 +153,10 @@ def run(args: argparse.Namespace) -> int:
     def on_signal(*_):
         raise KeyboardInterrupt
 
+    # SIGINT too, explicitly: a demo started in the background of a script inherits SIGINT
+    # ignored, and Python then installs no KeyboardInterrupt handler of its own.
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         with tempfile.TemporaryDirectory(prefix="moecomm-demo-") as tmp:
             ckpt = os.path.join(tmp, "tiny")
