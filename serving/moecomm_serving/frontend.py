@@ -2,16 +2,16 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming or not),
 ``GET /v1/models``, ``GET /health`` (a real one-token forward through the engine, experts
-included) and ``GET /metrics`` (Prometheus text). See docs/frontend.md.
+included) and ``GET /metrics`` (Prometheus text). See docs/frontend.md. The OpenAI layer itself
+(parsing, checks, streaming, stop strings) is :mod:`moecomm_serving.api_front`; here it runs over
+the :class:`Engine`, whose thread feeds each request's events back into an asyncio queue. If the
+engine fails a request half-way, its stream ends with an ``{"error": ...}`` event (the request
+is not retried here: the client has seen tokens).
 
-Each request's body is read up to a size limit (413 beyond), then parsed, tokenized and checked
-in a worker thread, so a huge prompt never stalls the event loop (bad JSON, unknown model,
-unsupported parameters, prompt too long -> 4xx in OpenAI's error shape before anything is
-queued; every other failure is a 500 in the same shape), then handed to the :class:`Engine`, whose
-thread feeds the request's events back into an asyncio queue. A streaming response sends one
-SSE chunk per generated token; if the engine fails the request half-way, the stream ends with an
-``{"error": ...}`` event and no ``[DONE]`` (the request is not retried: the client has seen
-tokens, and a sampled continuation would differ).
+With a role (``--role prefill|decode``, docs/router.md) the front end also serves the
+prefill/decode split's internal routes (:mod:`moecomm_serving.pd_routes`): a prefill front end
+runs a request's prompt and hands its KV blocks to a decode front end over moecomm's transports;
+a decode front end takes them and generates the rest.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Sequence
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from moecomm.http_thread import DEFAULT_HOST, HttpServer
 
 from moecomm_serving import openai_api as oa
+from moecomm_serving.api_front import DEFAULT_MAX_BODY_BYTES, ApiFront
 from moecomm_serving.generate import SamplingParams
 from moecomm_serving.kv_blocks import DEFAULT_BLOCK_TOKENS
 from moecomm_serving.metrics import ServingMetrics
@@ -37,79 +37,14 @@ from moecomm_serving.scheduler import (
     EngineRequest,
     ErrorEvent,
     FinishEvent,
-    TokenEvent,
 )
 
-# A handler wakes at least this often to notice a client that hung up (non-streaming requests).
-DISCONNECT_POLL_S = 1.0
-# Past the engine's own deadline, how long a handler still waits before giving up by itself
-# (the engine normally answers first with a 504 of its own).
-DEADLINE_GRACE_S = 5.0
 # The health probe is one greedy token; it must answer well within a load balancer's timeout.
 HEALTH_TIMEOUT_S = 30.0
-# The largest request body accepted (413 beyond): a prompt of a 128k-token context as token ids
-# is ~1 MiB of JSON; 8 MiB leaves room for long chats without letting one request pin memory.
-DEFAULT_MAX_BODY_BYTES = 8 << 20
 
 
-class _Tracker:
-    """One request's output seen from the front end: tokens, text sent so far, stop strings,
-    and the timings that feed the metrics."""
-
-    def __init__(self, tokenizer, stops: Sequence[str], arrival: float, metrics: ServingMetrics):
-        self.tok, self.stops, self.arrival, self.metrics = tokenizer, list(stops), arrival, metrics
-        self.tokens: list[int] = []
-        self.sent = ""  # text already handed to the client
-        self.finish: str | None = None
-        self.first_time: float | None = None
-        self.last_time: float | None = None
-
-    def on_token(self, ev: TokenEvent) -> str:
-        """Records a token; returns the text that became final with it (may be empty)."""
-        gap = None if self.last_time is None else ev.time - self.last_time
-        if self.first_time is None:
-            self.first_time = ev.time
-            self.metrics.on_first_token(ev.time - self.arrival)
-        self.last_time = ev.time
-        self.metrics.on_token(gap, ev.time)
-        self.tokens.append(ev.token)
-        full = self.tok.decode(self.tokens)
-        for s in self.stops:
-            # only a match that ends in new text counts; earlier text was already checked
-            at = full.find(s, max(0, len(self.sent) - len(s) + 1))
-            if at >= 0:
-                self.finish = "stop"
-                return self._delta(full[:at])
-        # Hold back a possibly unfinished UTF-8 character and any prefix of a stop string.
-        hold = len(full) - len(full.rstrip("\ufffd"))
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(full)), 0, -1):
-                if full.endswith(s[:k]):
-                    hold = max(hold, k)
-                    break
-        return self._delta(full[: len(full) - hold])
-
-    def flush(self) -> str:
-        """At a normal finish: whatever was held back."""
-        return self._delta(self.tok.decode(self.tokens))
-
-    def _delta(self, text: str) -> str:
-        if len(text) <= len(self.sent):
-            return ""
-        out = text[len(self.sent) :]
-        self.sent = text
-        return out
-
-    def done(self, outcome: str, prompt_tokens: int) -> None:
-        end = self.last_time if self.last_time is not None else time.monotonic()
-        ttft = None if self.first_time is None else self.first_time - self.arrival
-        self.metrics.on_request_done(
-            outcome, prompt_tokens, ttft, end - self.arrival, len(self.tokens)
-        )
-
-
-class Frontend:
-    """State behind the routes; :func:`make_frontend_app` wires it into FastAPI."""
+class Frontend(ApiFront):
+    """The engine behind the OpenAI routes; :func:`make_frontend_app` wires it into FastAPI."""
 
     def __init__(
         self,
@@ -126,8 +61,7 @@ class Frontend:
         kv_block_tokens: int | None = DEFAULT_BLOCK_TOKENS,
         prefix_cache_bytes: int = 0,
     ):
-        self.model, self.tok, self.model_name = model, tokenizer, model_name
-        self.max_body_bytes = max_body_bytes
+        self.model = model
         # An AttentionClient's slots hold at most layout.max_tokens rows per dispatch, and one
         # engine step dispatches all of its tokens at once.
         cap = getattr(getattr(model.experts, "layout", None), "max_tokens", None)
@@ -137,9 +71,6 @@ class Frontend:
                 f"max_tokens {cap} per dispatch"
             )
         limit = model.config.max_position_embeddings
-        self.max_model_len = limit if max_model_len is None else min(max_model_len, limit)
-        self.request_timeout_s = request_timeout_s
-        self.chat_template = chat_template
         # every EOS id the checkpoint's generation config lists ends a request
         eos_ids = getattr(tokenizer, "eos_ids", None) or None
         self.engine = Engine(
@@ -152,7 +83,10 @@ class Frontend:
             prefix_cache_bytes=prefix_cache_bytes,
         )
         backend = model.experts
-        self.metrics = ServingMetrics(
+        # Series other parts add (the prefill/decode hand-offs' counters): rows of
+        # (kind, name, help, value), rendered after the rest.
+        self.extra_metrics: list = []
+        metrics = ServingMetrics(
             queue_depth=lambda: self.engine.queue_depth,
             running=lambda: self.engine.num_running,
             # AttentionClient counts its re-sends to replicas; local experts never fail over
@@ -160,71 +94,30 @@ class Frontend:
             # a pipelined model (--stages N) counts the replacements of its lost stages
             stage_recoveries=getattr(model, "recovery_counts", None),
             prefix_cache=self.engine.prefix_cache,
+            extra=lambda: [row for source in self.extra_metrics for row in source()],
+        )
+        super().__init__(
+            tokenizer,
+            model_name,
+            model.config.vocab_size,
+            limit if max_model_len is None else min(max_model_len, limit),
+            request_timeout_s,
+            metrics,
+            chat_template,
+            max_body_bytes,
         )
 
-    # ------------------------------------------------------------------ checks
-    def _check_model(self, name: str) -> None:
-        if name != self.model_name:
-            raise oa.ApiError(
-                404, f"model {name!r} does not exist; this server serves {self.model_name!r}"
-            )
-
-    def _check_prompt(self, ids: list[int], max_tokens: int | None) -> int:
-        """Returns the completion budget; refuses prompts the model cannot take."""
-        vocab = self.model.config.vocab_size
-        if not ids:
-            raise oa.ApiError(400, "the prompt is empty", "prompt")
-        if any(not 0 <= t < vocab for t in ids):
-            raise oa.ApiError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
-        room = self.max_model_len - len(ids)
-        if max_tokens is None:
-            max_tokens = room
-        if room < 1 or max_tokens > room:
-            raise oa.ApiError(
-                400,
-                f"this model's maximum context length is {self.max_model_len} tokens; the "
-                f"request asks for {len(ids) + max(max_tokens, 1)} ({len(ids)} in the prompt, "
-                f"{max(max_tokens, 1)} for the completion)",
-                "prompt",
-            )
-        return max_tokens
-
-    def completion_input(self, req: oa.CompletionRequest) -> tuple[list[int], int]:
-        self._check_model(req.model)
-        p = req.prompt
-        if isinstance(p, str):
-            ids = self.tok.encode(p)
-        elif p and isinstance(p[0], str):
-            ids = self.tok.encode(p[0])
-        else:
-            ids = [int(t) for t in p]
-        return ids, self._check_prompt(ids, req.max_tokens)
-
-    def chat_input(self, req: oa.ChatRequest) -> tuple[list[int], int]:
-        self._check_model(req.model)
-        own = getattr(self.tok, "chat_template", None)
-        if self.chat_template is None and own is not None:
-            # as transformers' apply_chat_template: the template writes its own special tokens
-            messages = [m.template_dict() for m in req.messages]
-            try:
-                text = own.render(messages, add_generation_prompt=True)
-            except ValueError as exc:
-                raise oa.ApiError(400, str(exc), "messages") from None
-            ids = self.tok.encode(text, add_bos=False)
-        else:
-            ids = self.tok.encode((self.chat_template or oa.default_chat_template)(req.messages))
-        return ids, self._check_prompt(ids, req.max_completion_tokens or req.max_tokens)
-
-    def parse(self, raw: bytes, chat: bool):
-        """Body -> (request, prompt ids, completion budget); run off the event loop, since
-        parsing and tokenizing a long prompt takes a while."""
-        body = oa.parse_request(raw, oa.ChatRequest if chat else oa.CompletionRequest)
-        ids, max_tokens = self.chat_input(body) if chat else self.completion_input(body)
-        return body, ids, max_tokens
-
     # ------------------------------------------------------------------ running a request
-    def submit(self, ids: list[int], params: SamplingParams, priority: bool = False, timeout=None):
-        """Queues a request; returns it with the asyncio queue its events arrive on."""
+    def submit(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        priority: bool = False,
+        timeout=None,
+        **request_fields,
+    ):
+        """Queues a request; returns it with the asyncio queue its events arrive on.
+        `request_fields`: further :class:`EngineRequest` fields (a prefill/decode hand-off)."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -234,7 +127,7 @@ class Frontend:
                 loop.call_soon_threadsafe(events.put_nowait, ev)
 
         deadline = time.monotonic() + (self.request_timeout_s if timeout is None else timeout)
-        req = EngineRequest(ids, params, emit, deadline)
+        req = EngineRequest(ids, params, emit, deadline, **request_fields)
         try:
             self.engine.submit(req, priority=priority)
         except EngineBusyError as exc:
@@ -242,113 +135,6 @@ class Frontend:
         except ValueError as exc:
             raise oa.ApiError(400, str(exc)) from None
         return req, events
-
-    async def events(self, req: EngineRequest, queue: asyncio.Queue, http: Request | None):
-        """The request's events until its finish or error; cancels it if the client leaves."""
-        give_up = req.deadline + DEADLINE_GRACE_S
-        while True:
-            left = give_up - time.monotonic()
-            if left <= 0:
-                req.cancel()
-                yield ErrorEvent("deadline exceeded (no answer from the engine)", 504, 0.0)
-                return
-            try:
-                ev = await asyncio.wait_for(queue.get(), min(left, DISCONNECT_POLL_S))
-            except asyncio.TimeoutError:
-                if http is not None and await http.is_disconnected():
-                    req.cancel()
-                    return
-                continue
-            yield ev
-            if not isinstance(ev, TokenEvent):
-                return
-
-    async def complete(self, http: Request, chat: bool) -> JSONResponse | StreamingResponse:
-        arrival = time.monotonic()
-        raw = await oa.read_body(http, self.max_body_bytes)
-        body, ids, max_tokens = await asyncio.to_thread(self.parse, raw, chat)
-        stops = body.stop_strings()
-        params = body.sampling(max_tokens)
-        req, queue = self.submit(ids, params)
-        tracker = _Tracker(self.tok, stops, arrival, self.metrics)
-        rid = oa.new_id("chatcmpl" if chat else "cmpl")
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            gen = self._stream(req, queue, tracker, rid, chat, len(ids), body, include_usage)
-            return StreamingResponse(gen, media_type="text/event-stream")
-        text, error = "", None
-        try:
-            async for ev in self.events(req, queue, http):
-                if isinstance(ev, TokenEvent):
-                    text += tracker.on_token(ev)
-                    if tracker.finish:  # a stop string: the engine may stop now
-                        req.cancel()
-                        break
-                elif isinstance(ev, FinishEvent):
-                    text += tracker.flush()
-                    tracker.finish = ev.reason
-                else:
-                    error = ev
-        finally:
-            req.cancel()  # no-op when finished; stops the engine's work when we left early
-        if tracker.finish is None:
-            outcome = "error" if error else "cancelled"
-            tracker.done(outcome, len(ids))
-            if error is None:  # the client went away; nobody reads this
-                error = ErrorEvent("request cancelled", 499, 0.0)
-            return JSONResponse(oa.ApiError(error.status, error.message).body(), error.status)
-        tracker.done("success", len(ids))
-        tids = tracker.tokens if body.return_token_ids else None
-        choice = oa.completion_choice(text, tracker.finish, tids, chat=chat)
-        u = oa.usage(len(ids), len(tracker.tokens))
-        return JSONResponse(oa.envelope(rid, self.model_name, [choice], chat, False, u))
-
-    async def _stream(
-        self, req, queue, tracker: _Tracker, rid, chat, n_prompt, body, include_usage
-    ) -> AsyncIterator[bytes]:
-        first = True
-        outcome = "cancelled"
-        try:
-            async for ev in self.events(req, queue, None):
-                if isinstance(ev, ErrorEvent):
-                    outcome = "error"
-                    yield oa.sse(oa.ApiError(ev.status, ev.message).body())
-                    return
-                if isinstance(ev, FinishEvent):  # normally already seen on the last token
-                    tracker.finish = ev.reason
-                    delta, ids = tracker.flush(), []
-                else:
-                    n_before = len(tracker.tokens)
-                    delta = tracker.on_token(ev)
-                    ids = tracker.tokens[n_before:]
-                    if tracker.finish:  # a stop string ended it; the engine may stop
-                        req.cancel()
-                    elif ev.finish:  # the last token carries the finish reason
-                        tracker.finish = ev.finish
-                        delta += tracker.flush()
-                if ids or tracker.finish:
-                    tids = ids if body.return_token_ids else None
-                    choice = oa.completion_choice(
-                        delta, tracker.finish, tids, chat=chat, delta=True, first=first
-                    )
-                    first = False
-                    yield oa.sse(oa.envelope(rid, self.model_name, [choice], chat, True))
-                if tracker.finish:
-                    outcome = "success"
-                    break
-            if outcome != "success":  # the deadline fallback ended without an event
-                return
-            if include_usage:
-                u = oa.usage(n_prompt, len(tracker.tokens))
-                yield oa.sse(oa.envelope(rid, self.model_name, [], chat, True, u))
-            yield oa.sse("[DONE]")
-        except Exception as exc:  # e.g. a token the tokenizer cannot decode
-            # the headers are sent: an error event, never a cut connection
-            outcome = "error"
-            yield oa.sse(oa.ApiError(500, f"generation failed: {exc}").body())
-        finally:
-            req.cancel()
-            tracker.done(outcome, n_prompt)
 
     async def health(self) -> JSONResponse:
         """One greedy token through the engine: embedding, every layer, the experts, LM head."""
@@ -381,6 +167,9 @@ def make_frontend_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     kv_block_tokens: int | None = DEFAULT_BLOCK_TOKENS,
     prefix_cache_bytes: int = 0,
+    role: str | None = None,
+    kv_transport="auto",
+    kv_host: str | None = None,
 ) -> FastAPI:
     """The FastAPI app; its engine thread starts and stops with the app's lifespan.
 
@@ -389,7 +178,10 @@ def make_frontend_app(
     checkpoint's, as transformers renders it) or else :func:`openai_api.default_chat_template`.
     Requests stop on every id of ``tokenizer.eos_ids``; bodies over `max_body_bytes` get a 413.
     `kv_block_tokens` and `prefix_cache_bytes` size the paged KV cache and the prefix cache
-    (see :class:`~moecomm_serving.scheduler.Engine`).
+    (see :class:`~moecomm_serving.scheduler.Engine`). With a `role` ("prefill", "decode" or
+    "both") the app also serves the prefill/decode split's routes
+    (:mod:`moecomm_serving.pd_routes`), its KV hand-offs over `kv_transport` (shm, nixl or auto,
+    nixl bound to `kv_host`).
     """
     fe = Frontend(
         model,
@@ -405,15 +197,27 @@ def make_frontend_app(
         kv_block_tokens,
         prefix_cache_bytes,
     )
+    pd = None
+    if role is not None:
+        # imported here: a front end without a role never opens a transport for KV
+        from moecomm_serving.pd_routes import DECODE_ROLES, PdState
+
+        if role in DECODE_ROLES and fe.engine.pool is None:
+            raise ValueError(f"role {role!r} takes KV hand-offs: it needs the paged KV cache")
+        pd = PdState(role, kv_transport, kv_host)
+        fe.extra_metrics.append(pd.metric_rows)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         fe.engine.start()
         yield
         await asyncio.to_thread(fe.engine.stop)
+        if pd is not None:
+            await asyncio.to_thread(pd.close)
 
     app = FastAPI(title="moecomm", lifespan=lifespan)
     app.state.frontend = fe
+    app.state.pd = pd
 
     oa.install_error_handlers(app)
 
@@ -439,6 +243,10 @@ def make_frontend_app(
     async def metrics():
         return PlainTextResponse(fe.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    if pd is not None:
+        from moecomm_serving.pd_routes import install_pd_routes
+
+        install_pd_routes(app, fe, pd)
     return app
 
 

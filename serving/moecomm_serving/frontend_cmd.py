@@ -117,6 +117,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     add_controller_arguments(p, prefix="eplb-")
     add_kv_cache_arguments(p)
+    p.add_argument(
+        "--role",
+        choices=["prefill", "decode", "both"],
+        default=None,
+        help="serve a side of the prefill/decode split behind `moecomm router` (docs/router.md): "
+        "prefill runs prompts and hands their KV blocks to a decode front end over --transport "
+        "(shm on one host, nixl across hosts); decode takes them and generates the rest; both "
+        "does either (default: none, a plain front end; the OpenAI routes stay on in every "
+        "role)",
+    )
     add_device_arguments(p, server=False)
 
 
@@ -144,6 +154,9 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"moecomm frontend: --stages must be >= 1, got {args.stages}")
     if args.stages == 1 and (args.stage_hosts or args.stage_token_file):
         raise SystemExit("moecomm frontend: --stage-hosts and --stage-token-file need --stages > 1")
+    if args.role is not None and (args.stages > 1 or is_cuda(args)):
+        # the stages keep the caches (no block pool to export); the GPU path has none either
+        raise SystemExit("moecomm frontend: --role works with --stages 1 on the CPU path only")
     if args.stages > 1 and args.prefix_cache_bytes:
         # The stages keep their own growable caches (docs/pipeline.md); a prefix cache there
         # would have to be shared by every stage's blocks.
@@ -171,11 +184,20 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(args.checkpoint, experts=experts, dtype=torch.float32)
     name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
     app = make_frontend_app(
-        model, tokenizer, name, args.max_batch_tokens, **kv_cache_kwargs(args, "frontend")
+        model,
+        tokenizer,
+        name,
+        args.max_batch_tokens,
+        **kv_cache_kwargs(args, "frontend"),
+        role=args.role,
+        kv_transport=args.transport,
+        kv_host=args.host,
     )
     stop = stop_on_signals()
     http = start_frontend(app, args.host, args.port)
-    print(f"frontend {name} listening on {http.url}", flush=True)
+    # the URL ends the line: scripts split it off after " listening on "
+    role = f" (role {args.role})" if args.role else ""
+    print(f"frontend {name}{role} listening on {http.url}", flush=True)
     controller = None
     if client is not None:
         controller = start_placement(args, client.live_urls)

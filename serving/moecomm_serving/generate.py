@@ -121,6 +121,56 @@ class Generation:
             # a checkpoint may end generation on several ids (generation_config.json's list)
             self.stop_ids.update(int(e) for e in ([eos] if isinstance(eos, int) else eos))
 
+    @classmethod
+    def resume(
+        cls,
+        model: MoETransformer,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        eos_token_id: int | Sequence[int] | None,
+        pool: BlockPool,
+        package: dict,
+        tokens: Sequence[int],
+        rng_state: torch.Tensor | None,
+    ) -> Generation:
+        """A generation handed over by a prefill front end: the KV cache of `prompt` and of
+        every token of `tokens` but the last (a :meth:`PagedSequence.export_blocks` package),
+        the tokens generated so far, and the sampler's state after drawing them. Its next
+        forward feeds ``tokens[-1]``, as if it had run here from the start. Raises ValueError
+        for a hand-off that does not fit (other model or block size, wrong length, a sampled
+        request without its sampler state, nothing left to generate)."""
+        if pool is None:
+            raise ValueError("a KV hand-off needs the paged KV cache (kv_block_tokens > 0)")
+        g = cls(model, prompt, params, eos_token_id, pool)
+        if not tokens:
+            raise ValueError("a hand-off carries at least the prefill's first token")
+        g.tokens = [int(t) for t in tokens]
+        if g.tokens[-1] in g.stop_ids or len(g.tokens) >= params.max_new_tokens:
+            raise ValueError("the handed-over request has already finished: nothing to decode")
+        if g.generator is not None:
+            if not isinstance(rng_state, torch.Tensor):
+                raise ValueError("a sampled request's hand-off must carry its sampler state")
+            try:
+                g.generator.set_state(rng_state)
+            except RuntimeError as exc:
+                raise ValueError(f"the hand-off's sampler state is not valid: {exc}") from None
+        cache = PagedSequence.import_blocks(pool, package)
+        want = len(g.prompt) + len(g.tokens) - 1
+        if cache.length != want:
+            cache.release()
+            raise ValueError(
+                f"the KV package holds {cache.length} tokens; a prompt of {len(g.prompt)} and "
+                f"{len(g.tokens)} generated tokens need {want}"
+            )
+        g.cache.release()
+        g.cache, g.cached = cache, len(g.prompt)
+        return g
+
+    def sampler_state(self) -> torch.Tensor | None:
+        """The sampler's state (a hand-off carries it so the decode side draws on), or None
+        for greedy decoding."""
+        return None if self.generator is None else self.generator.get_state()
+
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -337,7 +337,7 @@ class PagedSequence:
     def import_blocks(cls, pool: BlockPool, package: dict) -> PagedSequence:
         """A new sequence in `pool` holding an :meth:`export_blocks` package; a package that
         does not fit this pool (other model, block size, dtype, layers) is refused."""
-        _check_package(pool, package)
+        check_package(pool, package)
         seq = cls(pool)
         k, v = package["k"], package["v"]
         for j in range(k.shape[1]):
@@ -354,7 +354,9 @@ class PagedSequence:
 _PACKAGE_KEYS = {"version", "length", "block_tokens", "layers", "kv_shape", "dtype", "k", "v"}
 
 
-def _check_package(pool: BlockPool, p: dict) -> None:
+def check_package(pool: BlockPool, p: dict) -> None:
+    """Raises ValueError unless `p` is an :meth:`PagedSequence.export_blocks` package that fits
+    `pool` (version, block size, layers, KV shape, dtype, tensor shapes for its length)."""
     if not isinstance(p, dict) or set(p) != _PACKAGE_KEYS:
         got = sorted(p) if isinstance(p, dict) else type(p).__name__
         raise ValueError(f"a KV package has exactly the keys {sorted(_PACKAGE_KEYS)}, got {got}")

@@ -88,8 +88,12 @@ class ServingMetrics:
         failovers: Callable[[], int],
         stage_recoveries: Callable[[], dict[str, int]] | None = None,
         prefix_cache=None,
+        extra: Callable[[], list[tuple]] | None = None,
     ):
         self._lock = threading.Lock()
+        # More series read at scrape time: rows of (kind, full name, help, value[, labels]), the
+        # prefill/decode hand-offs of a front end with a role or a router's retries.
+        self._extra = extra or list
         self._queue_depth, self._running, self._failovers = queue_depth, running, failovers
         # Replacements of the pipeline stages by kind (RECOVERY_KINDS); none without stages.
         self._stage_recoveries = stage_recoveries or dict
@@ -182,7 +186,20 @@ class ServingMetrics:
         lines += [f'{name}{{kind="{k}"}} {int(counts.get(k, 0))}' for k in RECOVERY_KINDS]
         if self._prefix_cache is not None:
             lines += _prefix_cache_lines(self._prefix_cache)
+        lines += _extra_lines(self._extra())
         return "\n".join(lines) + "\n"
+
+
+def _extra_lines(rows) -> list[str]:
+    """Rows of (kind, name, help, value[, labels such as '{phase="prefill"}']); the series of one
+    name share its HELP and TYPE lines (a scraper refuses them twice)."""
+    out, seen = [], set()
+    for kind, name, help_text, value, *labels in rows:
+        if name not in seen:
+            seen.add(name)
+            out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+        out.append(f"{name}{labels[0] if labels else ''} {value}")
+    return out
 
 
 def _prefix_cache_lines(cache) -> list[str]:

@@ -23,6 +23,11 @@ prompt's longest cached prefix and prefills only the rest; a request's full bloc
 cache once its prompt is prefilled (so requests running meanwhile share them) and again when it
 finishes (prompt and answer: the next turn of a chat).
 
+Prefill/decode split (docs/router.md): a request with ``handoff`` ends after its prompt's first
+token with a :class:`HandoffEvent` carrying its KV blocks (exported before they are freed); a
+request with ``resume`` starts from such a package, imported into this engine's pool when it is
+admitted (the pool is the engine thread's alone), and decodes on as if it had run here whole.
+
 Only the engine thread touches the model, so an experts backend that is not thread-safe (an
 :class:`moecomm.runtime.AttentionClient`) is safe behind it; the health probe is a request too.
 """
@@ -79,7 +84,31 @@ class ErrorEvent:
     time: float
 
 
-Event = TokenEvent | FinishEvent | ErrorEvent
+@dataclass(frozen=True)
+class HandoffEvent:
+    """A prefill-only request (``EngineRequest.handoff``) ends here: its first token, its KV
+    cache as a :meth:`~moecomm_serving.kv_blocks.PagedSequence.export_blocks` package, the
+    sampler's state after the draw (None for greedy) and the prompt tokens the prefix cache
+    supplied. Sent instead of that token's TokenEvent (the decode side continues)."""
+
+    token: int
+    package: dict
+    rng_state: object
+    cached_tokens: int
+    time: float
+
+
+@dataclass(frozen=True)
+class Resume:
+    """What a decode-side request starts from (``EngineRequest.resume``): the KV package, the
+    tokens generated so far (at least the prefill's first) and the sampler's state."""
+
+    package: dict
+    tokens: list[int]
+    rng_state: object = None
+
+
+Event = TokenEvent | FinishEvent | ErrorEvent | HandoffEvent
 
 
 class EngineBusyError(MoecommError, RuntimeError):
@@ -104,6 +133,11 @@ class EngineRequest:
     generation: Generation | None = None
     prefilled: int = 0  # prompt tokens already in the cache (chunked prefill)
     done: bool = False
+    # Prefill only: after the prompt's first token the request ends with a HandoffEvent
+    # carrying its KV cache (a prefill front end of the prefill/decode split).
+    handoff: bool = False
+    # Decode side: starts from a handed-over KV cache instead of its prompt.
+    resume: Resume | None = None
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -263,6 +297,7 @@ class Engine:
 
     def _finish(self, req: EngineRequest, event: Event) -> None:
         req.done = True
+        req.resume = None
         if req.generation is not None:
             req.generation.release()
         if isinstance(event, ErrorEvent):
@@ -302,14 +337,7 @@ class Engine:
             while self._waiting and len(self._active) < self.max_num_seqs and budget > 0:
                 req = self._waiting.popleft()
                 try:
-                    req.generation = Generation(
-                        self.model,
-                        req.prompt,
-                        req.params,
-                        self.eos_token_id,
-                        self.pool,
-                        self.prefix_cache,
-                    )
+                    req.generation = self._generation(req)
                 except Exception as exc:  # a bad request must not take the engine down
                     self._finish(req, ErrorEvent(str(exc), 400, time.monotonic()))
                     continue
@@ -318,6 +346,26 @@ class Engine:
                 self._note_hit(req.generation.cached)
                 budget -= len(req.prompt) - req.prefilled
                 self._active.append(req)
+
+    def _generation(self, req: EngineRequest) -> Generation:
+        r = req.resume
+        if r is None:
+            return Generation(
+                self.model, req.prompt, req.params, self.eos_token_id, self.pool, self.prefix_cache
+            )
+        # The pool is the engine thread's alone: a handed-over cache is imported here.
+        g = Generation.resume(
+            self.model,
+            req.prompt,
+            req.params,
+            self.eos_token_id,
+            self.pool,
+            r.package,
+            r.tokens,
+            r.rng_state,
+        )
+        req.resume = None  # the package's tensors are in the pool now: let them go
+        return g
 
     def _plan(self) -> list[tuple[EngineRequest, list[int]]]:
         """What each request feeds this step: decodes first (one token each, always fit since
@@ -374,8 +422,16 @@ class Engine:
         s.batched_steps += len(batch) > 1
         s.mixed_steps += 0 < prefills < len(batch)
         s.prefill_chunks += chunks
+        handed: dict[int, HandoffEvent] = {}
+        for req, tok in out:
+            g = req.generation
+            if req.handoff and not req.cancelled and not g.finished:
+                # exported before the release below frees the blocks
+                handed[id(req)] = HandoffEvent(
+                    tok, g.cache.export_blocks(), g.sampler_state(), g.cached, now
+                )
         for req in batch:
-            req.done = req.cancelled or req.generation.finished
+            req.done = req.cancelled or req.generation.finished or id(req) in handed
             if req.generation.finished and not req.cancelled:
                 req.generation.remember()  # prompt and answer: a next chat turn starts here
             if req.done:
@@ -384,6 +440,9 @@ class Engine:
         self._active = [r for r in self._active if not r.done]
         for req, tok in out:
             if req.cancelled:
+                continue
+            if id(req) in handed:
+                self._finish(req, handed[id(req)])
                 continue
             req.emit(TokenEvent(tok, now, req.generation.finish_reason))
             if req.generation.finished:

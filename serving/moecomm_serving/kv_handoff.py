@@ -1,0 +1,889 @@
+"""Prefill -> decode KV hand-off over moecomm's own transports (issue 31).
+
+A prefill front end computes a request's cache (:meth:`PagedSequence.export_blocks
+<moecomm_serving.kv_blocks.PagedSequence.export_blocks>`), packs it with :func:`encode_package`
+and sends the bytes with a :class:`KvOutbox` to the decode front end that will continue the
+request; there a :class:`KvInbox` receives them, :func:`decode_package` reads them back, and
+:meth:`PagedSequence.import_blocks` checks that they fit its pool.
+
+The package format is ours and carries data only (no pickle): an 8-byte magic, a u32
+little-endian header length, a UTF-8 JSON header (the export's metadata, the tensors' shapes and
+the hand-off id), then the keys' raw bytes and the values' raw bytes.
+
+The bytes travel over stage channels (:mod:`moecomm.wire.stage`): the prefill side's
+:class:`~moecomm.wire.stage.StageSender` writes chunks into the decode side's
+:class:`~moecomm.wire.stage.StageReceiver`, which copies each chunk out (read once, own the
+copy) and acknowledges it. Each pair speaks the transport :func:`moecomm.wire.choose.choose`
+picks, as pipeline stages and expert clients do: shm with a peer on this host's /dev/shm, nixl
+otherwise. The connection is set up over HTTP on the decode front end
+(:func:`install_kv_routes`): ``GET /pd/kv/offer`` says what it speaks and the slot layout,
+``POST /pd/kv/connect`` hands it the sender's region and returns the receiver's and the doorbell's.
+
+One daemon thread per inbox owns every receiver and doorbell, so all transport calls of the
+decode side happen on it; ``connect`` and ``take`` hand work to it or wait for its results, each
+with a deadline. A sender that dies is dropped alone (a ``take`` of its unfinished package raises
+:class:`~moecomm.errors.PeerLostError`); a complete package nobody takes is dropped after
+``ttl_s``, so memory stays bounded. A chunk the slot protocol refuses is answered with the reason
+(the sender's wait for its acknowledgement raises at once); a package that breaks the package
+rules (tags not counting up, a chunk count that changes or exceeds the largest package, a chunk
+twice) drops that connection, whose sender then runs into its deadline. Either way the other
+senders carry on, and a ``take`` of that sender's unfinished package raises
+:class:`KvTransferError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import secrets
+import struct
+import threading
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from moecomm.errors import (
+    DeadlineExceededError,
+    MoecommError,
+    PeerLostError,
+    ProtocolError,
+)
+from moecomm.wire.choose import Doorbells, ShmProbe, TransportSet, boot_id, choose
+from moecomm.wire.protocol import PAYLOAD_OFFSET, SlotLayout
+from moecomm.wire.shm import reap_stale_segments
+from moecomm.wire.stage import MULTI_BELL_POLL_S, Chunk, StageReceiver, StageSender, stage_layout
+
+from moecomm_serving.kv_blocks import EXPORT_VERSION
+from moecomm_serving.openai_api import ApiError, read_body
+
+# Payload bytes of one slot (one chunk). A real model's KV package is tens to hundreds of MB
+# (DeepSeek-V3: ~70 KB per token), so chunks are large enough that the per-chunk round trip
+# (write, doorbell, copy out, ack: tens of µs) costs a few percent at most, and small enough that
+# a decode front end with many prefill peers holds num_slots of them per peer without strain.
+KV_SLOT_BYTES = 2 << 20
+# Slots per connection: the sender writes the next chunks while the receiver copies one out;
+# four keep both sides busy (two would make them alternate on a loaded host).
+KV_NUM_SLOTS = 4
+# A package is taken within milliseconds of arriving (the router forwards the request to the
+# decode front end as soon as the prefill answers); one still unclaimed after a minute belongs to
+# a request that failed or went elsewhere, and is dropped so the inbox's memory stays bounded.
+UNCLAIMED_KV_TTL_S = 60.0
+# Largest package an inbox reassembles: above the KV of the longest context a serving model
+# carries (DeepSeek-V3 at 128k tokens is ~9 GB). Bounds what a sender's chunk count can make the
+# inbox hold.
+KV_MAX_PACKAGE_BYTES = 16 << 30
+
+# The package format: the magic names it and its revision (a new layout gets a new magic).
+PACKAGE_MAGIC = b"MCKVPKG1"
+_PREFIX = struct.Struct("<8sI")  # magic, header length
+# The JSON header holds a few numbers and lists (a layer list of a few hundred ids at most);
+# anything larger is not a header of ours and is refused before it is parsed.
+MAX_HEADER_BYTES = 1 << 20
+# The header's keys: the export's metadata, the tensors' shapes, and the hand-off's id.
+HEADER_KEYS = frozenset(
+    {"handoff_id", "version", "length", "block_tokens", "layers", "kv_shape", "dtype"}
+    | {"k_shape", "v_shape"}
+)
+# Element types a KV pool may hold (the names export_blocks writes).
+KV_DTYPES = {
+    name: getattr(torch, name)
+    for name in ("float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2")
+    if hasattr(torch, name)
+}
+
+# Stage channels check each chunk's row width (the layout's `hidden`); KV bytes travel as rows
+# of this many f32 elements (4 KiB, a page), so slot_bytes is counted in whole rows.
+_KV_ROW_ELEMS = 1024
+KV_ROW_BYTES = _KV_ROW_ELEMS * 4
+# The header's tag is a u32; a connection that used them all is replaced by a new one.
+MAX_TAG = (1 << 32) - 1
+# Client ids are random 63-bit numbers (the header holds a u64; 63 bits stay a positive int
+# everywhere, JSON readers included); two senders drawing the same one is negligible.
+CLIENT_ID_BITS = 63
+MAX_CLIENT_ID = (1 << 64) - 1
+
+# Longest sleep of the inbox's thread before it looks at its command queue (a connect waits at
+# most this long to be picked up) and its senders' liveness.
+LOOP_SLICE_S = 0.05
+# How often the inbox checks that its senders live and drops unclaimed packages: a dead sender
+# never rings, and one dying while others keep the doorbell busy must be noticed too. An shm
+# sender is checked every time (a kill(pid, 0)).
+HOUSEKEEPING_S = 0.1
+# A nixl sender's check is a remote read that a stopped or unreachable peer holds for up to 2 s
+# (the transport's probe deadline) on the inbox's one thread, so it is probed only when silent:
+# this long without a chunk while one of its packages is incomplete (its memory is held), ...
+NIXL_BUSY_PROBE_S = 1.0
+# ... and this long without a chunk otherwise (only its connection's slots are held).
+NIXL_IDLE_PROBE_S = 10.0
+# With doorbells on two transports the thread polls them; the period starts at the stage
+# inbox's (chunks of a package follow each other closely) and doubles up to this while nothing
+# rings, so an idle decode front end does not spend a core on polling.
+MULTI_BELL_IDLE_POLL_S = 1e-3
+# A connect is one region attach (for nixl: a metadata exchange with the sender's host).
+CONNECT_TIMEOUT_S = 30.0
+# The inbox's thread sets up its transports (nixl: an agent) before start() returns.
+START_TIMEOUT_S = 60.0
+# close() waits this long for the thread to release its receivers.
+CLOSE_TIMEOUT_S = 10.0
+# The connect request's body: a transport name, a region handle and a number.
+MAX_CONNECT_BODY_BYTES = 64 << 10
+# The outbox's default deadline for a whole send (connect, every chunk written and acknowledged).
+DEFAULT_SEND_TIMEOUT_S = 30.0
+
+NOT_SERVING = "this server takes no KV hand-offs"
+
+
+class KvHandoffError(MoecommError, ValueError):
+    """A KV package or hand-off request that is malformed or does not match (wrong magic,
+    truncated, inconsistent sizes, another hand-off's id, a transport not offered); HTTP 400."""
+
+
+class KvTransferError(MoecommError, RuntimeError):
+    """A KV hand-off that failed in transit: the peer is lost or refused, a deadline passed, the
+    decode front end is unreachable; the caller answers 502/503."""
+
+
+# ---------------------------------------------------------------------------------- the format
+def _positive_int(v, what: str, minimum: int = 0) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+        raise KvHandoffError(f"KV package header: {what} must be an int >= {minimum}, got {v!r}")
+    return v
+
+
+def _int_list(v, what: str, length: int | None = None, minimum: int = 0) -> list[int]:
+    if not isinstance(v, list) or (length is not None and len(v) != length):
+        want = f"a list of {length} ints" if length is not None else "a list of ints"
+        raise KvHandoffError(f"KV package header: {what} must be {want}, got {v!r:.200}")
+    return [_positive_int(x, f"each of {what}", minimum) for x in v]
+
+
+def _check_meta(meta: dict) -> tuple[torch.dtype, tuple[int, ...], tuple[int, ...]]:
+    """The package's dtype and the shapes its keys and values must have, from its metadata
+    (export_blocks' fields); raises KvHandoffError on anything malformed."""
+    version = _positive_int(meta["version"], "version")
+    if version != EXPORT_VERSION:
+        raise KvHandoffError(f"KV package version {version}, this build reads {EXPORT_VERSION}")
+    length = _positive_int(meta["length"], "length")
+    block_tokens = _positive_int(meta["block_tokens"], "block_tokens", 1)
+    layers = _int_list(meta["layers"], "layers")
+    if not layers or len(set(layers)) != len(layers):
+        raise KvHandoffError(f"KV package layers must be distinct and not empty, got {layers}")
+    heads, kd, vd = _int_list(meta["kv_shape"], "kv_shape", 3, 1)
+    dtype_name = meta["dtype"]
+    if not isinstance(dtype_name, str) or dtype_name not in KV_DTYPES:
+        raise KvHandoffError(
+            f"KV package dtype {dtype_name!r:.60} is not one of {', '.join(KV_DTYPES)}"
+        )
+    blocks = -(-length // block_tokens)
+    k_shape = (len(layers), blocks, heads, block_tokens, kd)
+    v_shape = (len(layers), blocks, heads, block_tokens, vd)
+    return KV_DTYPES[dtype_name], k_shape, v_shape
+
+
+def encode_package(package: dict, handoff_id: str) -> torch.Tensor:
+    """`package` (an export_blocks() dict) as one uint8 CPU tensor in our format."""
+    if not isinstance(handoff_id, str):
+        raise KvHandoffError(f"handoff_id must be a str, got {type(handoff_id).__name__}")
+    want = {"version", "length", "block_tokens", "layers", "kv_shape", "dtype", "k", "v"}
+    if not isinstance(package, dict) or set(package) != want:
+        got = sorted(package) if isinstance(package, dict) else type(package).__name__
+        raise KvHandoffError(f"a KV package has exactly the keys {sorted(want)}, got {got}")
+    dtype, k_shape, v_shape = _check_meta(package)
+    tensors = []
+    for name, shape in (("k", k_shape), ("v", v_shape)):
+        t = package[name]
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
+            got = (list(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise KvHandoffError(
+                f"KV package {name} must be a {dtype} tensor of shape {list(shape)}, got {got}"
+            )
+        tensors.append(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8))
+    header = {key: package[key] for key in ("version", "length", "block_tokens", "dtype")}
+    header.update(
+        handoff_id=handoff_id,
+        layers=list(package["layers"]),
+        kv_shape=list(package["kv_shape"]),
+        k_shape=list(k_shape),
+        v_shape=list(v_shape),
+    )
+    head = json.dumps(header, separators=(",", ":")).encode()
+    if len(head) > MAX_HEADER_BYTES:
+        raise KvHandoffError(f"KV package header of {len(head)} bytes exceeds {MAX_HEADER_BYTES}")
+    k, v = tensors
+    out = torch.empty(_PREFIX.size + len(head) + k.numel() + v.numel(), dtype=torch.uint8)
+    start = _PREFIX.size + len(head)
+    prefix = _PREFIX.pack(PACKAGE_MAGIC, len(head)) + head
+    out[:start] = torch.frombuffer(bytearray(prefix), dtype=torch.uint8)
+    out[start : start + k.numel()] = k
+    out[start + k.numel() :] = v
+    return out
+
+
+def _as_bytes_tensor(data) -> torch.Tensor:
+    if isinstance(data, torch.Tensor):
+        if data.dtype != torch.uint8 or data.dim() != 1:
+            raise TypeError(
+                f"a KV package is a 1-D uint8 tensor, got {data.dtype} {list(data.shape)}"
+            )
+        return data.cpu().contiguous()
+    if isinstance(data, bytes | bytearray | memoryview):
+        if len(data) == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        with warnings.catch_warnings():  # read-only bytes: only copies are taken from it
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(data, dtype=torch.uint8)
+    raise TypeError(f"a KV package is a uint8 tensor or bytes, got {type(data).__name__}")
+
+
+def decode_package(data: torch.Tensor | bytes, handoff_id: str | None = None) -> dict:
+    """The export_blocks() dict held by `data` (k and v in their own memory). Raises
+    KvHandoffError for anything malformed, and for another hand-off's package when `handoff_id`
+    is given. Whether it fits a pool is :meth:`PagedSequence.import_blocks`' check."""
+    buf = _as_bytes_tensor(data)
+    n = buf.numel()
+    if n < _PREFIX.size:
+        raise KvHandoffError(f"KV package truncated: {n} bytes, its prefix alone is {_PREFIX.size}")
+    magic, hlen = _PREFIX.unpack(bytes(buf[: _PREFIX.size].tolist()))
+    if magic != PACKAGE_MAGIC:
+        raise KvHandoffError(f"not a KV package: magic {magic!r}, expected {PACKAGE_MAGIC!r}")
+    if hlen > MAX_HEADER_BYTES or _PREFIX.size + hlen > n:
+        raise KvHandoffError(
+            f"KV package truncated or corrupt: header of {hlen} bytes, {n - _PREFIX.size} "
+            "bytes follow the prefix"
+        )
+    raw = bytes(buf[_PREFIX.size : _PREFIX.size + hlen].numpy())
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise KvHandoffError(f"KV package header is not UTF-8 JSON: {e}") from None
+    if not isinstance(header, dict) or set(header) != HEADER_KEYS:
+        got = sorted(header) if isinstance(header, dict) else type(header).__name__
+        raise KvHandoffError(
+            f"KV package header has exactly the keys {sorted(HEADER_KEYS)}, got {got}"
+        )
+    if not isinstance(header["handoff_id"], str):
+        raise KvHandoffError(
+            f"KV package handoff_id must be a str, got {header['handoff_id']!r:.80}"
+        )
+    if handoff_id is not None and header["handoff_id"] != handoff_id:
+        raise KvHandoffError(
+            f"KV package is hand-off {header['handoff_id']!r:.80}, expected {handoff_id!r:.80}"
+        )
+    dtype, k_shape, v_shape = _check_meta(header)
+    for name, shape in (("k_shape", k_shape), ("v_shape", v_shape)):
+        got = _int_list(header[name], name, 5)
+        if tuple(got) != shape:
+            raise KvHandoffError(
+                f"KV package {name} is {got}, its length, layers and kv_shape make {list(shape)}"
+            )
+    elem = torch.empty((), dtype=dtype).element_size()
+    k_bytes, v_bytes = math.prod(k_shape) * elem, math.prod(v_shape) * elem
+    start = _PREFIX.size + hlen
+    if start + k_bytes + v_bytes != n:
+        raise KvHandoffError(
+            f"KV package sizes do not add up: header says {k_bytes} + {v_bytes} bytes of keys "
+            f"and values, {n - start} follow the header"
+        )
+    k = buf[start : start + k_bytes].clone().view(dtype).view(k_shape)
+    v = buf[start + k_bytes :].clone().view(dtype).view(v_shape)
+    out = {key: header[key] for key in ("version", "length", "block_tokens", "layers")}
+    out.update(kv_shape=header["kv_shape"], dtype=header["dtype"], k=k, v=v)
+    return out
+
+
+# ---------------------------------------------------------------------------------- the inbox
+def kv_layout(slot_bytes: int) -> SlotLayout:
+    """The stage-channel layout whose chunks carry `slot_bytes` (whole 4 KiB rows)."""
+    if not isinstance(slot_bytes, int) or slot_bytes < KV_ROW_BYTES:
+        raise ValueError(f"slot_bytes must be an int >= {KV_ROW_BYTES}, got {slot_bytes!r}")
+    return stage_layout(slot_bytes // KV_ROW_BYTES, _KV_ROW_ELEMS, "f32")
+
+
+@dataclass
+class _Conn:
+    """One prefill sender's connection, owned by the inbox's thread."""
+
+    receiver: StageReceiver
+    transport: str
+    last_tag: int = 0  # tags count up per connection: a smaller or equal one is a replay
+    heard: float = field(default_factory=time.monotonic)  # last chunk, or last liveness check
+    tag: int = 0  # the package being reassembled (0: none)
+    parts: list = field(default_factory=list)
+
+
+@dataclass
+class _Command:
+    """A connect handed to the inbox's thread; the caller waits on `done`."""
+
+    args: tuple
+    done: threading.Event = field(default_factory=threading.Event)
+    state: str = "pending"  # pending -> running -> done, or cancelled by a caller out of time
+    result: dict | None = None
+    error: BaseException | None = None
+
+
+class KvInbox:
+    """The decode side: receives KV packages from any number of prefill front ends.
+
+    `transport`: "shm", "nixl" or "auto" (what it offers; each sender picks); `host`: the address
+    nixl carries bytes over; `slot_bytes` x `num_slots`: each connection's data ring (memory held
+    per prefill peer); `ttl_s`: how long a complete package waits to be taken;
+    `max_package_bytes`: the largest package it reassembles (a sender announcing more chunks is
+    refused)."""
+
+    def __init__(
+        self,
+        transport: str = "auto",
+        host: str | None = None,
+        slot_bytes: int = KV_SLOT_BYTES,
+        num_slots: int = KV_NUM_SLOTS,
+        ttl_s: float = UNCLAIMED_KV_TTL_S,
+        max_package_bytes: int = KV_MAX_PACKAGE_BYTES,
+    ):
+        self.layout = kv_layout(slot_bytes)
+        if not isinstance(num_slots, int) or num_slots < 1:
+            raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
+        if not ttl_s > 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s!r}")
+        self.spec, self.host = transport, host
+        self.num_slots, self.ttl_s = num_slots, float(ttl_s)
+        self.capacity = self.layout.request_slot_bytes - PAYLOAD_OFFSET  # bytes per chunk
+        self._max_chunks = -(-max_package_bytes // self.capacity)
+        self._cv = threading.Condition()
+        self._ready: dict[tuple[int, int], tuple[torch.Tensor, float]] = {}
+        self._gone: dict[int, tuple[type, str, float]] = {}  # dropped sender -> (error, why, when)
+        self._stats = dict.fromkeys(
+            ("packages", "bytes", "refused", "senders_lost", "expired", "connected", "in_progress"),
+            0,
+        )
+        self._commands: deque[_Command] = deque()
+        self._wake = threading.Event()
+        self._stop = False
+        self._failure: BaseException | None = None
+        self._started = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._offer: dict | None = None
+        # Owned by the thread:
+        self._transports: TransportSet | None = None
+        self._probe: ShmProbe | None = None
+        self._conns: dict[int, _Conn] = {}
+        self._bells: dict[str, Doorbells] = {}
+
+    # ------------------------------------------------------------------ public, any thread
+    def start(self) -> KvInbox:
+        if self._thread is not None:
+            raise RuntimeError("KV inbox: started twice")
+        self._thread = threading.Thread(target=self._run, name="kv-inbox", daemon=True)
+        self._thread.start()
+        if not self._started.wait(START_TIMEOUT_S):
+            raise DeadlineExceededError(f"KV inbox: not set up within {START_TIMEOUT_S} s")
+        if self._failure is not None:
+            raise KvTransferError(f"KV inbox: set-up failed: {self._failure}") from self._failure
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def offer(self) -> dict:
+        """What a sender needs to pick a transport and size its channel."""
+        if self._offer is None:
+            raise RuntimeError("KV inbox: offer() before start()")
+        return dict(self._offer)
+
+    def connect(self, transport: str, sender_handle: str, client_id: int) -> dict:
+        """Attaches a sender's region (on the inbox's thread); returns the handles the sender
+        connects to. Raises KvHandoffError when refused (a transport not offered, a client id
+        already connected and alive, a region that cannot be attached), DeadlineExceededError
+        when the inbox's thread does not get to it in time, KvTransferError when it is closed."""
+        if not isinstance(transport, str) or transport not in self.offer()["transports"]:
+            raise KvHandoffError(
+                f"transport {transport!r:.40} is not offered here (this server offers "
+                f"{', '.join(self.offer()['transports'])})"
+            )
+        if not isinstance(sender_handle, str) or not sender_handle:
+            raise KvHandoffError(
+                f"sender must be a region handle string, got {sender_handle!r:.80}"
+            )
+        if not isinstance(client_id, int) or isinstance(client_id, bool):
+            raise KvHandoffError(f"client_id must be an int, got {client_id!r:.40}")
+        if not 0 <= client_id <= MAX_CLIENT_ID:
+            raise KvHandoffError(f"client_id must be in [0, 2^64), got {client_id}")
+        cmd = _Command((transport, sender_handle, client_id))
+        with self._cv:
+            self._check_running()
+            self._commands.append(cmd)
+        self._wake.set()
+        if not cmd.done.wait(CONNECT_TIMEOUT_S):
+            with self._cv:
+                late = cmd.state != "done"
+                if late:  # a pending one is skipped, a running one undone when it finishes
+                    cmd.state = "cancelled"
+            if late:
+                raise DeadlineExceededError(
+                    f"KV inbox: connect of client {client_id} not done within {CONNECT_TIMEOUT_S} s"
+                )
+        if cmd.error is not None:
+            raise cmd.error
+        return cmd.result
+
+    def take(self, client_id: int, tag: int, timeout: float) -> torch.Tensor:
+        """Package `tag` of sender `client_id`, once complete (uint8 bytes, ours to keep).
+        Raises DeadlineExceededError when it is not there within `timeout` seconds, and
+        PeerLostError (KvTransferError: its connection was refused) when its sender is gone."""
+        for name, v in (("client_id", client_id), ("tag", tag)):
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise TypeError(f"KV inbox take: {name} must be an int, got {v!r:.40}")
+        deadline = time.monotonic() + timeout
+        key = (client_id, tag)
+        with self._cv:
+            while True:
+                item = self._ready.pop(key, None)
+                if item is not None:
+                    return item[0]
+                gone = self._gone.get(client_id)
+                if gone is not None:
+                    error, why, _ = gone
+                    raise error(f"KV package {tag} from client {client_id} will not come: {why}")
+                self._check_running()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise DeadlineExceededError(
+                        f"KV package {tag} from client {client_id} did not arrive within "
+                        f"{timeout:.3f} s"
+                    )
+                self._cv.wait(remaining)
+
+    @property
+    def stats(self) -> dict:
+        with self._cv:
+            return dict(self._stats)
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(CLOSE_TIMEOUT_S)
+
+    def __enter__(self) -> KvInbox:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_running(self) -> None:
+        """Raises when the inbox can serve nobody (caller holds the lock)."""
+        if self._failure is not None:
+            raise KvTransferError(f"KV inbox: its thread failed: {self._failure}")
+        if self._stop:
+            raise KvTransferError("KV inbox: closed")
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        try:
+            self._setup()
+        except BaseException as e:
+            self._failure = e
+            self._started.set()
+            return
+        self._started.set()
+        try:
+            self._loop()
+        except BaseException as e:  # reported to every waiter, not lost in a thread
+            with self._cv:
+                self._failure = e
+                self._cv.notify_all()
+        finally:
+            self._teardown()
+
+    def _setup(self) -> None:
+        self._transports = TransportSet(self.spec, host=self.host)
+        names = list(self._transports.names)
+        offer = {"transports": names, "boot_id": boot_id()}
+        if "shm" in names:
+            self._probe = ShmProbe(self._transports.get("shm"))
+            offer["shm_probe"] = self._probe.describe()
+        offer.update(layout=self.layout.to_dict(), num_slots=self.num_slots)
+        self._offer = offer
+
+    def _loop(self) -> None:
+        next_housekeeping = 0.0
+        while not self._stop:
+            self._wake.clear()
+            self._run_commands()
+            seen = {n: b.values() for n, b in self._bells.items()}
+            progressed = self._poll_all()
+            now = time.monotonic()
+            if now >= next_housekeeping:
+                self._check_senders(now)
+                self._expire(now)
+                next_housekeeping = now + HOUSEKEEPING_S
+            if progressed or self._commands or self._stop:
+                continue
+            self._sleep(seen, max(0.0, min(LOOP_SLICE_S, next_housekeeping - now)))
+
+    def _sleep(self, seen: dict, timeout: float) -> None:
+        """Until a doorbell rings (data), a command comes, or `timeout` passes."""
+        if not self._bells:
+            self._wake.wait(timeout)
+        elif len(self._bells) == 1:
+            ((name, bells),) = self._bells.items()
+            bells.wait(seen[name], timeout)
+        else:  # a remote write cannot wake a sleeper: poll every transport's bell
+            deadline = time.monotonic() + timeout
+            period = MULTI_BELL_POLL_S
+            while time.monotonic() < deadline and not self._wake.is_set():
+                if any(b.values() != seen[n] for n, b in self._bells.items()):
+                    return
+                time.sleep(period)
+                period = min(2 * period, MULTI_BELL_IDLE_POLL_S)
+
+    def _run_commands(self) -> None:
+        while True:
+            with self._cv:
+                if not self._commands:
+                    return
+                cmd = self._commands.popleft()
+                if cmd.state == "cancelled":
+                    continue
+                cmd.state = "running"
+            try:
+                result, error = self._connect(*cmd.args), None
+            except BaseException as e:
+                result, error = None, e
+            with self._cv:
+                cancelled = cmd.state == "cancelled"
+                cmd.result, cmd.error, cmd.state = result, error, "done"
+            if cancelled and result is not None:  # nobody will hand it to the sender
+                self._drop(cmd.args[2], None, "")
+            cmd.done.set()
+
+    def _connect(self, transport: str, sender_handle: str, client_id: int) -> dict:
+        old = self._conns.get(client_id)
+        if old is not None:
+            if old.receiver.peer_alive():
+                raise KvHandoffError(f"client id {client_id} is already connected")
+            self._drop(client_id, PeerLostError, "the sender process died")
+        t = self._transports.get(transport)
+        if transport not in self._bells:
+            self._bells[transport] = Doorbells(TransportSet(t))
+        r = StageReceiver(t, self.layout, client_id, self.num_slots, f"kv<-{client_id}")
+        try:
+            r.connect(sender_handle)
+        except (MoecommError, ValueError, RuntimeError) as e:
+            r.close()
+            raise KvHandoffError(
+                f"cannot attach the sender's region {sender_handle!r:.80}: {e}"
+            ) from None
+        self._conns[client_id] = _Conn(r, transport)
+        with self._cv:
+            self._gone.pop(client_id, None)
+            self._stats["connected"] = len(self._conns)
+        return {"receiver": r.handle, "doorbell": self._bells[transport].handle(transport)}
+
+    def _poll_all(self) -> bool:
+        """Takes every chunk there; returns whether any came."""
+        progressed = False
+        for cid, conn in list(self._conns.items()):
+            try:
+                chunks = conn.receiver.poll()
+                if chunks:
+                    conn.heard = time.monotonic()
+                for c in chunks:
+                    self._add_chunk(cid, conn, c)
+            except PeerLostError as e:
+                self._drop(cid, PeerLostError, str(e))
+                continue
+            except (ProtocolError, MoecommError) as e:  # refused: that sender alone is dropped
+                with self._cv:
+                    self._stats["refused"] += 1
+                self._drop(cid, KvTransferError, f"its connection was refused: {e}")
+                continue
+            progressed = progressed or bool(chunks)
+        return progressed
+
+    def _add_chunk(self, cid: int, conn: _Conn, c: Chunk) -> None:
+        if conn.tag == 0:
+            if c.tag <= conn.last_tag:
+                raise ProtocolError(f"package {c.tag} after package {conn.last_tag}: tags go up")
+            if c.count > self._max_chunks:
+                raise ProtocolError(
+                    f"package {c.tag} of {c.count} chunks exceeds the {self._max_chunks} "
+                    "chunks of the largest KV package"
+                )
+            conn.tag, conn.parts = c.tag, [None] * c.count
+            with self._cv:
+                self._stats["in_progress"] += 1
+        elif c.tag != conn.tag or c.count != len(conn.parts):
+            raise ProtocolError(
+                f"package {c.tag} chunk {c.index}/{c.count} while package {conn.tag} "
+                f"({len(conn.parts)} chunks) is incomplete"
+            )
+        if conn.parts[c.index] is not None:
+            raise ProtocolError(f"package {c.tag} chunk {c.index} came twice")
+        conn.parts[c.index] = c.data
+        if any(p is None for p in conn.parts):
+            return
+        data = torch.cat(conn.parts) if len(conn.parts) > 1 else conn.parts[0]
+        conn.last_tag, conn.tag, conn.parts = conn.tag, 0, []
+        with self._cv:
+            self._ready[(cid, conn.last_tag)] = (data, time.monotonic())
+            self._stats["packages"] += 1
+            self._stats["bytes"] += data.numel()
+            self._stats["in_progress"] -= 1
+            self._cv.notify_all()
+
+    def _check_senders(self, now: float) -> None:
+        for cid, conn in list(self._conns.items()):
+            if conn.transport != "shm":
+                silent = NIXL_BUSY_PROBE_S if conn.tag else NIXL_IDLE_PROBE_S
+                if now - conn.heard < silent:
+                    continue
+                conn.heard = now
+            if not conn.receiver.peer_alive():
+                self._drop(cid, PeerLostError, "the sender process died")
+
+    def _drop(self, cid: int, error: type | None, why: str) -> None:
+        """Forgets sender `cid`; waiters for its unfinished packages get `error` (None: a
+        connection nobody used)."""
+        conn = self._conns.pop(cid, None)
+        if conn is not None:
+            conn.receiver.close()
+            if conn.transport == "shm":
+                reap_stale_segments()  # a dead sender's own segments stay in /dev/shm otherwise
+        with self._cv:
+            if conn is not None and conn.tag:
+                self._stats["in_progress"] -= 1
+            if error is not None:
+                if error is PeerLostError:
+                    self._stats["senders_lost"] += 1
+                self._gone[cid] = (error, why, time.monotonic())
+            self._stats["connected"] = len(self._conns)
+            self._cv.notify_all()
+
+    def _expire(self, now: float) -> None:
+        with self._cv:
+            for key in [k for k, (_, t) in self._ready.items() if now - t > self.ttl_s]:
+                del self._ready[key]
+                self._stats["expired"] += 1
+            for cid in [c for c, (_, _, t) in self._gone.items() if now - t > self.ttl_s]:
+                del self._gone[cid]
+
+    def _teardown(self) -> None:
+        for cid in list(self._conns):
+            with contextlib.suppress(Exception):
+                self._drop(cid, None, "")
+        for bells in self._bells.values():
+            bells.close()
+        if self._probe is not None:
+            self._probe.close()
+        with self._cv:
+            self._stop = True
+            pending, self._commands = list(self._commands), deque()
+            self._cv.notify_all()
+        for cmd in pending:
+            cmd.error = KvTransferError("KV inbox: closed")
+            cmd.done.set()
+
+
+# ---------------------------------------------------------------------------------- the outbox
+@dataclass
+class _Peer:
+    """The outbox's connection to one decode front end."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    sender: StageSender | None = None
+    transport: str = ""
+    next_tag: int = 1
+
+
+class KvOutbox:
+    """The prefill side: one sender per decode front end, connected on first use.
+
+    `transport`: "shm", "nixl" or "auto"; `host`: the address nixl carries bytes over;
+    `timeout_s`: a send's default deadline, connect included."""
+
+    def __init__(
+        self,
+        transport: str = "auto",
+        host: str | None = None,
+        timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
+    ):
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        self.transports = TransportSet(transport, host=host)
+        self.timeout_s = float(timeout_s)
+        self._http = httpx.Client()
+        self._lock = threading.Lock()
+        self._peers: dict[str, _Peer] = {}
+        self._closed = False
+
+    def send(
+        self, decode_url: str, data: torch.Tensor, timeout: float | None = None
+    ) -> tuple[int, int]:
+        """Sends `data`'s bytes to the KV inbox at `decode_url`; returns (client_id, tag), what
+        its take() needs, once every chunk was acknowledged."""
+        if not isinstance(data, torch.Tensor) or data.device.type != "cpu" or data.numel() == 0:
+            raise ValueError("KV hand-off data must be a non-empty CPU tensor")
+        timeout = self.timeout_s if timeout is None else float(timeout)
+        deadline = time.monotonic() + timeout
+        url = decode_url.rstrip("/")
+        with self._lock:
+            if self._closed:
+                raise KvTransferError("KV outbox: closed")
+            peer = self._peers.setdefault(url, _Peer())
+        if not peer.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise KvTransferError(
+                f"KV hand-off to {url}: earlier sends held its connection past the deadline"
+            )
+        try:
+            try:
+                if peer.sender is not None and peer.next_tag > MAX_TAG:
+                    self._drop(peer)  # every tag used: a new connection starts at 1 again
+                if peer.sender is None:
+                    self._connect(url, peer, deadline)
+                tag, peer.next_tag = peer.next_tag, peer.next_tag + 1
+                # The layout's encoding, whatever `data`'s dtype: the chunks are bytes (an int8
+                # tensor's own encoding is a quantized one, which stage channels refuse).
+                enc = peer.sender.layout.encoding
+                peer.sender.send(tag, data, self._remaining(deadline, url), encoding=enc)
+                peer.sender.flush(self._remaining(deadline, url))
+                return peer.sender.client_id, tag
+            except (MoecommError, httpx.HTTPError, OSError, KeyError, TypeError, ValueError) as e:
+                self._drop(peer)
+                if isinstance(e, KvTransferError):
+                    raise
+                raise KvTransferError(
+                    f"KV hand-off to {url} failed: {type(e).__name__}: {e}"
+                ) from e
+            except BaseException:  # a half-sent package leaves the connection unusable
+                self._drop(peer)
+                raise
+        finally:
+            peer.lock.release()
+
+    def connected(self) -> dict[str, str]:
+        """The decode front ends connected now, with the transport each speaks."""
+        with self._lock:
+            return {u: p.transport for u, p in self._peers.items() if p.sender is not None}
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            peers = list(self._peers.values())
+        for peer in peers:
+            with peer.lock:
+                self._drop(peer)
+        self._http.close()
+
+    def __enter__(self) -> KvOutbox:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @staticmethod
+    def _remaining(deadline: float, url: str) -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceededError(f"KV hand-off to {url}: out of time")
+        return left
+
+    def _call(self, method: str, url: str, deadline: float, body: dict | None = None) -> dict:
+        r = self._http.request(method, url, json=body, timeout=self._remaining(deadline, url))
+        try:
+            answer = r.json()
+        except ValueError:
+            answer = None
+        if r.status_code != 200 or not isinstance(answer, dict):
+            msg = answer.get("error", {}).get("message") if isinstance(answer, dict) else None
+            raise KvTransferError(
+                f"KV hand-off: {method} {url} answered {r.status_code}: {msg or r.text[:200]}"
+            )
+        return answer
+
+    def _connect(self, url: str, peer: _Peer, deadline: float) -> None:
+        offer = self._call("GET", f"{url}/pd/kv/offer", deadline)
+        name = choose(self.transports, offer, url)
+        try:
+            layout = SlotLayout.from_dict(offer["layout"])
+            num_slots = int(offer["num_slots"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise KvTransferError(f"KV hand-off: {url} offered a malformed layout: {e}") from None
+        t = self.transports.get(name)
+        cid = secrets.randbits(CLIENT_ID_BITS)
+        sender = StageSender(t, layout, cid, num_slots, f"kv->{url}")
+        try:
+            body = {"transport": name, "sender": sender.handle, "client_id": cid}
+            handles = self._call("POST", f"{url}/pd/kv/connect", deadline, body)
+            sender.connect(str(handles["receiver"]), str(handles["doorbell"]))
+        except BaseException:
+            sender.close()
+            raise
+        peer.sender, peer.transport, peer.next_tag = sender, name, 1
+
+    @staticmethod
+    def _drop(peer: _Peer) -> None:
+        if peer.sender is not None:
+            with contextlib.suppress(Exception):
+                peer.sender.close()
+        peer.sender, peer.transport = None, ""
+
+
+# ---------------------------------------------------------------------------------- routes
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse(ApiError(status, message).body(), status)
+
+
+def install_kv_routes(app: FastAPI, inbox_getter: Callable[[], KvInbox | None]) -> None:
+    """``GET /pd/kv/offer`` and ``POST /pd/kv/connect`` on `app`, served by the inbox
+    `inbox_getter()` returns (None: this server takes no hand-offs, 404)."""
+
+    @app.get("/pd/kv/offer")
+    async def kv_offer():
+        inbox = inbox_getter()
+        if inbox is None:
+            return _error(404, NOT_SERVING)
+        return inbox.offer()
+
+    @app.post("/pd/kv/connect")
+    async def kv_connect(request: Request):
+        inbox = inbox_getter()
+        if inbox is None:
+            return _error(404, NOT_SERVING)
+        try:
+            raw = await read_body(request, MAX_CONNECT_BODY_BYTES)
+        except ApiError as e:
+            return _error(e.status, e.message)
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            return _error(400, f"the KV connect body is not JSON: {e}")
+        want = {"transport": str, "sender": str, "client_id": int}
+        if not isinstance(body, dict) or set(body) != set(want):
+            got = sorted(body) if isinstance(body, dict) else type(body).__name__
+            return _error(
+                400, f"the KV connect body has exactly the fields {sorted(want)}, got {got}"
+            )
+        for key, kind in want.items():
+            if not isinstance(body[key], kind) or isinstance(body[key], bool):
+                what = "an integer" if kind is int else "a string"
+                return _error(400, f"the KV connect field {key!r} must be {what}")
+        try:
+            return await asyncio.to_thread(
+                inbox.connect, body["transport"], body["sender"], body["client_id"]
+            )
+        except KvHandoffError as e:
+            return _error(400, str(e))
+        except MoecommError as e:  # the inbox is closed, failed or out of time
+            return _error(503, f"KV inbox: {e}")
