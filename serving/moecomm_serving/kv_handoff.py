@@ -17,18 +17,20 @@ copy) and acknowledges it. Each pair speaks the transport :func:`moecomm.wire.ch
 picks, as pipeline stages and expert clients do: shm with a peer on this host's /dev/shm, nixl
 otherwise. The connection is set up over HTTP on the decode front end
 (:func:`install_kv_routes`): ``GET /pd/kv/offer`` says what it speaks and the slot layout,
-``POST /pd/kv/connect`` hands it the sender's region and returns the receiver's and the doorbell's.
+``POST /pd/kv/connect`` hands it the sender's region and returns the receiver's and the doorbell's,
+``POST /pd/kv/disconnect`` ends a connection whose sender gave up on it (its slots are freed).
 
 One daemon thread per inbox owns every receiver and doorbell, so all transport calls of the
 decode side happen on it; ``connect`` and ``take`` hand work to it or wait for its results, each
 with a deadline. A sender that dies is dropped alone (a ``take`` of its unfinished package raises
-:class:`~moecomm.errors.PeerLostError`); a complete package nobody takes is dropped after
-``ttl_s``, so memory stays bounded. A chunk the slot protocol refuses is answered with the reason
-(the sender's wait for its acknowledgement raises at once); a package that breaks the package
-rules (tags not counting up, a chunk count that changes or exceeds the largest package, a chunk
-twice) drops that connection, whose sender then runs into its deadline. Either way the other
-senders carry on, and a ``take`` of that sender's unfinished package raises
-:class:`KvTransferError`.
+:class:`~moecomm.errors.PeerLostError`); a sender that drops its connection while it lives (its
+send failed or ran out of time, or its outbox closed) says so, and the inbox frees that
+connection's slots and half-received package; a complete package nobody takes is dropped after
+``ttl_s``, so memory stays bounded. A chunk the slot protocol refuses, or one that breaks the
+package rules (tags not counting up, one package at a time, a chunk count that changes or
+exceeds the largest package, a chunk twice), is answered with the reason, so the sender's send
+raises at once with it, and that connection is dropped. The other senders carry on, and a
+``take`` of that sender's unfinished package raises :class:`KvTransferError`.
 """
 
 from __future__ import annotations
@@ -133,8 +135,16 @@ CONNECT_TIMEOUT_S = 30.0
 START_TIMEOUT_S = 60.0
 # close() waits this long for the thread to release its receivers.
 CLOSE_TIMEOUT_S = 10.0
-# The connect request's body: a transport name, a region handle and a number.
+# The connect request's body: a transport name, a region handle and a number (a disconnect's:
+# the number alone).
 MAX_CONNECT_BODY_BYTES = 64 << 10
+# A disconnect is one queued command on the inbox's thread, which picks commands up every
+# LOOP_SLICE_S; this bounds a caller's wait when the thread is stuck in a slow liveness probe.
+DISCONNECT_TIMEOUT_S = 10.0
+# The outbox tells a decode side that it dropped a connection on the way out of a failure, so
+# the wait is short: a decode side that is gone or stopped would otherwise add its full deadline
+# to the failure; one that misses the word frees the slots when the sender's process ends.
+DISCONNECT_NOTICE_TIMEOUT_S = 1.0
 # The outbox's default deadline for a whole send (connect, every chunk written and acknowledged).
 DEFAULT_SEND_TIMEOUT_S = 30.0
 
@@ -307,22 +317,39 @@ def kv_layout(slot_bytes: int) -> SlotLayout:
     return stage_layout(slot_bytes // KV_ROW_BYTES, _KV_ROW_ELEMS, "f32")
 
 
+def _check_client_id(client_id) -> None:
+    if not isinstance(client_id, int) or isinstance(client_id, bool):
+        raise KvHandoffError(f"client_id must be an int, got {client_id!r:.40}")
+    if not 0 <= client_id <= MAX_CLIENT_ID:
+        raise KvHandoffError(f"client_id must be in [0, 2^64), got {client_id}")
+
+
 @dataclass
 class _Conn:
     """One prefill sender's connection, owned by the inbox's thread."""
 
     receiver: StageReceiver
     transport: str
-    last_tag: int = 0  # tags count up per connection: a smaller or equal one is a replay
     heard: float = field(default_factory=time.monotonic)  # last chunk, or last liveness check
-    tag: int = 0  # the package being reassembled (0: none)
+    # The package rules' view, kept by the check each chunk's header passes before the chunk is
+    # taken (KvInbox._admit), so that a refusal reaches the sender with its reason:
+    last_tag: int = 0  # tags count up per connection: a smaller or equal one is a replay
+    open_tag: int = 0  # the package whose chunks are being admitted (0: none)
+    open_count: int = 0  # its chunk count
+    open_seen: set = field(default_factory=set)  # its chunk indices admitted so far
+    # The package being reassembled from admitted chunks (0: none), its parts, how many are due
+    # and the bytes they hold so far:
+    tag: int = 0
     parts: list = field(default_factory=list)
+    missing: int = 0
+    held: int = 0
 
 
 @dataclass
 class _Command:
-    """A connect handed to the inbox's thread; the caller waits on `done`."""
+    """A connect or disconnect handed to the inbox's thread; the caller waits on `done`."""
 
+    action: str  # "connect" or "disconnect"
     args: tuple
     done: threading.Event = field(default_factory=threading.Event)
     state: str = "pending"  # pending -> running -> done, or cancelled by a caller out of time
@@ -361,7 +388,17 @@ class KvInbox:
         self._ready: dict[tuple[int, int], tuple[torch.Tensor, float]] = {}
         self._gone: dict[int, tuple[type, str, float]] = {}  # dropped sender -> (error, why, when)
         self._stats = dict.fromkeys(
-            ("packages", "bytes", "refused", "senders_lost", "expired", "connected", "in_progress"),
+            (
+                "packages",
+                "bytes",
+                "refused",
+                "senders_lost",
+                "disconnected",
+                "expired",
+                "connected",
+                "in_progress",
+                "in_progress_bytes",
+            ),
             0,
         )
         self._commands: deque[_Command] = deque()
@@ -413,23 +450,32 @@ class KvInbox:
             raise KvHandoffError(
                 f"sender must be a region handle string, got {sender_handle!r:.80}"
             )
-        if not isinstance(client_id, int) or isinstance(client_id, bool):
-            raise KvHandoffError(f"client_id must be an int, got {client_id!r:.40}")
-        if not 0 <= client_id <= MAX_CLIENT_ID:
-            raise KvHandoffError(f"client_id must be in [0, 2^64), got {client_id}")
-        cmd = _Command((transport, sender_handle, client_id))
+        _check_client_id(client_id)
+        return self._submit(_Command("connect", (transport, sender_handle, client_id)))
+
+    def disconnect(self, client_id: int) -> bool:
+        """Drops sender `client_id`'s connection (on the inbox's thread): its slots and its
+        unfinished package are freed, a ``take`` of that package raises KvTransferError;
+        complete packages stay until taken or expired. Returns whether it was connected.
+        Raises DeadlineExceededError when the thread does not get to it in time,
+        KvTransferError when the inbox is closed."""
+        _check_client_id(client_id)
+        return self._submit(_Command("disconnect", (client_id,)), DISCONNECT_TIMEOUT_S)
+
+    def _submit(self, cmd: _Command, timeout: float = CONNECT_TIMEOUT_S):
+        """Hands `cmd` to the inbox's thread and waits up to `timeout` for its result."""
         with self._cv:
             self._check_running()
             self._commands.append(cmd)
         self._wake.set()
-        if not cmd.done.wait(CONNECT_TIMEOUT_S):
+        if not cmd.done.wait(timeout):
             with self._cv:
                 late = cmd.state != "done"
-                if late:  # a pending one is skipped, a running one undone when it finishes
+                if late:  # a pending one is skipped, a running connect undone when it finishes
                     cmd.state = "cancelled"
             if late:
                 raise DeadlineExceededError(
-                    f"KV inbox: connect of client {client_id} not done within {CONNECT_TIMEOUT_S} s"
+                    f"KV inbox: {cmd.action} of client {cmd.args[-1]} not done within {timeout} s"
                 )
         if cmd.error is not None:
             raise cmd.error
@@ -464,6 +510,10 @@ class KvInbox:
 
     @property
     def stats(self) -> dict:
+        """Counters: `packages` and `bytes` completed, `refused` connections (a chunk broke a
+        rule), `senders_lost` (died), `disconnected` (their sender dropped them), `expired`
+        packages; gauges: `connected` senders, `in_progress` packages and the
+        `in_progress_bytes` their chunks hold so far."""
         with self._cv:
             return dict(self._stats)
 
@@ -557,15 +607,16 @@ class KvInbox:
                 if cmd.state == "cancelled":
                     continue
                 cmd.state = "running"
+            run = self._connect if cmd.action == "connect" else self._disconnect
             try:
-                result, error = self._connect(*cmd.args), None
+                result, error = run(*cmd.args), None
             except BaseException as e:
                 result, error = None, e
             with self._cv:
                 cancelled = cmd.state == "cancelled"
                 cmd.result, cmd.error, cmd.state = result, error, "done"
-            if cancelled and result is not None:  # nobody will hand it to the sender
-                self._drop(cmd.args[2], None, "")
+            if cancelled and cmd.action == "connect" and result is not None:
+                self._drop(cmd.args[2], None, "")  # nobody will hand it to the sender
             cmd.done.set()
 
     def _connect(self, transport: str, sender_handle: str, client_id: int) -> dict:
@@ -591,12 +642,20 @@ class KvInbox:
             self._stats["connected"] = len(self._conns)
         return {"receiver": r.handle, "doorbell": self._bells[transport].handle(transport)}
 
+    def _disconnect(self, client_id: int) -> bool:
+        if client_id not in self._conns:
+            return False
+        self._drop(client_id, KvTransferError, "its sender dropped the connection")
+        with self._cv:
+            self._stats["disconnected"] += 1
+        return True
+
     def _poll_all(self) -> bool:
         """Takes every chunk there; returns whether any came."""
         progressed = False
         for cid, conn in list(self._conns.items()):
             try:
-                chunks = conn.receiver.poll()
+                chunks = conn.receiver.poll(lambda h, conn=conn: self._admit(conn, h))
                 if chunks:
                     conn.heard = time.monotonic()
                 for c in chunks:
@@ -612,35 +671,53 @@ class KvInbox:
             progressed = progressed or bool(chunks)
         return progressed
 
-    def _add_chunk(self, cid: int, conn: _Conn, c: Chunk) -> None:
-        if conn.tag == 0:
-            if c.tag <= conn.last_tag:
-                raise ProtocolError(f"package {c.tag} after package {conn.last_tag}: tags go up")
-            if c.count > self._max_chunks:
-                raise ProtocolError(
-                    f"package {c.tag} of {c.count} chunks exceeds the {self._max_chunks} "
-                    "chunks of the largest KV package"
+    def _admit(self, conn: _Conn, h) -> str | None:
+        """The package rules, checked on a chunk's header before it is taken: None admits it
+        (and records it), a reason refuses it (the sender's send raises with it)."""
+        tag, index, count = h.layer_id, h.num_tokens, h.topk  # the slot protocol's 0 <= i < n
+        if conn.open_tag == 0:
+            if tag <= conn.last_tag:
+                return f"package {tag} after package {conn.last_tag}: tags go up on a connection"
+            if count > self._max_chunks:
+                return (
+                    f"package {tag} of {count} chunks exceeds the {self._max_chunks} chunks of "
+                    "the largest KV package"
                 )
-            conn.tag, conn.parts = c.tag, [None] * c.count
+            conn.open_tag, conn.open_count, conn.open_seen = tag, count, set()
+        elif tag != conn.open_tag or count != conn.open_count:
+            return (
+                f"package {tag} chunk {index}/{count} while package {conn.open_tag} "
+                f"({conn.open_count} chunks) is incomplete: one package at a time"
+            )
+        if index in conn.open_seen:
+            return f"package {tag} chunk {index} came twice"
+        conn.open_seen.add(index)
+        if len(conn.open_seen) == conn.open_count:
+            conn.last_tag, conn.open_tag, conn.open_seen = tag, 0, set()
+        return None
+
+    def _add_chunk(self, cid: int, conn: _Conn, c: Chunk) -> None:
+        """Places an admitted chunk: _admit let through only chunks of one package at a time,
+        each once, in the order poll() returns them."""
+        if conn.tag == 0:
+            conn.tag, conn.parts, conn.missing = c.tag, [None] * c.count, c.count
             with self._cv:
                 self._stats["in_progress"] += 1
-        elif c.tag != conn.tag or c.count != len(conn.parts):
-            raise ProtocolError(
-                f"package {c.tag} chunk {c.index}/{c.count} while package {conn.tag} "
-                f"({len(conn.parts)} chunks) is incomplete"
-            )
-        if conn.parts[c.index] is not None:
-            raise ProtocolError(f"package {c.tag} chunk {c.index} came twice")
         conn.parts[c.index] = c.data
-        if any(p is None for p in conn.parts):
+        conn.missing -= 1
+        if conn.missing:
+            conn.held += c.data.numel()
+            with self._cv:
+                self._stats["in_progress_bytes"] += c.data.numel()
             return
         data = torch.cat(conn.parts) if len(conn.parts) > 1 else conn.parts[0]
-        conn.last_tag, conn.tag, conn.parts = conn.tag, 0, []
+        tag, held, conn.tag, conn.parts, conn.held = conn.tag, conn.held, 0, [], 0
         with self._cv:
-            self._ready[(cid, conn.last_tag)] = (data, time.monotonic())
+            self._ready[(cid, tag)] = (data, time.monotonic())
             self._stats["packages"] += 1
             self._stats["bytes"] += data.numel()
             self._stats["in_progress"] -= 1
+            self._stats["in_progress_bytes"] -= held
             self._cv.notify_all()
 
     def _check_senders(self, now: float) -> None:
@@ -664,6 +741,7 @@ class KvInbox:
         with self._cv:
             if conn is not None and conn.tag:
                 self._stats["in_progress"] -= 1
+                self._stats["in_progress_bytes"] -= conn.held
             if error is not None:
                 if error is PeerLostError:
                     self._stats["senders_lost"] += 1
@@ -749,7 +827,7 @@ class KvOutbox:
         try:
             try:
                 if peer.sender is not None and peer.next_tag > MAX_TAG:
-                    self._drop(peer)  # every tag used: a new connection starts at 1 again
+                    self._drop(url, peer)  # every tag used: a new connection starts at 1 again
                 if peer.sender is None:
                     self._connect(url, peer, deadline)
                 tag, peer.next_tag = peer.next_tag, peer.next_tag + 1
@@ -760,14 +838,14 @@ class KvOutbox:
                 peer.sender.flush(self._remaining(deadline, url))
                 return peer.sender.client_id, tag
             except (MoecommError, httpx.HTTPError, OSError, KeyError, TypeError, ValueError) as e:
-                self._drop(peer)
+                self._drop(url, peer)
                 if isinstance(e, KvTransferError):
                     raise
                 raise KvTransferError(
                     f"KV hand-off to {url} failed: {type(e).__name__}: {e}"
                 ) from e
             except BaseException:  # a half-sent package leaves the connection unusable
-                self._drop(peer)
+                self._drop(url, peer)
                 raise
         finally:
             peer.lock.release()
@@ -780,10 +858,10 @@ class KvOutbox:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            peers = list(self._peers.values())
-        for peer in peers:
+            peers = list(self._peers.items())
+        for url, peer in peers:
             with peer.lock:
-                self._drop(peer)
+                self._drop(url, peer)
         self._http.close()
 
     def __enter__(self) -> KvOutbox:
@@ -832,12 +910,23 @@ class KvOutbox:
             raise
         peer.sender, peer.transport, peer.next_tag = sender, name, 1
 
-    @staticmethod
-    def _drop(peer: _Peer) -> None:
-        if peer.sender is not None:
-            with contextlib.suppress(Exception):
-                peer.sender.close()
-        peer.sender, peer.transport = None, ""
+    def _drop(self, url: str, peer: _Peer) -> None:
+        """Forgets the connection to `url` (caller holds its lock) and tells the decode side,
+        best effort: while this process lives, an shm receiver sees its sender alive and would
+        hold the connection's slots (and any half-received package) until this process ends."""
+        sender, peer.sender, peer.transport = peer.sender, None, ""
+        if sender is None:
+            return
+        with contextlib.suppress(Exception):
+            sender.close()
+        # An unknown id (the decode side dropped it first: it refused a chunk, or it restarted)
+        # or no answer (it is gone) leaves nothing to do.
+        with contextlib.suppress(httpx.HTTPError, OSError):
+            self._http.post(
+                f"{url}/pd/kv/disconnect",
+                json={"client_id": sender.client_id},
+                timeout=DISCONNECT_NOTICE_TIMEOUT_S,
+            )
 
 
 # ---------------------------------------------------------------------------------- routes
@@ -845,9 +934,30 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse(ApiError(status, message).body(), status)
 
 
+async def _json_fields(request: Request, want: dict[str, type], what: str) -> dict | JSONResponse:
+    """The body of a KV set-up request: a JSON object with exactly the fields of `want`, each of
+    its type (an int is never a bool); else the 400 (or 413) answering it."""
+    try:
+        raw = await read_body(request, MAX_CONNECT_BODY_BYTES)
+    except ApiError as e:
+        return _error(e.status, e.message)
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        return _error(400, f"the KV {what} body is not JSON: {e}")
+    if not isinstance(body, dict) or set(body) != set(want):
+        got = sorted(body) if isinstance(body, dict) else type(body).__name__
+        return _error(400, f"the KV {what} body has exactly the fields {sorted(want)}, got {got}")
+    for key, kind in want.items():
+        if not isinstance(body[key], kind) or isinstance(body[key], bool):
+            kind_name = "an integer" if kind is int else "a string"
+            return _error(400, f"the KV {what} field {key!r} must be {kind_name}")
+    return body
+
+
 def install_kv_routes(app: FastAPI, inbox_getter: Callable[[], KvInbox | None]) -> None:
-    """``GET /pd/kv/offer`` and ``POST /pd/kv/connect`` on `app`, served by the inbox
-    `inbox_getter()` returns (None: this server takes no hand-offs, 404)."""
+    """``GET /pd/kv/offer``, ``POST /pd/kv/connect`` and ``POST /pd/kv/disconnect`` on `app`,
+    served by the inbox `inbox_getter()` returns (None: this server takes no hand-offs, 404)."""
 
     @app.get("/pd/kv/offer")
     async def kv_offer():
@@ -861,24 +971,10 @@ def install_kv_routes(app: FastAPI, inbox_getter: Callable[[], KvInbox | None]) 
         inbox = inbox_getter()
         if inbox is None:
             return _error(404, NOT_SERVING)
-        try:
-            raw = await read_body(request, MAX_CONNECT_BODY_BYTES)
-        except ApiError as e:
-            return _error(e.status, e.message)
-        try:
-            body = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            return _error(400, f"the KV connect body is not JSON: {e}")
         want = {"transport": str, "sender": str, "client_id": int}
-        if not isinstance(body, dict) or set(body) != set(want):
-            got = sorted(body) if isinstance(body, dict) else type(body).__name__
-            return _error(
-                400, f"the KV connect body has exactly the fields {sorted(want)}, got {got}"
-            )
-        for key, kind in want.items():
-            if not isinstance(body[key], kind) or isinstance(body[key], bool):
-                what = "an integer" if kind is int else "a string"
-                return _error(400, f"the KV connect field {key!r} must be {what}")
+        body = await _json_fields(request, want, "connect")
+        if isinstance(body, JSONResponse):
+            return body
         try:
             return await asyncio.to_thread(
                 inbox.connect, body["transport"], body["sender"], body["client_id"]
@@ -887,3 +983,22 @@ def install_kv_routes(app: FastAPI, inbox_getter: Callable[[], KvInbox | None]) 
             return _error(400, str(e))
         except MoecommError as e:  # the inbox is closed, failed or out of time
             return _error(503, f"KV inbox: {e}")
+
+    @app.post("/pd/kv/disconnect")
+    async def kv_disconnect(request: Request):
+        inbox = inbox_getter()
+        if inbox is None:
+            return _error(404, NOT_SERVING)
+        body = await _json_fields(request, {"client_id": int}, "disconnect")
+        if isinstance(body, JSONResponse):
+            return body
+        cid = body["client_id"]
+        try:
+            found = await asyncio.to_thread(inbox.disconnect, cid)
+        except KvHandoffError as e:
+            return _error(400, str(e))
+        except MoecommError as e:  # the inbox is closed, failed or out of time
+            return _error(503, f"KV inbox: {e}")
+        if not found:
+            return _error(404, f"KV client {cid} is not connected here")
+        return {"client_id": cid, "disconnected": True}

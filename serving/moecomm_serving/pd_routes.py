@@ -84,6 +84,7 @@ class PdState:
             ("received", "failures"): 0,
         }
         self.transfer_s = 0.0
+        self.sent_by_transport: dict[str, int] = {}
 
     def count(self, direction: str, what: str, n: int = 1) -> None:
         with self._lock:
@@ -102,6 +103,17 @@ class PdState:
             for direction in ("sent", "received"):
                 labels = f'{{direction="{direction}"}}'
                 rows.append(("counter", name, help_text, counts[(direction, what)], labels))
+        for name in sorted(self.sent_by_transport):
+            rows.append(
+                (
+                    "counter",
+                    "moecomm_kv_handoff_sent_by_transport_total",
+                    "KV packages sent, by the transport the decode front end was reached over "
+                    "(shm on this host, nixl across hosts).",
+                    self.sent_by_transport[name],
+                    f'{{transport="{name}"}}',
+                )
+            )
         rows.append(
             (
                 "counter",
@@ -185,8 +197,11 @@ def install_pd_routes(app: FastAPI, fe, state: PdState) -> None:
             state.count("sent", "failures")
             raise oa.ApiError(502, f"KV hand-off to {call.decode_url} failed: {exc}") from None
         transfer_s = time.monotonic() - t1
+        transport = state.outbox.connected().get(call.decode_url, "")
         with state._lock:
             state.transfer_s += transfer_s
+            if transport:
+                state.sent_by_transport[transport] = state.sent_by_transport.get(transport, 0) + 1
         state.count("sent", "handoffs")
         state.count("sent", "bytes", data.numel())
         answer["kv"] = {
@@ -194,6 +209,7 @@ def install_pd_routes(app: FastAPI, fe, state: PdState) -> None:
             "tag": tag,
             "bytes": data.numel(),
             "transfer_s": transfer_s,
+            "transport": transport,
         }
         answer["rng"] = rng_to_json(handed.rng_state)
         return answer

@@ -86,6 +86,7 @@ def test_metrics_count_the_handoffs(pair):
     sent = httpx.get(f"{prefill.url}/metrics", timeout=TIMEOUT_S).text
     got = httpx.get(f"{decode.url}/metrics", timeout=TIMEOUT_S).text
     assert 'moecomm_kv_handoff_handoffs_total{direction="sent"}' in sent
+    assert 'moecomm_kv_handoff_sent_by_transport_total{transport="shm"}' in sent
     assert 'moecomm_kv_handoff_handoffs_total{direction="received"} 0' not in got
     info = httpx.get(f"{decode.url}/pd/info", timeout=TIMEOUT_S).json()
     assert info == {"role": "decode", "model": MODEL_NAME, "block_tokens": 8}

@@ -1,6 +1,6 @@
 """Stage channels between real processes: chunked packages arrive whole and bit-exact under slot
 poisoning, a dead peer is an error on both ends (never a hang), a refused chunk reaches the
-sender with its reason."""
+sender with its reason, and so does one the receiver's own check refuses."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import time
 
 import pytest
 import torch
-from moecomm.errors import PeerLostError
-from moecomm.wire.protocol import PAYLOAD_OFFSET
+from moecomm.errors import PeerLostError, ProtocolError, RemoteError
+from moecomm.wire.protocol import PAYLOAD_OFFSET, ResponseStatus
 from moecomm.wire.shm import ShmTransport, reap_stale_segments
 from moecomm.wire.stage import StageInbox, StageReceiver, StageSender, as_tensor, stage_layout
 
@@ -162,15 +162,52 @@ def test_a_dead_sender_is_an_error_for_the_receiver(sender_proc):
 
 def test_a_refused_chunk_reaches_the_sender_with_its_reason(sender_proc):
     """A receiver that expects another client id refuses the chunk: the receiver raises, and
-    the sender's ack wait raises too (the refusal names the receiver's id, which the sender
-    does not take for its own) instead of waiting out its deadline."""
+    the sender's ack wait raises the receiver's reason (the refusal is answered under the id the
+    chunk carries, so the sender reads it) instead of waiting out its deadline."""
     _, parent = sender_proc(client_id=CLIENT)
     inbox = _connect(parent, client_id=CLIENT + 1)
     try:
-        with pytest.raises(Exception, match="client id"):
+        with pytest.raises(ProtocolError, match="client id"):
             inbox.take("up", 1, DEADLINE_S)
         assert parent.poll(DEADLINE_S)
         status, what = parent.recv()
-        assert status == "error" and "client id" in what, what
+        assert status == "error" and what.startswith("RemoteError"), what
+        assert f"the chunk says {CLIENT}, this channel's is {CLIENT + 1}" in what, what
     finally:
         inbox.close()
+
+
+def test_a_chunk_the_callers_check_refuses_reaches_the_sender_with_its_reason():
+    """poll(check): the check sees each valid chunk's header before the chunk is taken; a reason
+    refuses it (a server-error status with that reason for the sender, ProtocolError for the
+    receiver), None takes it as poll() without a check does."""
+    t = ShmTransport()
+    r = StageReceiver(t, LAYOUT, CLIENT, SLOTS, "rx")
+    s = StageSender(t, LAYOUT, CLIENT, SLOTS, "tx")
+    s.connect(r.handle)
+    r.connect(s.handle)
+    seen = []
+
+    def check(h):
+        seen.append((h.layer_id, h.num_tokens, h.topk, h.payload_bytes))
+        return "tag 4 is not welcome here" if h.layer_id == 4 else None
+
+    try:
+        s.send(3, package(3, HIDDEN))
+        (chunk,) = r.poll(check)
+        assert (chunk.tag, chunk.index, chunk.count) == (3, 0, 1)
+        assert torch.equal(chunk.data.view(torch.int64), package(3, HIDDEN))
+        s.flush(DEADLINE_S)
+        s.send(4, package(4, HIDDEN))
+        with pytest.raises(ProtocolError, match="refused package 4 chunk 0/1: tag 4 is not"):
+            r.poll(check)
+        t0 = time.monotonic()
+        with pytest.raises(RemoteError) as err:
+            s.flush(DEADLINE_S)
+        assert time.monotonic() - t0 < DEADLINE_S / 2  # the answer was there: no deadline
+        assert err.value.status == int(ResponseStatus.SERVER_ERROR)
+        assert err.value.reason == "tag 4 is not welcome here"
+        assert seen == [(3, 0, 1, HIDDEN * 8), (4, 0, 1, HIDDEN * 8)]
+    finally:
+        s.close()
+        r.close()

@@ -2,8 +2,9 @@
 every malformed package with a clear KvHandoffError; packages travel between real processes over
 shm (several sizes, two senders at once, slots reused back to back, slot poisoning on) and over
 nixl between network namespaces; a sender killed mid-package fails only its own package, a dead
-decode side fails the send (never a hang), bad connect requests get 400s, and an unclaimed
-package expires."""
+decode side fails the send (never a hang), a sender that breaks a package rule gets the rule at
+once and the others are served, a connection the outbox drops is freed at the decode side, bad
+connect and disconnect requests get 400s, and an unclaimed package expires."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import kv_handoff_procs as procs
 import pytest
 import torch
 from fastapi import FastAPI
-from moecomm.errors import DeadlineExceededError, PeerLostError, ProtocolError, RemoteError
+from moecomm.errors import DeadlineExceededError, PeerLostError, RemoteError
 from moecomm.http_thread import HttpServer
 from moecomm.wire.channel import POISON_SLOTS
 from moecomm.wire.protocol import PAYLOAD_OFFSET, SlotLayout
@@ -41,6 +42,7 @@ from moecomm_serving.kv_handoff import (
     decode_package,
     encode_package,
     install_kv_routes,
+    kv_layout,
 )
 
 # Small slots so that modest packages span many chunks (4 KiB of payload + the header's slack).
@@ -49,6 +51,10 @@ DEADLINE_S = 30.0
 # A sender killed mid-package, or a dead decode side, is noticed by a liveness check (every
 # 0.1 s) or at the next acknowledgement wait: well under this on a loaded machine.
 LOSS_S = 10.0
+# A chunk that breaks a rule is refused at the inbox's next poll (its thread sleeps at most
+# 50 ms) and the sender's acknowledgement wait reads the refusal at once: about a millisecond,
+# with room for a loaded 2-core machine; far below DEADLINE_S, so a wait for the deadline shows.
+REFUSAL_S = 3.0
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -89,8 +95,9 @@ def inbox_server():
     """A KvInbox (shm, small slots) behind a real HTTP server in this process."""
     made = []
 
-    def start(ttl_s: float = 60.0, getter=None, transport="shm"):
-        inbox = KvInbox(transport, slot_bytes=SLOT_BYTES, num_slots=SLOTS, ttl_s=ttl_s).start()
+    def start(ttl_s: float = 60.0, getter=None, transport="shm", **kw):
+        inbox = KvInbox(transport, slot_bytes=SLOT_BYTES, num_slots=SLOTS, ttl_s=ttl_s, **kw)
+        inbox.start()
         app = FastAPI()
         install_kv_routes(app, getter or (lambda: inbox))
         server = HttpServer(app, what="the test's KV inbox")
@@ -363,11 +370,40 @@ def test_bad_connect_requests_get_400_with_the_reason(inbox_server):
     assert inbox.stats["connected"] == 0
 
 
+def test_bad_disconnect_requests_get_400_and_unknown_clients_404(inbox_server):
+    inbox, url = inbox_server()
+    d = f"{url}/pd/kv/disconnect"
+    cases = [
+        (b"{not json", "not JSON"),
+        (b"[5]", "exactly the fields ['client_id']"),
+        (json.dumps({"client_id": 5, "extra": 1}).encode(), "exactly the fields"),
+        (json.dumps({"client_id": "5"}).encode(), "'client_id' must be an integer"),
+        (json.dumps({"client_id": True}).encode(), "'client_id' must be an integer"),
+        (json.dumps({"client_id": -1}).encode(), "client_id must be in"),
+        (json.dumps({"client_id": 1 << 64}).encode(), "client_id must be in"),
+    ]
+    for body, words in cases:
+        r = httpx.post(d, content=body, timeout=DEADLINE_S)
+        assert r.status_code == 400, (body, r.text)
+        assert words in r.json()["error"]["message"], (words, r.text)
+    with KvOutbox("shm") as out:
+        cid, _ = out.send(url, procs.pattern(17, 0, 10))
+        r = httpx.post(d, json={"client_id": cid + 1}, timeout=DEADLINE_S)
+        assert r.status_code == 404 and "is not connected" in r.json()["error"]["message"]
+        assert inbox.stats["connected"] == 1  # nobody else's connection was touched
+        r = httpx.post(d, json={"client_id": cid}, timeout=DEADLINE_S)
+        assert r.status_code == 200 and r.json() == {"client_id": cid, "disconnected": True}
+        r = httpx.post(d, json={"client_id": cid}, timeout=DEADLINE_S)
+        assert r.status_code == 404  # once
+    assert inbox.stats["connected"] == 0 and inbox.stats["disconnected"] == 1
+
+
 def test_a_server_without_an_inbox_answers_404(inbox_server):
     _, url = inbox_server(getter=lambda: None)
     for r in (
         httpx.get(f"{url}/pd/kv/offer", timeout=DEADLINE_S),
         httpx.post(f"{url}/pd/kv/connect", json={}, timeout=DEADLINE_S),
+        httpx.post(f"{url}/pd/kv/disconnect", json={"client_id": 1}, timeout=DEADLINE_S),
     ):
         assert r.status_code == 404
         assert r.json()["error"]["message"] == "this server takes no KV hand-offs"
@@ -388,37 +424,131 @@ def _raw_sender(url: str, client_id: int, claimed_id: int | None = None) -> Stag
     return s
 
 
-def test_a_refused_chunk_drops_that_sender_alone(inbox_server):
-    inbox, url = inbox_server()
+# Payload bytes of one chunk of the test inboxes.
+CAPACITY = kv_layout(SLOT_BYTES).request_slot_bytes - PAYLOAD_OFFSET
+
+
+def _refused_at_once(act, words: str, error=RemoteError) -> None:
+    """`act()` raises `error` naming the broken rule (`words`) within REFUSAL_S."""
+    t0 = time.monotonic()
+    with pytest.raises(error, match=words):
+        act()
+    assert time.monotonic() - t0 < REFUSAL_S, f"{words!r}: refused only at the deadline"
+
+
+def _send_chunks(sender: StageSender, chunks, piece: torch.Tensor):
+    """Writes chunks (tag, index, count) as a buggy sender would, each acknowledged before the
+    next (a connection has fewer slots than some of these lists have chunks)."""
+    for tag, index, count in chunks:
+        sender.send_chunk(tag, index, count, piece)
+        sender.flush(DEADLINE_S)
+
+
+def test_a_sender_breaking_a_rule_gets_the_rule_at_once_and_others_are_served(inbox_server):
+    max_chunks = 4
+    inbox, url = inbox_server(max_package_bytes=max_chunks * CAPACITY)
     piece = torch.arange(16, dtype=torch.uint8)
     # A second connect with a live sender's id is refused.
     dup = _raw_sender(url, 77)
     body = {"transport": "shm", "sender": dup.handle, "client_id": 77}
     r = httpx.post(f"{url}/pd/kv/connect", json=body, timeout=DEADLINE_S)
     assert r.status_code == 400 and "already connected" in r.text
-    # A chunk the slot protocol refuses: the sender gets the reason.
+    # Each sender breaks one rule: (client id, its chunks (tag, index, count), words of the
+    # reason it gets, a package of it that will not come).
+    cases = [
+        (70, [(1, 0, 2), (2, 0, 1)], "package 2 chunk 0/1 while package 1 .* one package at a", 1),
+        (71, [(1, 0, 2), (1, 0, 2)], "package 1 chunk 0 came twice", 1),
+        (72, [(1, 0, 1), (1, 0, 1)], "package 1 after package 1: tags go up", 2),
+        (73, [(1, 0, 1), (5, 0, 2), (5, 1, 2), (3, 0, 1)], "package 3 after package 5", 3),
+        (74, [(1, 0, max_chunks + 1)], f"of {max_chunks + 1} chunks exceeds the {max_chunks}", 1),
+    ]
+    senders = [dup]
+    for cid, chunks, words, lost in cases:
+        s = _raw_sender(url, cid)
+        senders.append(s)
+        _refused_at_once(lambda s=s, chunks=chunks: _send_chunks(s, chunks, piece), words)
+        with pytest.raises(KvTransferError, match=f"refused.*{words}"):
+            inbox.take(cid, lost, DEADLINE_S)
+    # What a refused sender completed before is kept.
+    assert torch.equal(inbox.take(72, 1, DEADLINE_S), piece)
+    assert torch.equal(inbox.take(73, 1, DEADLINE_S), piece)
+    assert torch.equal(inbox.take(73, 5, DEADLINE_S), torch.cat([piece, piece]))
+    # A chunk under another client id than its connection's: the sender gets that reason too
+    # (the refusal is answered under the id the chunk carries).
     bad = _raw_sender(url, 78, claimed_id=80)
-    bad.send(1, piece)
-    # (The refusal is acknowledged under the id the receiver knows, so this sender reads it
-    # as an invalid acknowledgement; either way it fails now, not at its deadline.)
-    with pytest.raises((RemoteError, ProtocolError), match="client"):
-        bad.flush(DEADLINE_S)
+    senders.append(bad)
+    _refused_at_once(
+        lambda: _send_chunks(bad, [(1, 0, 1)], piece),
+        "client id is not the owner of this slot \\(the chunk says 78, this channel's is 80\\)",
+    )
     with pytest.raises(KvTransferError, match="refused"):
         inbox.take(80, 1, DEADLINE_S)
-    # A package that breaks the package rules (a new tag before the last one completed).
-    mixed = _raw_sender(url, 79)
-    mixed.send_chunk(1, 0, 2, piece)
-    mixed.send_chunk(2, 0, 1, piece)
-    mixed.flush(DEADLINE_S)
-    with pytest.raises(KvTransferError, match="refused"):
-        inbox.take(79, 1, DEADLINE_S)
-    assert inbox.stats["refused"] == 2
-    # Everyone else is served.
+    # Through a KvOutbox: a package above the inbox's largest fails the send with the reason,
+    # ...
     with KvOutbox("shm") as out:
-        cid, tag = out.send(url, procs.pattern(9, 0, 999))
-        assert torch.equal(inbox.take(cid, tag, DEADLINE_S), procs.pattern(9, 0, 999))
-    for s in (dup, bad, mixed):
+        too_big = procs.pattern(9, 1, max_chunks * CAPACITY + 1)
+        _refused_at_once(
+            lambda: out.send(url, too_big), "exceeds the 4 chunks", error=KvTransferError
+        )
+        assert out.connected() == {}
+        # ... and so does a tag used twice (an outbox bug, forced here).
+        cid, tag = out.send(url, procs.pattern(9, 2, 10))
+        out._peers[url].next_tag = tag
+        _refused_at_once(
+            lambda: out.send(url, procs.pattern(9, 3, 10)), "tags go up", error=KvTransferError
+        )
+        # Everyone else is served, this outbox too (on a new connection).
+        cid, tag = out.send(url, procs.pattern(9, 4, 999))
+        assert tag == 1 and torch.equal(inbox.take(cid, tag, DEADLINE_S), procs.pattern(9, 4, 999))
+    assert inbox.alive and inbox.stats["refused"] == len(cases) + 3
+    for s in senders:
         s.close()
+
+
+def test_a_connection_the_outbox_drops_is_freed_at_the_decode_side(inbox_server, monkeypatch):
+    inbox, url = inbox_server()
+    out = KvOutbox("shm")
+    answers = []
+    call = out._call
+
+    def recording_call(method, u, deadline, body=None):
+        answers.append(call(method, u, deadline, body))
+        return answers[-1]
+
+    monkeypatch.setattr(out, "_call", recording_call)
+    try:
+        cid, tag = out.send(url, procs.pattern(16, 0, 10))
+        segment = Path("/dev/shm") / answers[-1]["receiver"].removeprefix("shm:")
+        assert segment.exists()
+        sender = out._peers[url].sender
+
+        def half_then_fail(tag, data, timeout, encoding=None):
+            """A send that runs out of time after its first chunk was taken."""
+            sender.send_chunk(tag, 0, 3, data[:100], encoding)
+            sender.flush(timeout)
+            wait_until(lambda: inbox.stats["in_progress_bytes"] == 100, "the first chunk held")
+            raise DeadlineExceededError("out of time mid-package (forced)")
+
+        monkeypatch.setattr(sender, "send", half_then_fail)
+        with pytest.raises(KvTransferError, match="forced"):
+            out.send(url, procs.pattern(16, 1, 3 * SLOT_BYTES))
+        # The outbox said so before send() returned: the connection and what it held are gone.
+        assert out.connected() == {}
+        stats = inbox.stats
+        assert stats["connected"] == 0 and stats["disconnected"] == 1, stats
+        assert stats["in_progress"] == 0 and stats["in_progress_bytes"] == 0, stats
+        assert not segment.exists()
+        with pytest.raises(KvTransferError, match="its sender dropped the connection"):
+            inbox.take(cid, tag + 1, DEADLINE_S)
+        # A complete package of that connection stays until taken.
+        assert torch.equal(inbox.take(cid, tag, DEADLINE_S), procs.pattern(16, 0, 10))
+        # Closing the outbox drops (and frees) its connections too.
+        again = out.send(url, procs.pattern(16, 2, 10))
+        assert again[0] != cid and inbox.stats["connected"] == 1
+    finally:
+        out.close()
+    assert inbox.stats["connected"] == 0 and inbox.stats["disconnected"] == 2
+    assert torch.equal(inbox.take(*again, DEADLINE_S), procs.pattern(16, 2, 10))
 
 
 # ---------------------------------------------------------------------------------- 7. nixl

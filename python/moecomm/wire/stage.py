@@ -15,7 +15,7 @@ doorbell (:class:`StageInbox`), so the process sleeps on one word whichever peer
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +35,8 @@ from moecomm.wire.protocol import (
     ENCODING_OF_DTYPE,
     PAYLOAD_OFFSET,
     Encoding,
+    ResponseStatus,
+    SlotHeader,
     SlotLayout,
     ValidateCode,
     validate_reason,
@@ -222,16 +224,32 @@ class StageReceiver(Channel):
     def connect(self, sender_handle: str) -> None:
         self.sender = self._attach_peer(sender_handle, self.ack_ring)
 
-    def poll(self) -> list[Chunk]:
+    def poll(self, check: Callable[[SlotHeader], str | None] | None = None) -> list[Chunk]:
         """Every chunk waiting in the data ring, copied out and acknowledged. A chunk whose
-        header does not validate is refused (the sender gets the reason) and raises."""
+        header does not validate is refused (the sender gets the reason) and raises
+        ProtocolError; so is a valid one for which `check` (the caller's own rules, given the
+        header copy before the payload is read) returns a reason (the sender reads at least its
+        first 256 bytes: the ack slot's smallest error payload). Chunks taken before a refusal
+        were acknowledged but are lost with the exception: a refusal ends the connection."""
         out = []
         for inc in _C.poll_stage(self.transport, self.region, self.data_ring, self.client_id):
             h = inc.header
             if inc.code != ValidateCode.OK:
                 reason = validate_reason(inc.code)
+                if inc.code == ValidateCode.CLIENT_MISMATCH:
+                    reason = f"{reason} (the chunk says {h.client_id}, this channel's is "
+                    reason += f"{self.client_id})"
                 self._ack(inc, int(inc.code), reason)
                 raise ProtocolError(f"{self.name}: refused a stage message: {reason}")
+            why = None if check is None else check(h)
+            if why is not None:
+                # A valid chunk the receiver will not take: a failure on the receiving side as
+                # far as the slot protocol knows, with the receiver's reason.
+                self._ack(inc, int(ResponseStatus.SERVER_ERROR), why)
+                raise ProtocolError(
+                    f"{self.name}: refused package {h.layer_id} chunk {h.num_tokens}/{h.topk}: "
+                    f"{why}"
+                )
             data = self._views.get(inc.payload_offset, (h.payload_bytes,), torch.uint8).clone()
             self._ack(inc, 0, "")
             out.append(Chunk(h.layer_id, h.num_tokens, h.topk, ENCODING_OF_CODE[h.encoding], data))
@@ -240,6 +258,13 @@ class StageReceiver(Channel):
     def _ack(self, inc, status: int, reason: str) -> None:
         """Answers the chunk `inc` (0: taken, else the refusal's status and reason), which frees
         its data slot."""
+        client_id = self.client_id
+        if inc.code == ValidateCode.CLIENT_MISMATCH:
+            # Answered under the id the chunk carries: the sender checks its acknowledgements
+            # against its own id, and would otherwise read the refusal as an invalid
+            # acknowledgement, without the reason. The answer still goes only into the ring of
+            # the sender this channel connected to.
+            client_id = inc.header.client_id
         _C.send_stage_ack(
             self.transport,
             self.region,
@@ -247,7 +272,7 @@ class StageReceiver(Channel):
             self.sender,
             self.ack_ring,
             inc.slot,
-            self.client_id,
+            client_id,
             inc.seq,
             inc.header,
             status,
