@@ -30,6 +30,7 @@ import gpu_check_plan as gp  # noqa: E402
 import gpu_check_reports as rp  # noqa: E402  (importable once gpu_check put tools/ on the path)
 import gpu_check_run as gr  # noqa: E402
 import gpu_check_stages as gs  # noqa: E402
+import gpu_check_summary as gsum  # noqa: E402
 
 PY = sys.executable
 
@@ -301,7 +302,7 @@ def test_sanitizer_reports_are_summed_over_processes():
 def test_without_a_device_device_stages_are_skipped_and_the_run_exits_0(tmp_path, capsys):
     def cpu(run):
         r = run.command([PY, "-c", "print('host ok')"], label="host part")
-        run.res.status, run.res.reason = gr.PASSED, r.output.strip().splitlines()[-1]
+        run.res.status, run.res.reason = rp.PASSED, r.output.strip().splitlines()[-1]
 
     stages = [
         gr.Stage("cpu-part", cpu),
@@ -329,7 +330,7 @@ def test_a_failed_stage_blocks_what_needs_it_and_fails_the_run(tmp_path):
     stages = [
         gr.Stage("build", fail),
         gr.Stage("tests", lambda run: None, needs_device=True, requires=("build",)),
-        gr.Stage("other", lambda run: setattr(run.res, "status", gr.PASSED)),
+        gr.Stage("other", lambda run: setattr(run.res, "status", rp.PASSED)),
     ]
     code = gc.main(["--out", str(tmp_path / "out"), "--device", "yes"], stages=stages)
     assert code == 1
@@ -368,7 +369,7 @@ def test_a_stage_over_its_budget_is_killed_with_its_children_and_the_next_runs(t
     start = time.monotonic()
     res = gr.run_stage(gr.Stage("slow", slow), 2.5, ctx)
     assert time.monotonic() - start < 6
-    assert res.status == gr.FAILED and "killed by the stage timeout" in res.reason
+    assert res.status == rp.FAILED and "killed by the stage timeout" in res.reason
     child = int(pidfile.read_text())
     deadline = time.monotonic() + 5
     while _alive(child) and time.monotonic() < deadline:
@@ -376,7 +377,7 @@ def test_a_stage_over_its_budget_is_killed_with_its_children_and_the_next_runs(t
     assert not _alive(child), "the stage's child outlived its budget"
     assert "process group killed" in ctx.path("slow.log").read_text()
     after = gr.run_stage(gr.Stage("next", lambda run: setattr(run.res, "status", "passed")), 5, ctx)
-    assert after.status == gr.PASSED
+    assert after.status == rp.PASSED
 
 
 def test_files_report_as_they_come_killed_ones_with_what_ran(tmp_path, fake_python, fast):
@@ -400,9 +401,9 @@ def test_files_report_as_they_come_killed_ones_with_what_ran(tmp_path, fake_pyth
     finally:
         del os.environ["FAKE_PEEK_SRC"], os.environ["FAKE_PEEK_DST"]
     rows = {f.name: f for f in res.files}
-    assert rows["tests/ok.py"].status == gr.PASSED and rows["tests/ok.py"].passed == 2
+    assert rows["tests/ok.py"].status == rp.PASSED and rows["tests/ok.py"].passed == 2
     assert rows["tests/ok.py"].junit == "junit/core.ok.xml"
-    assert (rows["tests/fail.py"].status, rows["tests/fail.py"].failed) == (gr.FAILED, 1)
+    assert (rows["tests/fail.py"].status, rows["tests/fail.py"].failed) == (rp.FAILED, 1)
     hang = rows["tests/hang.py"]
     assert hang.killed and hang.reason.startswith("killed by its 1 s timeout")
     assert (hang.passed, hang.counts_from) == (2, "junit")
@@ -410,14 +411,14 @@ def test_files_report_as_they_come_killed_ones_with_what_ran(tmp_path, fake_pyth
     assert noint.killed and noint.reason.startswith("killed by the stage timeout after")
     assert (noint.passed, noint.counts_from, noint.junit) == (2, "output", None)
     assert "2 passed, 0 failed" in noint.reason
-    assert rows["tests/late.py"].status == gr.NOT_RUN
+    assert rows["tests/late.py"].status == rp.NOT_RUN
     assert rows["tests/late.py"].reason == "not run: stage budget spent"
-    assert res.status == gr.FAILED and "3 of 6 failed" in res.reason and "1 not run" in res.reason
+    assert res.status == rp.FAILED and "3 of 6 failed" in res.reason and "1 not run" in res.reason
     # While peek.py ran, the summary already held ok.py's row.
     peek = json.loads((tmp_path / "peek.json").read_text())
     assert peek["in_progress"] == "core" and not peek["complete"]
     assert [f["name"] for f in peek["stages"][0]["files"]] == ["tests/ok.py"]
-    md = gr.summary_markdown(gr.summary_data(ctx, 1))
+    md = gsum.summary_markdown(gsum.summary_data(ctx, 1))
     assert "| core | tests/hang_noint.py | failed | 2 | 0 | 0 | 0 |" in md
     assert "not run: stage budget spent" in md
 
@@ -426,17 +427,17 @@ def test_a_stage_the_call_has_no_time_for_is_not_run(tmp_path):
     ctx = make_ctx(tmp_path, True)
     ctx.deadline = time.monotonic() + 1
     res = gr.run_stage(gr.Stage("late", lambda run: 1 / 0), 30, ctx)
-    assert (res.status, res.reason) == (gr.NOT_RUN, "not run: call budget spent")
+    assert (res.status, res.reason) == (rp.NOT_RUN, "not run: call budget spent")
 
 
 def test_on_a_device_a_stage_where_nothing_passed_fails(tmp_path):
     res = gr.Result("smoke")
-    res.files = [gr.FileResult("smoke", "a.py", gr.SKIPPED, "all 2 skipped", tests=2, skipped=2)]
+    res.files = [gr.FileResult("smoke", "a.py", rp.SKIPPED, "all 2 skipped", tests=2, skipped=2)]
     gr.settle_from_files(res, require_pass=True)
-    assert res.status == gr.FAILED and "no gpu test passed" in res.reason
+    assert res.status == rp.FAILED and "no gpu test passed" in res.reason
     res = gr.Result("host", files=list(res.files))
     gr.settle_from_files(res, require_pass=False)
-    assert res.status == gr.PASSED
+    assert res.status == rp.PASSED
 
 
 def test_pack_leaves_the_summaries_and_two_archives(tmp_path, fake_python, monkeypatch):
@@ -460,7 +461,7 @@ def test_a_rerun_replaces_its_own_files_and_nothing_else(tmp_path):
 
     def body(run):
         run.command([PY, "-c", "print('x')"], label="x")
-        run.res.status = gr.PASSED
+        run.res.status = rp.PASSED
 
     for _ in range(2):
         assert gc.main(["--out", str(out), "--device", "no"], stages=[gr.Stage("a", body)]) == 0
@@ -508,14 +509,14 @@ def test_the_build_runs_once_and_is_reused_on_a_warm_machine(tmp_path, fake_pyth
     ctx.base_python = PY
     stage = gs.all_stages()["build"]
     first = gr.run_stage(stage, 15.0, ctx)  # call 2's budget, but nothing to reuse
-    assert first.status == gr.PASSED, first.reason
+    assert first.status == rp.PASSED, first.reason
     assert first.figures["reused"] is False and first.reason.startswith("built in")
     assert first.budget_s == gs.BUILD_FULL_S and "not reused" in first.figures["budget_extended"]
     assert gs.stamp_path(tmp_path).exists()
     log = ctx.path("build.log").read_text()
     assert "MOECOMM_WITH_CUDA=ON" in log and "-e ." in log
     again = gr.run_stage(stage, 15.0, ctx)
-    assert again.status == gr.PASSED and again.reason.startswith("reused: the build is current")
+    assert again.status == rp.PASSED and again.reason.startswith("reused: the build is current")
     assert again.budget_s == 15.0
 
 
@@ -550,26 +551,26 @@ def _probe_info(**changes) -> dict:
 
 def test_preflight_fails_fast_in_one_line_naming_what_is_missing():
     status, reason, _ = gs.judge_preflight(_probe_info(), device=True)
-    assert status == gr.PASSED and reason.startswith("nothing missing; 1× NVIDIA H100")
+    assert status == rp.PASSED and reason.startswith("nothing missing; 1× NVIDIA H100")
     assert "MPS off" in reason and "pip: ensurepip" in reason
     status, reason, _ = gs.judge_preflight(
         _probe_info(nvcc={"path": None}, nvshmem=None, compute_sanitizer=None, venv_pip=None),
         device=True,
     )
-    assert status == gr.FAILED and "\n" not in reason
+    assert status == rp.FAILED and "\n" not in reason
     assert reason.startswith(
         "missing: pip (no ensurepip and no pip in this Python), nvidia.nvshmem"
     )
     assert "nvcc" in reason and "compute-sanitizer" in reason and "not building" in reason
     status, reason, _ = gs.judge_preflight(_probe_info(torch_cuda=None), device=True)
-    assert status == gr.FAILED and "torch with CUDA" in reason
+    assert status == rp.FAILED and "torch with CUDA" in reason
     status, reason, _ = gs.judge_preflight(
         _probe_info(test_requirements_uncarried=["fastapi"]), device=True
     )
-    assert status == gr.FAILED and "make gpu-wheels" in reason
+    assert status == rp.FAILED and "make gpu-wheels" in reason
     # Without a device nothing is missing enough to stop: make build installs .venv's.
     status, reason, _ = gs.judge_preflight(_probe_info(nvcc={"path": None}), device=False)
-    assert status == gr.PASSED and reason.startswith("missing: nvcc")
+    assert status == rp.PASSED and reason.startswith("missing: nvcc")
 
 
 def test_the_probe_runs_with_the_standard_library_alone(tmp_path):
@@ -586,7 +587,7 @@ def test_the_probe_runs_with_the_standard_library_alone(tmp_path):
     assert info["torch"].startswith("not importable")
     assert "pytest" in info["test_requirements_uncarried"]
     status, reason, _ = gs.judge_preflight(info, device=True)
-    assert status == gr.FAILED and "torch" in reason and "\n" not in reason
+    assert status == rp.FAILED and "torch" in reason and "\n" not in reason
 
 
 def test_core_finds_its_files_by_the_gpu_marker():
@@ -617,10 +618,10 @@ def test_a_file_whose_module_cannot_be_carried_is_left_out_and_said(
     monkeypatch.setattr(gs, "left_out", lambda c: {"tests/test_x_gpu.py": "nixl-like (big)"})
     res = gr.run_stage(gs.all_stages()["core"], 20.0, ctx)
     rows = {f.name: f for f in res.files}
-    assert rows["tests/test_x_gpu.py"].status == gr.SKIPPED
+    assert rows["tests/test_x_gpu.py"].status == rp.SKIPPED
     assert rows["tests/test_x_gpu.py"].reason == "left out: nixl-like (big)"
-    assert rows["tests/test_y_gpu.py"].status == gr.PASSED
-    assert res.status == gr.PASSED and res.figures["left_out"] == [
+    assert rows["tests/test_y_gpu.py"].status == rp.PASSED
+    assert res.status == rp.PASSED and res.figures["left_out"] == [
         "tests/test_x_gpu.py: nixl-like (big)"
     ]
     monkeypatch.undo()
@@ -636,7 +637,7 @@ def test_deepep_runs_the_scenario_file_once_with_the_stage_budget(tmp_path, fake
     (tmp_path / gs.DEEPEP_TEST).write_text("")
     ctx = make_ctx(tmp_path, True, python=fake_python)
     res = gr.run_stage(gs.all_stages()["deepep"], 20.0, ctx)
-    assert res.status == gr.PASSED, res.reason
+    assert res.status == rp.PASSED, res.reason
     (row,) = res.files
     assert row.name == gs.DEEPEP_TEST and row.junit.startswith("junit/deepep.")
     log = ctx.path("deepep.log").read_text()
@@ -662,7 +663,7 @@ def test_the_sanitizer_runs_memcheck_on_the_smoke_test_alone(tmp_path, fake_pyth
     (tmp_path / gs.SMOKE_TEST).write_text("")
     ctx = make_ctx(tmp_path, True, python=fake_python)
     res = gr.run_stage(gs.all_stages()["sanitizer"], 30.0, ctx)
-    assert res.status == gr.PASSED, res.reason
+    assert res.status == rp.PASSED, res.reason
     assert res.figures["processes_checked"] == 1 and res.figures["sanitizer_errors"] == 0
     assert calls.read_text().split() == [
         "--tool",
@@ -681,10 +682,10 @@ def test_a_missing_smoke_test_fails_the_device_stages_that_run_it(tmp_path):
     ctx = make_ctx(tmp_path, True)  # a tree without tests/gpu/test_smoke_loopback.py
     for name in ("smoke", "sanitizer"):
         res = gr.run_stage(gs.all_stages()[name], 30.0, ctx)
-        assert res.status == gr.FAILED and res.reason.startswith("missing")
+        assert res.status == rp.FAILED and res.reason.startswith("missing")
     no_device = make_ctx(tmp_path / "nd", False, root=tmp_path)
     res = gr.run_stage(gs.all_stages()["smoke"], 30.0, no_device)
-    assert res.status == gr.SKIPPED and "is also missing" in res.reason
+    assert res.status == rp.SKIPPED and "is also missing" in res.reason
 
 
 @pytest.mark.parametrize(("device", "status"), [(False, "skipped"), (True, "failed")])
@@ -695,7 +696,7 @@ def test_a_gpu_bench_row_that_did_not_run(device, status):
     gs.judge_bench(
         res, {"ok": "yes", "dispatch_us": 80.0, "combine_us": 90.0, "calc_diff": 1e-4}, True
     )
-    assert res.status == gr.PASSED and "dispatch 80.0 µs" in res.reason
+    assert res.status == rp.PASSED and "dispatch 80.0 µs" in res.reason
 
 
 # ---------------------------------------------------------------------------------------------
@@ -766,7 +767,7 @@ def test_a_crashed_file_is_resumed_after_the_test_that_killed_it(tmp_path, fast)
     assert segv.startswith("killed by SIGSEGV") and "Fatal Python error: Segmentation fault" in segv
     assert "test_synth.py" in segv  # the faulthandler frame of the test itself
     assert got["test_e_hangs"]["note"].startswith(f"killed by its {HANG_CAP_S:.0f} s timeout")
-    assert (fr.status, fr.parts, fr.passed, fr.failed, fr.crashed) == (gr.FAILED, 3, 3, 1, 2)
+    assert (fr.status, fr.parts, fr.passed, fr.failed, fr.crashed) == (rp.FAILED, 3, 3, 1, 2)
     assert fr.counts_from == "per-test log" and fr.killed
     assert fr.reason.startswith("crashed in test_c_segfaults (killed by SIGSEGV) and 1 more")
     assert "0 not run" in fr.reason
@@ -810,7 +811,7 @@ def test_tests_after_a_crash_the_stage_has_no_time_for_are_not_run(tmp_path, fas
     assert [c["outcome"] for c in fr.cases] == ["crashed", "not run", "not run"], fr.cases
     assert fr.cases[1]["note"] == "the stage's budget was spent after a crash"
     assert (fr.parts, fr.crashed, fr.junit) == (1, 1, None)
-    assert "2 not run" in fr.reason and res.status == gr.FAILED
+    assert "2 not run" in fr.reason and res.status == rp.FAILED
 
 
 def test_a_file_that_ends_normally_has_its_per_test_rows(tmp_path, fast):

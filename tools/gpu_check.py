@@ -35,18 +35,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_check_plan import plan_problems, plan_text, select
-from gpu_check_run import (
-    CALL_RESERVE_S,
-    Context,
-    Stage,
-    clear_outputs,
-    exit_code_of,
-    pack,
-    print_summary,
-    run_stages,
-    write_summary,
-)
+from gpu_check_run import CALL_RESERVE_S, Context, Stage, run_stages
 from gpu_check_stages import all_stages, make_venv, test_python
+from gpu_check_summary import clear_outputs, exit_code_of, pack, print_summary, write_summary
 
 
 def detect_device() -> tuple[bool, str]:

@@ -1,7 +1,8 @@
 """What tools/gpu_check.py reads back: pytest's junit XML, its ``-v`` progress lines and summary
 line (what a killed pytest leaves), the per-test log its pytest plugin writes (below) and
-compute-sanitizer's error summaries. Pure functions over text and files: no import of the
-runner or the stages. Standard library only: it runs before anything is installed.
+compute-sanitizer's error summaries, and the statuses the runner, the summary writer and the
+stages share. Pure functions over text and files: no import of the runner, the summary writer
+or the stages. Standard library only: it runs before anything is installed.
 
 It is also a pytest plugin (``-p gpu_check_reports`` with tools/ on PYTHONPATH): with
 ``GPU_CHECK_CASES`` set, each test's start and each phase's report is appended to that file as
@@ -18,6 +19,17 @@ import shutil
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+# A stage's or a test file's status, here because the runner (gpu_check_run), the summary
+# writer (gpu_check_summary) and the stages all use them and none of them may import the other
+# two in a circle.
+PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
+# A stage some of whose test files were not run (its budget was spent) with none failed.
+INCOMPLETE = "incomplete"
+# A stage or a test file that did not start: its budget was spent, or a stage it needs failed.
+NOT_RUN = "not-run"
+STATUSES = (PASSED, FAILED, SKIPPED, INCOMPLETE, NOT_RUN)
+# The run exits 0 only when every stage ended in one of these.
+OK_STATUSES = (PASSED, SKIPPED)
 COUNT_KEYS = ("passed", "failed", "skipped", "errors", "crashed")
 # The per-test outcomes of a test file (a crashed test is one whose process died under it).
 CASE_OUTCOMES = ("passed", "failed", "skipped", "error", "crashed", "not run")

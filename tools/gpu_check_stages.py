@@ -30,15 +30,15 @@ from pathlib import Path
 
 from gpu_check_plan import BUILD_FULL_S
 from gpu_check_reports import (
+    FAILED,
+    NOT_RUN,
+    PASSED,
+    SKIPPED,
     find_sanitizer,
     parse_pytest_summary,
     parse_sanitizer,
 )
 from gpu_check_run import (
-    FAILED,
-    NOT_RUN,
-    PASSED,
-    SKIPPED,
     Context,
     FileResult,
     Run,
