@@ -34,6 +34,10 @@ DISCONNECT_POLL_S = 1.0
 # Past the source's own deadline, how long a handler still waits before giving up by itself
 # (the source normally answers first with a 504 of its own).
 DEADLINE_GRACE_S = 5.0
+# How often a streaming response checks that its client is still there: the server does not
+# close a stream's generator when the client hangs up (ASGI 2.4: the failed send only raises in
+# the response), so without this a request would run on to its end for nobody.
+STREAM_DISCONNECT_POLL_S = 0.5
 # The largest request body accepted (413 beyond): a prompt of a 128k-token context as token ids
 # is ~1 MiB of JSON; 8 MiB leaves room for long chats without letting one request pin memory.
 DEFAULT_MAX_BODY_BYTES = 8 << 20
@@ -222,7 +226,9 @@ class ApiFront:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             gen = self._stream(req, queue, tracker, rid, chat, len(ids), body, include_usage)
-            return StreamingResponse(gen, media_type="text/event-stream")
+            return StreamingResponse(
+                cancel_on_disconnect(gen, http, req), media_type="text/event-stream"
+            )
         text, error = "", None
         try:
             async for ev in self.events(req, queue, http):
@@ -296,3 +302,24 @@ class ApiFront:
         finally:
             req.cancel()
             tracker.done(outcome, n_prompt)
+
+
+async def cancel_on_disconnect(
+    body: AsyncIterator[bytes], http: Request, req
+) -> AsyncIterator[bytes]:
+    """`body`'s chunks; `req` is cancelled as soon as the client hangs up (or the stream ends
+    early), and `body` closed, whatever the server does with the abandoned response."""
+
+    async def watch() -> None:
+        while not await http.is_disconnected():
+            await asyncio.sleep(STREAM_DISCONNECT_POLL_S)
+        req.cancel()
+
+    watcher = asyncio.get_running_loop().create_task(watch())
+    try:
+        async for chunk in body:
+            yield chunk
+    finally:
+        watcher.cancel()
+        req.cancel()
+        await body.aclose()

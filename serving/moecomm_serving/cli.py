@@ -9,7 +9,15 @@ import sys
 from moecomm.membership import monitor
 from moecomm.pipeline import agent as stage_agent
 
-from moecomm_serving import demo, expert_server, frontend_cmd, loadgen, rebalance_cmd, tiny
+from moecomm_serving import (
+    demo,
+    expert_server,
+    frontend_cmd,
+    loadgen,
+    rebalance_cmd,
+    router_cmd,
+    tiny,
+)
 from moecomm_serving.device_args import add_device_arguments
 
 DESCRIPTION = """moecomm: serve Mixture-of-Experts models with the experts in separate services.
@@ -18,6 +26,7 @@ subcommands:
   monitor         the embedded membership monitor (heartbeats, joins, losses)
   expert-server   host experts of a checkpoint behind the slot protocol and an HTTP control plane
   frontend        the attention side: the model with its KV cache behind the OpenAI API
+  router          the OpenAI API over prefill and decode front ends (frontend --role ...)
   stage-agent     run pipeline stages here for a front end on another host (--stage-hosts)
   rebalance       re-place experts on running expert servers from their measured load
   demo            monitor + two expert servers + a front end on the tiny model, a few prompts
@@ -33,6 +42,11 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
         default=1,
         help="pipeline stages of the front end (2: the model split over two stage processes, "
         "each calling the expert servers)",
+    )
+    p.add_argument(
+        "--pd",
+        action="store_true",
+        help="prefill and decode on separate front ends behind `moecomm router`",
     )
     tiny.add_arch_argument(p, help="model family of the tiny checkpoint")
     add_device_arguments(p, server=False)
@@ -61,6 +75,17 @@ COMMANDS = {
         "this process (--local-experts).",
         frontend_cmd.add_arguments,
         frontend_cmd.run,
+    ),
+    "router": (
+        "the OpenAI API over prefill and decode front ends",
+        "Serve /v1/completions and /v1/chat/completions by running each request's prompt on a "
+        "prefill front end and the rest on a decode front end (`moecomm frontend --role "
+        "prefill|decode`), which receives the prompt's KV blocks over moecomm's transports. A "
+        "front end that fails is replaced for the request (a lost decode front end: the "
+        "request is replayed), then probed until it answers. Prints its URL once ready; runs "
+        "until Ctrl-C.",
+        router_cmd.add_arguments,
+        router_cmd.run,
     ),
     "stage-agent": (
         "run pipeline stages for a front end on another host",

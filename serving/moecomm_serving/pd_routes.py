@@ -32,6 +32,7 @@ from fastapi.responses import StreamingResponse
 from moecomm.errors import DeadlineExceededError, PeerLostError
 
 from moecomm_serving import openai_api as oa
+from moecomm_serving.api_front import cancel_on_disconnect
 from moecomm_serving.kv_blocks import check_package
 from moecomm_serving.kv_handoff import (
     KvHandoffError,
@@ -256,7 +257,8 @@ def install_pd_routes(app: FastAPI, fe, state: PdState) -> None:
         state.count("received", "bytes", data.numel())
         resume = Resume(package, list(call.tokens), call.rng)
         req, queue = fe.submit(call.prompt, call.params, resume=resume)
-        return StreamingResponse(_ndjson(fe, req, queue), media_type=NDJSON)
+        body = cancel_on_disconnect(_ndjson(fe, req, queue), request, req)
+        return StreamingResponse(body, media_type=NDJSON)
 
 
 def _check_rng(state: torch.Tensor | None) -> None:

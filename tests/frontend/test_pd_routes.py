@@ -6,6 +6,7 @@ naming the cause) and both front ends keep serving; /metrics counts the hand-off
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -149,3 +150,41 @@ def test_unreachable_decode_is_502(pair):
     assert r.status_code == 502 and "127.0.0.1:9" in r.json()["error"]["message"]
     # the prefill front end still hands off to a live one
     assert split(pair, PROMPTS[0], GREEDY, hid="alive")
+
+
+LONG = SamplingParams(max_new_tokens=1800, ignore_eos=True)
+# A hung-up stream's request must stop well before its 1800 tokens would be done (~10 s on
+# the tiny model here).
+STOP_WITHIN_S = 3.0
+
+
+def wait_idle(frontend, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if frontend.engine.num_running == 0 and frontend.engine.queue_depth == 0:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_client_that_hangs_up_stops_its_request(pair):
+    """Both streaming paths: the decode NDJSON stream and the OpenAI SSE stream. The request
+    is cancelled within moments of the hang-up, not run on to its 1800 tokens for nobody."""
+    prefill, decode = pair
+    a = prefill_call(pair, PROMPTS[0], LONG, hid="gone").json()
+    kv = a["kv"]
+    call = DecodeCall("gone", PROMPTS[0], [a["token"]], LONG, None, kv["client_id"], kv["tag"])
+    with httpx.stream(
+        "POST", f"{decode.url}/pd/decode", json=call.to_json(), timeout=TIMEOUT_S
+    ) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            assert json.loads(next(lines))["finish"] is None
+    assert wait_idle(decode.frontend, STOP_WITHIN_S), "the decode request ran on"
+    body = {"model": MODEL_NAME, "prompt": [1, 2], "max_tokens": 1800, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    with httpx.stream("POST", f"{prefill.url}/v1/completions", json=body, timeout=TIMEOUT_S) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+    assert wait_idle(prefill.frontend, STOP_WITHIN_S), "the streamed request ran on"

@@ -1,0 +1,424 @@
+"""`moecomm router` over prefill and decode front ends: for every model family the split answers
+exactly what one front end answers (greedy and seeded sampling, streaming or not, prompts of
+one to several KV blocks); malformed requests get a 4xx and the router keeps serving; the CLI
+refuses a front end of the wrong role, an unreachable one and a malformed list. The retry and
+replay rules themselves are pinned on scripted front ends (in-process fakes speaking the
+protocol), where every failure can be placed exactly."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from moecomm.http_thread import HttpServer
+from moecomm_serving import cli
+from moecomm_serving.router import MAX_ATTEMPTS, Router, make_router_app
+from moecomm_serving.tiny import write_tiny
+from moecomm_serving.tokenizer import BYTE_VOCAB_SIZE, ByteTokenizer
+from pd_procs import (
+    CLI,
+    HTTP_TIMEOUT_S,
+    MODEL_NAME,
+    Deployment,
+    Stream,
+    completion,
+    expert_server_args,
+    frontend_args,
+    metric,
+    router_args,
+    url_of,
+)
+
+# Families served by real expert servers (the issue: both roles use them as today); the others
+# run their experts in each front end to keep the machine's two cores for the rest.
+WITH_EXPERT_SERVERS = ("mixtral", "deepseek_v3")
+ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+# Prompts of one token up to a few KV blocks (16 tokens each by default), text and token ids,
+# so the hand-off carries a partial block, whole blocks and several.
+PROMPTS = ["a", "The experts are", "moecomm moves tokens between processes" * 2, list(range(3, 67))]
+MAX_TOKENS = 12
+SEEDED = {"temperature": 0.9, "top_p": 0.95, "seed": 1234}
+END_S = 120.0  # a stream of the tiny model through the router, on a loaded machine
+
+
+@pytest.fixture(scope="module")
+def deployed(request, tmp_path_factory):
+    """Per family: the split (one prefill front end, one decode front end, the router) over
+    the same experts. Every role keeps the OpenAI routes, and the prefill front end answering a
+    request all by itself is the single front end the split must equal (the same engine path as
+    a front end without a role; a process fewer on a two-core machine). Yields (router URL,
+    single URL, prefill URL, decode URL)."""
+    arch = request.param
+    tmp = tmp_path_factory.mktemp(f"pd-{arch}")
+    ckpt = tmp / "tiny"
+    write_tiny(str(ckpt), arch, seed=0)
+    dep = Deployment(tmp)
+    try:
+        if arch in WITH_EXPERT_SERVERS:
+            line = dep.start("experts", expert_server_args(ckpt, 0), "expert server")
+            experts = ["--servers", url_of(line)]
+        else:
+            experts = ["--local-experts"]
+        prefill, decode = (
+            url_of(line)
+            for line in dep.start_many(
+                [
+                    ("prefill", frontend_args(ckpt, "prefill", experts), "frontend"),
+                    ("decode", frontend_args(ckpt, "decode", experts), "frontend"),
+                ]
+            )
+        )
+        router = url_of(dep.start("router", router_args(ckpt, [prefill], [decode]), "router"))
+        yield router, prefill, prefill, decode
+    finally:
+        dep.stop_all()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("deployed", ARCHS, indirect=True)
+def test_split_answers_exactly_what_one_front_end_answers(deployed):
+    router, single, *_ = deployed
+    for prompt in PROMPTS:
+        want = completion(single, prompt, MAX_TOKENS, ignore_eos=True)
+        assert len(want) == MAX_TOKENS
+        assert completion(router, prompt, MAX_TOKENS, ignore_eos=True) == want, prompt
+        stream = Stream(router, prompt, MAX_TOKENS, ignore_eos=True)
+        assert stream.result(time.monotonic() + END_S) == want, prompt
+    # one token: the prefill ends the request, nothing is handed off
+    assert completion(router, "x", 1) == completion(single, "x", 1)
+    assert metric(router, 'moecomm_router_retries_total{phase="prefill"}') == 0
+    assert metric(router, 'moecomm_router_retries_total{phase="decode"}') == 0
+    assert metric(router, "moecomm_router_handoffs_total") == 2 * len(PROMPTS)
+    assert metric(router, "moecomm_router_kv_bytes_total") > 0
+
+
+def _chat(url: str, **extra) -> dict:
+    body = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "Hello experts"}],
+        "max_tokens": MAX_TOKENS,
+        "return_token_ids": True,
+        **extra,
+    }
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=HTTP_TIMEOUT_S)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("deployed", ["mixtral"], indirect=True)
+def test_seeded_sampling_through_the_router_equals_one_front_end(deployed):
+    router, single, *_ = deployed
+    for prompt in PROMPTS[1:3]:
+        want = completion(single, prompt, MAX_TOKENS, ignore_eos=True, **SEEDED)
+        assert completion(router, prompt, MAX_TOKENS, ignore_eos=True, **SEEDED) == want
+        stream = Stream(router, prompt, MAX_TOKENS, ignore_eos=True, **SEEDED)
+        assert stream.result(time.monotonic() + END_S) == want
+    a, b = _chat(router, **SEEDED), _chat(single, **SEEDED)
+    assert a["choices"][0]["message"] == b["choices"][0]["message"]
+    assert a["usage"] == b["usage"]
+
+
+MALFORMED = [
+    ("POST", "/v1/completions", b"\xff\xfe not utf-8", 400),
+    ("POST", "/v1/completions", b"{", 400),
+    ("POST", "/v1/completions", json.dumps({"model": MODEL_NAME, "prompt": [1.5]}), 400),
+    ("POST", "/v1/completions", json.dumps({"model": MODEL_NAME, "prompt": [10**6]}), 400),
+    ("POST", "/v1/completions", json.dumps({"model": MODEL_NAME, "prompt": "a", "n": 2}), 400),
+    ("POST", "/v1/completions", json.dumps({"model": "other", "prompt": "a"}), 404),
+    (
+        "POST",
+        "/v1/completions",
+        json.dumps({"model": MODEL_NAME, "prompt": "a", "max_tokens": 10**6}),
+        400,
+    ),
+    ("POST", "/v1/chat/completions", json.dumps({"model": MODEL_NAME, "messages": "hi"}), 400),
+    ("GET", "/v1/completions", None, 405),
+    ("GET", "/pd/info", None, 404),
+]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("deployed", ["mixtral"], indirect=True)
+def test_malformed_requests_get_a_4xx_and_the_router_keeps_serving(deployed):
+    router, single, *_ = deployed
+    for method, path, body, status in MALFORMED:
+        r = httpx.request(method, f"{router}{path}", content=body, timeout=HTTP_TIMEOUT_S)
+        assert r.status_code == status, (path, body, r.text)
+        assert r.json()["error"]["message"]
+    assert completion(router, "ok", 4) == completion(single, "ok", 4)
+    health = httpx.get(f"{router}/health", timeout=HTTP_TIMEOUT_S)
+    assert health.status_code == 200 and health.json()["status"] == "ok", health.text
+    models = httpx.get(f"{router}/v1/models", timeout=HTTP_TIMEOUT_S).json()
+    assert models["data"][0]["id"] == MODEL_NAME
+
+
+def _free_port_url() -> str:
+    with socket.socket() as s:  # bound then closed: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("deployed", ["mixtral"], indirect=True)
+def test_cli_refuses_wrong_roles_unreachable_and_malformed_front_ends(deployed, tmp_path):
+    _, _, prefill, decode = deployed
+    ckpt = tmp_path / "tiny"
+    write_tiny(str(ckpt), "mixtral", seed=0)
+    plain = Fake()  # a server without /pd/info
+    try:
+        cases = [
+            ((decode, decode), "role 'decode'; --prefill takes role 'prefill' or 'both'"),
+            ((prefill, prefill), "role 'prefill'; --decode takes role 'decode' or 'both'"),
+            ((plain.url, decode), "not a prefill/decode front end"),
+            ((_free_port_url(), decode), "does not answer"),
+            ((prefill, decode, "--model-name", "other"), "serves model 'tiny', the router 'other'"),
+            ((",", decode), "--prefill needs at least one"),
+            ((f"{prefill},{prefill}", decode), "names a front end twice"),
+            (("localhost:80", decode), "not a front end's base URL"),
+            ((prefill, f"{decode}/v1"), "not a front end's base URL"),
+        ]
+        for args, message in cases:  # in this process: each start would import torch anew
+            argv = ["router", "--checkpoint", str(ckpt), "--prefill", args[0], "--decode", args[1]]
+            with pytest.raises(SystemExit, match=re.escape(message)):
+                cli.main([*argv, *(args[2:] or ("--model-name", MODEL_NAME))])
+    finally:
+        plain.server.stop()
+    # and once from the command line: one line on stderr, no traceback, a failing exit status
+    argv = ["router", "--checkpoint", str(ckpt), "--model-name", MODEL_NAME]
+    out = subprocess.run(
+        [*CLI, *argv, "--prefill", decode, "--decode", decode],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode != 0 and "role 'decode'" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# The retry and replay rules, on scripted front ends.
+
+FAKE_TIMEOUT_S = 2.0  # the router's backend timeout against the fakes
+WATCH_S = 0.02  # how often a fake checks whether the router hung up
+
+
+class Fake:
+    """A front end speaking the protocol from a script: `prefill(call_no, body)` returns
+    (status, JSON); `decode` is a list of token lines and then "drop" (the connection is cut
+    before the request finished) or nothing (the last line carries finish)."""
+
+    def __init__(self, prefill=None, decode=(), token_gap_s=0.0):
+        self.prefill_calls, self.decode_calls = [], []
+        self.script_prefill, self.script_decode = prefill, list(decode)
+        self.stream_gone = threading.Event()  # a decode stream's connection ended
+        self._watchers: set[asyncio.Task] = set()
+        app = FastAPI()
+
+        @app.post("/pd/prefill")
+        async def pd_prefill(request: Request):
+            body = await request.json()
+            self.prefill_calls.append(body)
+            status, answer = self.script_prefill(len(self.prefill_calls), body)
+            return JSONResponse(answer, status)
+
+        @app.post("/pd/decode")
+        async def pd_decode(request: Request):
+            self.decode_calls.append(await request.json())
+
+            async def lines():
+                for item in self.script_decode:
+                    if item == "drop":
+                        raise RuntimeError("scripted drop")  # uvicorn cuts the response
+                    await asyncio.sleep(token_gap_s)
+                    yield (json.dumps(item) + "\n").encode()
+
+            async def watch():
+                # uvicorn notices the router's hang-up when a send fails; the generator then
+                # stays suspended until collected, so the connection is watched instead
+                # (it also reads as gone once the response is complete)
+                while not await request.is_disconnected():
+                    await asyncio.sleep(WATCH_S)
+                self.stream_gone.set()
+
+            self._watchers.add(asyncio.create_task(watch()))
+
+            return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+        @app.get("/health")
+        async def health():
+            return {"status": "ok"}
+
+        self.server = HttpServer(app)
+        self.url = self.server.start()
+
+
+def _first(token=0, finish=None):
+    kv = None if finish else {"client_id": 1, "tag": 7, "bytes": 100, "transfer_s": 0.01}
+    return 200, {"token": token, "finish": finish, "kv": kv, "rng": None, "prefill_s": 0.0}
+
+
+def _tok(t, finish=None):
+    return {"token": t, "finish": finish}
+
+
+@pytest.fixture
+def fakes():
+    made, servers = [], []
+
+    def start(prefill_urls, decode_urls, **kwargs):
+        r = Router(
+            ByteTokenizer(),
+            MODEL_NAME,
+            BYTE_VOCAB_SIZE,
+            2048,
+            prefill_urls,
+            decode_urls,
+            backend_timeout_s=FAKE_TIMEOUT_S,
+            **kwargs,
+        )
+        server = HttpServer(make_router_app(r))
+        servers.append(server)
+        return r, server.start()
+
+    def fake(**kw):
+        f = Fake(**kw)
+        made.append(f)
+        return f
+
+    yield start, fake
+    for s in servers:
+        s.stop()
+    for f in made:
+        f.server.stop()
+
+
+def _complete(url: str, max_tokens=8) -> httpx.Response:
+    body = {"model": MODEL_NAME, "prompt": [1, 2, 3], "max_tokens": max_tokens}
+    body |= {"temperature": 0, "return_token_ids": True}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=HTTP_TIMEOUT_S)
+
+
+@pytest.mark.timeout(60)
+def test_a_lost_decode_front_end_is_replayed_and_the_client_sees_each_token_once(fakes):
+    start, fake = fakes
+    p = fake(prefill=lambda n, b: _first(0))
+    lost = fake(decode=[_tok(1), _tok(2), "drop"])
+    good = fake(decode=[_tok(1), _tok(2), _tok(3, "length")])
+    router, url = start([p.url], [lost.url, good.url])
+    r = _complete(url)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == [0, 1, 2, 3]
+    assert len(p.prefill_calls) == 2 and p.prefill_calls[1]["decode_url"] == good.url
+    replay = good.decode_calls[0]
+    assert replay["tokens"] == [0] and replay["kv"] == {"client_id": 1, "tag": 7}
+    assert router.router_metrics.retries == {"prefill": 0, "decode": 1}
+    assert p.prefill_calls[0]["handoff_id"] != p.prefill_calls[1]["handoff_id"]
+
+
+@pytest.mark.timeout(60)
+def test_a_replay_that_differs_from_what_the_client_has_is_an_error(fakes):
+    start, fake = fakes
+    p = fake(prefill=lambda n, b: _first(0))
+    lost = fake(decode=[_tok(1), _tok(2), "drop"])
+    other = fake(decode=[_tok(1), _tok(5), _tok(3, "length")])
+    _, url = start([p.url], [lost.url, other.url])
+    r = _complete(url)
+    assert r.status_code == 500 and "replay diverged at token 2" in r.text, r.text
+
+
+@pytest.mark.timeout(60)
+def test_unreachable_and_failing_prefill_front_ends_are_skipped(fakes):
+    start, fake = fakes
+    broken = fake(prefill=lambda n, b: (500, {"error": {"message": "forward failed"}}))
+    good = fake(prefill=lambda n, b: _first(4, "length"))
+    router, url = start([_free_port_url(), broken.url, good.url], [good.url])
+    for _ in range(2):
+        r = _complete(url, max_tokens=1)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == [4]
+    # the first request met both bad ones; the second picked the good one at once
+    assert router.router_metrics.retries["prefill"] == 2
+    health = httpx.get(f"{url}/health", timeout=HTTP_TIMEOUT_S).json()
+    assert [b["healthy"] for b in health["prefill"]] == [False, True, True]
+
+
+@pytest.mark.timeout(60)
+def test_a_4xx_from_a_front_end_reaches_the_client_without_a_retry(fakes):
+    start, fake = fakes
+    p = fake(prefill=lambda n, b: (400, {"error": {"message": "prompt refused: reasons"}}))
+    router, url = start([p.url], [p.url])
+    r = _complete(url)
+    assert r.status_code == 400 and r.json()["error"]["message"] == "prompt refused: reasons"
+    assert len(p.prefill_calls) == 1 and router.router_metrics.retries["prefill"] == 0
+
+
+@pytest.mark.timeout(60)
+def test_no_live_front_end_of_a_role_is_a_503_not_a_hang(fakes):
+    start, fake = fakes
+    p = fake(prefill=lambda n, b: _first(0))
+    dead = _free_port_url()
+    _, url = start([p.url], [dead])
+    t0 = time.monotonic()
+    r = _complete(url)
+    assert r.status_code == 503 and f"failed on {MAX_ATTEMPTS} tries" in r.text, r.text
+    assert time.monotonic() - t0 < HTTP_TIMEOUT_S / 2
+    health = httpx.get(f"{url}/health", timeout=HTTP_TIMEOUT_S)
+    assert health.status_code == 503 and "no decode front end" in health.json()["error"]
+    assert metric(url, 'moecomm_router_backends_healthy{role="decode"}') == 0
+    assert metric(url, 'moecomm_router_backends_healthy{role="prefill"}') == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_silent_decode_front_end_costs_one_backend_timeout(fakes):
+    start, fake = fakes
+
+    class Silent:  # accepts connections, never answers (a stopped process)
+        def __init__(self):
+            self.sock = socket.socket()
+            self.sock.bind(("127.0.0.1", 0))
+            self.sock.listen(16)
+            self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    silent = Silent()
+    try:
+        p = fake(prefill=lambda n, b: _first(0))
+        good = fake(decode=[_tok(1), _tok(2, "stop")])
+        router, url = start([p.url], [silent.url, good.url])
+        t0 = time.monotonic()
+        r = _complete(url)
+        took = time.monotonic() - t0
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == [0, 1, 2]
+        assert FAKE_TIMEOUT_S <= took < FAKE_TIMEOUT_S + 10, took
+        assert router.router_metrics.retries["decode"] == 1
+    finally:
+        silent.sock.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_client_that_leaves_closes_the_decode_stream(fakes):
+    start, fake = fakes
+    slow_s, n = 0.1, 100  # per token: the stream takes 10 s when nobody leaves
+    p = fake(prefill=lambda n, b: _first(0))
+    d = fake(decode=[_tok(t) for t in range(1, n)] + [_tok(n, "length")], token_gap_s=slow_s)
+    router, url = start([p.url], [d.url])
+    body = {"model": MODEL_NAME, "prompt": [1], "max_tokens": n + 1, "temperature": 0}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body | {"stream": True}) as r:
+        # leave once the decode stream runs (the prefill's token and then two of the decode's)
+        events = (line for line in r.iter_lines() if line.startswith("data: "))
+        for _ in range(3):
+            next(events)
+        assert len(d.decode_calls) == 1
+        left = time.monotonic()
+    assert d.stream_gone.wait(HTTP_TIMEOUT_S / 4)
+    assert time.monotonic() - left < n * slow_s / 2, "the decode stream ran on"
+    assert not router.requests  # the request's task ended with it
