@@ -116,6 +116,10 @@ class ServingMetrics:
         with self._lock:
             self.generation_tokens += 1
             self._recent.append((now, 1))
+            # Pruned here too, not only at scrape time: a front end nobody scrapes kept every
+            # token it ever generated (~90 B each, ~1.3 kB per request of the front-end soak's
+            # mix: its RSS growth, bench/frontend_memory.py).
+            self._prune(now)
             if request_gap_s is not None:
                 self.itl.observe(request_gap_s)
 
@@ -137,9 +141,13 @@ class ServingMetrics:
     def tokens_per_second(self, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now
         with self._lock:
-            while self._recent and self._recent[0][0] < now - THROUGHPUT_WINDOW_S:
-                self._recent.popleft()
+            self._prune(now)
             return sum(n for _, n in self._recent) / THROUGHPUT_WINDOW_S
+
+    def _prune(self, now: float) -> None:
+        """Drops the tokens older than the window (called with the lock held)."""
+        while self._recent and self._recent[0][0] < now - THROUGHPUT_WINDOW_S:
+            self._recent.popleft()
 
     def render(self) -> str:
         p = PREFIX
