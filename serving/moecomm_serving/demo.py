@@ -5,7 +5,10 @@ through the OpenAI API, a metrics summary, and a clean shutdown (also on Ctrl-C)
 ``--stages 2`` the front end splits the model over two pipeline stage processes, each calling
 the expert servers through its own client. With ``--device cuda`` (needs a GPU and a CUDA build)
 the expert servers host their experts in GPU memory and the front end reaches them through a
-DeviceClient over CUDA IPC: the GPU path end to end."""
+DeviceClient over CUDA IPC: the GPU path end to end. With ``--pd`` the prompts run split: a
+prefill front end (``--role prefill``) and a decode front end (``--role decode``), both clients
+of the expert servers, behind ``moecomm router``, which hands each prompt's KV blocks from the
+first to the second."""
 
 from __future__ import annotations
 
@@ -135,9 +138,100 @@ def metric_summary(url: str) -> list[str]:
     return out
 
 
+def pd_metric_lines(url: str, prefix: str) -> list[str]:
+    """The samples of `url`'s /metrics whose name starts with `prefix` (no HELP/TYPE lines)."""
+    text = httpx.get(f"{url}/metrics", timeout=HTTP_TIMEOUT_S).text
+    return [ln for ln in text.splitlines() if ln.startswith(prefix)]
+
+
+def start_expert_servers(procs: Processes, ckpt: str, monitor: str, gpu: list[str]) -> list[str]:
+    """The two expert servers of SERVER_EXPERTS, registered with the monitor; their URLs."""
+    urls = []
+    for i, experts in enumerate(SERVER_EXPERTS):
+        say(f"3.{i + 1} starting expert server {i} with experts {experts}")
+        line = procs.start(
+            f"expert-server-{i}",
+            [
+                "expert-server",
+                "--checkpoint",
+                ckpt,
+                "--experts",
+                experts,
+                "--id",
+                f"demo-server-{i}",
+                "--monitor",
+                monitor,
+                *ONE_THREAD,
+                *gpu,
+            ],
+            "expert server",
+        )
+        urls.append(line.split(" listening on ")[1].split(": layers")[0])
+        say(f"   {line}")
+    return urls
+
+
+def start_frontend(procs: Processes, name: str, ckpt: str, monitor: str, extra: list[str]) -> str:
+    """A `moecomm frontend` that finds the servers through the monitor; its URL."""
+    line = procs.start(
+        name,
+        [
+            "frontend",
+            "--checkpoint",
+            ckpt,
+            "--model-name",
+            "tiny",
+            "--monitor",
+            monitor,
+            *ONE_THREAD,
+            "--port",
+            "0",
+            *extra,
+        ],
+        "frontend",
+    )
+    say(f"   {line}")
+    # the URL ends the ready line (frontend_cmd)
+    return line.split(" listening on ")[1]
+
+
+def start_pd(procs: Processes, ckpt: str, monitor: str) -> tuple[str, dict[str, str]]:
+    """Steps 4-5 of ``--pd``: the prefill and the decode front end, then the router in front of
+    them; the router's URL and the front ends' by role."""
+    say("4.1 starting the prefill front end (runs each prompt, hands its KV blocks on)")
+    prefill = start_frontend(procs, "prefill-frontend", ckpt, monitor, ["--role", "prefill"])
+    say("4.2 starting the decode front end (takes the KV blocks, generates the rest)")
+    decode = start_frontend(procs, "decode-frontend", ckpt, monitor, ["--role", "decode"])
+    say("5. starting the router (the OpenAI API in front of both)")
+    line = procs.start(
+        "router",
+        [
+            "router",
+            "--checkpoint",
+            ckpt,
+            "--model-name",
+            "tiny",
+            "--prefill",
+            prefill,
+            "--decode",
+            decode,
+            "--port",
+            "0",
+        ],
+        "router",
+    )
+    say(f"   {line}")
+    return line.split(" listening on ")[1], {"prefill": prefill, "decode": decode}
+
+
 def run(args: argparse.Namespace) -> int:
     device = getattr(args, "device", "cpu")
     on_gpu = device.startswith("cuda")
+    pd = getattr(args, "pd", False)
+    if pd and (args.stages > 1 or on_gpu):
+        # the roles need the front end's paged block pool in its own process on the CPU path
+        # (frontend_cmd refuses --role otherwise): say so before anything starts
+        raise SystemExit("moecomm demo --pd: works with --stages 1 and --device cpu only")
     if on_gpu:
         from moecomm_serving.device_args import require_gpu
 
@@ -157,6 +251,8 @@ def run(args: argparse.Namespace) -> int:
     # ignored, and Python then installs no KeyboardInterrupt handler of its own.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # --pd has one step more (the router) before the prompts
+    step = 1 if pd else 0
     try:
         with tempfile.TemporaryDirectory(prefix="moecomm-demo-") as tmp:
             ckpt = os.path.join(tmp, "tiny")
@@ -170,60 +266,33 @@ def run(args: argparse.Namespace) -> int:
             say("2. starting the membership monitor")
             monitor = procs.start("monitor", ["monitor"], "http://")
             say(f"   monitor at {monitor}")
-            server_urls = []
-            for i, experts in enumerate(SERVER_EXPERTS):
-                say(f"3.{i + 1} starting expert server {i} with experts {experts}")
-                line = procs.start(
-                    f"expert-server-{i}",
-                    [
-                        "expert-server",
-                        "--checkpoint",
-                        ckpt,
-                        "--experts",
-                        experts,
-                        "--id",
-                        f"demo-server-{i}",
-                        "--monitor",
-                        monitor,
-                        *ONE_THREAD,
-                        *gpu,
-                    ],
-                    "expert server",
-                )
-                server_urls.append(line.split(" listening on ")[1].split(": layers")[0])
-                say(f"   {line}")
+            server_urls = start_expert_servers(procs, ckpt, monitor, gpu)
             stages = args.stages
-            if stages > 1:
-                say(
-                    f"4. starting the front end: {stages} pipeline stages, each a client of "
-                    "the servers"
-                )
+            if pd:
+                url, fe_urls = start_pd(procs, ckpt, monitor)
             else:
-                say("4. starting the front end (finds the servers through the monitor)")
-            line = procs.start(
-                "frontend",
-                [
-                    "frontend",
-                    "--checkpoint",
-                    ckpt,
-                    "--model-name",
-                    "tiny",
-                    "--monitor",
-                    monitor,
-                    *ONE_THREAD,
-                    "--port",
-                    "0",
-                    "--stages",
-                    str(stages),
-                    *gpu,
-                ],
-                "frontend",
-            )
-            url = line.split(" listening on ")[1]
-            say(f"   {line}")
+                if stages > 1:
+                    say(
+                        f"4. starting the front end: {stages} pipeline stages, each a client "
+                        "of the servers"
+                    )
+                else:
+                    say("4. starting the front end (finds the servers through the monitor)")
+                url = start_frontend(
+                    procs, "frontend", ckpt, monitor, ["--stages", str(stages), *gpu]
+                )
             health = httpx.get(f"{url}/health", timeout=HTTP_TIMEOUT_S).json()
-            say(f"5. health (a real one-token forward through the expert servers): {health}")
-            say("6. completions (greedy, 16 tokens each; the tiny model is random, so is its text)")
+            what = (
+                "the router's view of each front end"
+                if pd
+                else "a real one-token forward through the expert servers"
+            )
+            say(f"{5 + step}. health ({what}): {health}")
+            through = " through the router" if pd else ""
+            say(
+                f"{6 + step}. completions{through} (greedy, 16 tokens each; the tiny model is "
+                "random, so is its text)"
+            )
             for prompt in PROMPTS:
                 text, s = complete(url, prompt)
                 say(f"   {prompt!r} -> {text!r}  ({s * 1e3:.0f} ms)")
@@ -234,14 +303,25 @@ def run(args: argparse.Namespace) -> int:
                     f"   expert server {i} served {sum(x['tokens'] for x in load.json()['load'])} "
                     "token copies"
                 )
-            say("7. front-end metrics")
-            for ln in metric_summary(url):
-                say(f"   {ln}")
+            if pd:
+                say(f"{7 + step}. router metrics (latencies as its clients see them; hand-offs)")
+                for ln in metric_summary(url):
+                    say(f"   {ln}")
+                for ln in pd_metric_lines(url, "moecomm_router_"):
+                    say(f"   {ln}")
+                for role, fe_url in fe_urls.items():
+                    say(f"   {role} front end:")
+                    for ln in pd_metric_lines(fe_url, "moecomm_kv_handoff_"):
+                        say(f"     {ln}")
+            else:
+                say("7. front-end metrics")
+                for ln in metric_summary(url):
+                    say(f"   {ln}")
     except KeyboardInterrupt:
         interrupted = True
         say("interrupted: shutting down")
     finally:
-        say("8. shutting down")
+        say(f"{8 + step}. shutting down")
         procs.stop_all()
     say("demo " + ("interrupted" if interrupted else "OK"))
     return 130 if interrupted else 0
