@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import itertools
 import json
 import secrets
@@ -50,6 +51,14 @@ from moecomm_serving.scheduler import (
 )
 
 PREFILL, DECODE = "prefill", "decode"
+# Prefix affinity: requests whose prompts start with the same this many tokens go to the same
+# prefill front end (rendezvous hashing over the healthy ones), so its prefix cache sees every
+# repeat of a shared system prompt instead of 1/N of them. 64 = four blocks of the default
+# 16-token KV block: a shorter common start saves too little prefill to be worth skewing load.
+DEFAULT_AFFINITY_TOKENS = 64
+# The preferred front end is skipped for the least loaded when it has this many more requests
+# in flight: affinity must not pile a burst of one prompt family onto one front end.
+AFFINITY_SLACK = 4
 ROLES = (PREFILL, DECODE)
 # Tries of one request, the first included: enough to lose a prefill and a decode front end
 # during it and still have a spare; a request that fails this often has a cause no other front
@@ -100,6 +109,18 @@ class Backend:
         return out
 
 
+def _rendezvous(key: bytes, url: str) -> bytes:
+    return hashlib.blake2b(key + url.encode(), digest_size=8).digest()
+
+
+def affinity_key(ids: Sequence[int], tokens: int) -> bytes | None:
+    """The prefill affinity key of a prompt: its first `tokens` ids, or None when the prompt
+    is not longer than that (nothing after the shared start: no prefix worth keeping)."""
+    if tokens <= 0 or len(ids) <= tokens:
+        return None
+    return b"".join(int(t).to_bytes(4, "little") for t in ids[:tokens])
+
+
 class Backends:
     """The front ends of one role: which is healthy, how busy, which to pick next."""
 
@@ -110,10 +131,13 @@ class Backends:
         self.backends = [Backend(u, i) for i, u in enumerate(urls)]
         self._rr = 0  # round-robin offset among equally loaded front ends
 
-    def pick(self, tried: set[int]) -> Backend:
+    def pick(self, tried: set[int], affinity: bytes | None = None) -> Backend:
         """The healthy front end with the fewest requests in flight, not yet tried by this
         request if one is left; else a suspect one (it may be back); else one already tried
-        (a busy one may have room now). Never None: the attempt bound ends a hopeless request."""
+        (a busy one may have room now). Never None: the attempt bound ends a hopeless request.
+        With an `affinity` key, the candidate that key hashes highest with (rendezvous
+        hashing: a lost front end moves only its own keys) unless it has AFFINITY_SLACK more
+        requests in flight than the least loaded."""
         for ok in (
             lambda b: b.healthy and b.index not in tried,
             lambda b: b.index not in tried,
@@ -125,6 +149,10 @@ class Backends:
                 break
         n = len(self.backends)
         best = min(candidates, key=lambda b: (b.in_flight, (b.index - self._rr) % n))
+        if affinity is not None:
+            home = max(candidates, key=lambda b: _rendezvous(affinity, b.url))
+            if home.in_flight < best.in_flight + AFFINITY_SLACK:
+                return home
         self._rr = (best.index + 1) % n
         return best
 
@@ -287,6 +315,7 @@ class Router(ApiFront):
         chat_template: oa.ChatTemplate | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         backend_timeout_s: float = DEFAULT_BACKEND_TIMEOUT_S,
+        affinity_tokens: int = DEFAULT_AFFINITY_TOKENS,
     ):
         if backend_timeout_s <= 0 or request_timeout_s <= 0:
             raise ValueError(
@@ -298,6 +327,9 @@ class Router(ApiFront):
             DECODE: Backends(DECODE, decode_urls),
         }
         self.backend_timeout_s = backend_timeout_s
+        if affinity_tokens < 0:
+            raise ValueError(f"affinity_tokens must be >= 0, got {affinity_tokens}")
+        self.affinity_tokens = affinity_tokens
         self.requests: dict[str, RouterRequest] = {}
         self.router_metrics = RouterMetrics()
         super().__init__(
@@ -374,7 +406,8 @@ class Router(ApiFront):
                         )
                     )
                     return
-                p = self.pools[PREFILL].pick(tried[PREFILL])
+                key = affinity_key(req.ids, self.affinity_tokens)
+                p = self.pools[PREFILL].pick(tried[PREFILL], key)
                 d = self.pools[DECODE].pick(tried[DECODE])
                 req.new_try()
                 try:

@@ -13,6 +13,7 @@ from moecomm_serving.commands import stop_on_signals, wait_for_stop
 from moecomm_serving.config import MoEConfig
 from moecomm_serving.router import (
     DECODE,
+    DEFAULT_AFFINITY_TOKENS,
     DEFAULT_BACKEND_TIMEOUT_S,
     PREFILL,
     Router,
@@ -64,6 +65,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_BACKEND_TIMEOUT_S,
         help="the longest a front end may stay silent (the prefill's answer, the gap between "
         "two decoded tokens) before the request moves to another one (s)",
+    )
+    p.add_argument(
+        "--prefix-affinity-tokens",
+        type=int,
+        default=DEFAULT_AFFINITY_TOKENS,
+        help="prompts that start with the same this many tokens go to the same prefill front "
+        "end (while it is not much busier than the others), so its --prefix-cache-bytes cache "
+        "sees their shared prefix (default %(default)s; 0: least loaded only)",
     )
 
 
@@ -133,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
     decode = parse_urls(args.decode, "--decode")
     if args.request_timeout <= 0 or args.backend_timeout <= 0:
         raise SystemExit("moecomm router: --request-timeout and --backend-timeout must be > 0")
+    if args.prefix_affinity_tokens < 0:
+        raise SystemExit("moecomm router: --prefix-affinity-tokens must be >= 0")
     config = MoEConfig.from_file(args.checkpoint)
     tokenizer = load_tokenizer(args.checkpoint, config)
     name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
@@ -148,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
         decode,
         request_timeout_s=args.request_timeout,
         backend_timeout_s=args.backend_timeout,
+        affinity_tokens=args.prefix_affinity_tokens,
     )
     stop = stop_on_signals()
     http = HttpServer(make_router_app(router), args.host, args.port, what="the router")

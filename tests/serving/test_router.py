@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import re
 import socket
 import subprocess
@@ -422,3 +423,46 @@ def test_a_client_that_leaves_closes_the_decode_stream(fakes):
     assert d.stream_gone.wait(HTTP_TIMEOUT_S / 4)
     assert time.monotonic() - left < n * slow_s / 2, "the decode stream ran on"
     assert not router.requests  # the request's task ended with it
+
+
+AFFINITY_PREFIXES = 6  # prompt families, spread over 3 prefill front ends
+AFFINITY_REPEATS = 3  # requests per family
+
+
+def _complete_ids(url: str, ids: list[int]) -> httpx.Response:
+    body = {"model": MODEL_NAME, "prompt": ids, "max_tokens": 1, "temperature": 0}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=HTTP_TIMEOUT_S)
+
+
+@pytest.mark.timeout(60)
+def test_prompts_sharing_a_prefix_go_to_one_prefill_front_end(fakes):
+    """Prefix affinity: every request of a prompt family (same first 64 tokens, different
+    tails) lands on the same prefill front end, so its prefix cache sees them all; families
+    spread over the front ends; with the family's front end gone, its requests move to another and stay together."""
+    start, fake = fakes
+    ps = [fake(prefill=lambda n, b: _first(0, "length")) for _ in range(3)]
+    _, url = start([p.url for p in ps], [ps[0].url])
+    rnd = random.Random(7)
+    families = [[rnd.randrange(256) for _ in range(64)] for _ in range(AFFINITY_PREFIXES)]
+
+    def home_of(prefix) -> set[int]:
+        homes = set()
+        for _ in range(AFFINITY_REPEATS):
+            before = [len(p.prefill_calls) for p in ps]
+            tail = [rnd.randrange(256) for _ in range(rnd.randint(1, 9))]
+            assert _complete_ids(url, prefix + tail).status_code == 200
+            homes |= {i for i, p in enumerate(ps) if len(p.prefill_calls) > before[i]}
+        return homes
+
+    homes = [home_of(f) for f in families]
+    assert all(len(h) == 1 for h in homes), homes
+    assert len(set().union(*homes)) > 1, "every family went to one front end"
+    # the home of family 0 goes away: its requests move, together, to one other front end
+    lost = next(iter(homes[0]))
+    ps[lost].server.stop()
+    moved = home_of(families[0])
+    assert len(moved) == 1 and lost not in moved
+    # other families whose home is alive keep it (rendezvous hashing moves only lost keys)
+    for f, h in zip(families[1:], homes[1:], strict=True):
+        if lost not in h:
+            assert home_of(f) == h
