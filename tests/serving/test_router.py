@@ -438,7 +438,8 @@ def _complete_ids(url: str, ids: list[int]) -> httpx.Response:
 def test_prompts_sharing_a_prefix_go_to_one_prefill_front_end(fakes):
     """Prefix affinity: every request of a prompt family (same first 64 tokens, different
     tails) lands on the same prefill front end, so its prefix cache sees them all; families
-    spread over the front ends; with the family's front end gone, its requests move to another and stay together."""
+    spread over the front ends; with the family's front end gone, its requests move to another
+    and stay together."""
     start, fake = fakes
     ps = [fake(prefill=lambda n, b: _first(0, "length")) for _ in range(3)]
     _, url = start([p.url for p in ps], [ps[0].url])
