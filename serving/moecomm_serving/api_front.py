@@ -21,8 +21,8 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from moecomm_serving import openai_api as oa
 from moecomm_serving.generate import SamplingParams
@@ -131,7 +131,7 @@ class ApiFront:
                 404, f"model {name!r} does not exist; this server serves {self.model_name!r}"
             )
 
-    def _check_prompt(self, ids: list[int], max_tokens: int | None) -> int:
+    def check_prompt(self, ids: list[int], max_tokens: int | None) -> int:
         """Returns the completion budget; refuses prompts the model cannot take."""
         vocab = self.vocab_size
         if not ids:
@@ -160,7 +160,7 @@ class ApiFront:
             ids = self.tok.encode(p[0])
         else:
             ids = [int(t) for t in p]
-        return ids, self._check_prompt(ids, req.max_tokens)
+        return ids, self.check_prompt(ids, req.max_tokens)
 
     def chat_input(self, req: oa.ChatRequest) -> tuple[list[int], int]:
         self._check_model(req.model)
@@ -175,7 +175,7 @@ class ApiFront:
             ids = self.tok.encode(text, add_bos=False)
         else:
             ids = self.tok.encode((self.chat_template or oa.default_chat_template)(req.messages))
-        return ids, self._check_prompt(ids, req.max_completion_tokens or req.max_tokens)
+        return ids, self.check_prompt(ids, req.max_completion_tokens or req.max_tokens)
 
     def parse(self, raw: bytes, chat: bool):
         """Body -> (request, prompt ids, completion budget); run off the event loop, since
@@ -323,3 +323,32 @@ async def cancel_on_disconnect(
         watcher.cancel()
         req.cancel()
         await body.aclose()
+
+
+def install_openai_routes(app: FastAPI, front: ApiFront) -> None:
+    """The OpenAI routes and the probes over `front` (a front end's engine or the router):
+    ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``, ``/metrics``,
+    with the OpenAI error shape for every refusal."""
+    oa.install_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await front.complete(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await front.complete(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": front.model_name, "object": "model", "owned_by": "moecomm"}
+        card["max_model_len"] = front.max_model_len
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health():
+        return await front.health()
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(front.metrics.render(), media_type="text/plain; version=0.0.4")

@@ -20,12 +20,12 @@ import asyncio
 import contextlib
 import time
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 from moecomm.http_thread import DEFAULT_HOST, HttpServer
 
 from moecomm_serving import openai_api as oa
-from moecomm_serving.api_front import DEFAULT_MAX_BODY_BYTES, ApiFront
+from moecomm_serving.api_front import DEFAULT_MAX_BODY_BYTES, ApiFront, install_openai_routes
 from moecomm_serving.generate import SamplingParams
 from moecomm_serving.kv_blocks import DEFAULT_BLOCK_TOKENS
 from moecomm_serving.metrics import ServingMetrics
@@ -219,30 +219,7 @@ def make_frontend_app(
     app.state.frontend = fe
     app.state.pd = pd
 
-    oa.install_error_handlers(app)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await fe.complete(request, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await fe.complete(request, chat=True)
-
-    @app.get("/v1/models")
-    async def models():
-        card = {"id": fe.model_name, "object": "model", "owned_by": "moecomm"}
-        card["max_model_len"] = fe.max_model_len
-        return {"object": "list", "data": [card]}
-
-    @app.get("/health")
-    async def health():
-        return await fe.health()
-
-    @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(fe.metrics.render(), media_type="text/plain; version=0.0.4")
-
+    install_openai_routes(app, fe)
     if pd is not None:
         from moecomm_serving.pd_routes import install_pd_routes
 

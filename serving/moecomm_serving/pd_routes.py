@@ -132,8 +132,18 @@ class PdState:
             self.outbox.close()
 
 
-def _refuse(role: str, route: str) -> None:
-    raise oa.ApiError(404, f"{route}: this front end's role is {role!r}")
+async def _read_call(request: Request, fe, side, route: str, role: str, parse):
+    """The route's checked body: 404 when this front end has no `side` for it (its role), 400
+    for a malformed body or a prompt the model cannot take."""
+    if side is None:
+        raise oa.ApiError(404, f"{route}: this front end's role is {role!r}")
+    raw = await oa.read_body(request, fe.max_body_bytes)
+    try:
+        call = parse(raw)
+    except PdRequestError as exc:
+        raise oa.ApiError(400, str(exc)) from None
+    fe.check_prompt(call.prompt, call.params.max_new_tokens)
+    return call
 
 
 def install_pd_routes(app: FastAPI, fe, state: PdState) -> None:
@@ -152,14 +162,7 @@ def install_pd_routes(app: FastAPI, fe, state: PdState) -> None:
 
     @app.post("/pd/prefill")
     async def prefill(request: Request):
-        if state.outbox is None:
-            _refuse(state.role, "/pd/prefill")
-        raw = await oa.read_body(request, fe.max_body_bytes)
-        try:
-            call = parse_prefill(raw)
-        except PdRequestError as exc:
-            raise oa.ApiError(400, str(exc)) from None
-        fe._check_prompt(call.prompt, call.params.max_new_tokens)
+        call = await _read_call(request, fe, state.outbox, "/pd/prefill", state.role, parse_prefill)
         t0 = time.monotonic()
         req, queue = fe.submit(call.prompt, call.params, handoff=True)
         token, finish, handed = None, None, None
@@ -217,14 +220,7 @@ def install_pd_routes(app: FastAPI, fe, state: PdState) -> None:
 
     @app.post("/pd/decode")
     async def decode(request: Request):
-        if state.inbox is None:
-            _refuse(state.role, "/pd/decode")
-        raw = await oa.read_body(request, fe.max_body_bytes)
-        try:
-            call = parse_decode(raw)
-        except PdRequestError as exc:
-            raise oa.ApiError(400, str(exc)) from None
-        fe._check_prompt(call.prompt, call.params.max_new_tokens)
+        call = await _read_call(request, fe, state.inbox, "/pd/decode", state.role, parse_decode)
         if any(t >= fe.vocab_size for t in call.tokens):
             raise oa.ApiError(400, f"tokens must be ids in [0, {fe.vocab_size})")
         if not call.params.greedy:

@@ -35,11 +35,11 @@ import time
 from collections.abc import Sequence
 
 import httpx
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 
 from moecomm_serving import openai_api as oa
-from moecomm_serving.api_front import DEFAULT_MAX_BODY_BYTES, ApiFront
+from moecomm_serving.api_front import DEFAULT_MAX_BODY_BYTES, ApiFront, install_openai_routes
 from moecomm_serving.generate import SamplingParams
 from moecomm_serving.metrics import PREFIX, ServingMetrics
 from moecomm_serving.pd_wire import params_to_json
@@ -604,28 +604,5 @@ def make_router_app(router: Router) -> FastAPI:
 
     app = FastAPI(title="moecomm router", lifespan=lifespan)
     app.state.router = router
-    oa.install_error_handlers(app)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await router.complete(request, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await router.complete(request, chat=True)
-
-    @app.get("/v1/models")
-    async def models():
-        card = {"id": router.model_name, "object": "model", "owned_by": "moecomm"}
-        card["max_model_len"] = router.max_model_len
-        return {"object": "list", "data": [card]}
-
-    @app.get("/health")
-    async def health():
-        return await router.health()
-
-    @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(router.metrics.render(), media_type="text/plain; version=0.0.4")
-
+    install_openai_routes(app, router)
     return app
