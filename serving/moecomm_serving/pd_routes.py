@@ -5,7 +5,7 @@ A router (:mod:`moecomm_serving.router`) runs each request in two places:
 - ``POST /pd/prefill`` on a prefill front end: the engine prefills the prompt (sharing the
   step with other requests, using the prefix cache as any request does), samples the first
   token and ends the request there (``EngineRequest.handoff``); its KV blocks are encoded
-  (:func:`~moecomm_serving.kv_handoff.encode_package`) and sent over moecomm's transports to the
+  (:func:`~moecomm_serving.kv_package.encode_package`) and sent over moecomm's transports to the
   decode front end the router named — shm when the two share this host's memory, nixl
   otherwise, the per-peer choice the runtime makes — and the answer says where they are.
 - ``POST /pd/decode`` on a decode front end: takes that package from its inbox, imports it into
@@ -14,7 +14,7 @@ A router (:mod:`moecomm_serving.router`) runs each request in two places:
 ``GET /pd/info`` says the role; ``GET /pd/kv/offer`` and ``POST /pd/kv/connect`` (decode side)
 set up a prefill front end's channel. A front end of role ``both`` serves every route. The
 bodies are checked by :mod:`moecomm_serving.pd_wire`; the KV package by
-:func:`~moecomm_serving.kv_handoff.decode_package` and the pool's own check, so a malformed
+:func:`~moecomm_serving.kv_package.decode_package` and the pool's own check, so a malformed
 hand-off is a 400 before anything is imported.
 """
 
@@ -34,15 +34,8 @@ from moecomm.errors import DeadlineExceededError, PeerLostError
 from moecomm_serving import openai_api as oa
 from moecomm_serving.api_front import cancel_on_disconnect
 from moecomm_serving.kv_blocks import check_package
-from moecomm_serving.kv_handoff import (
-    KvHandoffError,
-    KvInbox,
-    KvOutbox,
-    KvTransferError,
-    decode_package,
-    encode_package,
-    install_kv_routes,
-)
+from moecomm_serving.kv_handoff import KvInbox, KvOutbox, KvTransferError, install_kv_routes
+from moecomm_serving.kv_package import KvHandoffError, decode_package, encode_package
 from moecomm_serving.pd_wire import PdRequestError, parse_decode, parse_prefill, rng_to_json
 from moecomm_serving.scheduler import (
     ErrorEvent,

@@ -36,7 +36,7 @@ def empty_kv_package() -> dict:
 
 
 def make(seed: int, index: int, spec) -> torch.Tensor:
-    from moecomm_serving.kv_handoff import encode_package
+    from moecomm_serving.kv_package import encode_package
 
     if tuple(spec) == EMPTY_KV:
         return encode_package(empty_kv_package(), f"h{seed}-{index}")

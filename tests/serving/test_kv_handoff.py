@@ -34,16 +34,13 @@ from moecomm.wire.shm import ShmTransport, reap_stale_segments
 from moecomm.wire.stage import StageSender
 from moecomm_serving.kv_blocks import BlockPool, PagedSequence
 from moecomm_serving.kv_handoff import (
-    PACKAGE_MAGIC,
-    KvHandoffError,
     KvInbox,
     KvOutbox,
     KvTransferError,
-    decode_package,
-    encode_package,
     install_kv_routes,
     kv_layout,
 )
+from moecomm_serving.kv_package import PACKAGE_MAGIC, KvHandoffError, decode_package, encode_package
 
 # Small slots so that modest packages span many chunks (4 KiB of payload + the header's slack).
 SLOT_BYTES, SLOTS = 4096, 2

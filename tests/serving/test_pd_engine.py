@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 from moecomm_serving.generate import SamplingParams
-from moecomm_serving.kv_handoff import decode_package, encode_package
+from moecomm_serving.kv_package import decode_package, encode_package
 from moecomm_serving.model import load_model
 from moecomm_serving.scheduler import (
     Engine,
