@@ -6,17 +6,20 @@ tool, each stage with its own budget, results written as they come.
     python3 tools/gpu_check.py [--call 1|2] [--only a,b] [--out DIR] [--pack]
                                [--device auto|yes|no] [--python PATH] [--budget S] [--plan]
 
-Stages, in order (tools/gpu_check_stages.py): preflight, build, smoke, core, deepep, bench,
-sanitizer, (racecheck, by name only), host. Call 1 = preflight, build, smoke, core (<= 6 min);
-call 2 = preflight, build (reused), deepep, bench, sanitizer (<= 4 min); no CALL and no STAGE
-runs every stage but racecheck. STAGE/--only runs the named stages and what they need (the
-build, the preflight). Without a device (``nvidia-smi -L`` lists none; ``--device`` overrides)
-the device stages are listed as skipped with the reason, and the rest runs with .venv.
+Stages, in order (tools/gpu_check_stages.py): preflight, build, joinleave, core, smoke,
+regress, deepep, bench, sanitizer, (racecheck, by name only), host. Call 1 = preflight, build,
+joinleave, core, smoke, regress (<= 7 min); call 2 = preflight, build (reused), deepep, bench,
+sanitizer (<= 4 min); no CALL and no STAGE runs every stage but racecheck (with a device also
+without joinleave and host). STAGE/--only runs the named stages and what they need (the build,
+the preflight). Without a device (``nvidia-smi -L`` lists none; ``--device`` overrides) the
+device stages are listed as skipped with the reason, and the rest runs with .venv.
 
-Every command runs in its own process group and is killed when its stage's budget is spent;
-each test file (each DeepEP scenario) is one pytest with its own junit. OUT gets summary.json
-and summary.md, rewritten after every test file, and logs/<stage>.log, junit/<stage>.<file>.xml
-(with --pack: logs.tar.gz and junit.tar.gz instead, refreshed after every stage; the device
+The stages share the call's deadline: each ends where the plan's budgets say, so what one
+leaves unused flows to the next. Every command runs in its own process group and is killed
+when its stage's time is spent; each test file is one pytest with its own junit and its own
+cap (tools/gpu_check_plan.py; `--plan` lists every GPU test file with its stage and cap).
+OUT gets summary.json and summary.md, rewritten after every test file, and logs/<stage>.log,
+junit/<stage>.<file>.xml (with --pack: logs.tar.gz and junit.tar.gz instead, refreshed after every stage; the device
 tool brings back at most eight files). Exit status 0 when every stage passed or was skipped.
 Standard library only: it runs before anything is installed. docs/gpu-check.md has the rest.
 """
@@ -35,9 +38,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_check_plan import plan_problems, plan_text, select
-from gpu_check_run import CALL_RESERVE_S, Context, Stage, run_stages
-from gpu_check_stages import all_stages, make_venv, test_python
+from gpu_check_run import CALL_RESERVE_S, Stage, run_stages
+from gpu_check_stages import all_stages, discover_gpu_files, make_venv, test_python
 from gpu_check_summary import clear_outputs, exit_code_of, pack, print_summary, write_summary
+from gpu_check_types import Context
 
 
 def detect_device() -> tuple[bool, str]:
@@ -86,8 +90,9 @@ def main(argv: list[str] | None = None, stages: list[Stage] | None = None) -> in
         return 0 if info["pip_ok"] else 1
     a = parse_args(argv)
     if a.plan:
-        print(plan_text())
-        problems = plan_problems()
+        found = discover_gpu_files(Path(__file__).resolve().parents[1])
+        print(plan_text(found))
+        problems = plan_problems(found)
         for p in problems:
             print(f"DOES NOT FIT: {p}")
         return 1 if problems else 0

@@ -66,6 +66,53 @@ def gpus() -> dict:
     return info
 
 
+def kernel() -> dict:
+    """The kernel the machine reports (``uname -r``, ``uname -v``): a sandbox such as gVisor
+    answers with its own (4.4.0), and there compute-sanitizer has been refused the device."""
+    u = platform.uname()
+    return {"uname_r": u.release, "uname_v": u.version}
+
+
+# Opens the device the way any CUDA program does (cuInit, a context, one allocation) through the
+# driver library alone, so it needs neither torch nor moecomm: run under compute-sanitizer it
+# shows whether the tool can attach to a process that uses the device.
+OPEN_DEVICE = """
+import ctypes, sys
+cuda = ctypes.CDLL("libcuda.so.1")
+dev, ctx, ptr = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_uint64()
+for step, rc in (("cuInit", lambda: cuda.cuInit(0)),
+                 ("cuDeviceGet", lambda: cuda.cuDeviceGet(ctypes.byref(dev), 0)),
+                 ("cuDevicePrimaryCtxRetain",
+                  lambda: cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)),
+                 ("cuCtxSetCurrent", lambda: cuda.cuCtxSetCurrent(ctx)),
+                 ("cuMemAlloc", lambda: cuda.cuMemAlloc_v2(ctypes.byref(ptr), 64))):
+    code = rc()
+    if code != 0:
+        print(f"DEVICE-OPEN-FAILED {step} CUresult {code}")
+        sys.exit(3)
+print("DEVICE-OPEN-OK")
+"""
+# compute-sanitizer's own start plus a CUDA context: seconds; it must leave the preflight time.
+SANITIZER_OPEN_TIMEOUT_S = 10.0
+
+
+def sanitizer_device(sanitizer: str | None, gpu_count: int) -> dict:
+    """Whether compute-sanitizer can open the device: the OPEN_DEVICE program under
+    ``compute-sanitizer --tool memcheck``. {"sanitizer_device": True/False/None (not tried),
+    "sanitizer_device_why": its last lines when it could not}."""
+    if sanitizer is None:
+        return {"sanitizer_device": None, "sanitizer_device_why": "no compute-sanitizer"}
+    if not gpu_count:
+        return {"sanitizer_device": None, "sanitizer_device_why": "no GPU listed"}
+    cmd = [sanitizer, "--tool", "memcheck", sys.executable, "-c", OPEN_DEVICE]
+    rc, out = _run(cmd, timeout=SANITIZER_OPEN_TIMEOUT_S)
+    if rc == 0 and "DEVICE-OPEN-OK" in out:
+        return {"sanitizer_device": True}
+    lines = [ln.strip() for ln in out.splitlines() if ln.strip()]
+    why = " | ".join(lines[-3:])[:300] or f"exit {rc}, no output"
+    return {"sanitizer_device": False, "sanitizer_device_why": f"exit {rc}: {why}"}
+
+
 def mps() -> dict:
     """Whether an MPS control daemon or server runs (their processes, the pipe folder)."""
     procs = []
@@ -198,6 +245,7 @@ def probe(req: Path | None = None, wheels: Path | None = None, venv: Path | None
         "executable": sys.executable,
         "machine": platform.machine(),
     }
+    info.update(kernel())
     info.update(gpus())
     info.update(mps())
     info.update(pip_info())
@@ -224,6 +272,7 @@ def probe(req: Path | None = None, wheels: Path | None = None, venv: Path | None
     except ImportError:
         sanitizer = shutil.which("compute-sanitizer")
     info["compute_sanitizer"] = sanitizer
+    info.update(sanitizer_device(sanitizer, info.get("gpu_count", 0)))
     if req is not None and req.exists():
         info.update(test_requirements(req, wheels, venv))
     return info

@@ -1,10 +1,15 @@
-"""The stage runner of tools/gpu_check.py: stages with their own time budget, commands and
+"""The stage runner of tools/gpu_check.py: stages sharing one call-level deadline, commands and
 pytest runs in their own process group killed when the stage's time is spent, one result row
 per test file, and the summaries (gpu_check_summary: summary.json, summary.md, the archives)
 rewritten as results come. Standard library only: it runs before anything is installed.
 
+A stage's budget is its share of the call, not a clock of its own: stage k ends at the run's
+start plus the budgets (and overheads) of stages 1..k, so the time a stage leaves unused flows
+to the next one, and a stage that overruns is cut where the plan said it ends. Inside a stage a
+test file gets at most its own cap (``pytest_file(cap=...)``) of what the stage has left.
+
 A stage's body (tools/gpu_check_stages.py) runs its commands through a ``StageRun``: each
-command gets what is left of the stage's budget (or less), and is killed with its process group
+command gets what is left of the stage's time (or less), and is killed with its process group
 when that is spent; a test file that cannot start any more is recorded "not run: stage budget
 spent". Nothing here knows what the stages are."""
 
@@ -15,7 +20,6 @@ import dataclasses
 import os
 import signal
 import subprocess
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -40,8 +44,8 @@ from gpu_check_reports import (
     slug,
 )
 from gpu_check_summary import pack, write_summary
+from gpu_check_types import Context, FileResult, Result
 
-ROOT = Path(__file__).resolve().parents[1]
 TOOLS = Path(__file__).resolve().parent
 # What the plan reserves beside the stages' budgets: per stage (starting its first process,
 # writing the summaries and the archives) and per call (the detection, the last summary).
@@ -61,86 +65,6 @@ LOG_TAIL_LINES = 25
 # a CUDA context: seconds), so a file where everything crashes would otherwise spend the stage
 # on itself; what is left then is reported "not run".
 MAX_PARTS = 20
-
-
-@dataclasses.dataclass
-class FileResult:
-    """One test file (or one scenario) of a stage: one pytest process, one junit file."""
-
-    stage: str
-    name: str
-    status: str
-    reason: str = ""
-    duration_s: float = 0.0
-    tests: int = 0
-    passed: int = 0
-    failed: int = 0
-    skipped: int = 0
-    errors: int = 0
-    counts_from: str = ""
-    crashed: int = 0
-    killed: bool = False
-    junit: str | None = None
-    not_passed: list = dataclasses.field(default_factory=list)
-    # Per test, when the plugin's log was there: {"test", "outcome", "note"} (CASE_OUTCOMES).
-    cases: list = dataclasses.field(default_factory=list)
-    # pytest processes it took: more than 1 when a crash made the runner resume the file.
-    parts: int = 1
-
-
-@dataclasses.dataclass
-class Result:
-    """One stage."""
-
-    name: str
-    status: str = ""
-    reason: str = ""
-    budget_s: float = 0.0
-    duration_s: float = 0.0
-    figures: dict = dataclasses.field(default_factory=dict)
-    log: str | None = None
-    files: list = dataclasses.field(default_factory=list)
-    commands: list = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
-class Context:
-    """One run. ``out`` gets the summaries; ``work`` the logs and junit files (``out`` itself,
-    or a scratch folder packed into ``out`` after every stage with --pack)."""
-
-    out: Path
-    device: bool
-    device_reason: str
-    base_python: str = sys.executable
-    python: str = sys.executable
-    root: Path = ROOT
-    work: Path | None = None
-    pack: bool = False
-    label: str = "all stages"
-    limit_s: float | None = None
-    deadline: float = float("inf")
-    started: float = dataclasses.field(default_factory=time.time)
-    results: dict = dataclasses.field(default_factory=dict)
-    order: list = dataclasses.field(default_factory=list)
-    in_progress: str | None = None
-    notes: list = dataclasses.field(default_factory=list)
-    echo: Callable[[str], None] = print
-
-    def __post_init__(self) -> None:
-        if self.work is None:
-            self.work = self.out
-
-    def remaining(self) -> float:
-        return self.deadline - time.monotonic()
-
-    def path(self, name: str) -> Path:
-        return self.work / "logs" / name
-
-    def junit_path(self, stage: str, name: str) -> Path:
-        return self.work / "junit" / f"{stage}.{slug(name)}.xml"
-
-    def rel(self, path: Path | str) -> str:
-        return os.path.relpath(path, self.work)
 
 
 @dataclasses.dataclass
@@ -259,11 +183,16 @@ def tail(path: Path | None, lines: int = LOG_TAIL_LINES) -> str:
 class StageRun:
     """The handle a stage's body works through: its budget, its log, its commands and files."""
 
-    def __init__(self, stage: Stage, ctx: Context, res: Result) -> None:
+    def __init__(self, stage: Stage, ctx: Context, res: Result, until: float | None = None) -> None:
+        """``until``: the stage's planned end (monotonic clock); without one, its start plus
+        its budget."""
         self.stage, self.ctx, self.res = stage, ctx, res
         self.start = time.monotonic()
-        self.deadline = min(self.start + res.budget_s, ctx.deadline)
+        end = self.start + res.budget_s if until is None else until
+        self.deadline = min(end, ctx.deadline)
         self.log = ctx.path(f"{stage.name}.log")
+        # What the stage may spend: its budget plus what the stages before it left unused.
+        res.figures["time_given_s"] = round(self.deadline - self.start, 1)
 
     @property
     def name(self) -> str:
@@ -288,6 +217,7 @@ class StageRun:
         if extra <= 0:
             return
         self.ctx.deadline += extra
+        self.ctx.plan_shift += extra
         self.deadline += extra
         self.res.figures["budget_extended"] = f"{self.res.budget_s:.0f} -> {budget_s:.0f} s: {why}"
         self.res.budget_s = budget_s
@@ -597,7 +527,9 @@ def _blocked(stage: Stage, ctx: Context) -> tuple[str, str] | None:
     return None
 
 
-def run_stage(stage: Stage, budget_s: float, ctx: Context) -> Result:
+def run_stage(stage: Stage, budget_s: float, ctx: Context, until: float | None = None) -> Result:
+    """One stage: blocked (skipped, not run) or its body within its time; ``until`` is its
+    planned end (run_stages), else it gets ``budget_s`` from now."""
     res = Result(stage.name, budget_s=budget_s)
     ctx.results[stage.name] = res
     ctx.order.append(res)
@@ -609,7 +541,7 @@ def run_stage(stage: Stage, budget_s: float, ctx: Context) -> Result:
             res.status, res.reason = blocked
         else:
             write_summary(ctx)
-            stage.body(StageRun(stage, ctx, res))
+            stage.body(StageRun(stage, ctx, res, until))
             settle_from_files(res, stage.require_pass and ctx.device)
     except Exception as exc:  # a bug in a stage must not hide the other stages
         res.status = FAILED
@@ -625,12 +557,30 @@ def run_stage(stage: Stage, budget_s: float, ctx: Context) -> Result:
     return res
 
 
+def planned_ends(start: float, budgets: list[float]) -> list[float]:
+    """Each stage's planned end: the run's start plus the budgets and per-stage overheads of it
+    and every stage before it (what a stage leaves unused flows to the next)."""
+    ends, total = [], start
+    for b in budgets:
+        total += b + STAGE_OVERHEAD_S
+        ends.append(total)
+    return ends
+
+
 def run_stages(plan: list[tuple[Stage, float]], ctx: Context) -> list[Result]:
-    """Runs the stages in order, each within its budget; the summaries (and with --pack the
-    archives) are rewritten after every stage and every test file."""
-    for stage, budget in plan:
-        ctx.echo(f"[gpu-check] {stage.name} ({budget:.0f} s): {stage.title or 'running'} ...")
-        res = run_stage(stage, budget, ctx)
+    """Runs the stages in order against one deadline: stage k may run until the run's start
+    plus the budgets of stages 1..k (shifted by any budget a stage raised), so unused time flows
+    forward; the summaries (and with --pack the archives) are rewritten after every stage and
+    every test file."""
+    ends = planned_ends(time.monotonic(), [b for _, b in plan])
+    for (stage, budget), end in zip(plan, ends, strict=True):
+        until = end + ctx.plan_shift
+        given = until - time.monotonic()
+        ctx.echo(
+            f"[gpu-check] {stage.name} ({budget:.0f} s, {given:.0f} s with what earlier stages "
+            f"left): {stage.title or 'running'} ..."
+        )
+        res = run_stage(stage, budget, ctx, until)
         line = f"[gpu-check] {res.name}: {res.status.upper()} ({res.duration_s:.1f} s)"
         ctx.echo(line + (f" — {res.reason}" if res.reason else ""))
         if res.status == FAILED and res.log and not res.files and stage.tail_on_failure:

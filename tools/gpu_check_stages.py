@@ -1,15 +1,20 @@
 """The stages of tools/gpu_check.py: what each runs and how its result is judged. Standard
 library only: it runs before anything is installed.
 
-    preflight  seconds: the GPU, MPS, driver and runtime, pip, every build requirement; fails
-               fast (one line naming what is missing) when a build requirement is missing
+    preflight  seconds: the GPU, MPS, driver and runtime, the kernel, pip, every build
+               requirement, whether compute-sanitizer can open the device; fails fast (one
+               line naming what is missing) when a build requirement is missing
     build      .gpu-venv + carried test wheels + `pip install -e .` with MOECOMM_WITH_CUDA=ON
                (without a device: `make build`); "reused" when its stamp says the build is current
+    joinleave  tools/probe/join_leave_diag.py: a peer joining a spinning device wait, four ways
+    core       the gpu test files never given a verdict, one pytest (one junit) each, each with
+               its cap (gpu_check_plan.STAGE_FILES), then any gpu-marked file in no stage
     smoke      tests/gpu/test_smoke_loopback.py, CUDA_LAUNCH_BLOCKING=1
-    core       every other gpu-marked test file, one pytest (and one junit) per file
+    regress    the gpu test files that passed on the last GPU run, rerun with their caps
     deepep     tests/compat/test_deep_ep_cuda.py, one pytest (each scenario reported on its own)
     bench      bench/vs_deepep.py --gpu-only (the moecomm GPU row)
-    sanitizer  compute-sanitizer --tool memcheck on the smoke test, deadlines scaled by 20
+    sanitizer  compute-sanitizer --tool memcheck on the smoke test, deadlines scaled by 20;
+               skipped for the machine when the preflight found the tool cannot open the device
     racecheck  the same with --tool racecheck (optional: in no call, by name only)
     host       tests/gpu/test_gpu_host.py tests/test_cuda_build.py (no device needed)
 
@@ -28,7 +33,17 @@ import sys
 import time
 from pathlib import Path
 
-from gpu_check_plan import BUILD_FULL_S
+from gpu_check_plan import (
+    BUILD_FULL_S,
+    CONDITIONAL_FILES,
+    DEEPEP_TEST,
+    ENGINES_TEST,
+    NIXL_TEST,
+    SMOKE_TEST,
+    STAGE_FILES,
+    UNPLANNED_CAP_S,
+    stage_of,
+)
 from gpu_check_reports import (
     FAILED,
     NOT_RUN,
@@ -38,18 +53,11 @@ from gpu_check_reports import (
     parse_pytest_summary,
     parse_sanitizer,
 )
-from gpu_check_run import (
-    Context,
-    FileResult,
-    Run,
-    Stage,
-    StageRun,
-    exit_text,
-)
+from gpu_check_run import Run, Stage, StageRun, exit_text
+from gpu_check_types import Context, FileResult
 
 TOOLS = Path(__file__).resolve().parent
-SMOKE_TEST = "tests/gpu/test_smoke_loopback.py"
-DEEPEP_TEST = "tests/compat/test_deep_ep_cuda.py"
+JOINLEAVE_SCRIPT = "tools/probe/join_leave_diag.py"
 HOST_TESTS = ["tests/gpu/test_gpu_host.py", "tests/test_cuda_build.py"]
 WHEELS_DIR = ".gpu-wheels"
 REQUIREMENTS = "tools/gpu-requirements.txt"
@@ -58,17 +66,29 @@ GPU_VENV = ".gpu-venv"
 STAMP_NAME = ".gpu-check-build.json"
 BUILD_INPUT_DIRS = ("csrc", "bindings", "cmake")
 BUILD_INPUT_FILES = ("CMakeLists.txt", "pyproject.toml", REQUIREMENTS)
-# gpu tests in these files need a module the GPU image lacks and the device tool cannot carry:
-# when the module is missing the file is left out of the core stage, and the summary says so
-# (under MOECOMM_REQUIRE_GPU=1 their skip would otherwise fail the run for a reason that is
-# the machine's, not moecomm's).
+# gpu tests in these files need something of the machine that the GPU image lacks and the
+# device tool cannot carry: when the check (a Python snippet run by the tests' Python, exit 0
+# when it is there) fails, the file is left out of its stage as a machine skip, and the summary
+# says so by name (under MOECOMM_REQUIRE_GPU=1 their skip would otherwise fail the run for a
+# reason that is the machine's, not moecomm's). Their stage and cap: gpu_check_plan.
+ENGINES_PRESENT = (
+    "import sys; sys.path.insert(0, 'tests/engines'); import engine_env; "
+    "why = engine_env.why_unavailable(); print(why or 'present'); sys.exit(why is not None)"
+)
 UNCARRIED = [
     (
-        "tests/test_nixl_tensors.py",
+        NIXL_TEST,
         "nixl",
         "NIXL is not in the GPU image and its wheel (65 MiB) is over the device tool's 64 MiB",
     ),
+    (
+        ENGINES_TEST,
+        ENGINES_PRESENT,
+        "the engine environment (tools/engines_env.sh, ~1 GB) is not carried to the device",
+    ),
 ]
+# A left-out file's row starts with this (the tag of tests/conftest.py's skip_for_machine).
+MACHINE_SKIP = "[machine] "
 GPU_MARK = re.compile(r"\bmark\.gpu\b")
 DEVICE_TEST_ENV = {"MOECOMM_REQUIRE_GPU": "1", "PYTHONUNBUFFERED": "1"}
 # Device deadlines count wall time; under compute-sanitizer kernels run 10-100x slower.
@@ -81,16 +101,8 @@ SANITIZER_TEST_TIMEOUT_S = 100.0
 # Under the sanitizer: the loopback cases only (the single-rank DeepEP Buffer case adds the
 # adapter's torch glue, not device code of its own), so memcheck fits its stage.
 SANITIZER_SELECT = "loopback_step"
-# The core stage's order: what a first GPU run most needs to learn comes first (the kernels on
-# their own, then the transport, then the server round trip), so a budget that runs out cuts
-# the least informative files; files not named here follow in path order.
-CORE_FIRST = (
-    "tests/ops/test_device_dispatch.py",
-    "tests/gpu/test_ipc_gpu.py",
-    "tests/gpu/test_device_roundtrip.py",
-    "tests/ops/test_triton_moe.py",
-    "tests/ops/test_triton_grouped_fp8.py",
-)
+# The join/leave diagnostic's own limit per variant run (four variants in its 60 s stage).
+JOINLEAVE_VARIANT_S = 12.0
 
 # ---------------------------------------------------------------------------------------------
 # Helpers
@@ -158,25 +170,50 @@ def discover_gpu_files(root: Path) -> list[str]:
     return found
 
 
+def stage_files(root: Path, stage: str) -> list[tuple[str, float]]:
+    """(file, cap) of a test stage, in the order they run: its planned files that exist, then
+    its conditional ones (gpu_check_plan.CONDITIONAL_FILES); core also gets every gpu-marked
+    file that is in no stage (UNPLANNED_CAP_S each), so a new file still runs."""
+    found = discover_gpu_files(root)
+    files = [(f, cap) for f, cap in STAGE_FILES.get(stage, {}).items() if f in found]
+    files += [(f, c[1]) for f, c in CONDITIONAL_FILES.items() if c[0] == stage and f in found]
+    if stage == "core":
+        files += [(f, UNPLANNED_CAP_S) for f in found if stage_of(f) is None]
+    return files
+
+
 def core_files(root: Path) -> list[str]:
-    found = [f for f in discover_gpu_files(root) if f not in (SMOKE_TEST, DEEPEP_TEST)]
-    first = [f for f in CORE_FIRST if f in found]
-    return first + [f for f in found if f not in first]
+    return [f for f, _ in stage_files(root, "core")]
 
 
 def left_out(ctx: Context) -> dict[str, str]:
-    """{file: why} for each UNCARRIED file whose module the tests' Python cannot import."""
+    """{file: why} for each UNCARRIED file whose check fails with the tests' Python: a module
+    name (importable?) or a Python snippet (exit 0 when what the file needs is there)."""
     out = {}
-    for path, module, why in UNCARRIED:
-        probe = (
-            f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)"
-        )
+    for path, check, why in UNCARRIED:
+        if check.isidentifier():
+            snippet = (
+                f"import importlib.util, sys; sys.exit(importlib.util.find_spec({check!r}) is None)"
+            )
+            what = f"{check} not importable"
+        else:
+            snippet, what = check, "not present"
         try:
-            missing = subprocess.run([ctx.python, "-c", probe], timeout=60).returncode != 0
-        except (OSError, subprocess.TimeoutExpired):
-            missing = True
+            r = subprocess.run(
+                [ctx.python, "-c", snippet],
+                timeout=60,
+                cwd=ctx.root,
+                capture_output=True,
+                text=True,
+            )
+            missing = r.returncode != 0
+            said = last_line(r.stdout + r.stderr)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            missing, said = True, str(exc)
         if missing:
-            out[path] = f"{module} not importable ({why})"
+            if not check.isidentifier() and said:
+                what = said
+            out[path] = f"{what} ({why})"
     return out
 
 
@@ -241,6 +278,11 @@ def judge_preflight(info: dict, device: bool) -> tuple[str, str, dict]:
         )
     if not info.get("compute_sanitizer"):
         other.append("compute-sanitizer (the sanitizer stage)")
+    elif device and info.get("sanitizer_device") is False:
+        other.append(
+            "compute-sanitizer cannot open the device (the sanitizer stage is skipped): "
+            + str(info.get("sanitizer_device_why", ""))[:160]
+        )
     if not info.get("nvidia_smi"):
         other.append("nvidia-smi")
     elif device and not info.get("gpu_count"):
@@ -256,6 +298,7 @@ def judge_preflight(info: dict, device: bool) -> tuple[str, str, dict]:
     else:
         facts.append("no GPU listed")
     facts.append(f"MPS {info.get('mps', '?')}")
+    facts.append(f"kernel {info.get('uname_r', '?')} ({info.get('uname_v', '?')})")
     facts.append(
         f"python {info.get('python')}, torch {torch} (CUDA {info.get('torch_cuda')}), "
         f"nvcc {(info.get('nvcc') or {}).get('version', '-')}"
@@ -278,6 +321,10 @@ def judge_preflight(info: dict, device: bool) -> tuple[str, str, dict]:
         "nvcc": (info.get("nvcc") or {}).get("version"),
         "nvshmem": info.get("nvshmem"),
         "compute_sanitizer": info.get("compute_sanitizer"),
+        "uname_r": info.get("uname_r"),
+        "uname_v": info.get("uname_v"),
+        "sanitizer_device": info.get("sanitizer_device"),
+        "sanitizer_device_why": info.get("sanitizer_device_why"),
         "venv_pip": info.get("venv_pip"),
         "test_requirements_missing": info.get("test_requirements_missing") or [],
         "missing": build + other,
@@ -541,23 +588,70 @@ def stage_smoke(run: StageRun) -> None:
         return
     env = {**DEVICE_TEST_ENV, "CUDA_LAUNCH_BLOCKING": "1"}
     run.pytest_file(
-        SMOKE_TEST, [SMOKE_TEST, "-m", "gpu"], env=env, test_timeout=SMOKE_TEST_TIMEOUT_S
+        SMOKE_TEST,
+        [SMOKE_TEST, "-m", "gpu"],
+        env=env,
+        cap=STAGE_FILES["smoke"][SMOKE_TEST],
+        test_timeout=SMOKE_TEST_TIMEOUT_S,
     )
 
 
-def stage_core(run: StageRun) -> None:
-    files = core_files(run.ctx.root)
+def files_stage(run: StageRun) -> None:
+    """A stage of test files (core, regress): each its own pytest with its cap; a file whose
+    machine lacks what it needs (UNCARRIED) is a machine skip, named."""
+    files = stage_files(run.ctx.root, run.name)
     if not files:
-        run.res.status, run.res.reason = FAILED, "no gpu-marked test file found"
+        run.res.status, run.res.reason = FAILED, f"no gpu-marked test file of stage {run.name}"
         return
-    out = left_out(run.ctx)
+    out = left_out(run.ctx) if any(f in dict(files) for f, _, _ in UNCARRIED) else {}
     if out:
         run.res.figures["left_out"] = [f"{f}: {why}" for f, why in out.items()]
-    for f in files:
+    for f, cap in files:
         if f in out:
-            run.add_file(FileResult(run.name, f, SKIPPED, f"left out: {out[f]}"))
+            run.add_file(FileResult(run.name, f, SKIPPED, f"{MACHINE_SKIP}left out: {out[f]}"))
             continue
-        run.pytest_file(f, [f, "-m", "gpu"], env=DEVICE_TEST_ENV, test_timeout=CORE_TEST_TIMEOUT_S)
+        run.pytest_file(
+            f, [f, "-m", "gpu"], env=DEVICE_TEST_ENV, cap=cap, test_timeout=CORE_TEST_TIMEOUT_S
+        )
+
+
+def judge_joinleave(res, info: dict | None) -> None:
+    """The diagnostic's verdict: every variant's peer seen by the spinning wait (status OK).
+    Its per-variant lines (status, word, elapsed, read-back, connect/put times) are in the log
+    and the figures."""
+    if info is None:
+        res.status, res.reason = FAILED, "the diagnostic printed no result"
+        return
+    variants = info.get("variants") or []
+    res.figures["joinleave"] = [v.get("line", "") for v in variants]
+    bad = [v["name"] for v in variants if v.get("status") != "OK"]
+    if not variants:
+        res.status, res.reason = FAILED, f"no variant ran: {info.get('error', '?')}"
+    elif bad:
+        res.status = FAILED
+        res.reason = f"{len(bad)} of {len(variants)} variants did not see the put: " + ", ".join(
+            bad
+        )
+    else:
+        res.status, res.reason = PASSED, f"all {len(variants)} variants saw the put"
+
+
+def stage_joinleave(run: StageRun) -> None:
+    """tools/probe/join_leave_diag.py with the tests' Python: a peer process joins while a
+    device wait spins (cold, warm, no spinning kernel, CUDA_MODULE_LOADING=EAGER)."""
+    ctx = run.ctx
+    if _missing(ctx, JOINLEAVE_SCRIPT):
+        run.res.status, run.res.reason = FAILED, f"missing: {JOINLEAVE_SCRIPT} does not exist"
+        return
+    cmd = [ctx.python, JOINLEAVE_SCRIPT, "--variant-timeout", str(JOINLEAVE_VARIANT_S)]
+    r = run.command(cmd, label="join/leave diagnostic", env={"PYTHONUNBUFFERED": "1"})
+    info = json_line(r.output, "JOIN-LEAVE-DIAG") if r is not None else None
+    if info is None:
+        step_ok(run, r, "the diagnostic")
+        if run.res.status != FAILED:
+            run.res.status, run.res.reason = FAILED, "the diagnostic printed no result"
+        return
+    judge_joinleave(run.res, info)
 
 
 def stage_deepep(run: StageRun) -> None:
@@ -571,11 +665,13 @@ def stage_deepep(run: StageRun) -> None:
     if _missing(ctx, DEEPEP_TEST):
         run.res.status, run.res.reason = FAILED, f"missing: {DEEPEP_TEST} does not exist"
         return
+    cap = STAGE_FILES["deepep"][DEEPEP_TEST]
     run.pytest_file(
         DEEPEP_TEST,
         [DEEPEP_TEST, "-m", "gpu"],
         env=DEVICE_TEST_ENV,
-        test_timeout=run.left(),
+        cap=cap,
+        test_timeout=min(cap, run.left()),
     )
 
 
@@ -621,6 +717,14 @@ def sanitizer_stage(tool: str, name: str) -> Stage:
     def body(run: StageRun) -> None:
         if _missing(run.ctx, SMOKE_TEST):
             run.res.status, run.res.reason = FAILED, f"missing: {SMOKE_TEST} does not exist"
+            return
+        pre = run.ctx.results.get("preflight")
+        if pre is not None and pre.figures.get("sanitizer_device") is False:
+            run.res.status = SKIPPED
+            run.res.reason = (
+                f"{MACHINE_SKIP}compute-sanitizer cannot open the device on this machine "
+                f"(kernel {pre.figures.get('uname_r')}): {pre.figures.get('sanitizer_device_why')}"
+            )
             return
         san = find_sanitizer()
         if san is None:
@@ -705,6 +809,22 @@ def all_stages() -> dict[str, Stage]:
             requires=("preflight",),
         ),
         Stage(
+            "joinleave",
+            stage_joinleave,
+            title=f"{JOINLEAVE_SCRIPT}: a peer joining a spinning device wait, four ways",
+            needs_device=True,
+            requires=("build",),
+        ),
+        Stage(
+            "core",
+            files_stage,
+            title="the gpu test files never given a verdict, one pytest each with its cap "
+            "(MOECOMM_REQUIRE_GPU=1)",
+            needs_device=True,
+            requires=("build",),
+            require_pass=True,
+        ),
+        Stage(
             "smoke",
             stage_smoke,
             title=f"{SMOKE_TEST} (CUDA_LAUNCH_BLOCKING=1)",
@@ -714,9 +834,9 @@ def all_stages() -> dict[str, Stage]:
             no_device_reason=_smoke_missing,
         ),
         Stage(
-            "core",
-            stage_core,
-            title="every other gpu-marked test file, one pytest each (MOECOMM_REQUIRE_GPU=1)",
+            "regress",
+            files_stage,
+            title="the gpu test files that passed on the last GPU run, each with its cap",
             needs_device=True,
             requires=("build",),
             require_pass=True,

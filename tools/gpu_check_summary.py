@@ -4,9 +4,9 @@ prints at the end, the archives of its logs and junit files (--pack), clearing w
 run left in OUT, and the run's exit status. Standard library only: it runs before anything is
 installed.
 
-It reads the runner's dataclasses (gpu_check_run: Context, Result, FileResult) by their fields
-and never imports the runner, which imports it: the statuses both use are in
-gpu_check_reports."""
+It reads the run's records (gpu_check_types: Context, Result, FileResult) and never imports the
+runner, which imports it: the records and the statuses both use live below both
+(gpu_check_types, gpu_check_reports)."""
 
 from __future__ import annotations
 
@@ -17,12 +17,9 @@ import shutil
 import tarfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from gpu_check_reports import COUNT_KEYS, OK_STATUSES, PASSED, SKIPPED, STATUSES
-
-if TYPE_CHECKING:  # annotations only: an import at run time would close a circle
-    from gpu_check_run import Context, Result
+from gpu_check_types import Context, Result
 
 
 def exit_code_of(results: list[Result]) -> int:
