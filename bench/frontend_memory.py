@@ -123,10 +123,10 @@ async def _client_main(a: argparse.Namespace) -> int:
 def start_frontend_here(ckpt: str, stages: int, standby: bool, max_batch_tokens: int):
     """(HttpServer, its Frontend, closer) of a front end over `ckpt` in this process."""
     import torch
-    from moecomm_serving.config import MoEConfig
-    from moecomm_serving.frontend import make_frontend_app, start_frontend
-    from moecomm_serving.model import LOCAL, load_model
-    from moecomm_serving.tokenizer import load_tokenizer
+    from moecomm_serving.api.app import make_frontend_app, start_frontend
+    from moecomm_serving.model.config import MoEConfig
+    from moecomm_serving.model.tokenizer import load_tokenizer
+    from moecomm_serving.model.transformer import LOCAL, load_model
 
     torch.set_num_threads(1)  # as the soak's --threads 1
     config = MoEConfig.from_file(ckpt)
@@ -135,8 +135,8 @@ def start_frontend_here(ckpt: str, stages: int, standby: bool, max_batch_tokens:
     if stages == 1:
         model = load_model(ckpt, experts=LOCAL, dtype=torch.float32)
     else:
-        from moecomm_serving.pipeline_model import PipelinedModel
-        from moecomm_serving.pipeline_stages import model_pipeline
+        from moecomm_serving.engine.pipeline import PipelinedModel
+        from moecomm_serving.engine.stages import model_pipeline
 
         def build(initial_k: int = 0):
             return model_pipeline(
@@ -246,7 +246,7 @@ class Lines:
 
 
 def measure(a: argparse.Namespace) -> dict:
-    from moecomm_serving.tiny import write_tiny
+    from moecomm_serving.model.tiny import write_tiny
 
     filters = [
         tracemalloc.Filter(False, tracemalloc.__file__),

@@ -60,9 +60,9 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import format_table, percentile, write_json
-from moecomm_serving import loadgen
-from moecomm_serving.demo import CLI, ONE_THREAD, SERVER_EXPERTS
-from moecomm_serving.tiny import ARCHS
+from moecomm_serving.cli import loadgen
+from moecomm_serving.cli.demo import CLI, ONE_THREAD, SERVER_EXPERTS
+from moecomm_serving.model.tiny import ARCHS
 from soak_frontend import GONE_TIMEOUT_S, Child, alive, descendants
 from soak_report import save_figure
 

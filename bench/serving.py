@@ -32,8 +32,8 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import format_table, write_json
-from moecomm_serving.demo import CLI, ONE_THREAD, Processes
-from moecomm_serving.loadgen import run_bench
+from moecomm_serving.cli.demo import CLI, ONE_THREAD, Processes
+from moecomm_serving.cli.loadgen import run_bench
 
 MAX_BATCH_TOKENS = 64
 TARGET_AT_32 = 0.9

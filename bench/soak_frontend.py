@@ -60,7 +60,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moecomm
 from common import format_table, percentile, write_json
 from moecomm.errors import DeadlineExceededError
-from moecomm_serving.demo import CLI, ONE_THREAD, SERVER_EXPERTS
+from moecomm_serving.cli.demo import CLI, ONE_THREAD, SERVER_EXPERTS
 from soak_report import (
     KB_PER_MB,
     max_abs_drift,

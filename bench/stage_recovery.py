@@ -50,9 +50,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import format_table, write_json
 from moecomm.wire.shm import reap_stale_segments
-from moecomm_serving.checkpoint import Checkpoint
-from moecomm_serving.demo import CLI, ONE_THREAD
-from moecomm_serving.model import stage_tensor_names
+from moecomm_serving.cli.demo import CLI, ONE_THREAD
+from moecomm_serving.model.checkpoint import Checkpoint
+from moecomm_serving.model.transformer import stage_tensor_names
 
 START_S = 180.0
 REQUEST_TIMEOUT_S = 120.0

@@ -35,7 +35,7 @@ def write_gpu_checkpoint(path: str, a) -> None:
     """A one-layer random Mixtral-layout checkpoint of the bench's shape: hidden a.hidden,
     a.num_experts experts of width a.gpu_intermediate, top-a.num_topk; attention is one head of
     width 8 so that nearly all bytes are experts."""
-    from moecomm_serving.tiny import write_tiny
+    from moecomm_serving.model.tiny import write_tiny
 
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)
@@ -124,7 +124,7 @@ class ServerProcess:
 def gpu_reference(ckpt_dir: str, x, idx, w) -> torch.Tensor:
     """Σ_k w[t,k] · mlp_{idx[t,k]}(x[t]) in float32 on the GPU, with the checkpoint's weights
     (Mixtral: w2 · (silu(w1 · x) * (w3 · x)))."""
-    from moecomm_serving.checkpoint import Checkpoint
+    from moecomm_serving.model.checkpoint import Checkpoint
 
     experts = sorted({int(e) for e in idx.flatten().tolist() if e >= 0})
     weights = Checkpoint(ckpt_dir).read_experts({0: experts}, torch.bfloat16, device=x.device)[0]

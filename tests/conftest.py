@@ -168,7 +168,7 @@ def one_thread():
 @pytest.fixture(scope="session")
 def tiny_mixtral_dir(tmp_path_factory):
     """The tiny random Mixtral-layout checkpoint (seed 0), written once per session."""
-    from moecomm_serving.tiny import write_tiny
+    from moecomm_serving.model.tiny import write_tiny
 
     path = tmp_path_factory.mktemp("tiny-mixtral")
     write_tiny(str(path), "mixtral", seed=0)

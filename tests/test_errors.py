@@ -69,11 +69,16 @@ ALIASES = [
         "UnknownMemberError",
     ),
     ("moecomm.membership.registry", "Full", "moecomm.membership.registry", "RegistryFullError"),
-    ("moecomm_serving.scheduler", "EngineBusy", "moecomm_serving.scheduler", "EngineBusyError"),
     (
-        "moecomm_serving.remote_experts",
+        "moecomm_serving.engine.scheduler",
+        "EngineBusy",
+        "moecomm_serving.engine.scheduler",
+        "EngineBusyError",
+    ),
+    (
+        "moecomm_serving.model.remote_experts",
         "NoExpertServers",
-        "moecomm_serving.remote_experts",
+        "moecomm_serving.model.remote_experts",
         "NoExpertServersError",
     ),
 ]

@@ -1,11 +1,14 @@
-"""moecomm_serving: the reference serving layer (CLI, model, HTTP front end).
+"""moecomm_serving: the reference serving layer, in layers that import only those below them.
 
-The package imports nothing itself (so ``python -m moecomm_serving.<module>`` runs cleanly);
-the model's entry points live in their modules (see docs/model.md):
+- :mod:`moecomm_serving.kv`: the KV cache (growable and paged), the prefix cache, the package
+  format a request's cache travels in;
+- :mod:`moecomm_serving.model`: the reference MoE transformer — config, checkpoint, tokenizer,
+  chat template, layers, families, the tiny checkpoint, and where the experts run;
+- :mod:`moecomm_serving.engine`: generation, continuous batching, the pipelined model;
+- :mod:`moecomm_serving.api`: the OpenAI API — schemas, routes, the front end's app, metrics;
+- :mod:`moecomm_serving.disagg`: the prefill/decode split — its schema, routes, KV transfer and
+  the router;
+- :mod:`moecomm_serving.cli`: the ``moecomm`` command, the only layer that starts processes.
 
-- ``model``: :func:`load_model`, :class:`MoETransformer` (whole model or one pipeline stage);
-- ``backends``: the experts-backend interface and :class:`LocalExperts`;
-- ``checkpoint``: :class:`Checkpoint` (strict HF-layout access; ``read_experts`` for servers);
-- ``generate``: :class:`Generation`, :func:`step`, :func:`generate`, :class:`SamplingParams`;
-- ``kvcache``, ``config``, ``tokenizer``, ``tiny``.
+The package imports nothing itself (so ``python -m moecomm_serving.<module>`` runs cleanly).
 """

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from frontend_helpers import MAX_BATCH_TOKENS, MODEL_NAME
-from moecomm_serving.frontend import make_frontend_app, start_frontend
-from moecomm_serving.generate import SamplingParams, generate
-from moecomm_serving.model import load_model
-from moecomm_serving.tokenizer import load_tokenizer
+from moecomm_serving.api.app import make_frontend_app, start_frontend
+from moecomm_serving.engine.generate import SamplingParams, generate
+from moecomm_serving.model.tokenizer import load_tokenizer
+from moecomm_serving.model.transformer import load_model
 
 
 @pytest.fixture(scope="session")

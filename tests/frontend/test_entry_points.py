@@ -1,5 +1,5 @@
 """The two entry points the CLI mounts, as processes: ``serve_frontend`` (blocking uvicorn) and
-``python -m moecomm_serving.loadgen`` against it."""
+``python -m moecomm_serving.cli.loadgen`` against it."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ RUN_TIMEOUT_S = 120.0
 SERVER = """
 import sys, torch
 torch.set_num_threads(1)
-from moecomm_serving.frontend import serve_frontend
-from moecomm_serving.model import load_model
-from moecomm_serving.tokenizer import load_tokenizer
+from moecomm_serving.api.app import serve_frontend
+from moecomm_serving.model.transformer import load_model
+from moecomm_serving.model.tokenizer import load_tokenizer
 model = load_model(sys.argv[1], dtype=torch.float32)
 serve_frontend(model, load_tokenizer(sys.argv[1], model.config), "tiny", 128,
                port=int(sys.argv[2]))
@@ -55,7 +55,7 @@ def test_serve_frontend_and_bench_cli(tiny_dir, tmp_path):
         out = tmp_path / "bench.json"
         argv = ["--base-url", url, "--num-prompts", "4", "--input-len", "12", "--output-len", "3"]
         bench = subprocess.run(
-            [sys.executable, "-m", "moecomm_serving.loadgen", *argv, "--result-file", str(out)],
+            [sys.executable, "-m", "moecomm_serving.cli.loadgen", *argv, "--result-file", str(out)],
             capture_output=True,
             text=True,
             timeout=RUN_TIMEOUT_S,

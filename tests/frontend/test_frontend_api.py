@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 from frontend_helpers import MAX_BATCH_TOKENS, MODEL_NAME, sse_chunks
-from moecomm_serving.openai_api import ChatMessage, default_chat_template
+from moecomm_serving.api.openai import ChatMessage, default_chat_template
 
 TIMEOUT_S = 60.0
 PROMPT = "The experts are"

@@ -7,8 +7,8 @@ import httpx
 import pytest
 import torch
 from frontend_helpers import MODEL_NAME, sse_chunks
-from moecomm_serving.frontend import make_frontend_app
-from moecomm_serving.model import load_model
+from moecomm_serving.api.app import make_frontend_app
+from moecomm_serving.model.transformer import load_model
 
 TIMEOUT_S = 60.0
 PROMPT = "Fail over"

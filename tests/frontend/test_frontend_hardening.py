@@ -17,9 +17,9 @@ import openai
 import pytest
 import torch
 from frontend_helpers import MODEL_NAME, sse_chunks
-from moecomm_serving.model import load_model
-from moecomm_serving.tiny import write_tiny
-from moecomm_serving.tokenizer import BYTE_VOCAB_SIZE, ByteTokenizer, load_tokenizer
+from moecomm_serving.model.tiny import write_tiny
+from moecomm_serving.model.tokenizer import BYTE_VOCAB_SIZE, ByteTokenizer, load_tokenizer
+from moecomm_serving.model.transformer import load_model
 from tokenizer_files import write_checkpoint
 
 TIMEOUT_S = 60.0

@@ -11,7 +11,7 @@ import sys
 import tracemalloc
 from pathlib import Path
 
-from moecomm_serving.metrics import THROUGHPUT_WINDOW_S, ServingMetrics
+from moecomm_serving.api.metrics import THROUGHPUT_WINDOW_S, ServingMetrics
 
 # Tokens per simulated second, and seconds simulated: 50 windows of the tokens/s gauge, so a
 # structure that keeps every token holds 50x what one that keeps a window holds.

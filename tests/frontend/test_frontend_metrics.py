@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 from frontend_helpers import MODEL_NAME
-from moecomm_serving.metrics import Histogram
+from moecomm_serving.api.metrics import Histogram
 
 TIMEOUT_S = 60.0
 REQUESTS = 3

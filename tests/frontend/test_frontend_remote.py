@@ -12,8 +12,8 @@ import torch
 from frontend_helpers import MODEL_NAME
 from moecomm.runtime import AttentionClient, ExpertServer
 from moecomm.runtime.control import HttpServer, make_app
-from moecomm_serving.checkpoint import Checkpoint
-from moecomm_serving.model import load_model
+from moecomm_serving.model.checkpoint import Checkpoint
+from moecomm_serving.model.transformer import load_model
 
 TIMEOUT_S = 60.0
 # Per-dispatch rows of the client's slots; the engine's step budget must fit in it.

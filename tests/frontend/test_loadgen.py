@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from moecomm_serving import loadgen
-from moecomm_serving.loadgen import BenchRequest, format_report, run_bench, synthetic_requests
+from moecomm_serving.cli import loadgen
+from moecomm_serving.cli.loadgen import BenchRequest, format_report, run_bench, synthetic_requests
 
 SECTIONS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
 FIELDS = (

@@ -11,9 +11,9 @@ import time
 import httpx
 import pytest
 from frontend_helpers import MODEL_NAME
-from moecomm_serving import pd_routes
-from moecomm_serving.generate import SamplingParams
-from moecomm_serving.pd_wire import DecodeCall, PrefillCall, rng_from_json
+from moecomm_serving.disagg import routes as pd_routes
+from moecomm_serving.disagg.schema import DecodeCall, PrefillCall, rng_from_json
+from moecomm_serving.engine.generate import SamplingParams
 
 TIMEOUT_S = 60.0
 PROMPTS = ([5, 6, 7], list(range(1, 40)), [200] * 17)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 
 import pytest
-from moecomm_serving.generate import SamplingParams
-from moecomm_serving.scheduler import (
+from moecomm_serving.engine.generate import SamplingParams
+from moecomm_serving.engine.scheduler import (
     Engine,
     EngineBusyError,
     EngineRequest,

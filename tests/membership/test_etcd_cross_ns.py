@@ -62,8 +62,8 @@ def main():
     args = json.load(open(sys.argv[1]))
     from moecomm.membership import connect_membership
     from moecomm.pipeline.driver import run_decode
-    from moecomm_serving.pipeline_stages import model_pipeline
-    from moecomm_serving.remote_experts import RemoteExperts
+    from moecomm_serving.engine.stages import model_pipeline
+    from moecomm_serving.model.remote_experts import RemoteExperts
     out = {}
     with connect_membership(args["etcd"]) as ms:
         deadline = time.monotonic() + 60
@@ -113,8 +113,8 @@ def etcd_argv(binary: str, addr: str, data_dir: Path) -> list[str]:
 
 @pytest.mark.timeout(360)
 def test_etcd_in_its_own_namespace_serves_servers_frontend_and_stages(tiny_mixtral_dir, tmp_path):
-    from moecomm_serving.generate import SamplingParams, generate
-    from moecomm_serving.model import load_model
+    from moecomm_serving.engine.generate import SamplingParams, generate
+    from moecomm_serving.model.transformer import load_model
 
     binary = etcd_binary()
     token = secrets.token_hex(32)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from moecomm_serving.tiny import write_tiny
+from moecomm_serving.model.tiny import write_tiny
 
 # Nine layers split 3/3/3 over three stages let the last stage give away two layers, onto two
 # receivers, so a redistribution moves layers across both boundaries at once.

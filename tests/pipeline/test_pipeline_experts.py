@@ -16,9 +16,9 @@ import pytest
 from moecomm.pipeline.driver import run_decode
 from moecomm.wire.shm import reap_stale_segments
 from moecomm.wire.stage import stage_layout
-from moecomm_serving.config import MoEConfig
-from moecomm_serving.pipeline_stages import model_pipeline
-from moecomm_serving.remote_experts import RemoteExperts
+from moecomm_serving.engine.stages import model_pipeline
+from moecomm_serving.model.config import MoEConfig
+from moecomm_serving.model.remote_experts import RemoteExperts
 from proc_helpers import read_line
 from test_stages import MAX_NEW, PROMPTS, reference
 

@@ -11,9 +11,9 @@ import torch
 from moecomm.pipeline.driver import PipelineError, run_decode
 from moecomm.pipeline.predictor import LatencyPredictor
 from moecomm.pipeline.scheduler import BubbleScheduler
-from moecomm_serving.generate import SamplingParams, generate
-from moecomm_serving.model import load_model
-from moecomm_serving.pipeline_stages import model_pipeline
+from moecomm_serving.engine.generate import SamplingParams, generate
+from moecomm_serving.engine.stages import model_pipeline
+from moecomm_serving.model.transformer import load_model
 
 MAX_NEW = 14
 # Prompts of different lengths (ragged batches), deterministic.

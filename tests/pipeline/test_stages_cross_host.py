@@ -63,7 +63,7 @@ def main():
                         len(args["places"]), layout, k_max=1, num_slots=2,
                         stage_hosts=args["places"], host=args["host"], stage_token=args["token"])
     else:
-        from moecomm_serving.pipeline_stages import model_pipeline
+        from moecomm_serving.engine.stages import model_pipeline
         pipe = model_pipeline(args["ckpt"], len(args["places"]), stage_hosts=args["places"],
                               host=args["host"], stage_token=args["token"])
     out = {"transports": {f"{i}-{j}": t for (i, j), t in pipe.transports.items()}}
@@ -186,8 +186,8 @@ def test_stages_on_three_hosts_migrate_kv_and_a_killed_host_is_a_clear_error(tmp
 
 @pytest.mark.timeout(300)
 def test_model_stages_on_three_hosts_equal_one_process(nine_layer_dir, tmp_path):
-    from moecomm_serving.generate import SamplingParams, generate
-    from moecomm_serving.model import load_model
+    from moecomm_serving.engine.generate import SamplingParams, generate
+    from moecomm_serving.model.transformer import load_model
 
     token, key = token_file(tmp_path)
     with netns.Lab() as lab:
@@ -307,7 +307,7 @@ def test_wrong_token_and_unreachable_agent_are_clear_errors(local_agent, tmp_pat
 def test_frontend_stage_host_options_are_checked(tmp_path):
     import argparse
 
-    from moecomm_serving.frontend_pipeline import add_stage_host_arguments, stage_placement
+    from moecomm_serving.cli.frontend_stages import add_stage_host_arguments, stage_placement
 
     p = argparse.ArgumentParser()
     p.add_argument("--stages", type=int)
@@ -358,9 +358,9 @@ def test_moecomm_frontend_places_a_stage_on_another_host_from_the_command_line(t
     """`moecomm stage-agent` on one "host", `moecomm frontend --stages 2 --stage-hosts
     local,HOST:PORT` on another: what a user types, served through the OpenAI API, the same
     greedy tokens as the model in one process."""
-    from moecomm_serving.generate import SamplingParams, generate
-    from moecomm_serving.model import load_model
-    from moecomm_serving.tokenizer import load_tokenizer
+    from moecomm_serving.engine.generate import SamplingParams, generate
+    from moecomm_serving.model.tokenizer import load_tokenizer
+    from moecomm_serving.model.transformer import load_model
 
     cli = [*PY, "-m", "moecomm_serving.cli"]
     _, key = token_file(tmp_path)

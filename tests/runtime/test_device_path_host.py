@@ -17,7 +17,7 @@ from moecomm.runtime.control import HttpServer, http_transports, make_app
 from moecomm.runtime.device_handshake import check_device_offer
 from moecomm.wire.choose import boot_id
 from moecomm.wire.protocol import SlotLayout
-from moecomm_serving.device_args import parse_random_spec
+from moecomm_serving.cli.device import parse_random_spec
 
 LAYOUT = SlotLayout(8, 64, 2)
 CLI = [sys.executable, "-m", "moecomm_serving.cli"]
@@ -153,7 +153,7 @@ class _WarmingServer(ExpertServer):
 def test_a_server_warms_up_before_it_says_it_listens(capsys):
     import argparse
 
-    from moecomm_serving.expert_server import start_serving
+    from moecomm_serving.cli.expert_server import start_serving
 
     args = argparse.Namespace(
         token="", host="127.0.0.1", port=0, id=None, device="cpu", monitor=None, ttl=5.0

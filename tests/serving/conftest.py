@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moecomm_serving.model import load_model
-from moecomm_serving.tiny import write_tiny
+from moecomm_serving.model.tiny import write_tiny
+from moecomm_serving.model.transformer import load_model
 
 
 @pytest.fixture(scope="session")

@@ -12,10 +12,10 @@ import time
 
 import httpx
 import torch
-from moecomm_serving.generate import Generation, SamplingParams, step
-from moecomm_serving.model import load_model
-from moecomm_serving.remote_experts import RemoteExperts, connect_experts
-from moecomm_serving.tokenizer import ByteTokenizer
+from moecomm_serving.engine.generate import Generation, SamplingParams, step
+from moecomm_serving.model.remote_experts import RemoteExperts, connect_experts
+from moecomm_serving.model.tokenizer import ByteTokenizer
+from moecomm_serving.model.transformer import load_model
 
 PROMPTS = ("experts on other hosts", "kill one and keep going")
 JOIN_WAIT_S = 90.0

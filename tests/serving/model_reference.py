@@ -8,8 +8,8 @@ import math
 
 import torch
 import torch.nn.functional as F
-from moecomm_serving.checkpoint import expert_names
-from moecomm_serving.config import MoEConfig
+from moecomm_serving.model.checkpoint import expert_names
+from moecomm_serving.model.config import MoEConfig
 
 
 def norm(x, w, eps):

@@ -8,10 +8,10 @@ import shutil
 
 import pytest
 import torch
-from moecomm_serving.checkpoint import Checkpoint, CheckpointError, expected_tensors
-from moecomm_serving.config import MoEConfig, UnsupportedConfigError
-from moecomm_serving.model import load_model
-from moecomm_serving.tiny import random_tensors, tiny_config
+from moecomm_serving.model.checkpoint import Checkpoint, CheckpointError, expected_tensors
+from moecomm_serving.model.config import MoEConfig, UnsupportedConfigError
+from moecomm_serving.model.tiny import random_tensors, tiny_config
+from moecomm_serving.model.transformer import load_model
 from safetensors.torch import load_file, save_file
 
 
@@ -194,7 +194,7 @@ def test_integer_tensor_is_rejected(mixtral_dir, tmp_path):
 
 
 def test_bfloat16_checkpoint_loads_and_casts(tmp_path):
-    from moecomm_serving.tiny import write_tiny
+    from moecomm_serving.model.tiny import write_tiny
 
     write_tiny(str(tmp_path), "mixtral", seed=0, dtype=torch.bfloat16)
     ckpt = Checkpoint(tmp_path)

@@ -6,8 +6,8 @@ import time
 
 import httpx
 import pytest
-from moecomm_serving.config import MoEConfig
-from moecomm_serving.expert_server import parse_ids
+from moecomm_serving.cli.expert_server import parse_ids
+from moecomm_serving.model.config import MoEConfig
 from proc_helpers import read_line
 
 CLI = [sys.executable, "-m", "moecomm_serving.cli"]

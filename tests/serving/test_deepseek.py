@@ -5,13 +5,13 @@ grouped sigmoid router."""
 import pytest
 import torch
 from moecomm.pipeline.driver import run_decode
-from moecomm_serving.config import MoEConfig, UnsupportedConfigError
-from moecomm_serving.deepseek import DeepseekLayer
-from moecomm_serving.generate import SamplingParams, generate
-from moecomm_serving.layer import rms_norm
-from moecomm_serving.model import load_model
-from moecomm_serving.pipeline_stages import model_pipeline
-from moecomm_serving.tiny import tiny_config, write_tiny
+from moecomm_serving.engine.generate import SamplingParams, generate
+from moecomm_serving.engine.stages import model_pipeline
+from moecomm_serving.model.config import MoEConfig, UnsupportedConfigError
+from moecomm_serving.model.deepseek import DeepseekLayer
+from moecomm_serving.model.layer import rms_norm
+from moecomm_serving.model.tiny import tiny_config, write_tiny
+from moecomm_serving.model.transformer import load_model
 
 PROMPT = [5, 17, 200, 33, 90, 12, 7, 250, 64, 3]
 STAGE_LAYERS = 4  # two stages of two layers; a remap moves one across

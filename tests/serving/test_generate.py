@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moecomm_serving.generate import (
+from moecomm_serving.engine.generate import (
     FINISH_LENGTH,
     FINISH_STOP,
     Generation,
@@ -13,7 +13,7 @@ from moecomm_serving.generate import (
     sample_next,
     step,
 )
-from moecomm_serving.tokenizer import ByteTokenizer, load_tokenizer
+from moecomm_serving.model.tokenizer import ByteTokenizer, load_tokenizer
 
 TOK = ByteTokenizer()
 TEXTS = ["Hello", "Mixture of experts, disaggregated.", "a", "Ünïcödé ✓ and more text"]
@@ -128,7 +128,7 @@ def test_tokenizer_json_needs_the_package(tmp_path):
 
 
 def test_command_line(mixtral_dir, capsys):
-    from moecomm_serving.generate import main
+    from moecomm_serving.engine.generate import main
 
     main(
         [

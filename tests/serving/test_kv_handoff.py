@@ -1,10 +1,10 @@
-"""KV hand-off (moecomm_serving.kv_handoff): the package format round-trips bit-exactly and refuses
-every malformed package with a clear KvHandoffError; packages travel between real processes over
-shm (several sizes, two senders at once, slots reused back to back, slot poisoning on) and over
-nixl between network namespaces; a sender killed mid-package fails only its own package, a dead
-decode side fails the send (never a hang), a sender that breaks a package rule gets the rule at
-once and the others are served, a connection the outbox drops is freed at the decode side, bad
-connect and disconnect requests get 400s, and an unclaimed package expires."""
+"""KV hand-off (moecomm_serving.disagg.transfer): the package format round-trips bit-exactly and
+refuses every malformed package with a clear KvHandoffError; packages travel between real
+processes over shm (several sizes, two senders at once, slots reused back to back, slot poisoning
+on) and over nixl between network namespaces; a sender killed mid-package fails only its own
+package, a dead decode side fails the send (never a hang), a sender that breaks a package rule
+gets the rule at once and the others are served, a connection the outbox drops is freed at the
+decode side, bad connect and disconnect requests get 400s, and an unclaimed package expires."""
 
 from __future__ import annotations
 
@@ -32,15 +32,15 @@ from moecomm.wire.channel import POISON_SLOTS
 from moecomm.wire.protocol import PAYLOAD_OFFSET, SlotLayout
 from moecomm.wire.shm import ShmTransport, reap_stale_segments
 from moecomm.wire.stage import StageSender
-from moecomm_serving.kv_blocks import BlockPool, PagedSequence
-from moecomm_serving.kv_handoff import (
+from moecomm_serving.disagg.transfer import (
     KvInbox,
     KvOutbox,
     KvTransferError,
     install_kv_routes,
     kv_layout,
 )
-from moecomm_serving.kv_package import PACKAGE_MAGIC, KvHandoffError, decode_package, encode_package
+from moecomm_serving.kv.blocks import BlockPool, PagedSequence
+from moecomm_serving.kv.package import PACKAGE_MAGIC, KvHandoffError, decode_package, encode_package
 
 # Small slots so that modest packages span many chunks (4 KiB of payload + the header's slack).
 SLOT_BYTES, SLOTS = 4096, 2

@@ -9,11 +9,11 @@ import time
 
 import pytest
 import torch
-from moecomm_serving.generate import SamplingParams, generate
-from moecomm_serving.kv_blocks import BlockPool, PagedSequence
-from moecomm_serving.model import load_model
-from moecomm_serving.scheduler import Engine, EngineRequest, TokenEvent, run_to_completion
-from moecomm_serving.tiny import write_tiny
+from moecomm_serving.engine.generate import SamplingParams, generate
+from moecomm_serving.engine.scheduler import Engine, EngineRequest, TokenEvent, run_to_completion
+from moecomm_serving.kv.blocks import BlockPool, PagedSequence
+from moecomm_serving.model.tiny import write_tiny
+from moecomm_serving.model.transformer import load_model
 
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 # Small blocks so the test prompts span several blocks and end inside one.

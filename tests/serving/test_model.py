@@ -6,12 +6,12 @@ import pytest
 import torch
 from model_reference import forward as reference_forward
 from model_reference import moe as reference_moe
-from moecomm_serving.backends import LocalExperts, run_experts
-from moecomm_serving.checkpoint import Checkpoint, expert_names
-from moecomm_serving.kvcache import INITIAL_CAPACITY
-from moecomm_serving.model import MoETransformer, load_model, stage_tensor_names
-from moecomm_serving.rope import RopeConfig, Rotary
-from moecomm_serving.tiny import write_tiny
+from moecomm_serving.kv.cache import INITIAL_CAPACITY
+from moecomm_serving.model.checkpoint import Checkpoint, expert_names
+from moecomm_serving.model.experts import LocalExperts, run_experts
+from moecomm_serving.model.rope import RopeConfig, Rotary
+from moecomm_serving.model.tiny import write_tiny
+from moecomm_serving.model.transformer import MoETransformer, load_model, stage_tensor_names
 
 # Float32 throughout; differences come from summation order only (packed vs. per-sequence
 # matmuls, fused vs. looped experts), orders of magnitude below this.

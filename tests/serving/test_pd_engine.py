@@ -10,10 +10,8 @@ import threading
 
 import pytest
 import torch
-from moecomm_serving.generate import SamplingParams
-from moecomm_serving.kv_package import decode_package, encode_package
-from moecomm_serving.model import load_model
-from moecomm_serving.scheduler import (
+from moecomm_serving.engine.generate import SamplingParams
+from moecomm_serving.engine.scheduler import (
     Engine,
     EngineRequest,
     ErrorEvent,
@@ -23,7 +21,9 @@ from moecomm_serving.scheduler import (
     TokenEvent,
     run_to_completion,
 )
-from moecomm_serving.tiny import write_tiny
+from moecomm_serving.kv.package import decode_package, encode_package
+from moecomm_serving.model.tiny import write_tiny
+from moecomm_serving.model.transformer import load_model
 
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 BLOCK = 8  # small blocks: the prompts span several and end inside one

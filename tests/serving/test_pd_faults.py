@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from moecomm_serving.tiny import write_tiny
+from moecomm_serving.model.tiny import write_tiny
 from pd_procs import (
     HTTP_TIMEOUT_S,
     Deployment,

@@ -9,8 +9,7 @@ import random
 
 import pytest
 import torch
-from moecomm_serving.generate import SamplingParams
-from moecomm_serving.pd_wire import (
+from moecomm_serving.disagg.schema import (
     DecodeCall,
     PdRequestError,
     PrefillCall,
@@ -19,6 +18,7 @@ from moecomm_serving.pd_wire import (
     parse_decode,
     parse_prefill,
 )
+from moecomm_serving.engine.generate import SamplingParams
 
 SEED = 31
 FUZZ_CASES = 300

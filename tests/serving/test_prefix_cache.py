@@ -10,16 +10,16 @@ import urllib.request
 
 import pytest
 import torch
-from moecomm_serving.commands import add_kv_cache_arguments, kv_cache_kwargs
-from moecomm_serving.frontend import make_frontend_app, start_frontend
-from moecomm_serving.generate import SamplingParams, generate
-from moecomm_serving.kv_blocks import DEFAULT_BLOCK_TOKENS, BlockPool, PagedSequence
-from moecomm_serving.metrics import ServingMetrics
-from moecomm_serving.model import load_model
-from moecomm_serving.prefix_cache import PrefixCache, block_keys
-from moecomm_serving.scheduler import Engine, run_to_completion
-from moecomm_serving.tiny import write_tiny
-from moecomm_serving.tokenizer import load_tokenizer
+from moecomm_serving.api.app import make_frontend_app, start_frontend
+from moecomm_serving.api.metrics import ServingMetrics
+from moecomm_serving.cli.common import add_kv_cache_arguments, kv_cache_kwargs
+from moecomm_serving.engine.generate import SamplingParams, generate
+from moecomm_serving.engine.scheduler import Engine, run_to_completion
+from moecomm_serving.kv.blocks import DEFAULT_BLOCK_TOKENS, BlockPool, PagedSequence
+from moecomm_serving.kv.prefix_cache import PrefixCache, block_keys
+from moecomm_serving.model.tiny import write_tiny
+from moecomm_serving.model.tokenizer import load_tokenizer
+from moecomm_serving.model.transformer import load_model
 
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 BLOCK = 8

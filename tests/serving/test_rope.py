@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from moecomm_serving.config import MoEConfig, UnsupportedConfigError
-from moecomm_serving.rope import RopeConfig, inv_freq_and_scale, read_rope
-from moecomm_serving.tiny import tiny_config
+from moecomm_serving.model.config import MoEConfig, UnsupportedConfigError
+from moecomm_serving.model.rope import RopeConfig, inv_freq_and_scale, read_rope
+from moecomm_serving.model.tiny import tiny_config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 HEAD_DIM = 32

@@ -21,10 +21,10 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from moecomm.http_thread import HttpServer
-from moecomm_serving import cli
-from moecomm_serving.router import MAX_ATTEMPTS, Router, make_router_app
-from moecomm_serving.tiny import write_tiny
-from moecomm_serving.tokenizer import BYTE_VOCAB_SIZE, ByteTokenizer
+from moecomm_serving.cli import main as cli
+from moecomm_serving.disagg.router import MAX_ATTEMPTS, Router, make_router_app
+from moecomm_serving.model.tiny import write_tiny
+from moecomm_serving.model.tokenizer import BYTE_VOCAB_SIZE, ByteTokenizer
 from pd_procs import (
     CLI,
     HTTP_TIMEOUT_S,

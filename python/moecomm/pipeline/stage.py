@@ -2,7 +2,7 @@
 states downstream through the slot transport, and migrates KV caches when the layer map changes.
 
 The stage is generic over a :class:`StageCompute` built in the child by a picklable factory
-(the model-specific part lives with the model, e.g. ``moecomm_serving.pipeline_stages``; there a
+(the model-specific part lives with the model, e.g. ``moecomm_serving.engine.stages``; there a
 stage's MoE layers may call expert servers through its own ``AttentionClient``).
 
 Channels:

@@ -1,0 +1,7 @@
+"""``python -m moecomm_serving.cli``: the ``moecomm`` command."""
+
+import sys
+
+from moecomm_serving.cli.main import main
+
+sys.exit(main())
