@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import select
 import shutil
 import signal
 import socket
@@ -19,6 +18,7 @@ import time
 
 import httpx
 from moecomm.membership import Member, connect_membership
+from moecomm.testing import Processes
 
 # Starting a Python process that imports moecomm (and so torch) takes seconds on a loaded
 # 2-core machine; a minute means something is broken, not slow.
@@ -63,34 +63,33 @@ def stop_pid(proc: subprocess.Popen) -> None:
 
 
 class MonitorProcess:
-    """`python -m moecomm.membership.monitor` on 127.0.0.1; restartable on the same port."""
+    """`python -m moecomm.membership.monitor` on 127.0.0.1, started through the process harness
+    (ready when its ready file names its URL); restartable on the same port. `proc` is the
+    running monitor's Popen."""
 
     def __init__(self, token: str = ""):
         self.token = token
         self.port = 0
         self.url = ""
         self.proc: subprocess.Popen | None = None
-        # Open for the life of the object: every (re)start's stderr goes here for diagnostics.
-        self._log = tempfile.TemporaryFile()  # noqa: SIM115
+        self.handle = None  # the harness's Proc of the running monitor
+        # Logs and ready files of every (re)start, removed with this object.
+        self._dir = tempfile.TemporaryDirectory(prefix="moecomm-monitor-")
+        self._procs = Processes(self._dir.name)
 
     def start(self) -> str:
-        env = dict(os.environ, MOECOMM_MONITOR_TOKEN=self.token)
         cmd = [sys.executable, "-m", "moecomm.membership.monitor", "--port", str(self.port)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, env=env)
-        ready, _, _ = select.select([self.proc.stdout], [], [], START_TIMEOUT_S)
-        line = self.proc.stdout.readline().decode().strip() if ready else ""
-        if not line.startswith("http://"):
-            stop_pid(self.proc)
-            self._log.seek(0)
-            raise RuntimeError(f"monitor did not print its URL: {line!r}\n{self._log.read()}")
-        self.url = line
-        self.port = int(line.rsplit(":", 1)[1])
+        env = {"MOECOMM_MONITOR_TOKEN": self.token}
+        self.handle = self._procs.start("monitor", cmd, env=env, timeout=START_TIMEOUT_S)
+        self.proc = self.handle.popen
+        self.url = self.handle.url
+        self.port = int(self.url.rsplit(":", 1)[1])
         return self.url
 
     def stop(self) -> None:
-        if self.proc is not None:
-            stop_pid(self.proc)
-            self.proc.stdout.close()
+        """SIGTERM, SIGKILL after STOP_TIMEOUT_S (by process group, never by name)."""
+        if self.handle is not None:
+            self.handle.stop(signal.SIGTERM, STOP_TIMEOUT_S)
 
     def restart(self, fresh: bool = True) -> None:
         # The monitor keeps nothing: every restart is "fresh".

@@ -177,7 +177,6 @@ class Store:
         if self.kind == "embedded":
             os.kill(self.proc.proc.pid, signal.SIGKILL)
             self.proc.proc.wait(STOP_TIMEOUT_S)
-            self.proc.proc.stdout.close()
         else:
             self.proc.stop()
 

@@ -32,6 +32,7 @@ from moecomm.membership import member as m
 from moecomm.membership.base import TOKEN_ENV, monitor_token
 from moecomm.membership.member import Member, Record, SupersededError
 from moecomm.membership.registry import Registry, RegistryFullError, UnknownMemberError
+from moecomm.readiness import announce_ready
 
 log = logging.getLogger("moecomm.membership.monitor")
 
@@ -305,8 +306,10 @@ def run(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         print(f"moecomm monitor: {exc}", file=sys.stderr)
         return 1
-    # The first stdout line is the URL alone: launchers and tests read it.
+    # The first stdout line is the URL alone, for people and shell scripts; starters that wait
+    # for it read the ready file (moecomm.readiness).
     print(url, flush=True)
+    announce_ready("monitor", url=url)
     while not stop.wait(LIVENESS_CHECK_S):
         if not server.alive:
             print("moecomm monitor: the HTTP server stopped", file=sys.stderr)

@@ -33,6 +33,7 @@ import sys
 import time
 
 from moecomm.pipeline.remote import CONNECT_TIMEOUT_S, keep_alive, read_token
+from moecomm.readiness import announce_ready
 
 log = logging.getLogger("moecomm.pipeline.agent")
 
@@ -80,7 +81,9 @@ def serve(host: str, port: int, token: bytes, ready=None) -> None:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    print(f"stage agent listening on {host}:{listener.address[1]}", flush=True)
+    port = listener.address[1]
+    print(f"stage agent listening on {host}:{port}", flush=True)
+    announce_ready("stage-agent", address=f"{host}:{port}", host=host, port=port)
     if ready is not None:
         ready()
     try:
