@@ -1,8 +1,9 @@
 """The contenders of bench/cross_host.py: each one's server and client end, run by that script
 as `--role server|client` inside a lab host (see its docstring for what is measured).
 
-raw TCP, pyzmq REQ/REP, torch.distributed gloo, and moecomm over nixl (across the bridge) or over
-ShmTransport (same host: the client starts the server as its own child). A client returns its
+raw TCP, pyzmq REQ/REP, torch.distributed gloo, NIXL's own round trips (notifications, WRITEs
+with notifications), and moecomm over nixl (across the bridge) or over ShmTransport (same host:
+the client starts the server as its own child). A client returns its
 samples in ns, after checking one echo against what it sent. Also here: the parser of UCX's
 protocol tables (UCX_PROTO_INFO=y), which says what carried moecomm-nixl's bytes.
 """
@@ -384,6 +385,141 @@ def shm_client(a: argparse.Namespace) -> list[int]:
     return samples
 
 
+# ---------------------------------------------------------------------------- NIXL itself
+# NIXL's own round trips, on an agent made as moecomm makes its own (moecomm.wire.nixl.new_agent:
+# same UCX settings, same progress thread): the floor the moecomm-nixl rows are held to.
+# signal: a notification answered by a notification. decode: a WRITE of the request bytes from a
+# registered buffer into the server's, carrying a notification; the server answers with a WRITE
+# of the response bytes (its request buffer's activations) carrying one. Each side waits for
+# NIXL's notifications by polling get_new_notifs() (NIXL's API has nothing to block on), and an
+# initiator polls its transfer's state, which is what lets NIXL send the attached notification.
+# Both polls follow moecomm's waiting policy (spin, then sleep between polls), so the rows
+# differ by protocol only: a busy poll takes the core NIXL's progress thread needs to move the
+# bytes (on a 2-core machine it made NIXL's decode round trip 3-4x slower).
+NIXL_REQ, NIXL_RESP = b"q", b"r"
+# moecomm's nixl waiter: spin this long, then sleep this long between polls
+# (csrc/transport/nixl/nixl_transport.h, kDefaultSpinNs and kDefaultPollNs).
+NIXL_SPIN_S, NIXL_POLL_S = 50e-6, 20e-6
+
+
+def _nixl_poll(ready, what: str, timeout_s: float = WAIT_S):
+    """Calls ready() until it returns something true: spins, then sleeps between calls."""
+    start = time.monotonic()
+    while not (got := ready()):
+        now = time.monotonic()
+        if now - start > timeout_s:
+            raise TimeoutError(f"{what} after {timeout_s} s")
+        if now - start > NIXL_SPIN_S:
+            time.sleep(NIXL_POLL_S)
+    return got
+
+
+def _nixl_agent(a: argparse.Namespace):
+    from moecomm.wire.nixl import new_agent
+
+    agent, name = new_agent(host=a.self_addr)
+    return agent, name
+
+
+def _nixl_buffer(agent, nbytes: int):
+    """A registered host buffer of `nbytes` (a tensor: kept alive by the caller)."""
+    buf = torch.zeros(nbytes, dtype=torch.uint8)
+    agent.register_memory([(buf.data_ptr(), nbytes, 0, "")], "DRAM")
+    return buf
+
+
+def _nixl_peer(a: argparse.Namespace, agent, me: str, other: str, buf) -> tuple[str, int]:
+    """Swaps agent metadata and one buffer's address with the other end (files under a.tmp);
+    returns the peer's agent name and its buffer's address."""
+    import base64
+
+    blob = base64.b64encode(agent.get_agent_metadata()).decode()
+    _put_handle(a, me, json.dumps({"md": blob, "addr": buf.data_ptr() if buf is not None else 0}))
+    got = json.loads(_get_handle(a, other))
+    name = agent.add_remote_agent(base64.b64decode(got["md"]))
+    return (name.decode() if isinstance(name, bytes) else name), got["addr"]
+
+
+def _nixl_wait_notif(agent, peer: str, want: bytes) -> None:
+    got = _nixl_poll(lambda: agent.get_new_notifs().get(peer), f"no notification {want!r}")
+    if list(map(bytes, got)) != [want]:
+        raise RuntimeError(f"NIXL notifications {got!r}, expected [{want!r}]")
+
+
+def _nixl_write(agent, h, notif: bytes) -> None:
+    state = [agent.transfer(h, notif)]
+
+    def done() -> bool:
+        if state[0] == "PROC":
+            state[0] = agent.check_xfer_state(h)
+        return state[0] != "PROC"
+
+    _nixl_poll(done, "a NIXL WRITE still in flight")
+    if state[0] != "DONE":
+        raise RuntimeError(f"a NIXL WRITE ended {state[0]}")
+
+
+def _nixl_handle(agent, peer: str, local: int, remote: int, nbytes: int):
+    lo = agent.get_xfer_descs([(local, nbytes, 0)], "DRAM")
+    ro = agent.get_xfer_descs([(remote, nbytes, 0)], "DRAM")
+    return agent.initialize_xfer("WRITE", lo, ro, peer)
+
+
+def nixl_own_server(a: argparse.Namespace) -> None:
+    agent, _ = _nixl_agent(a)
+    req, resp = payload_bytes()
+    buf = _nixl_buffer(agent, req) if a.size == "decode" else None
+    peer, remote = _nixl_peer(a, agent, "server", "client", buf)
+    h = _nixl_handle(agent, peer, buf.data_ptr(), remote, resp) if buf is not None else None
+    for _ in range(a.iters):
+        _nixl_wait_notif(agent, peer, NIXL_REQ)
+        if h is None:
+            agent.send_notif(peer, NIXL_RESP)
+        else:  # the activations go back as they came, from where they landed
+            _nixl_write(agent, h, NIXL_RESP)
+    _put_handle(a, "served", "served")
+    _get_handle(a, "done")
+
+
+def nixl_own_client(a: argparse.Namespace) -> list[int]:
+    agent, _ = _nixl_agent(a)
+    req, resp = payload_bytes()
+    decode = a.size == "decode"
+    src = _nixl_buffer(agent, req) if decode else None
+    back = _nixl_buffer(agent, resp) if decode else None
+    peer, remote = _nixl_peer(a, agent, "client", "server", back)
+
+    def fill(seed: int) -> None:
+        x, ids, sc = make_request(seed)
+        whole = torch.cat([t.contiguous().view(torch.uint8).flatten() for t in (x, ids, sc)])
+        src.copy_(whole)
+
+    if decode:
+        fill(1)
+        h = _nixl_handle(agent, peer, src.data_ptr(), remote, req)
+
+        def once():
+            _nixl_write(agent, h, NIXL_REQ)
+            _nixl_wait_notif(agent, peer, NIXL_RESP)
+    else:
+
+        def once():
+            agent.send_notif(peer, NIXL_REQ)
+            _nixl_wait_notif(agent, peer, NIXL_RESP)
+
+    samples = time_calls(once, a.iters, a.warmup)
+    if decode:
+        fill(2)
+        back.zero_()
+        once()
+        assert torch.equal(back, src[:resp]), "NIXL's WRITE echo differs from the request"
+    else:
+        once()  # the answer is a notification of its own: checked to be exactly NIXL_RESP
+    _get_handle(a, "served")
+    _put_handle(a, "done", "done")
+    return samples
+
+
 # ---------------------------------------------------------------------------- the roles
 # role name -> (server in host B, client in host A); the client returns its samples in ns.
 ROLES: dict[str, tuple[Callable, Callable]] = {
@@ -392,6 +528,7 @@ ROLES: dict[str, tuple[Callable, Callable]] = {
     "gloo": (gloo_server, gloo_client),
     "nixl": (moecomm_server, moecomm_client),
     "nixl-words": (moecomm_server, moecomm_client),
+    "nixl-own": (nixl_own_server, nixl_own_client),
     "shm": (moecomm_server, shm_client),
 }
 

@@ -199,3 +199,27 @@ def doorbell_writer(conn, seed):
             if max_sleep:
                 time.sleep(rng.random() * max_sleep)
         conn.send("rung")
+
+
+# ------------------------------------------------------------------------ the idle waiter
+def idle_waiter(conn, seconds, options):
+    """Waits `seconds` on a word nobody signals, over a transport opened with `options`; sends
+    the CPU time the whole process (NIXL's threads included) spent per wall second."""
+    t = moecomm.wire.nixl.open_nixl_transport(**options)
+    r = t.create_region(64)
+    c0, w0 = time.process_time(), time.monotonic()
+    try:
+        t.wait(r, 0, WaitOp.EQUAL, 1, timeout_ns=int(seconds * S))
+        conn.send(("woken", None))
+        return
+    except moecomm.DeadlineExceededError:
+        pass
+    conn.send(("idle", (time.process_time() - c0) / (time.monotonic() - w0)))
+
+
+def ucx_env_child(conn, user_env):
+    """Sets `user_env` as a user would, makes a NIXL agent as moecomm does, and sends the UCX
+    variables of moecomm.wire.nixl.UCX_DEFAULTS as the process holds them afterwards."""
+    os.environ.update(user_env)
+    moecomm.wire.nixl.new_agent()
+    conn.send({k: os.environ.get(k) for k in moecomm.wire.nixl.UCX_DEFAULTS})

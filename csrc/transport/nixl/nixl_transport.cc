@@ -22,8 +22,10 @@ using namespace detail;
 NixlTransport::NixlTransport(std::shared_ptr<Engine> engine, NixlOptions options)
     : options_(options), shared_(std::make_shared<Shared>()) {
   MC_CHECK(engine != nullptr, "the nixl transport needs an engine");
-  MC_CHECK(options.spin_ns >= 0 && options.poll_ns > 0 && options.xfer_timeout_ns > 0,
-           "nixl options: spin_ns >= 0, poll_ns > 0 and xfer_timeout_ns > 0");
+  MC_CHECK(options.spin_ns >= 0 && options.poll_ns > 0 && options.xfer_timeout_ns > 0 &&
+               options.max_poll_ns >= options.poll_ns,
+           "nixl options: spin_ns >= 0, poll_ns > 0, max_poll_ns >= poll_ns and ",
+           "xfer_timeout_ns > 0");
   shared_->engine = std::move(engine);
   shared_->agent = shared_->engine->agent_name();
   MC_CHECK(!shared_->agent.empty() && shared_->agent.find(kHandleSep) == std::string::npos,
@@ -228,10 +230,14 @@ WaitResult NixlTransport::wait(Region& local, uint64_t offset, const WaitPredica
   const int64_t start = now_ns();
   const int64_t deadline = timeout_ns < 0 ? INT64_MAX : start + timeout_ns;
   int64_t next_peer_check = start + kPeerCheckIntervalNs;
+  int64_t nap = options_.poll_ns;
   for (;;) {
     const uint64_t v = w.load(std::memory_order_acquire);
     if (pred.satisfied(v)) return {WaitStatus::kOk, v};
-    if (drain() > 0) continue;  // words came by notification: look again at once
+    if (drain() > 0) {  // words came by notification: look again at once, awake
+      nap = options_.poll_ns;
+      continue;
+    }
     const int64_t now = now_ns();
     if (now >= deadline) return {WaitStatus::kTimeout, v};
     if (peer != nullptr && now >= next_peer_check) {
@@ -241,8 +247,8 @@ WaitResult NixlTransport::wait(Region& local, uint64_t offset, const WaitPredica
       next_peer_check = now_ns() + kPeerCheckIntervalNs;
     }
     if (now - start >= options_.spin_ns) {
-      const int64_t nap = std::min(options_.poll_ns, deadline - now);
-      std::this_thread::sleep_for(std::chrono::nanoseconds(nap));
+      std::this_thread::sleep_for(std::chrono::nanoseconds(std::min(nap, deadline - now)));
+      if (now - start >= kBackoffAfterNs) nap = std::min(nap * 2, options_.max_poll_ns);
     }
   }
 }

@@ -2,8 +2,8 @@
 //
 // Our own regions are plain host memory registered with the agent; a peer's region is a remote
 // descriptor we can only reach through transfers. So, as on every backend, the receiver polls
-// only its own memory (no wake-up crosses the network: waits spin, then poll with short sleeps),
-// and writes to a peer are one-sided NIXL WRITEs.
+// only its own memory (no wake-up crosses the network: waits spin, then poll with short sleeps
+// that grow while it stays idle), and writes to a peer are one-sided NIXL WRITEs.
 //
 // Ordering (slot_io: payload, header, signal, doorbell): one message, one transfer. NIXL gives
 // no order between two transfers, and none between the descriptors of one, but a transfer may
@@ -126,6 +126,14 @@ constexpr int64_t kDefaultSpinNs = 50'000;
 // Sleep between two polls once the spin is over: remote writes cannot wake a sleeper, so this
 // bounds the latency an idle receiver adds (a Linux sleep overshoots by its timer slack).
 constexpr int64_t kDefaultPollNs = 20'000;
+// An idle waiter backs off: once it has waited kBackoffAfterNs, each sleep doubles, up to
+// max_poll_ns. NIXL gives no fd to block on (its notifications land in the agent's own list),
+// so a waiter must poll; polling every 20 µs costs an idle process ~25 % of a core (each poll
+// drains notifications through the agent), every 1 ms a few %. A round trip in flight (a decode
+// step over a TCP link takes a few ms) is answered before the back-off starts, so only a waiter
+// that has been idle pays the bounded extra wake latency (max_poll_ns plus timer slack).
+constexpr int64_t kBackoffAfterNs = 10'000'000;
+constexpr int64_t kDefaultMaxPollNs = 1'000'000;
 // A waiter checks its peer this often (each check is a small read across the network).
 constexpr int64_t kPeerCheckIntervalNs = 50'000'000;
 // A transfer still in flight after this long means the peer is stopped or unreachable.
@@ -145,6 +153,8 @@ struct NixlOptions {
   // Signal words ride on the payload's notification (one transfer per message); false: each
   // word is its own WRITE, waited for (two dependent transfers per message, plus the doorbell).
   bool notify = true;
+  // The longest sleep of an idle waiter (the back-off's bound: see kBackoffAfterNs).
+  int64_t max_poll_ns = kDefaultMaxPollNs;
 };
 
 namespace detail {

@@ -61,11 +61,14 @@ _IFNAMSIZ = 16
 
 __all__ = [
     "INSTALL_HINT",
+    "UCX_DEFAULTS",
     "NixlEngine",
     "NixlTransport",
     "TensorRegion",
+    "apply_ucx_defaults",
     "available",
     "interface_of",
+    "new_agent",
     "open_nixl_transport",
 ]
 
@@ -118,6 +121,26 @@ def interface_of(addr: str) -> str | None:
     return None
 
 
+# UCX settings moecomm gives its agent when the user has not set them (UCX reads its variables
+# when the agent's UCX context is made; a variable the user set is never overridden). Measured
+# on the lab's TCP link (veth -> bridge -> veth between namespaces) by
+# `bench/cross_host.py --ucx-sweep`: bench/results/cross_host_ucx.json; docs/transports.md.
+UCX_DEFAULTS: dict[str, str] = {}
+# Set to 0 to leave every UCX setting at UCX's own default.
+UCX_DEFAULTS_ENV = "MOECOMM_NIXL_UCX_DEFAULTS"
+
+
+def apply_ucx_defaults(env=None) -> dict[str, str]:
+    """Sets each of UCX_DEFAULTS in `env` (os.environ) that is not set there, unless
+    MOECOMM_NIXL_UCX_DEFAULTS=0; returns what it set."""
+    env = os.environ if env is None else env
+    if env.get(UCX_DEFAULTS_ENV, "1") == "0":
+        return {}
+    applied = {k: v for k, v in UCX_DEFAULTS.items() if k not in env}
+    env.update(applied)
+    return applied
+
+
 _AGENT_LOCK = threading.Lock()
 
 
@@ -140,6 +163,36 @@ def _make_agent(api, name: str, config, progress_us: int):
             native.nixlAgent = make
 
 
+def new_agent(name: str | None = None, host: str | None = None, progress_us: int | None = None):
+    """A NIXL agent with its UCX backend, set up as moecomm runs it: UCX's settings for this
+    link (UCX_DEFAULTS, where unset), its bytes over the interface of `host`, the progress
+    thread's delay (`progress_us`, else MOECOMM_NIXL_PROGRESS_US, else DEFAULT_PROGRESS_US),
+    strict thread sync. Returns (agent, its name). bench/cross_host.py times NIXL's own round
+    trips on an agent made here, so both sides of that comparison run the same engine."""
+    api = _load()
+    if progress_us is None:
+        progress_us = int(os.environ.get(PROGRESS_ENV, DEFAULT_PROGRESS_US))
+    if progress_us < 0:
+        raise ValueError(f"the progress thread's delay must be >= 0 µs, got {progress_us}")
+    if host and host not in ("0.0.0.0", "") and "UCX_NET_DEVICES" not in os.environ:
+        # Carry bytes over the interface the user serves on (UCX reads this at start).
+        iface = interface_of(host)
+        if iface is None:
+            raise MoecommError(f"no network interface here holds the address {host}")
+        os.environ["UCX_NET_DEVICES"] = iface
+    apply_ucx_defaults()
+    # Unique across hosts: pids collide between containers, host names may too.
+    name = name or f"moecomm-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    sync = getattr(api, "nixl_thread_sync_t", None)
+    kwargs = {"enable_prog_thread": True, "backends": ["UCX"]}
+    if sync is not None:  # transfers come from the serving loop and the HTTP threads alike
+        kwargs["sync_mode"] = sync.NIXL_THREAD_SYNC_STRICT
+    agent = _make_agent(api, name, api.nixl_agent_config(**kwargs), progress_us)
+    if "UCX" not in agent.backends:
+        raise MoecommError("NIXL has no UCX backend here: the nixl transport needs it")
+    return agent, name
+
+
 class NixlEngine:
     """One NIXL agent with its UCX backend, as the C++ transport uses it (nixl_transport.h,
     `Engine`): memory registration, peers by metadata blob, blocking transfers with deadlines.
@@ -148,26 +201,7 @@ class NixlEngine:
     def __init__(
         self, name: str | None = None, host: str | None = None, progress_us: int | None = None
     ):
-        api = _load()
-        if progress_us is None:
-            progress_us = int(os.environ.get(PROGRESS_ENV, DEFAULT_PROGRESS_US))
-        if progress_us < 0:
-            raise ValueError(f"the progress thread's delay must be >= 0 µs, got {progress_us}")
-        if host and host not in ("0.0.0.0", "") and "UCX_NET_DEVICES" not in os.environ:
-            # Carry bytes over the interface the user serves on (UCX reads this at start).
-            iface = interface_of(host)
-            if iface is None:
-                raise MoecommError(f"no network interface here holds the address {host}")
-            os.environ["UCX_NET_DEVICES"] = iface
-        # Unique across hosts: pids collide between containers, host names may too.
-        self.name = name or f"moecomm-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        sync = getattr(api, "nixl_thread_sync_t", None)
-        kwargs = {"enable_prog_thread": True, "backends": ["UCX"]}
-        if sync is not None:  # transfers come from the serving loop and the HTTP threads alike
-            kwargs["sync_mode"] = sync.NIXL_THREAD_SYNC_STRICT
-        self.agent = _make_agent(api, self.name, api.nixl_agent_config(**kwargs), progress_us)
-        if "UCX" not in self.agent.backends:
-            raise MoecommError("NIXL has no UCX backend here: the nixl transport needs it")
+        self.agent, self.name = new_agent(name, host, progress_us)
         self._lock = threading.Lock()
         self._regs: dict[int, object] = {}
         self._peers: dict[str, int] = {}
@@ -378,11 +412,14 @@ def open_nixl_transport(
     xfer_timeout_s: float | None = None,
     progress_us: int | None = None,
     notify: bool = True,
+    max_poll_ns: int | None = None,
 ) -> _C.NixlTransport:
     """A nixl transport with its own NIXL agent. `host`: the address this process serves on;
     UCX carries bytes over that interface (unless UCX_NET_DEVICES says otherwise). `notify`:
     a signal word rides on its payload's NIXL notification, one transfer per message (False:
-    each word is its own WRITE, waited for; kept to measure the difference)."""
+    each word is its own WRITE, waited for; kept to measure the difference). `max_poll_ns`: the
+    longest sleep of a waiter that has been idle a while (the bound its back-off adds to a wake;
+    nixl_transport.h, kBackoffAfterNs)."""
     engine = NixlEngine(name=name, host=host, progress_us=progress_us)
     kwargs = {}
     if spin_ns is not None:
@@ -391,6 +428,8 @@ def open_nixl_transport(
         kwargs["poll_ns"] = int(poll_ns)
     if xfer_timeout_s is not None:
         kwargs["xfer_timeout_ns"] = int(xfer_timeout_s * 1e9)
+    if max_poll_ns is not None:
+        kwargs["max_poll_ns"] = int(max_poll_ns)
     t = _C.NixlTransport(engine, notify=bool(notify), **kwargs)
     t.engine = engine  # for callers that want the agent (counters, UCX queries)
     return t
