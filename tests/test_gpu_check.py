@@ -662,6 +662,83 @@ def test_preflight_fails_fast_in_one_line_naming_what_is_missing():
     assert status == rp.PASSED and reason.startswith("missing: nvcc")
 
 
+def test_preflight_records_the_kernel_and_whether_the_sanitizer_opens_the_device():
+    info = _probe_info(
+        uname_r="4.4.0",
+        uname_v="#1 SMP Sun Jan 10 15:06:54 PST 2016",
+        sanitizer_device=False,
+        sanitizer_device_why="exit 1: ========= Error: Target application terminated",
+    )
+    status, reason, figures = gs.judge_preflight(info, device=True)
+    assert status == rp.PASSED  # the sanitizer is not a build requirement
+    assert "kernel 4.4.0" in reason and "compute-sanitizer cannot open the device" in reason
+    assert figures["uname_r"] == "4.4.0" and figures["sanitizer_device"] is False
+    # The probe itself records the kernel from the standard library alone.
+    probe = gs.TOOLS / "gpu_check_probe.py"
+    spec = importlib.util.spec_from_file_location("gpu_check_probe_t", probe)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.kernel()["uname_r"] == os.uname().release
+    assert mod.sanitizer_device(None, 1)["sanitizer_device"] is None
+    assert mod.sanitizer_device("/bin/true", 0)["sanitizer_device"] is None
+
+
+def test_a_sanitizer_that_cannot_open_the_device_skips_its_stage_for_the_machine(tmp_path):
+    (tmp_path / gs.SMOKE_TEST).parent.mkdir(parents=True)
+    (tmp_path / gs.SMOKE_TEST).write_text("")
+    ctx = make_ctx(tmp_path, True)
+    pre = gr.Result("preflight", status=rp.PASSED)
+    pre.figures.update(uname_r="4.4.0", sanitizer_device=False, sanitizer_device_why="refused")
+    ctx.results["preflight"] = pre
+    res = gr.run_stage(gs.all_stages()["sanitizer"], 20.0, ctx)
+    assert res.status == rp.SKIPPED
+    assert res.reason.startswith("[machine] compute-sanitizer cannot open the device")
+    assert "4.4.0" in res.reason and "refused" in res.reason
+    assert gsum.exit_code_of([pre, res]) == 0
+
+
+@pytest.mark.parametrize(
+    ("rows", "status", "words"),
+    [
+        ([{"name": "cold", "status": "OK"}, {"name": "warm", "status": "OK"}], rp.PASSED, "all 2"),
+        (
+            [{"name": "cold", "status": "TIMEOUT"}, {"name": "warm", "status": "OK"}],
+            rp.FAILED,
+            "1 of 2 variants did not see the put: cold",
+        ),
+        ([], rp.FAILED, "no variant ran"),
+    ],
+)
+def test_the_join_leave_diagnostic_is_judged_by_its_variants(rows, status, words):
+    res = gr.Result("joinleave")
+    gs.judge_joinleave(res, {"variants": [{**r, "line": r["name"]} for r in rows]})
+    assert res.status == status and words in res.reason
+    assert res.figures["joinleave"] == [r["name"] for r in rows]
+
+
+def test_the_join_leave_diagnostic_formats_what_the_test_lost():
+    spec = importlib.util.spec_from_file_location("jl_diag", ROOT / gs.JOINLEAVE_SCRIPT)
+    diag = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(diag)
+    row = {
+        "name": "cold", "status": "TIMEOUT", "observed": 0, "want": 11, "elapsed_s": 4.002,
+        "word": 11, "payload_ok": True, "connected_s": 0.8, "put_start_s": 0.9,
+        "put_done_s": 4.1, "peer_started_s": -0.5, "peer_ready_s": 0.2,
+    }  # fmt: skip
+    line = diag.format_row(row)
+    for part in ("status=TIMEOUT", "observed=0x0 (want 0xb)", "elapsed=4.002s",
+                 "word=0xb payload=ok", "connected=+0.800s", "put returned=+4.100s"):  # fmt: skip
+        assert part in line, (part, line)
+    assert diag.verdict([row]) == 1 and diag.verdict([{**row, "status": "OK"}]) == 0
+    assert diag.peer_env("eager") == {
+        "MOECOMM_PRELOAD_KERNELS": "0",
+        "CUDA_MODULE_LOADING": "EAGER",
+    }
+    assert diag.peer_env("warm") == {"MOECOMM_PRELOAD_KERNELS": "1"}
+    with pytest.raises(SystemExit):
+        diag.parse_args(["--variants", "cold,lukewarm"])
+
+
 def test_the_probe_runs_with_the_standard_library_alone(tmp_path):
     """-I -S: no site-packages at all, as on a machine where nothing is installed yet."""
     args = ["--requirements", str(ROOT / gs.REQUIREMENTS), "--wheels", str(tmp_path)]

@@ -58,7 +58,11 @@ from gpu_check_types import Context, FileResult
 
 TOOLS = Path(__file__).resolve().parent
 JOINLEAVE_SCRIPT = "tools/probe/join_leave_diag.py"
-HOST_TESTS = ["tests/gpu/test_gpu_host.py", "tests/test_cuda_build.py"]
+HOST_TESTS = [
+    "tests/gpu/test_gpu_host.py",
+    "tests/gpu/test_free_and_preload_host.py",
+    "tests/test_cuda_build.py",
+]
 WHEELS_DIR = ".gpu-wheels"
 REQUIREMENTS = "tools/gpu-requirements.txt"
 GPU_VENV = ".gpu-venv"

@@ -12,7 +12,9 @@
 #include "kernels/cuda/device_dispatch.h"
 #include "kernels/cuda/dispatch_index.h"
 #include "kernels/cuda/launch_check.h"
+#include "kernels/cuda/preload.h"
 #include "registry.h"
+#include "transport/cuda_ipc/ipc_transport.h"
 #include "transport/device/wait_trace.h"
 
 namespace py = pybind11;
@@ -260,6 +262,30 @@ void register_kernels(py::module_& m) {
         "whether the launchers run in the device debug mode (synchronize and check after every "
         "kernel); read once per process from MOECOMM_DEVICE_DEBUG");
 
+  m.def(
+      "preload_kernels",
+      [](int device) {
+        kc::PreloadReport r;
+        {
+          py::gil_scoped_release release;
+          r = kc::preload_kernels(device);
+        }
+        py::dict d;
+        d["device"] = r.device;
+        d["functions"] = r.functions;
+        d["loaded_now"] = r.loaded_now;
+        d["seconds"] = r.seconds;
+        d["how"] = r.how;
+        return d;
+      },
+      py::arg("device") = -1,
+      "loads every kernel of this module's device code on `device` (-1: the current one) now, "
+      "instead of at its first launch; never synchronises the device. {device, functions, "
+      "loaded_now, seconds, how}");
+  m.def("release_deferred_frees", &moecomm::transport::cuda_ipc::release_dropped_regions,
+        py::call_guard<py::gil_scoped_release>(),
+        "frees the CUDA IPC regions dropped so far (their cudaFree synchronises the device, so "
+        "they wait for a point where no device wait of this process spins); how many");
   m.def("client_workspace_layout", &client_layout_dict, py::arg("config"),
         "byte offsets of every part of one client workspace (one per micro-batch slot)");
   m.def("server_workspace_layout", &server_layout_dict, py::arg("config"),

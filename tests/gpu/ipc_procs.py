@@ -66,11 +66,16 @@ def slot_server(conn, num_requests: int) -> None:
 
 def peer(conn) -> None:
     """A peer that owns one region and obeys commands: connect to the test's region, put with
-    the device put_signal_warp path, sleep (to be killed), exit."""
+    the device put_signal_warp path, sleep (to be killed), exit. Like every process that puts on
+    a shared GPU it loads its kernels before it says ready (sends its handle): it joins while
+    the test's wait kernel spins (moecomm.runtime.device_preload)."""
     try:
+        import moecomm._cuda as kernels
         from moecomm import _C
         from moecomm._cuda import IpcPeerTable, IpcTransport
+        from moecomm.runtime.device_preload import preload_kernels
 
+        preload_kernels(kernels, 0)
         t = IpcTransport()
         own = t.create_region(REGION_BYTES)
         conn.send(own.handle)

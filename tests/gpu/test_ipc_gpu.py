@@ -23,6 +23,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(180)]
 SPAWN = mp.get_context("spawn")  # never fork a process that may hold a CUDA context
 LEGACY_STREAM = 0
 WAIT_NS = 30_000_000_000
+# The join/leave test's device waits: a put that is seen at all is seen in microseconds, so a
+# few seconds separate "late" from "never" without spending a GPU run's minutes on one wait.
+JOIN_WAIT_S = 3.0
 DEADLINE_NS = 200_000_000  # the device wait's deadline in the peer-killed test
 # The probe kernel must finish within this much wall time after its deadline (launch, the
 # liveness check interval, and host polling of the event).
@@ -187,12 +190,38 @@ def pattern(tag: int, n: int) -> bytes:
     return bytes((tag * 31 + i) % 251 for i in range(n))
 
 
+def wait_seen(t, local, probe, launched, want, offset, data, what):
+    """Waits for a join/leave probe; on anything but OK fails with what it saw: status, the
+    observed word, the elapsed time, and the word and payload the host reads back."""
+    r = wait_done(probe, JOIN_WAIT_S + SLACK_S)
+    elapsed = time.monotonic() - launched
+    if r["status"] == _C.WaitStatus.OK and r["observed"] == want:
+        return r
+    word = t.load(local, offset)
+    got = t.read(local, data[0], len(data[1]))
+    payload = "matches" if got == data[1] else f"differs first at byte {first_diff(got, data[1])}"
+    pytest.fail(
+        f"{what}: device wait {r['status']} after {elapsed:.3f} s (deadline {JOIN_WAIT_S} s), "
+        f"observed 0x{int(r['observed']):x}, want 0x{want:x}; host read-back: word "
+        f"0x{word:x}, payload {payload}"
+    )
+
+
+def first_diff(a: bytes, b: bytes) -> int:
+    same = (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+    return next(same, min(len(a), len(b)))
+
+
 def test_peers_join_and_leave_at_run_time(ipc):
     """Two peers join A's table and write with the device put_signal path; one leaves, a third
-    takes its index. Payloads of odd sizes at aligned and unaligned offsets, read back exactly."""
+    takes its index. Payloads of odd sizes at aligned and unaligned offsets, read back exactly.
+    The peers load their kernels before they say ready (ipc_procs.peer); each device wait has a
+    deadline of seconds and a failed one says what it saw (tools/probe/join_leave_diag.py
+    separates the ways a join can go wrong)."""
     cuda, t = ipc
     local = t.create_region(ipc_procs.REGION_BYTES)
     table = cuda.IpcPeerTable(t, local, 2)
+    wait_ns = int(JOIN_WAIT_S * 1e9)
     procs = {}
     try:
         for name in ("b", "c", "d"):
@@ -214,11 +243,11 @@ def test_peers_join_and_leave_at_run_time(ipc):
 
         # b: 1000 bytes (not a multiple of 16) at an aligned offset; c: unaligned offset.
         for name, idx, tag, offset, sig in (("b", ib, 11, 4096, 64), ("c", ic, 12, 8195, 128)):
-            probe = table.launch_wait(sig, _C.WaitOp.EQUAL, tag, timeout_ns=WAIT_NS, peer=idx)
+            probe = table.launch_wait(sig, _C.WaitOp.EQUAL, tag, timeout_ns=wait_ns, peer=idx)
+            launched = time.monotonic()
             data = put_from(name, tag, offset, 1000, sig)
             assert recv(procs[name][1]) == "ok"
-            r = wait_done(probe, 30)
-            assert r["status"] == _C.WaitStatus.OK and r["observed"] == tag
+            wait_seen(t, local, probe, launched, tag, sig, (offset, data), f"peer {name}")
             assert t.read(local, offset, len(data)) == data
 
         # b leaves: alive = 0 at once, the mapping closes once the named stream is idle.
@@ -231,17 +260,76 @@ def test_peers_join_and_leave_at_run_time(ipc):
         idd = table.add_peer(handles["d"])
         assert idd == ib
         counter = 64 * 3 + 16  # a slot's arrival counter sits 16 bytes into its signal line
-        probe = table.launch_wait(counter, _C.WaitOp.EQUAL, 2000, timeout_ns=WAIT_NS, peer=idd)
+        probe = table.launch_wait(counter, _C.WaitOp.EQUAL, 2000, timeout_ns=wait_ns, peer=idd)
+        launched = time.monotonic()
         data = put_from("d", 13, 20000, 1000, counter, op="ADD", value=1000)
         assert recv(procs["d"][1]) == "ok"
         procs["d"][1].send(("put_signal", 0, 21000, data, counter, 1000, "ADD"))
         assert recv(procs["d"][1]) == "ok"
-        r = wait_done(probe, 30)
-        assert r["status"] == _C.WaitStatus.OK and r["observed"] == 2000
+        wait_seen(t, local, probe, launched, 2000, counter, (21000, data), "peer d (ADD x2)")
         assert t.read(local, 20000, 1000) == data and t.read(local, 21000, 1000) == data
     finally:
         for p, _ in procs.values():
             stop(p)
+
+
+# The free path while a wait spins: each step must return well before the spinning probe's
+# deadline (it would block until then if it synchronised the device, as cudaFree does).
+SPIN_S = 4.0
+FREE_PATH_S = 1.0
+
+
+def test_the_free_path_does_not_wait_for_a_spinning_kernel(ipc):
+    """While a probe kernel spins (nobody writes its word), dropping a probe, a peer table and an
+    owned region, and a device put through a staging buffer, all return at once: the frees are
+    stream-ordered (cudaFreeAsync) or put off (release_deferred_frees)."""
+    cuda, t = ipc
+    local = t.create_region(ipc_procs.REGION_BYTES)
+    table = cuda.IpcPeerTable(t, local, 1)
+    p, conn = start(ipc_procs.peer)
+    try:
+        table.add_peer(recv(conn))
+        spin = table.launch_wait(
+            256, _C.WaitOp.EQUAL, 99, timeout_ns=int(SPIN_S * 1e9), peer=0
+        )  # nobody writes word 256: it spins until its deadline
+        t0 = time.monotonic()
+        steps = {}
+
+        def timed(name, fn):
+            s0 = time.monotonic()
+            fn()
+            steps[name] = time.monotonic() - s0
+
+        def drop_probe():
+            other = table.launch_wait(512, _C.WaitOp.EQUAL, 0, timeout_ns=10**9, peer=0)
+            wait_done(other, SLACK_S)  # word 512 is 0: done at once
+            del other
+
+        def drop_table_and_region():
+            region = t.create_region(4096)
+            extra = cuda.IpcPeerTable(t, region, 1)
+            del extra, region
+
+        def put_through_staging():
+            # The peer writes into our region: its put stages the payload (stream-ordered).
+            conn.send(("connect", local.handle))
+            assert recv(conn) == 0
+            conn.send(("put_signal", 0, 1024, b"x" * 100, 128, 5, "SET"))
+            assert recv(conn) == "ok"
+
+        timed("probe dropped", drop_probe)
+        timed("peer table and owned region dropped", drop_table_and_region)
+        timed("device put through a staging buffer", put_through_staging)
+        assert not spin.done(), (
+            f"the spinning probe ended within {time.monotonic() - t0:.2f} s: the steps above "
+            "did not run under a spinning kernel"
+        )
+        slow = {k: round(v, 3) for k, v in steps.items() if v > FREE_PATH_S}
+        assert not slow, f"blocked behind the spinning wait (s): {slow}; all: {steps}"
+        wait_done(spin, SPIN_S + SLACK_S)
+        assert cuda.release_deferred_frees() >= 1  # the dropped region, freed now
+    finally:
+        stop(p)
 
 
 # --- the device client step over CUDA IPC: liveness and retirement under a running kernel ------

@@ -33,12 +33,26 @@ IpcPeerTable::IpcPeerTable(std::shared_ptr<IpcTransport> transport, std::shared_
   MC_CHECK(r.device() == device_, "the local region lives on device ", r.device(),
            ", the transport on device ", device_);
   DeviceGuard guard(device_);
-  DeviceBuffer base(sizeof(uint8_t*) * max_peers);
-  DeviceBuffer alive(sizeof(uint32_t) * max_peers);
-  stream_ = new_stream_zeroing(
-      {{base.get(), sizeof(uint8_t*) * max_peers}, {alive.get(), sizeof(uint32_t) * max_peers}});
-  peer_base_ = static_cast<uint8_t**>(base.release());
-  alive_ = static_cast<uint32_t*>(alive.release());
+  // The tables are allocated and freed in the order of the table's own stream: its
+  // destruction (garbage collection, possibly while another kernel of the process spins on a
+  // device wait) then never synchronises the device.
+  cudaStream_t s = nullptr;
+  MC_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  try {
+    StreamBuffer base(sizeof(uint8_t*) * max_peers, s, device_);
+    StreamBuffer alive(sizeof(uint32_t) * max_peers, s, device_);
+    MC_CUDA_CHECK(cudaMemsetAsync(base.get(), 0, sizeof(uint8_t*) * max_peers, s));
+    MC_CUDA_CHECK(cudaMemsetAsync(alive.get(), 0, sizeof(uint32_t) * max_peers, s));
+    // Zeroed before any kernel on any stream reads them.
+    MC_CUDA_CHECK(cudaStreamSynchronize(s));
+    peer_base_ = static_cast<uint8_t**>(base.release());
+    alive_ = static_cast<uint32_t*>(alive.release());
+  } catch (...) {
+    cudaStreamSynchronize(s);
+    cudaStreamDestroy(s);
+    throw;
+  }
+  stream_ = s;
   entries_.resize(max_peers);
 }
 
@@ -51,8 +65,8 @@ IpcPeerTable::~IpcPeerTable() {
     destroy_events(e);
     e.region.reset();
   }
-  cudaFree(peer_base_);
-  cudaFree(alive_);
+  stream_free(peer_base_, as_stream(stream_), device_);
+  stream_free(alive_, as_stream(stream_), device_);
   cudaStreamDestroy(as_stream(stream_));
   cudaGetLastError();
 }

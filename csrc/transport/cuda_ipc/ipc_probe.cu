@@ -3,6 +3,8 @@
 // across processes.
 #include <cuda_runtime.h>
 
+#include <memory>
+
 #include "common/error.h"
 #include "transport/cuda_ipc/ipc_peer_table.h"
 #include "transport/device/cuda_util.h"
@@ -37,7 +39,8 @@ DeviceWaitProbe::DeviceWaitProbe(const IpcPeerTable& table, uint64_t offset,
     cudaEvent_t ev = nullptr;
     MC_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
     event_ = ev;
-    MC_CUDA_CHECK(cudaMalloc(&result_dev_, sizeof(ProbeResult)));
+    // Stream-ordered: release() frees it on this stream, with no device-wide synchronisation.
+    result_dev_ = static_cast<ProbeResult*>(stream_alloc(sizeof(ProbeResult), s, device_));
     device::wait_probe_kernel<IpcBackend>
         <<<1, 1, 0, s>>>(b, offset, pred, timeout_ns, peer, result_dev_);
     MC_CUDA_CHECK(cudaGetLastError());
@@ -50,8 +53,10 @@ DeviceWaitProbe::DeviceWaitProbe(const IpcPeerTable& table, uint64_t offset,
 
 void DeviceWaitProbe::release() noexcept {
   DeviceGuard guard(device_, std::nothrow);
+  // Its own kernel only (it has a deadline); a cudaFree here would also wait for every other
+  // kernel of the process, a spinning combine included.
   if (stream_ != nullptr) cudaStreamSynchronize(static_cast<cudaStream_t>(stream_));
-  if (result_dev_ != nullptr) cudaFree(result_dev_);
+  stream_free(result_dev_, static_cast<cudaStream_t>(stream_), device_);
   if (event_ != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(event_));
   if (stream_ != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
   result_dev_ = nullptr;
@@ -94,16 +99,27 @@ void device_put_signal(const IpcPeerTable& table, uint32_t peer, uint64_t offset
            "signal offset ", sig_offset, " is unaligned or outside the peer region");
   MC_CHECK(bytes == 0 || src != nullptr, "put from a null source");
   DeviceGuard guard(table.device());
-  DeviceBuffer staged(bytes > 0 ? bytes : 1);
   cudaStream_t s = nullptr;
   MC_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cudaError_t err =
-      bytes > 0 ? cudaMemcpyAsync(staged.get(), src, bytes, cudaMemcpyDefault, s) : cudaSuccess;
-  if (err == cudaSuccess) {
-    put_signal_kernel<<<1, kOneWarp, 0, s>>>(b, peer, offset, staged.get(), bytes, sig_offset,
-                                             value, op);
-    err = cudaGetLastError();
-  }
+  cudaError_t err = cudaSuccess;
+  {
+    // The staging copy lives on this stream: allocated and freed in its order, so the put
+    // never synchronises the device (a put while another kernel spins must not wait for it).
+    std::unique_ptr<StreamBuffer> staged;
+    try {
+      staged = std::make_unique<StreamBuffer>(bytes > 0 ? bytes : 1, s, table.device());
+    } catch (...) {
+      cudaStreamDestroy(s);
+      throw;
+    }
+    err =
+        bytes > 0 ? cudaMemcpyAsync(staged->get(), src, bytes, cudaMemcpyDefault, s) : cudaSuccess;
+    if (err == cudaSuccess) {
+      put_signal_kernel<<<1, kOneWarp, 0, s>>>(b, peer, offset, staged->get(), bytes, sig_offset,
+                                               value, op);
+      err = cudaGetLastError();
+    }
+  }  // the free is enqueued after the kernel
   const cudaError_t sync = cudaStreamSynchronize(s);
   cudaStreamDestroy(s);
   MC_CUDA_CHECK(err);

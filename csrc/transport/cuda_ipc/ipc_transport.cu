@@ -122,12 +122,16 @@ IpcRegion::IpcRegion(uint8_t* ptr, uint64_t bytes, bool owned, int device, IpcHa
 
 IpcRegion::~IpcRegion() {
   // Destructors cannot throw: errors here (a dead context at exit) are cleared and ignored.
-  DeviceGuard guard(device_, std::nothrow);
   if (owned_) {
-    cudaFree(ptr_);
-  } else {
-    cudaIpcCloseMemHandle(ptr_);
+    // Exported memory comes from cudaMalloc, and cudaFree would synchronise the device: run
+    // by garbage collection while a wait kernel of this process spins, it would block until
+    // that wait's deadline. Put off to release_deferred_frees() (the transport's end, or the
+    // owner's call at a quiet point).
+    deferred_frees().defer(device_, ptr_);
+    return;
   }
+  DeviceGuard guard(device_, std::nothrow);
+  cudaIpcCloseMemHandle(ptr_);
   cudaGetLastError();
 }
 
@@ -149,18 +153,28 @@ IpcTransport::IpcTransport(int device) : self_(shm::self_process()), boot_id_(no
   cudaStream_t s = nullptr;
   MC_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   stream_ = s;
-  const cudaError_t err = cudaMalloc(&scratch_, sizeof(uint64_t));
-  if (err != cudaSuccess) {
+  try {
+    scratch_ = static_cast<uint64_t*>(stream_alloc(sizeof(uint64_t), s, device_));
+    MC_CUDA_CHECK(cudaStreamSynchronize(s));  // usable from any stream from now on
+  } catch (...) {
+    stream_free(scratch_, s, device_);
     cudaStreamDestroy(s);
-    MC_CUDA_CHECK(err);
+    throw;
   }
 }
 
 IpcTransport::~IpcTransport() {
   DeviceGuard guard(device_, std::nothrow);
-  cudaFree(scratch_);
+  stream_free(scratch_, as_stream(stream_), device_);
   cudaStreamDestroy(as_stream(stream_));
   cudaGetLastError();
+  // The regions this process dropped so far: their owners are gone, and with this transport
+  // every peer table over it (they hold it) and the kernels they were given.
+  release_dropped_regions();
+}
+
+size_t release_dropped_regions() noexcept {
+  return release_deferred_frees();
 }
 
 std::shared_ptr<Region> IpcTransport::create_region(uint64_t bytes) {

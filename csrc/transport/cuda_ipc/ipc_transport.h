@@ -113,4 +113,9 @@ class IpcTransport final : public Transport {
 IpcRegion& as_ipc(Region& r);
 const IpcRegion& as_ipc(const Region& r);
 
+// Frees the owned regions dropped so far (their cudaFree is put off: it synchronises the device,
+// so it waits for a point where no device wait of this process spins; the transport's
+// destruction is one, this call another). How many were freed.
+size_t release_dropped_regions() noexcept;
+
 }  // namespace moecomm::transport::cuda_ipc

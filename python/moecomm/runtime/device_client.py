@@ -35,11 +35,12 @@ import torch
 
 import moecomm.wire.cuda
 from moecomm import _C
-from moecomm.errors import MoecommError, deprecated_aliases
+from moecomm.errors import MoecommError
 from moecomm.ops._checks import check_tensor
 from moecomm.runtime import device_debug
 from moecomm.runtime.client import random_client_id
 from moecomm.runtime.device_maps import DEFAULT_MAX_EXPERTS, ExpertMaps
+from moecomm.runtime.device_preload import preload_kernels
 from moecomm.wire.protocol import ENCODING_DTYPE, SlotLayout, as_encoding
 
 log = logging.getLogger("moecomm.device_client")
@@ -59,10 +60,6 @@ BUSY_RETRY_S = 0.01
 
 class DeviceStepFailedError(MoecommError):
     """A device step could not be completed on any replica."""
-
-
-# The old names, deprecated: the family's names end in Error (docs/errors.md).
-__getattr__ = deprecated_aliases(__name__, {"DeviceStepFailed": "DeviceStepFailedError"})
 
 
 @dataclass
@@ -127,6 +124,8 @@ class DeviceClient:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.layout, self.timeout, self.token = layout, float(timeout), token
         self.client_id = random_client_id() if client_id is None else int(client_id)
+        # Every kernel loaded before the first connect (runtime/device_preload.py).
+        preload_kernels(self._k, self.device.index)
         self.transport = self._k.IpcTransport(self.device.index)
         ring = _C.SlotRing(layout.config, num_slots, False)
         self.ring_bytes = ring.region_bytes

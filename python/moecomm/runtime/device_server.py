@@ -45,6 +45,7 @@ from moecomm.errors import MoecommError
 from moecomm.ops.grouped_gemm import DEFAULT_BLOCK_M
 from moecomm.ops.quant import QUANTIZED_ENCODINGS, scales_per_token
 from moecomm.runtime import device_debug
+from moecomm.runtime.device_preload import preload_kernels
 from moecomm.runtime.experts import ExpertWeights
 from moecomm.runtime.registry import (
     ClientIdInUseError,
@@ -112,6 +113,8 @@ class DeviceExpertServer(ExpertServer):
             for layer, le in self.layers.items()
         }
         self.stream = torch.cuda.Stream(self.device)
+        # Every kernel loaded before this server says it listens (runtime/device_preload.py).
+        preload_kernels(self._k, self.device.index)
         self.ipc = self._k.IpcTransport(self.device.index)
         ring = _C.SlotRing(layout.config, num_slots, True)
         self.ring_bytes = ring.region_bytes
@@ -443,6 +446,15 @@ class DeviceExpertServer(ExpertServer):
 
     def export_expert(self, layer_id: int, expert: int, transport: str | None = None) -> dict:
         return self.load_expert(layer_id, expert)
+
+    def load_experts(self, items) -> dict:
+        return self.load_expert(-1, -1)
+
+    def unload_experts(self, items) -> dict:
+        return self.load_expert(-1, -1)
+
+    def export_experts(self, items, transport: str | None = None) -> dict:
+        return self.load_expert(-1, -1)
 
     def health_check(self) -> dict:
         """A real forward pass through one hosted expert on the device."""

@@ -117,6 +117,7 @@ from moecomm.errors import (
     PeerLostError,
     ProtocolError,
 )
+from moecomm.runtime.device_preload import preload_kernels
 from moecomm.wire.cuda import arrival_timeout_ns, cuda_module, deadline_scale
 from moecomm.wire.protocol import SCALE_BLOCK, SlotLayout
 
@@ -218,6 +219,9 @@ class _Lane:
         self.resp_slot_bytes = self.layout.response_slot_bytes
         self.resp_base = nr * self.req_ring
         total = self.resp_base + nr * self.resp_ring
+        # Every kernel loaded before this rank exchanges its handle (its "ready"): a rank that
+        # joins cold beside another's spinning wait (runtime/device_preload.py).
+        preload_kernels(k, device.index)
         self.transport = k.IpcTransport(device.index)
         self.region = self.transport.create_region(total)  # zero-filled: idle slots
         stream = _cuda.current_stream(device)
