@@ -19,8 +19,9 @@ leaves unused flows to the next. Every command runs in its own process group and
 when its stage's time is spent; each test file is one pytest with its own junit and its own
 cap (tools/gpu_check_plan.py; `--plan` lists every GPU test file with its stage and cap).
 OUT gets summary.json and summary.md, rewritten after every test file, and logs/<stage>.log,
-junit/<stage>.<file>.xml (with --pack: logs.tar.gz and junit.tar.gz instead, refreshed after every stage; the device
-tool brings back at most eight files). Exit status 0 when every stage passed or was skipped.
+junit/<stage>.<file>.xml (with --pack: logs.tar.gz and junit.tar.gz instead, refreshed after
+every stage; the device tool brings back at most eight files). Exit status 0 when every stage
+passed or was skipped.
 Standard library only: it runs before anything is installed. docs/gpu-check.md has the rest.
 """
 
