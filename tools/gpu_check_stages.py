@@ -61,6 +61,7 @@ JOINLEAVE_SCRIPT = "tools/probe/join_leave_diag.py"
 HOST_TESTS = [
     "tests/gpu/test_gpu_host.py",
     "tests/gpu/test_free_and_preload_host.py",
+    "tests/gpu/test_roundtrip_reference_host.py",
     "tests/test_cuda_build.py",
 ]
 WHEELS_DIR = ".gpu-wheels"
