@@ -20,6 +20,7 @@ from moecomm.membership.base import (
     DEFAULT_POLL_S,
     DEFAULT_TTL_S,
     HEARTBEATS_PER_TTL,
+    LeaseGroup,
     Membership,
     Registration,
     monitor_token,
@@ -36,19 +37,22 @@ def connect_membership(
     token: str = "",
     poll_s: float = DEFAULT_POLL_S,
     timeout: float = DEFAULT_HTTP_TIMEOUT_S,
+    group_leases: bool = True,
 ) -> Membership:
     """The backend named by `url`: "http(s)://host:port" is an embedded monitor (`token` is its
-    shared token), "etcd://host:port[,host:port...][/prefix]" an etcd cluster."""
+    shared token), "etcd://host:port[,host:port...][/prefix]" an etcd cluster. `group_leases`
+    False renews each registration from its own thread with its own requests (the behaviour of
+    earlier versions, kept for comparison)."""
     parts = urlsplit(url)
     if parts.scheme in ("http", "https"):
-        return EmbeddedMembership(url, token, poll_s, timeout)
+        return EmbeddedMembership(url, token, poll_s, timeout, group_leases)
     if parts.scheme == "etcd":
         if not parts.netloc:
             raise ValueError(f"etcd URL needs host:port, got {url!r}")
         if token:
             raise ValueError("the etcd backend takes no token (etcd auth is not supported)")
         prefix = parts.path.rstrip("/") or DEFAULT_PREFIX
-        return EtcdMembership(parts.netloc.split(","), prefix, poll_s, timeout)
+        return EtcdMembership(parts.netloc.split(","), prefix, poll_s, timeout, group_leases)
     raise ValueError(f"membership URL must be http://, https:// or etcd://, got {url!r}")
 
 
@@ -59,6 +63,7 @@ __all__ = [
     "EtcdError",
     "EtcdMembership",
     "Event",
+    "LeaseGroup",
     "Member",
     "Membership",
     "MembershipError",

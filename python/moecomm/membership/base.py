@@ -1,8 +1,14 @@
 """The one membership interface, and the registration that keeps a member alive on any backend.
 
 A backend implements five hooks: `_register`, `_heartbeat`, `_deregister`, `_list_records` and
-`_watch_source`. Everything else — heartbeat threads, automatic re-registration, the watcher's
-view of who is alive — is written once here and in `watcher.py`."""
+`_watch_source`, and may batch two of them (`_register_many`, `_heartbeat_many`). Everything
+else — lease renewal, automatic re-registration, the watcher's view of who is alive — is
+written once here and in `watcher.py`.
+
+Leases are renewed per process, not per member: every registration of one `Membership` is
+renewed by one thread (`LeaseGroup`), in one batched request per interval where the backend
+batches (the monitor's POST /heartbeats, one shared etcd lease), so a process hosting many
+members costs the backend one request per heartbeat interval, not one per member."""
 
 from __future__ import annotations
 
@@ -10,7 +16,9 @@ import logging
 import os
 import secrets
 import threading
+import time
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +47,18 @@ DEFAULT_HTTP_TIMEOUT_S = 5.0
 TOKEN_ENV = "MOECOMM_MONITOR_TOKEN"
 # Incarnations are random: 64 bits make a collision between two processes of one id negligible.
 INCARNATION_BYTES = 8
+# Batch latencies a lease group keeps for the scale bench (the latest; about 20 min at 3/s).
+LATENCY_SAMPLES = 4096
+# While the backend cannot be reached, a lease group tries again this often (one request per
+# process, not per member): a restarted monitor has every member back well within the one TTL
+# watchers wait for them (watcher.REREGISTER_GRACE_TTLS), even at 10,000 members.
+UNREACHABLE_RETRY_S = 0.2
+# After a renewal round raised (a bug, not an outage), the group pauses this long.
+HEARTBEAT_BUG_PAUSE_S = 1.0
+# A lease group renews, with the registrations that are due, those due within this fraction of
+# their interval: members registered at different moments share one batch from their second
+# renewal on, and none is renewed more than twice per interval.
+ALIGN_FRACTION = 0.5
 
 
 @dataclass
@@ -60,11 +80,20 @@ class Membership(ABC):
     Use `connect_membership(url)` to get one: "http://..." is the embedded monitor, "etcd://..."
     an etcd cluster. Thread-safe; one instance can serve many registrations and watchers."""
 
-    def __init__(self, poll_s: float = DEFAULT_POLL_S, timeout: float = DEFAULT_HTTP_TIMEOUT_S):
+    def __init__(
+        self,
+        poll_s: float = DEFAULT_POLL_S,
+        timeout: float = DEFAULT_HTTP_TIMEOUT_S,
+        group_leases: bool = True,
+    ):
         if poll_s <= 0 or timeout <= 0:
             raise ValueError(f"poll_s and timeout must be positive, got {poll_s}, {timeout}")
         self.poll_s = poll_s
         self.timeout = timeout
+        # False: the per-member renewal of earlier versions (one thread and one request per
+        # member and interval); kept as the contender the scale bench measures against.
+        self.group_leases = group_leases
+        self.leases = LeaseGroup(self)
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -75,6 +104,29 @@ class Membership(ABC):
         if not isinstance(member, Member):
             raise TypeError(f"register() takes a Member, got {type(member).__name__}")
         return Registration(self, member, check_ttl(ttl))
+
+    def register_many(self, members: list[Member], ttl: float = DEFAULT_TTL_S) -> list:
+        """Registers every member of `members` (one process hosting several: a host agent, a
+        simulation) in as few requests as the backend allows, each with its own incarnation
+        and lease, renewed together. All or nothing: on an error the members registered are
+        deregistered (best effort) and the error raised."""
+        ttl = check_ttl(ttl)
+        for member in members:
+            if not isinstance(member, Member):
+                raise TypeError(f"register_many() takes Members, got {type(member).__name__}")
+        records = [Record(mb, ttl, secrets.token_hex(INCARNATION_BYTES)) for mb in members]
+        leases = self._register_many([(r, None) for r in records])
+        failed = next((x for x in leases if isinstance(x, Exception)), None)
+        if failed is not None:
+            for rec, lease in zip(records, leases, strict=True):
+                if not isinstance(lease, Exception):
+                    try:
+                        self._deregister(rec, lease)
+                    except Exception as exc:
+                        log.warning("deregistering %s failed (%s)", rec.member.key, exc)
+            raise failed
+        pairs = zip(records, leases, strict=True)
+        return [Registration(self, r.member, ttl, (r, lease)) for r, lease in pairs]
 
     def list_members(self, role: str | None = None) -> list[Member]:
         """Members alive now (optionally of one role), ordered by (role, member_id)."""
@@ -115,6 +167,22 @@ class Membership(ABC):
         Raises SupersededError when another incarnation took the id, ConnectionError when the
         backend cannot be reached."""
 
+    def _register_many(self, items: list[tuple[Record, Lease | None]]) -> list[Lease | Exception]:
+        """`_register` for each (record, lease): its lease, or the exception it raised. A
+        backend that batches overrides this; this one stops at the first ConnectionError (the
+        rest would wait out the same deadline) and gives it to the items left."""
+        return _each(items, lambda item: self._register(*item))
+
+    def _heartbeat_many(self, items: list[tuple[Record, Lease]]) -> list[bool | Exception]:
+        """`_heartbeat` for each (record, lease): its answer, or the exception it raised (see
+        `_register_many`)."""
+        return _each(items, lambda item: self._heartbeat(*item))
+
+    def _abandon(self, record: Record, lease: Lease) -> None:
+        """Heartbeats stopped without a deregistration: the member must expire within its TTL
+        (nothing to do where its lease is its own; see EtcdMembership for a shared one)."""
+        return
+
     @abstractmethod
     def _deregister(self, record: Record, lease: Lease) -> None:
         """Removes the member now (a graceful "loss" with reason "deregistered")."""
@@ -130,20 +198,173 @@ class Membership(ABC):
         No blocking call may last longer than about `poll_s`."""
 
 
-class Registration:
-    """A live registration. Its thread heartbeats `HEARTBEATS_PER_TTL` times per TTL; when the
-    backend answers that it forgot the member (lease expired, monitor or etcd restarted with an
-    empty store), it registers again with the same incarnation. Unreachable backends are retried
-    at the same pace, so a member is back within one heartbeat interval of the backend. An
-    `update` made while the backend cannot be reached is kept and published by the same thread
-    as soon as it answers again."""
+def _each(items: list, call: Callable) -> list:
+    out: list = []
+    for item in items:
+        try:
+            out.append(call(item))
+        except ConnectionError as exc:
+            return out + [exc] * (len(items) - len(out))
+        except Exception as exc:
+            out.append(exc)
+    return out
 
-    def __init__(self, backend: Membership, member: Member, ttl: float):
+
+class LeaseGroup:
+    """Renews the leases of every registration of one `Membership` from one thread: at each
+    round, those due (and those due within ALIGN_FRACTION of their interval) go out in one
+    `_heartbeat_many`, and those the backend forgot (or that hold an unpublished update) in one
+    `_register_many`. A registration whose lock is held (an update, a caller's heartbeat_now,
+    a test pausing it) is left to the next round. The thread exits when the group is empty and
+    starts again with the next registration."""
+
+    def __init__(self, backend: Membership):
         self._backend = backend
-        self.incarnation = secrets.token_hex(INCARNATION_BYTES)
-        self._record = Record(member, ttl, self.incarnation)
         self._lock = threading.Lock()
-        self._lease = backend._register(self._record, None)
+        self._regs: dict[int, Registration] = {}
+        self._thread: threading.Thread | None = None
+        self._wake = threading.Event()
+        self._failing = False
+        self.rounds = 0  # batches sent, for tests and the scale bench
+        # Seconds each round's heartbeat batch took, the latest first-in-first-out (bounded).
+        self.latencies: deque[float] = deque(maxlen=LATENCY_SAMPLES)
+
+    def __len__(self) -> int:
+        return len(self._regs)
+
+    def add(self, reg: Registration) -> None:
+        with self._lock:
+            self._regs[id(reg)] = reg
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="moecomm-leases", daemon=True
+                )
+                self._thread.start()
+        self._wake.set()
+
+    def remove(self, reg: Registration) -> None:
+        with self._lock:
+            self._regs.pop(id(reg), None)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._regs:
+                    self._thread = None
+                    return
+                wait = min(r._due for r in self._regs.values()) - time.monotonic()
+            if wait > 0:
+                self._wake.wait(wait)
+                self._wake.clear()
+                continue
+            try:
+                self.renew_due()
+            except Exception:  # a bug: logged, and the next round tries again
+                log.exception("lease renewal round failed")
+                time.sleep(HEARTBEAT_BUG_PAUSE_S)
+
+    def renew_due(self) -> None:
+        """One round, in the caller's thread."""
+        now = time.monotonic()
+        with self._lock:
+            due = [r for r in self._regs.values() if r._due <= now + ALIGN_FRACTION * r.interval]
+        held = []
+        for reg in due:
+            reg._due = now + reg.interval  # sooner after a ConnectionError (_renew)
+            if not reg._lock.acquire(blocking=False):
+                continue
+            if reg._stop.is_set():
+                reg._lock.release()
+                continue
+            held.append(reg)
+        if not held:
+            return
+        try:
+            self._renew(held)
+        finally:
+            for reg in held:
+                reg._lock.release()
+
+    def _renew(self, held: list[Registration]) -> None:
+        started = time.monotonic()
+        answers = self._backend._heartbeat_many([(r._record, r._lease) for r in held])
+        self.latencies.append(time.monotonic() - started)
+        self.rounds += 1
+        todo: list[tuple[Registration, bool]] = []  # (registration, still known)
+        unreachable = None
+        for reg, answer in zip(held, answers, strict=True):
+            if isinstance(answer, SupersededError):
+                # Re-registering would steal the id back and make both incarnations flap.
+                reg.superseded = True
+                reg.last_error = answer
+                self.remove(reg)
+                log.error("%s: %s; heartbeats stopped", reg.member.member_id, answer)
+            elif isinstance(answer, Exception):
+                reg.last_error = answer
+                unreachable = answer
+                if isinstance(answer, ConnectionError):
+                    # A restarted backend is found within UNREACHABLE_RETRY_S, not an interval:
+                    # watchers give a missing member one TTL to come back.
+                    reg._due = min(reg._due, time.monotonic() + UNREACHABLE_RETRY_S)
+            elif answer:
+                reg.heartbeats += 1
+                if not reg.published:
+                    todo.append((reg, True))
+            else:
+                todo.append((reg, False))
+        if todo:
+            leases = self._backend._register_many(
+                [(r._record, r._lease if known else None) for r, known in todo]
+            )
+            again = published = 0
+            for (reg, known), lease in zip(todo, leases, strict=True):
+                if isinstance(lease, Exception):
+                    reg.last_error = lease
+                    unreachable = lease
+                    if isinstance(lease, ConnectionError):
+                        reg._due = min(reg._due, time.monotonic() + UNREACHABLE_RETRY_S)
+                    continue
+                reg._lease = lease
+                reg.published = True
+                if known:
+                    published += 1
+                else:
+                    reg.reregistrations += 1
+                    again += 1
+            if again:
+                log.info("re-registered %d member(s) (the backend had lost them)", again)
+            if published:
+                log.info("published %d update(s) missed while unreachable", published)
+        if unreachable is not None and not self._failing:
+            log.warning("lease renewal failed: %s", unreachable)
+        elif unreachable is None and self._failing:
+            log.info("membership backend reachable again")
+        self._failing = unreachable is not None
+
+
+class Registration:
+    """A live registration, renewed `HEARTBEATS_PER_TTL` times per TTL with the others of its
+    `Membership` (`LeaseGroup`); when the backend answers that it forgot the member (lease
+    expired, monitor or etcd restarted with an empty store), it registers again with the same
+    incarnation. Unreachable backends are retried at the same pace, so a member is back within
+    one heartbeat interval of the backend. An `update` made while the backend cannot be
+    reached is kept and published by the renewal as soon as it answers again."""
+
+    def __init__(
+        self,
+        backend: Membership,
+        member: Member,
+        ttl: float,
+        granted: tuple[Record, Lease] | None = None,
+    ):
+        self._backend = backend
+        self._lock = threading.Lock()
+        if granted is None:
+            self._record = Record(member, ttl, secrets.token_hex(INCARNATION_BYTES))
+            self._lease = backend._register(self._record, None)
+        else:  # registered already, by register_many
+            self._record, self._lease = granted
+        self.incarnation = self._record.incarnation
         self.reregistrations = 0
         self.heartbeats = 0
         # False while the backend may hold an older record than `member` (an update it could
@@ -152,10 +373,15 @@ class Registration:
         self.superseded = False
         self.last_error: Exception | None = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, name=f"moecomm-heartbeat-{member.member_id}", daemon=True
-        )
-        self._thread.start()
+        self._due = time.monotonic() + self.interval
+        self._thread = None
+        if backend.group_leases:
+            backend.leases.add(self)
+        else:
+            self._thread = threading.Thread(
+                target=self._run, name=f"moecomm-heartbeat-{member.member_id}", daemon=True
+            )
+            self._thread.start()
 
     @property
     def member(self) -> Member:
@@ -225,7 +451,9 @@ class Registration:
         failing = False
         while not self._stop.wait(self.interval):
             try:
+                started = time.monotonic()
                 self.heartbeat_now()
+                self._backend.leases.latencies.append(time.monotonic() - started)
                 if failing:
                     log.info("membership backend reachable again for %s", self.member.member_id)
                 failing = False
@@ -247,13 +475,21 @@ class Registration:
         if self._stop.is_set():
             return
         self._stop.set()
-        self._thread.join(self._backend.timeout + self.interval)
-        if deregister and not self.superseded:
-            try:
-                with self._lock:
+        self._backend.leases.remove(self)
+        if self._thread is not None:
+            self._thread.join(self._backend.timeout + self.interval)
+        # A renewal round in flight holds our lock: deregistering after it, nothing brings the
+        # member back.
+        if self.superseded:
+            return
+        try:
+            with self._lock:
+                if deregister:
                     self._backend._deregister(self._record, self._lease)
-            except Exception as exc:
-                log.warning("deregistering %s failed (%s); its lease will expire", self.member, exc)
+                else:
+                    self._backend._abandon(self._record, self._lease)
+        except Exception as exc:
+            log.warning("deregistering %s failed (%s); its lease will expire", self.member, exc)
 
     def __enter__(self) -> Registration:
         return self

@@ -5,7 +5,10 @@ Key layout under a prefix (default "/moecomm"):
     {prefix}/members/{role}/{member_id}   JSON Record, attached to the member's lease
 A member is alive while its lease is: its heartbeat is a lease keep-alive, and when etcd expires
 or loses the lease (restart with a fresh data dir) the key is gone and the keep-alive answers
-TTL 0, so the Registration grants a new lease and puts the key again. Watchers read one atomic
+TTL 0, so the Registration grants a new lease and puts the key again. The members of one
+`EtcdMembership` (one process) share one lease per TTL, as etcd's own clients do: one
+keep-alive per process and interval, however many members it hosts; a member leaving deletes
+its key, and the lease lives on for the others. Watchers read one atomic
 transaction (epoch + members, at one revision), then stream /v3/watch from the next revision.
 The gateway encodes keys and values in base64 and 64-bit integers as strings.
 """
@@ -36,6 +39,9 @@ RETRY_S = 0.2
 EPOCH_BYTES = 8
 # How much of a non-JSON or error answer goes into an exception message.
 ERROR_EXCERPT_CHARS = 200
+# Puts per transaction when many members register at once: under etcd's --max-txn-ops
+# (default 128).
+TXN_PUTS = 64
 # Failures a watcher retries through a fresh snapshot; anything else is a bug and surfaces.
 RETRIED = (
     ConnectionError,
@@ -79,8 +85,9 @@ class EtcdMembership(Membership):
         prefix: str = DEFAULT_PREFIX,
         poll_s: float = DEFAULT_POLL_S,
         timeout: float = DEFAULT_HTTP_TIMEOUT_S,
+        group_leases: bool = True,
     ):
-        super().__init__(poll_s, timeout)
+        super().__init__(poll_s, timeout, group_leases)
         if isinstance(endpoints, str):
             endpoints = endpoints.split(",")
         self.endpoints = [e if "://" in e else f"http://{e}" for e in endpoints if e]
@@ -93,6 +100,9 @@ class EtcdMembership(Membership):
         self._epoch_key = f"{prefix}/epoch"
         self._http = httpx.Client(timeout=timeout)
         self._current = 0  # index of the endpoint that answered last
+        # The shared lease per granted TTL (group_leases), and the lock its grant is under.
+        self._shared: dict[int, Lease] = {}
+        self._shared_lock = threading.Lock()
 
     def close(self) -> None:
         self._http.close()
@@ -145,6 +155,24 @@ class EtcdMembership(Membership):
 
     # ---- backend hooks ------------------------------------------------------------------------
 
+    def _grant(self, ttl: float) -> Lease:
+        granted = self._post("/v3/lease/grant", {"TTL": math.ceil(ttl)})
+        return Lease(granted["ID"], float(granted["TTL"]))
+
+    def _shared_lease(self, ttl: float, lost: Lease | None = None) -> Lease:
+        """This process's lease for `ttl`; a new one when there is none or it is `lost`."""
+        with self._shared_lock:
+            lease = self._shared.get(math.ceil(ttl))
+            if lease is None or (lost is not None and lease.handle == lost.handle):
+                lease = self._shared[math.ceil(ttl)] = self._grant(ttl)
+            return lease
+
+    def _forget_shared(self, handle: str) -> None:
+        with self._shared_lock:
+            for ttl, lease in list(self._shared.items()):
+                if lease.handle == handle:
+                    del self._shared[ttl]
+
     def _register(self, record: Record, lease: Lease | None) -> Lease:
         if lease is not None:
             try:
@@ -153,10 +181,74 @@ class EtcdMembership(Membership):
             except EtcdError as exc:
                 if exc.code != GRPC_NOT_FOUND:
                     raise
-        granted = self._post("/v3/lease/grant", {"TTL": math.ceil(record.ttl)})
-        lease = Lease(granted["ID"], float(granted["TTL"]))
-        self._put(Record(record.member, lease.ttl, record.incarnation), lease.handle)
-        return lease
+        if not self.group_leases:
+            lease = self._grant(record.ttl)
+            self._put(Record(record.member, lease.ttl, record.incarnation), lease.handle)
+            return lease
+        return self._put_shared([record])
+
+    def _put_shared(self, records: list[Record]) -> Lease:
+        """Puts `records` (one TTL) on the shared lease, in transactions of TXN_PUTS; grants a
+        new lease once if the shared one was lost meanwhile."""
+        lease = self._shared_lease(records[0].ttl)
+        for attempt in range(2):
+            try:
+                for i in range(0, len(records), TXN_PUTS):
+                    puts = [
+                        {
+                            "request_put": {
+                                "key": _b64(self._key(r)),
+                                "value": _b64(
+                                    json.dumps(
+                                        Record(r.member, lease.ttl, r.incarnation).to_dict(),
+                                        separators=(",", ":"),
+                                    )
+                                ),
+                                "lease": lease.handle,
+                            }
+                        }
+                        for r in records[i : i + TXN_PUTS]
+                    ]
+                    self._post("/v3/kv/txn", {"success": puts})
+                return lease
+            except EtcdError as exc:
+                if exc.code != GRPC_NOT_FOUND or attempt:
+                    raise
+                lease = self._shared_lease(records[0].ttl, lost=lease)
+        raise AssertionError("unreachable")
+
+    def _register_many(self, items: list[tuple[Record, Lease | None]]) -> list:
+        if not self.group_leases or len(items) <= 1:
+            return super()._register_many(items)
+        by_ttl: dict[int, list[int]] = {}
+        for i, (rec, _) in enumerate(items):
+            by_ttl.setdefault(math.ceil(rec.ttl), []).append(i)
+        out: list = [None] * len(items)
+        for idx in by_ttl.values():
+            try:
+                lease = self._put_shared([items[i][0] for i in idx])
+            except (ConnectionError, MembershipError) as exc:
+                lease = exc
+            for i in idx:
+                out[i] = lease
+        return out
+
+    def _heartbeat_many(self, items: list[tuple[Record, Lease]]) -> list:
+        if not self.group_leases:
+            return super()._heartbeat_many(items)
+        answers: dict[str, bool | Exception] = {}
+        for _, lease in items:
+            if lease.handle in answers:
+                continue
+            try:
+                answers[lease.handle] = self._heartbeat(None, lease)
+            except ConnectionError as exc:
+                return [exc] * len(items)
+            except MembershipError as exc:
+                answers[lease.handle] = exc
+            if answers[lease.handle] is False:
+                self._forget_shared(lease.handle)
+        return [answers[lease.handle] for _, lease in items]
 
     def _heartbeat(self, record: Record, lease: Lease) -> bool:
         try:
@@ -168,19 +260,50 @@ class EtcdMembership(Membership):
         # An expired or unknown lease comes back with TTL 0, which JSON leaves out.
         return int(result.get("TTL", 0)) > 0
 
+    def _abandon(self, record: Record, lease: Lease) -> None:
+        """On a shared lease the other members would keep this one alive forever: its key moves
+        to a lease of its own that nobody renews, and expires a TTL later."""
+        if not self.group_leases:
+            return
+        own = self._grant(record.ttl)
+        key = _b64(self._key(record))
+        mine = Record(record.member, lease.ttl, record.incarnation).to_dict()
+        value = _b64(json.dumps(mine, separators=(",", ":")))
+        moved = Record(record.member, own.ttl, record.incarnation).to_dict()
+        put = {"key": key, "value": _b64(json.dumps(moved, separators=(",", ":")))}
+        txn = {
+            "compare": [{"target": "VALUE", "key": key, "value": value}],
+            "success": [{"request_put": {**put, "lease": own.handle}}],
+        }
+        self._post("/v3/kv/txn", txn)
+
     def _deregister(self, record: Record, lease: Lease) -> None:
         # Mark the record leaving first, so watchers report "deregistered", not "expired" —
         # only while the key is still on our lease: a newer incarnation may have taken it.
         key = _b64(self._key(record))
         leaving = Record(record.member, lease.ttl, record.incarnation, leaving=True)
         value = _b64(json.dumps(leaving.to_dict(), separators=(",", ":")))
+        ours = [{"target": "LEASE", "key": key, "lease": lease.handle}]
+        if self.group_leases:
+            # A shared lease may hold a newer incarnation of this id from the same process:
+            # the key is ours only while it holds exactly what we put.
+            mine = Record(record.member, lease.ttl, record.incarnation).to_dict()
+            put = _b64(json.dumps(mine, separators=(",", ":")))
+            ours.append({"target": "VALUE", "key": key, "value": put})
         txn = {
-            "compare": [{"target": "LEASE", "key": key, "lease": lease.handle}],
+            "compare": ours,
             "success": [{"request_put": {"key": key, "value": value, "lease": lease.handle}}],
         }
         try:
-            self._post("/v3/kv/txn", txn)
-            self._post("/v3/lease/revoke", {"ID": lease.handle})
+            done = self._post("/v3/kv/txn", txn).get("succeeded", False)
+            if self.group_leases:
+                # The lease is the other members' too: delete the key alone (if still ours).
+                if done:
+                    still = [{"target": "VALUE", "key": key, "value": value}]
+                    delete = {"request_delete_range": {"key": key}}
+                    self._post("/v3/kv/txn", {"compare": still, "success": [delete]})
+            else:
+                self._post("/v3/lease/revoke", {"ID": lease.handle})
         except EtcdError as exc:
             if exc.code != GRPC_NOT_FOUND:  # lease already gone: so is the key
                 raise

@@ -54,6 +54,21 @@ STALL_S = 0.5
 SHUTDOWN_GRACE_S = 0.5
 # How often the monitor process checks that its server thread still runs.
 LIVENESS_CHECK_S = 1.0
+# Leases one POST /heartbeats renews, records one POST /registers adds: a process hosting this
+# many members splits its batch (a heartbeat item is ~100 bytes: 8,192 stay under 1 MiB).
+MAX_BATCH_ITEMS = 8192
+# The routes counted in /health's "requests" (anything else is counted as "other"): what a
+# scale test divides by members and seconds to get each member's control-plane request rate.
+COUNTED_ROUTES = (
+    "/register",
+    "/registers",
+    "/heartbeat",
+    "/heartbeats",
+    "/deregister",
+    "/members",
+    "/events",
+    "/health",
+)
 
 RoleStr = Annotated[str, Field(pattern=m.ROLE_RE.pattern)]
 MemberIdStr = Annotated[str, Field(pattern=m.MEMBER_ID_RE.pattern)]
@@ -86,6 +101,31 @@ class LeaseModel(BaseModel):
     role: RoleStr
     member_id: MemberIdStr
     incarnation: IncarnationStr
+
+
+class LeasesModel(BaseModel):
+    """POST /heartbeats: the leases of many members (one process's), renewed in one request."""
+
+    leases: list[LeaseModel] = Field(max_length=MAX_BATCH_ITEMS)
+
+
+class RegistersModel(BaseModel):
+    """POST /registers: many members registered (or re-registered) in one request."""
+
+    records: list[RegisterModel] = Field(max_length=MAX_BATCH_ITEMS)
+
+
+def status_of(exc: Exception) -> int:
+    """The HTTP status a registry error is answered with, alone or as one item of a batch."""
+    if isinstance(exc, UnknownMemberError):
+        return 404
+    if isinstance(exc, SupersededError):
+        return 409
+    if isinstance(exc, RegistryFullError):
+        return 507
+    if isinstance(exc, ValueError):
+        return 422
+    raise exc
 
 
 def _is_loopback(host: str) -> bool:
@@ -130,9 +170,12 @@ def make_app(token: str = "") -> FastAPI:
 
     app = FastAPI(title="moecomm monitor", lifespan=lifespan)
     app.state.registry = registry
+    requests = dict.fromkeys((*COUNTED_ROUTES, "other"), 0)
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
+        path = request.url.path
+        requests[path if path in requests else "other"] += 1
         # Before anything is parsed: an unauthenticated caller learns nothing about the API.
         if token and request.url.path != "/health":
             given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
@@ -157,33 +200,70 @@ def make_app(token: str = "") -> FastAPI:
         ]
         return JSONResponse({"detail": "invalid request: " + "; ".join(problems)}, 422)
 
+    def detail(exc: Exception) -> str:
+        # KeyError's str() quotes its message; the others say it plainly.
+        return str(exc.args[0]) if isinstance(exc, UnknownMemberError) else str(exc)
+
     def held(call, *args):
         try:
             return call(*args)
-        except UnknownMemberError as exc:
-            raise HTTPException(status_code=404, detail=str(exc.args[0])) from None
-        except SupersededError as exc:
-            raise HTTPException(status_code=409, detail=str(exc)) from None
+        except (UnknownMemberError, SupersededError) as exc:
+            raise HTTPException(status_code=status_of(exc), detail=detail(exc)) from None
+
+    def add(body: RegisterModel, now: float) -> str:
+        """Registers one record; raises ValueError (invalid member) or RegistryFullError."""
+        try:
+            member = Member(**body.member.model_dump())
+        except ValueError as exc:
+            raise ValueError(f"invalid member: {exc}") from None
+        return registry.register(Record(member, body.ttl, body.incarnation), now)
 
     @app.post("/register")
     async def register(body: RegisterModel):
         try:
-            member = Member(**body.member.model_dump())
-        except ValueError as exc:
-            raise HTTPException(status_code=422, detail=f"invalid member: {exc}") from None
-        try:
-            kind = registry.register(Record(member, body.ttl, body.incarnation), time.monotonic())
-        except RegistryFullError as exc:
-            raise HTTPException(status_code=507, detail=str(exc)) from None
+            kind = add(body, time.monotonic())
+        except (ValueError, RegistryFullError) as exc:
+            raise HTTPException(status_code=status_of(exc), detail=str(exc)) from None
         if kind:
             await notify()
         return {"epoch": registry.epoch, "ttl": body.ttl, "event": kind}
+
+    @app.post("/registers")
+    async def registers(body: RegistersModel):
+        """Each record as POST /register would; one answer per record, in order: {"status":
+        200, "ttl", "event"} or {"status": 422|507, "detail"}. Watchers are woken once."""
+        now = time.monotonic()
+        results, changed_any = [], False
+        for item in body.records:
+            try:
+                kind = add(item, now)
+            except (ValueError, RegistryFullError) as exc:
+                results.append({"status": status_of(exc), "detail": str(exc)})
+                continue
+            changed_any = changed_any or bool(kind)
+            results.append({"status": 200, "ttl": item.ttl, "event": kind})
+        if changed_any:
+            await notify()
+        return JSONResponse({"epoch": registry.epoch, "results": results})
 
     @app.post("/heartbeat")
     async def heartbeat(body: LeaseModel):
         key = (body.role, body.member_id)
         ttl = held(registry.heartbeat, key, body.incarnation, time.monotonic())
         return {"epoch": registry.epoch, "ttl": ttl}
+
+    @app.post("/heartbeats")
+    async def heartbeats(body: LeasesModel):
+        """Each lease as POST /heartbeat would; one answer per lease, in order: {"status": 200,
+        "ttl"} or {"status": 404|409, "detail"}."""
+        leases = [((b.role, b.member_id), b.incarnation) for b in body.leases]
+        results = [
+            {"status": 200, "ttl": r}
+            if isinstance(r, float)
+            else {"status": status_of(r), "detail": detail(r)}
+            for r in registry.heartbeat_many(leases, time.monotonic())
+        ]
+        return JSONResponse({"epoch": registry.epoch, "results": results})
 
     @app.post("/deregister")
     async def deregister(body: LeaseModel):
@@ -195,20 +275,24 @@ def make_app(token: str = "") -> FastAPI:
     async def members(
         role: Annotated[str | None, Query(pattern=m.ROLE_RE.pattern)] = None,
     ):
-        return {
-            "epoch": registry.epoch,
-            "seq": registry.seq,
-            "members": registry.records(role, time.monotonic()),
-        }
+        return JSONResponse(
+            {
+                "epoch": registry.epoch,
+                "seq": registry.seq,
+                "members": registry.records(role, time.monotonic()),
+            }
+        )
 
     @app.get("/events")
     async def events(
         since: Annotated[int, Query(ge=0)],
         epoch: Annotated[str, Query(max_length=64)] = "",
         timeout: Annotated[float, Query(ge=0, le=MAX_POLL_S)] = 0.0,
+        role: Annotated[str | None, Query(pattern=m.ROLE_RE.pattern)] = None,
     ):
-        """Events after `since`; waits up to `timeout` s for one. A watcher of another epoch
-        (restarted monitor) or too far behind gets `resync: true` and a full member list."""
+        """Events after `since` (of members of `role` only, when given); waits up to `timeout`
+        s for one. A watcher of another epoch (restarted monitor) or too far behind gets
+        `resync: true` and a full member list (of `role`). `seq` always counts every event."""
         if epoch == registry.epoch:
             async with changed:
                 with contextlib.suppress(asyncio.TimeoutError):
@@ -217,17 +301,29 @@ def make_app(token: str = "") -> FastAPI:
         else:
             evs = None
         if evs is None:
-            return {
-                "epoch": registry.epoch,
-                "seq": registry.seq,
-                "resync": True,
-                "members": registry.records(None, time.monotonic()),
-            }
-        return {"epoch": registry.epoch, "seq": registry.seq, "events": evs}
+            return JSONResponse(
+                {
+                    "epoch": registry.epoch,
+                    "seq": registry.seq,
+                    "resync": True,
+                    "members": registry.records(role, time.monotonic()),
+                }
+            )
+        if role is not None:
+            # Filtered here, not by each watcher: a change to 3,000 servers is not sent to
+            # every watcher of clients.
+            evs = [e for e in evs if e["member"]["role"] == role]
+        return JSONResponse({"epoch": registry.epoch, "seq": registry.seq, "events": evs})
 
     @app.get("/health")
     async def health():
-        return {"ok": True, "epoch": registry.epoch, "members": len(registry), "seq": registry.seq}
+        return {
+            "ok": True,
+            "epoch": registry.epoch,
+            "members": len(registry),
+            "seq": registry.seq,
+            "requests": dict(requests),
+        }
 
     return app
 

@@ -1,22 +1,27 @@
 """The embedded monitor's state: members with deadlines, and a bounded, numbered event log.
 
 Pure and single-threaded (the monitor calls it from its event loop only), so it is tested and
-reasoned about without HTTP. Times are `time.monotonic()` seconds passed in by the caller."""
+reasoned about without HTTP. Times are `time.monotonic()` seconds passed in by the caller.
+
+Deadlines sit in a heap besides the member table, so the monitor's sweep (twenty times a second)
+costs the members that are due, not every member: a heartbeat only moves a deadline later, and
+the heap entry, which may be earlier than the deadline, is re-filed when it comes up."""
 
 from __future__ import annotations
 
+import heapq
 import secrets
 from collections import deque
 from dataclasses import dataclass
 from itertools import islice
 
-from moecomm.errors import deprecated_aliases
 from moecomm.membership.member import MembershipError, Record, SupersededError
 
 # Events kept for watchers that reconnect; one further behind gets a full snapshot instead.
 MAX_EVENT_LOG = 10_000
-# Members one monitor tracks: far above a deployment's servers + clients, and a cap on memory.
-MAX_MEMBERS = 4096
+# Members one monitor tracks: a 10,000-GPU deployment with one member per GPU and its clients
+# (~1 KB of state each), with room to spare; a cap on memory, not a limit anyone should meet.
+MAX_MEMBERS = 65_536
 # A monitor's epoch: random per start, so a watcher can tell a restarted (empty) monitor.
 EPOCH_BYTES = 8
 
@@ -27,18 +32,6 @@ class UnknownMemberError(MembershipError, KeyError):
 
 class RegistryFullError(MembershipError):
     """The monitor already holds MAX_MEMBERS members."""
-
-
-# The old names, deprecated: the family's names end in Error (docs/errors.md); Superseded is
-# the SupersededError a member's backend raises.
-__getattr__ = deprecated_aliases(
-    __name__,
-    {
-        "Full": "RegistryFullError",
-        "Superseded": "SupersededError",
-        "UnknownMember": "UnknownMemberError",
-    },
-)
 
 
 @dataclass
@@ -52,6 +45,9 @@ class Registry:
         self.epoch = secrets.token_hex(EPOCH_BYTES)
         self.seq = 0  # number of the last event; events are numbered from 1
         self._members: dict[tuple[str, str], Entry] = {}
+        # (deadline, key) per member, never later than its entry's deadline; stale ones are
+        # dropped or re-filed when they come up (see expire()).
+        self._deadlines: list[tuple[float, tuple[str, str]]] = []
         self._log: deque[dict] = deque(maxlen=MAX_EVENT_LOG)
 
     def _event(self, kind: str, rec: Record, reason: str) -> None:
@@ -65,6 +61,8 @@ class Registry:
         if old is None and len(self._members) >= MAX_MEMBERS:
             raise RegistryFullError(f"the monitor holds its maximum of {MAX_MEMBERS} members")
         self._members[key] = Entry(rec, now + rec.ttl)
+        if old is None or now + rec.ttl < old.deadline:
+            heapq.heappush(self._deadlines, (now + rec.ttl, key))
         if old is None:
             self._event("join", rec, "registered")
             return "join"
@@ -92,6 +90,18 @@ class Registry:
         entry.deadline = now + entry.record.ttl
         return entry.record.ttl
 
+    def heartbeat_many(
+        self, leases: list[tuple[tuple[str, str], str]], now: float
+    ) -> list[float | MembershipError]:
+        """`heartbeat` for each (key, incarnation): its TTL, or the error it raised."""
+        out: list[float | MembershipError] = []
+        for key, incarnation in leases:
+            try:
+                out.append(self.heartbeat(key, incarnation, now))
+            except MembershipError as exc:
+                out.append(exc)
+        return out
+
     def deregister(self, key: tuple[str, str], incarnation: str) -> None:
         entry = self._held(key, incarnation)
         del self._members[key]
@@ -105,8 +115,19 @@ class Registry:
             entry.deadline += seconds
 
     def expire(self, now: float) -> int:
-        """Drops members whose deadline passed; returns how many."""
-        dead = [k for k, e in self._members.items() if e.deadline <= now]
+        """Drops members whose deadline passed; returns how many. Looks only at heap entries that
+        are due: a member that heartbeated since is re-filed under its real deadline."""
+        dead: set[tuple[str, str]] = set()
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            _, key = heapq.heappop(heap)
+            entry = self._members.get(key)
+            if entry is None or key in dead:
+                continue  # deregistered, expired, or a second entry of one member
+            if entry.deadline <= now:
+                dead.add(key)
+            else:
+                heapq.heappush(heap, (entry.deadline, key))
         for key in sorted(dead):
             self._event("loss", self._members.pop(key).record, "expired")
         return len(dead)

@@ -1,0 +1,79 @@
+"""bench/scale.py --quick runs from a clean tree (real monitor, real etcd, member-host processes)
+and writes a JSON whose figures agree with each other and a plot. Speed is not asserted here:
+the bench reports it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The quick mode takes ~25 s on a quiet 2-core machine; several times that under load.
+BENCH_TIMEOUT_S = 280
+ROW_KEYS = {
+    "backend",
+    "mode",
+    "n",
+    "ttl_s",
+    "hosts",
+    "register_s",
+    "listed_after_register",
+    "window_s",
+    "backend_cpu_cores",
+    "backend_rss_mb",
+    "hosts_cpu_cores",
+    "heartbeat_p50_ms",
+    "heartbeat_p99_ms",
+    "requests_per_s",
+    "requests_per_s_per_member",
+    "listed_after_window",
+    "evicted_in_window",
+    "change_to_all_watchers_s",
+    "change_to_all_watchers_max_s",
+    "death_to_removal_s",
+    "death_to_removal_leases",
+}
+
+
+@pytest.mark.timeout(BENCH_TIMEOUT_S + 20)
+def test_quick_scale_bench_writes_consistent_json(tmp_path, etcd_process):
+    # etcd_process: installs etcd when it is missing (the bench starts its own).
+    out, png = tmp_path / "scale.json", tmp_path / "scale.png"
+    cmd = [sys.executable, "bench/scale.py", "--quick", "--json", str(out), "--plot", str(png)]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert png.stat().st_size > 0
+    assert data["failures"] == []
+    assert {(row["backend"], row["mode"]) for row in data["rows"]} == {
+        ("monitor", "grouped"),
+        ("etcd", "grouped"),
+    }
+    for row in data["rows"]:
+        assert row.keys() >= ROW_KEYS, ROW_KEYS - row.keys()
+        n = row["n"]
+        assert row["listed_after_register"] == n
+        assert row["listed_after_window"] + row["evicted_in_window"] == n
+        assert row["requests_per_s_per_member"] == pytest.approx(row["requests_per_s"] / n)
+        assert 0 < row["heartbeat_p50_ms"] <= row["heartbeat_p99_ms"]
+        assert row["backend_cpu_cores"] >= 0 and row["hosts_cpu_cores"] >= 0
+        assert row["backend_rss_mb"] > 0
+        assert row["change_to_all_watchers_max_s"] == max(row["change_to_all_watchers_s"])
+        assert row["death_to_removal_leases"] == pytest.approx(
+            row["death_to_removal_s"] / row["ttl_s"]
+        )
+        key = f"{row['backend']}/{row['mode']}"
+        assert data["model"][key]["sizes"] == [n]
+    drill = next(row["drill"] for row in data["rows"] if row["backend"] == "monitor")
+    assert drill["killed"] + drill["survivors"] == drill["members"]
+    assert drill["killed"] == round(drill["members"] * 0.1)
+    # The drill's outcome is correctness, not speed: every survivor back, none evicted, the
+    # dead ones gone.
+    assert drill["survivors_listed"] == drill["survivors"]
+    assert drill["live_members_evicted"] == 0
+    assert drill["dead_listed"] == 0
+    assert drill["dead_reported_lost"] == drill["killed"]
