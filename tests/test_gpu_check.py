@@ -194,6 +194,33 @@ def test_every_gpu_test_file_is_in_a_stage_with_a_cap_that_fits_it():
     assert gp.ENGINES_TEST in {path for path, _, _ in gs.UNCARRIED}
 
 
+def _constants(path: Path) -> dict:
+    """The module-level constants of a test helper, read without importing it (torch)."""
+    import ast
+
+    out = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            try:
+                out[node.targets[0].id] = ast.literal_eval(node.value)
+            except ValueError:
+                continue
+    return out
+
+
+def test_the_deepep_scenarios_fit_their_stage_core_ones_first():
+    """The rank set-up and every scenario's cap, plus the file's margin, fit the deepep file's
+    cap: a scenario that hangs costs its own cap, and the ones after it still run."""
+    procs = _constants(ROOT / "tests/compat/deep_ep_cuda_procs.py")
+    test = _constants(ROOT / gs.DEEPEP_TEST)
+    caps = procs["SCENARIO_TIMEOUT_S"]
+    need = procs["SETUP_TIMEOUT_S"] + sum(caps.values()) + test["TIMEOUT_MARGIN_S"]
+    assert need <= gp.STAGE_FILES["deepep"][gs.DEEPEP_TEST], need
+    names = list(caps)
+    first_contract = min(i for i, n in enumerate(names) if n.startswith("contract_"))
+    assert all(n.startswith("contract_") for n in names[first_contract:]), names
+
+
 def test_a_new_gpu_file_in_no_stage_fails_the_plan_and_still_runs(tmp_path, capsys):
     found = [*gs.discover_gpu_files(ROOT), "tests/gpu/test_brand_new_gpu.py"]
     problems = gp.plan_problems(found)

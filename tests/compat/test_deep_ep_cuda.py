@@ -92,6 +92,9 @@ def test_driver_reports_every_scenario_on_its_own(tmp_path):
     assert got["hang_rank0"][1][0] == "ok" and "timed out" in got["hang_rank0"][0][0]
     assert "rank 1 died (exit code 3)" in got["die_rank1"][1][0]
     assert got["broken_rank0"][1][0] == "ok" and "this rank fails" in got["broken_rank0"][0][0]
+    # The core scenarios come before the contract walks, so a stage cut short keeps them.
+    contract = [i for i, n in enumerate(NAMES) if n.startswith("contract_")]
+    assert contract and min(contract) > max(i for i, n in enumerate(NAMES) if i not in contract)
     # Out of time before the start: every scenario says so, by name.
     late = run_scenarios(2, tmp_path / "late", ["ok", "after"], kind="selftest", budget_s=0.0)
     assert {n: [o for o, _ in v] for n, v in late.items()} == {
