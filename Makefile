@@ -79,13 +79,15 @@ bench: $(PKG_STAMP)
 	$(PY) bench/rtt.py --json bench/results/rtt.json
 
 # The GPU check (docs/gpu-check.md), in stages that fit a lent GPU machine's device time:
-# CALL=1 runs preflight, build, smoke, core (<= 6 min); CALL=2 preflight, build (reused on the
-# warm machine), deepep, bench, sanitizer (<= 4 min). STAGE=a,b runs those stages (and the
-# preflight and build they need); neither runs every stage. Without a device it runs preflight,
-# build (make build) and host, and lists each device stage as skipped with the reason.
-# Results in OUT: summary.md/.json (rewritten after every test file), logs/<stage>.log,
+# CALL=1 runs preflight, build, joinleave, core, smoke, regress (<= 7 min); CALL=2 preflight,
+# build (reused on the warm machine), deepep, bench, sanitizer (<= 4 min). Stages share the
+# call's deadline (unused time flows on); every test file has its own cap. STAGE=a,b runs those
+# stages (and the preflight and build they need); neither runs every stage. Without a device it
+# runs preflight, build (make build) and host, and lists each device stage as skipped with the
+# reason. Results in OUT: summary.md/.json (rewritten after every test file), logs/<stage>.log,
 # junit/<stage>.<file>.xml; PACK=1 folds logs and junit into two archives (the device tool
-# returns at most 8 files). gpu-check-plan prints each call's stage budgets against its limit.
+# returns at most 8 files). gpu-check-plan lists every GPU test file with its stage and cap, and
+# each call's budgets against its limit.
 OUT ?= gpu-check-results
 gpu-check:
 	$(PYTHON) tools/gpu_check.py --out $(OUT) $(if $(CALL),--call $(CALL)) \

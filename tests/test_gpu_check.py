@@ -314,7 +314,7 @@ def test_which_stages_a_run_selects(call, only, device, names):
         assert limit == gp.CALL_LIMITS_S[call]
         assert dict(chosen) == gp.PLAN[call]
     if not device:
-        assert limit <= 600
+        assert limit == gp.NO_DEVICE_LIMIT_S  # no device time spent: make build, host tests
 
 
 def test_an_unknown_stage_is_refused(tmp_path, capsys):
