@@ -149,7 +149,7 @@ def start_frontend_here(ckpt: str, stages: int, standby: bool, max_batch_tokens:
             )
 
         model = PipelinedModel(build(), config, restart=build, standby=standby)
-    app = make_frontend_app(model, tokenizer, "tiny", max_batch_tokens)
+    app = make_frontend_app(model, tokenizer, FrontendSettings("tiny", max_batch_tokens))
     http = start_frontend(app)
 
     def close() -> None:

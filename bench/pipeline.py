@@ -55,11 +55,12 @@ from moecomm.pipeline.predictor import (
 from moecomm.pipeline.scheduler import BubbleScheduler, max_moves
 from moecomm.pipeline.testing import EmulatedCost, make_fake_stage
 from moecomm.wire.protocol import SlotLayout
-from moecomm_serving.engine.generate import SamplingParams, sample_next
+from moecomm_serving.engine.generate import sample_next
 from moecomm_serving.engine.stages import model_pipeline
 from moecomm_serving.kv.cache import ForwardBatch
 from moecomm_serving.model.tiny import write_tiny
 from moecomm_serving.model.transformer import load_model
+from moecomm_serving.types import SamplingParams
 
 SEED = 0
 # 8 layers so two stages can trade up to three; a 16k vocabulary makes the LM head cost about

@@ -35,16 +35,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import itertools
 
 from common import format_table, percentile, write_json
-from moecomm_serving.engine.generate import SamplingParams
-from moecomm_serving.engine.scheduler import (
-    Engine,
-    EngineRequest,
-    ErrorEvent,
-    FinishEvent,
-    TokenEvent,
-)
+from moecomm_serving.engine.scheduler import Engine, EngineRequest
 from moecomm_serving.model.tiny import ARCHS, write_tiny
 from moecomm_serving.model.transformer import load_model
+from moecomm_serving.types import ErrorEvent, FinishEvent, SamplingParams, TokenEvent
 
 # Tokens one engine step carries: the whole prompt in one prefill forward (no chunking, so
 # TTFT is one forward plus the first decode).

@@ -1,6 +1,6 @@
 """One error family: every exception class moecomm and moecomm_serving define derives from
 MoecommError, is named ...Error, shadows no builtin, and is listed in docs/errors.md with its
-bases and a module it is importable from; each old name still works, with a warning."""
+bases and a module it is importable from."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import moecomm._C
 import moecomm.errors
 import moecomm_serving
 import pytest
-from moecomm.errors import DEPRECATED_ALIASES, DeadlineExceededError, MoecommError
+from moecomm.errors import DeadlineExceededError, MoecommError
 from moecomm.wire.cuda import GpuUnavailableError
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
@@ -24,64 +24,6 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
 # Top-level packages that exist only where CUDA does: a module importing one of them cannot be
 # imported on a host without a GPU stack, and is skipped (reported) rather than failed.
 GPU_ONLY_PACKAGES = {"cuda", "triton", "nvshmem"}
-
-# Every deprecated alias: (module, old name, module holding the new class, new name). Listed
-# here, not read from the code, so that removing an alias fails this test.
-ALIASES = [
-    ("moecomm", "TimeoutError", "moecomm.errors", "DeadlineExceededError"),
-    ("moecomm.errors", "TimeoutError", "moecomm.errors", "DeadlineExceededError"),
-    (
-        "moecomm.runtime",
-        "DeviceStepFailed",
-        "moecomm.runtime.device_client",
-        "DeviceStepFailedError",
-    ),
-    (
-        "moecomm.runtime.device_client",
-        "DeviceStepFailed",
-        "moecomm.runtime.device_client",
-        "DeviceStepFailedError",
-    ),
-    ("moecomm.runtime.registry", "ClientIdInUse", "moecomm.runtime.registry", "ClientIdInUseError"),
-    (
-        "moecomm.runtime.registry",
-        "UnknownSession",
-        "moecomm.runtime.registry",
-        "UnknownSessionError",
-    ),
-    (
-        "moecomm.runtime.server_placement",
-        "ExpertHosted",
-        "moecomm.runtime.server_placement",
-        "ExpertHostedError",
-    ),
-    (
-        "moecomm.runtime.control",
-        "ServerUnreachable",
-        "moecomm.runtime.control",
-        "ServerUnreachableError",
-    ),
-    ("moecomm.membership.registry", "Superseded", "moecomm.membership", "SupersededError"),
-    (
-        "moecomm.membership.registry",
-        "UnknownMember",
-        "moecomm.membership.registry",
-        "UnknownMemberError",
-    ),
-    ("moecomm.membership.registry", "Full", "moecomm.membership.registry", "RegistryFullError"),
-    (
-        "moecomm_serving.engine.scheduler",
-        "EngineBusy",
-        "moecomm_serving.engine.scheduler",
-        "EngineBusyError",
-    ),
-    (
-        "moecomm_serving.model.remote_experts",
-        "NoExpertServers",
-        "moecomm_serving.model.remote_experts",
-        "NoExpertServersError",
-    ),
-]
 
 
 def _module_names() -> list[str]:
@@ -192,30 +134,6 @@ def test_docs_table_is_true():
         assert bases == [b.__name__ for b in cls.__bases__], f"{name}'s bases in docs/errors.md"
     for name in _native_errors():
         assert name in rows, f"moecomm._C.{name} is missing from docs/errors.md"
-
-
-@pytest.mark.parametrize(("module", "old", "new_module", "new"), ALIASES)
-def test_deprecated_alias_warns_and_is_the_same_class(module, old, new_module, new):
-    mod = importlib.import_module(module)
-    cls = getattr(importlib.import_module(new_module), new)
-    with pytest.warns(DeprecationWarning, match=rf"{re.escape(module)}\.{old} is deprecated"):
-        assert getattr(mod, old) is cls
-    with pytest.warns(DeprecationWarning):  # the `from ... import` form goes the same way
-        ns: dict = {}
-        exec(f"from {module} import {old}", ns)
-    assert ns[old] is cls
-    assert old not in getattr(mod, "__all__", ()), f"{module}.__all__ still exports {old}"
-
-
-def test_every_alias_is_listed():
-    """An alias added in the code without a line in ALIASES (and docs/errors.md) fails here."""
-    for module, *_ in ALIASES:
-        importlib.import_module(module)
-    installed = {(m, old) for m, renamed in DEPRECATED_ALIASES.items() for old in renamed}
-    assert installed == {(m, old) for m, old, _, _ in ALIASES}
-    doc = DOC.read_text()
-    for _, old, _, _ in ALIASES:
-        assert old in doc, f"docs/errors.md does not list the old name {old}"
 
 
 def test_unknown_names_still_raise_attribute_error():

@@ -1,6 +1,10 @@
-"""tools/check_imports.py: the tree has no import circle, and the check finds the circles it must.
+"""tools/check_imports.py: the tree has no import circle and no upward import between layers,
+and the check finds the circles and upward imports it must. The layers' promises kept at run
+time: the router imports no torch and no model code, ``import moecomm`` no serving code (each
+checked in a fresh interpreter).
 
-The synthetic trees are built in tmp_path with the layout the tool reads (python/, bench/).
+The synthetic trees are built in tmp_path with the layout the tool reads (python/, serving/,
+bench/).
 """
 
 from __future__ import annotations
@@ -33,7 +37,83 @@ def write(root: Path, files: dict[str, str]) -> None:
 def test_the_tree_has_no_import_circle_and_no_private_name_across_modules():
     res = check(REPO)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "no circle" in res.stdout
+    assert "no circle" in res.stdout and "no upward import" in res.stdout
+
+
+def fresh_import(module: str) -> set[str]:
+    """The modules a fresh interpreter holds after importing `module`."""
+    code = f"import sys, {module}; print(' '.join(sorted(sys.modules)))"
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert res.returncode == 0, res.stderr
+    return set(res.stdout.split())
+
+
+def test_the_router_imports_no_torch_and_no_model_code():
+    loaded = fresh_import("moecomm_serving.disagg.router")
+    assert "moecomm_serving.disagg.router" in loaded  # the check looks at the right process
+    heavy = sorted(
+        m
+        for m in loaded
+        if m == "torch"
+        or m.startswith("torch.")
+        or m.startswith(("moecomm_serving.model", "moecomm_serving.engine", "moecomm_serving.kv"))
+    )
+    assert not heavy, f"the router process loads {heavy}"
+
+
+def test_the_library_imports_no_serving_code():
+    for module in ("moecomm", "moecomm.compat.deep_ep"):
+        loaded = fresh_import(module)
+        serving = sorted(m for m in loaded if m.split(".")[0] == "moecomm_serving")
+        assert not serving, f"import {module} loads {serving}"
+
+
+def test_an_upward_import_between_layers_is_reported(tmp_path):
+    write(
+        tmp_path,
+        {
+            "python/moecomm/__init__.py": "",
+            # the library importing the serving layer: upward
+            "python/moecomm/wire.py": "def f():\n    import moecomm_serving.types\n",
+            "serving/moecomm_serving/__init__.py": "",
+            "serving/moecomm_serving/types.py": "from moecomm import wire\n",  # down: fine
+            "serving/moecomm_serving/kv/__init__.py": "",
+            # kv is below the model: an import of it is upward
+            "serving/moecomm_serving/kv/cache.py": "from moecomm_serving.model.layer import f\n",
+            "serving/moecomm_serving/model/__init__.py": "",
+            "serving/moecomm_serving/model/layer.py": "from moecomm_serving.kv import cache\n",
+            "serving/moecomm_serving/api/__init__.py": "",
+            "serving/moecomm_serving/api/app.py": """\
+                from typing import TYPE_CHECKING
+
+                if TYPE_CHECKING:
+                    from moecomm_serving.disagg.routes import PdRoutes  # never runs: fine
+
+                from moecomm_serving.model import layer  # down: fine
+
+                def make():
+                    from moecomm_serving.disagg.routes import PdRoutes  # lazy and upward
+
+                    return PdRoutes
+                """,
+            "serving/moecomm_serving/disagg/__init__.py": "",
+            "serving/moecomm_serving/disagg/routes.py": "from moecomm_serving.api import app\n",
+        },
+    )
+    res = check(tmp_path)
+    assert res.returncode == 1
+    lines = sorted(ln for ln in res.stdout.splitlines() if ln.startswith("upward import"))
+    assert lines == [
+        "upward import: python/moecomm/wire.py:2: moecomm.wire -> moecomm_serving.types "
+        "(lazy, inside a function) (moecomm below moecomm_serving.types)",
+        "upward import: serving/moecomm_serving/api/app.py:9: moecomm_serving.api.app -> "
+        "moecomm_serving.disagg.routes (lazy, inside a function) "
+        "(moecomm_serving.api below moecomm_serving.disagg)",
+        "upward import: serving/moecomm_serving/kv/cache.py:1: moecomm_serving.kv.cache -> "
+        "moecomm_serving.model.layer (moecomm_serving.kv below moecomm_serving.model)",
+    ]
 
 
 def test_a_lazy_import_back_is_a_circle_and_a_type_checking_import_is_not(tmp_path):

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Fails on an import circle among the project's modules, and on private names crossing modules.
+"""Fails on an import circle among the project's modules, on an import from a lower layer to a
+higher one, and on private names crossing modules.
 
 The graph has one node per module of ``python/`` and ``serving/`` (packages, dotted names) and of
 ``bench/`` and ``tools/`` (script folders: their modules import each other by bare name, the
@@ -19,7 +20,15 @@ Each strongly connected component of two or more modules is printed with the edg
 (file:line of every import statement that makes them). Inside the packages listed in
 ``PRIVATE_CHECKED``, a name with a leading underscore imported from another module
 (``from m import _x``, or ``m._x`` on an imported module) is reported too: a module's private
-names are its own. Exit status 1 when anything is reported, 0 otherwise; standard library only.
+names are its own.
+
+Layers (``LAYERS``, bottom first): a module belongs to the layer whose package is the longest
+prefix of its name, and an import from a module to a module of a higher layer is an upward
+arrow, reported with its file:line, lazy imports included (a lazy import runs too). The library
+(``moecomm``) is the bottom layer, so it never imports the serving layer; inside
+``moecomm_serving`` each package is a layer (docs: README "Layout"). Modules outside every layer
+(``moecomm_serving/__init__``, scripts) are not checked. Exit status 1 when anything is
+reported, 0 otherwise; standard library only.
 
 Usage: ``python tools/check_imports.py [--root DIR]`` (default: this checkout).
 """
@@ -36,8 +45,22 @@ from pathlib import Path
 PACKAGE_DIRS = ("python", "serving")
 SCRIPT_DIRS = ("bench", "tools")
 # Packages whose modules must not import each other's private names. ops/ was cleared of them
-# with its import circle; wire/ was built without them (issue 29).
+# with its import circle; wire/ was built without them.
 PRIVATE_CHECKED = ("moecomm.ops", "moecomm.wire")
+# Layers, bottom first: a module may import its own layer's modules and lower layers' only. The
+# serving layer's order is its dependency order: plain data (types), the KV cache the model
+# writes into (kv), the model, the engine that runs it, the OpenAI API over the engine, the
+# prefill/decode split over the API, and the command that builds all of them (cli).
+LAYERS = (
+    "moecomm",
+    "moecomm_serving.types",
+    "moecomm_serving.kv",
+    "moecomm_serving.model",
+    "moecomm_serving.engine",
+    "moecomm_serving.api",
+    "moecomm_serving.disagg",
+    "moecomm_serving.cli",
+)
 
 
 @dataclass
@@ -286,6 +309,28 @@ class Graph:
         return sorted(sccs)
 
 
+def layer_of(module: str, layers: tuple[str, ...] = LAYERS) -> int | None:
+    """The index in `layers` of the layer `module` belongs to (longest package prefix), or
+    None outside every layer."""
+    best = None
+    for i, pkg in enumerate(layers):
+        if (module == pkg or module.startswith(pkg + ".")) and (
+            best is None or len(pkg) > len(layers[best])
+        ):
+            best = i
+    return best
+
+
+def upward(g: Graph, layers: tuple[str, ...] = LAYERS) -> list[Edge]:
+    """The imports from a lower layer to a higher one."""
+    out = []
+    for e in g.edges:
+        src, dst = layer_of(e.src, layers), layer_of(e.dst, layers)
+        if src is not None and dst is not None and dst > src:
+            out.append(e)
+    return out
+
+
 def _private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
@@ -303,12 +348,22 @@ def report(root: Path, out=sys.stdout) -> int:
                 rel = g.mods[e.src].path.relative_to(root)
                 how = " (lazy, inside a function)" if e.lazy else ""
                 print(f"  {rel}:{e.line}: {e.src} -> {e.dst}{how}", file=out)
+    for e in sorted(upward(g), key=lambda e: (e.src, e.line)):
+        problems += 1
+        rel = g.mods[e.src].path.relative_to(root)
+        how = " (lazy, inside a function)" if e.lazy else ""
+        up = f"{LAYERS[layer_of(e.src)]} below {LAYERS[layer_of(e.dst)]}"
+        print(f"upward import: {rel}:{e.line}: {e.src} -> {e.dst}{how} ({up})", file=out)
     for p in sorted(g.private, key=lambda p: (p.src, p.line)):
         problems += 1
         rel = g.mods[p.src].path.relative_to(root)
         print(f"private name: {rel}:{p.line}: {p.src} uses {p.dst}.{p.name}", file=out)
     if problems == 0:
-        print(f"check_imports: {len(g.mods)} modules, {len(g.edges)} imports, no circle", file=out)
+        print(
+            f"check_imports: {len(g.mods)} modules, {len(g.edges)} imports, no circle, "
+            f"no upward import across {len(LAYERS)} layers",
+            file=out,
+        )
     return problems
 
 

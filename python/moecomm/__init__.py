@@ -7,7 +7,6 @@ collective and no static process group.
 
 import importlib
 
-from moecomm import _moved
 from moecomm.errors import (
     DeadlineExceededError,
     MoecommError,
@@ -16,10 +15,7 @@ from moecomm.errors import (
     RemoteError,
     SegmentNotFoundError,
     SystemCallError,
-    deprecated_aliases,
 )
-
-_moved.install()  # old module paths (moecomm.slots, moecomm.protocol, ...) keep working
 
 # The rest needs torch: loaded on first use, so light processes (the membership monitor) start
 # without importing it.
@@ -38,21 +34,7 @@ _LAZY = {
 }
 
 
-_SUBMODULES = {
-    "cuda",
-    "eplb",
-    "membership",
-    "ops",
-    "protocol",
-    "runtime",
-    "slots",
-    "testing",
-    "transport",
-    "wire",
-}
-
-# moecomm.TimeoutError (the old name) shadowed the builtin in every `from moecomm import *`.
-_renamed = deprecated_aliases(__name__, {"TimeoutError": "DeadlineExceededError"})
+_SUBMODULES = {"eplb", "membership", "ops", "runtime", "testing", "wire"}
 
 
 def __getattr__(name: str):
@@ -60,7 +42,7 @@ def __getattr__(name: str):
         return importlib.import_module(f"moecomm.{name}")
     module = _LAZY.get(name)
     if module is None:
-        return _renamed(name, 3)  # an old name warns; any other raises AttributeError
+        raise AttributeError(f"module 'moecomm' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

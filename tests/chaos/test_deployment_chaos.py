@@ -28,9 +28,10 @@ from deployment_figures import DEPLOY_FIGURES
 from deployment_plan import TARGETS, plan_deployment_trial
 from deployment_trial import RECOVERY_NEW, RECOVERY_STANDBY, run_deployment_trial
 from moecomm_serving.api.metrics import ServingMetrics
-from moecomm_serving.engine.generate import SamplingParams, generate
+from moecomm_serving.engine.generate import generate
 from moecomm_serving.model.tokenizer import load_tokenizer
 from moecomm_serving.model.transformer import load_model
+from moecomm_serving.types import SamplingParams
 from test_chaos import SEED_ENV, trial_seeds
 
 # Together these plans strike every kind of fault — kill and stop of a server, a stage and the

@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 from frontend_helpers import MAX_BATCH_TOKENS, MODEL_NAME
-from moecomm_serving.api.app import make_frontend_app, start_frontend
-from moecomm_serving.engine.generate import SamplingParams, generate
+from moecomm_serving.api.app import FrontendSettings, make_frontend_app, start_frontend
+from moecomm_serving.disagg.routes import PdRoutes
+from moecomm_serving.engine.generate import generate
 from moecomm_serving.model.tokenizer import load_tokenizer
 from moecomm_serving.model.transformer import load_model
+from moecomm_serving.types import SamplingParams
 
 
 @pytest.fixture(scope="session")
@@ -45,13 +47,16 @@ class Served:
 
 @pytest.fixture(scope="session")
 def serve(tok):
-    """Factory: ``serve(model, tokenizer=None, **make_frontend_app kwargs)`` (the tiny byte
-    tokenizer by default); stopped at the end of the session."""
+    """Factory: ``serve(model, tokenizer=None, role=None, **FrontendSettings fields)`` (the tiny
+    byte tokenizer by default; a `role` adds the prefill/decode split's routes); stopped at the
+    end of the session."""
     running = []
 
-    def start(model, tokenizer=None, **kwargs):
+    def start(model, tokenizer=None, role=None, **kwargs):
         kwargs.setdefault("max_batch_tokens", MAX_BATCH_TOKENS)
-        s = Served(make_frontend_app(model, tokenizer or tok, MODEL_NAME, **kwargs))
+        settings = FrontendSettings(MODEL_NAME, **kwargs)
+        split = [] if role is None else [PdRoutes(role)]
+        s = Served(make_frontend_app(model, tokenizer or tok, settings, split))
         running.append(s)
         return s
 

@@ -9,10 +9,11 @@ from types import SimpleNamespace
 import openai
 import pytest
 from frontend_helpers import MODEL_NAME
-from moecomm_serving.engine.generate import SamplingParams, generate
+from moecomm_serving.engine.generate import generate
 from moecomm_serving.model.config import MoEConfig
 from moecomm_serving.model.tiny import write_tiny
 from moecomm_serving.model.tokenizer import BYTE_VOCAB_SIZE, TokenizerError, load_tokenizer
+from moecomm_serving.types import SamplingParams
 from tokenizer_files import (
     BOS_ID,
     CHATML,

@@ -19,11 +19,11 @@ RUN_TIMEOUT_S = 120.0
 SERVER = """
 import sys, torch
 torch.set_num_threads(1)
-from moecomm_serving.api.app import serve_frontend
+from moecomm_serving.api.app import FrontendSettings, serve_frontend
 from moecomm_serving.model.transformer import load_model
 from moecomm_serving.model.tokenizer import load_tokenizer
 model = load_model(sys.argv[1], dtype=torch.float32)
-serve_frontend(model, load_tokenizer(sys.argv[1], model.config), "tiny", 128,
+serve_frontend(model, load_tokenizer(sys.argv[1], model.config), FrontendSettings("tiny", 128),
                port=int(sys.argv[2]))
 """
 

@@ -7,7 +7,7 @@ import httpx
 import pytest
 import torch
 from frontend_helpers import MODEL_NAME, sse_chunks
-from moecomm_serving.api.app import make_frontend_app
+from moecomm_serving.api.app import FrontendSettings, make_frontend_app
 from moecomm_serving.model.transformer import load_model
 
 TIMEOUT_S = 60.0
@@ -124,7 +124,7 @@ def test_step_budget_must_fit_the_backend_slots(tiny_dir, flaky, tok):
     try:
         m = load_model(tiny_dir, experts=flaky, dtype=torch.float32)
         with pytest.raises(ValueError, match="exceeds the experts backend's max_tokens 32"):
-            make_frontend_app(m, tok, MODEL_NAME, max_batch_tokens=64)
-        make_frontend_app(m, tok, MODEL_NAME, max_batch_tokens=32)
+            make_frontend_app(m, tok, FrontendSettings(MODEL_NAME, max_batch_tokens=64))
+        make_frontend_app(m, tok, FrontendSettings(MODEL_NAME, max_batch_tokens=32))
     finally:
         del flaky.layout

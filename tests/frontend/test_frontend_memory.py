@@ -1,5 +1,5 @@
-"""The front end's per-request state stays bounded when nobody scrapes /metrics (issue 28: the
-soak's front end grew ~0.8 kB per request; bench/frontend_memory.py finds the sites)."""
+"""The front end's per-request state stays bounded when nobody scrapes /metrics (the soak's
+front end once grew ~0.8 kB per request; bench/frontend_memory.py finds the sites)."""
 
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ import httpx
 import pytest
 from frontend_helpers import MODEL_NAME
 from moecomm_serving.disagg import routes as pd_routes
-from moecomm_serving.disagg.schema import DecodeCall, PrefillCall, rng_from_json
-from moecomm_serving.engine.generate import SamplingParams
+from moecomm_serving.disagg.schema import DecodeCall, PrefillAnswer, PrefillCall
+from moecomm_serving.types import SamplingParams
 
 TIMEOUT_S = 60.0
 PROMPTS = ([5, 6, 7], list(range(1, 40)), [200] * 17)
@@ -63,15 +63,12 @@ def decode_stream(pair, body):
 def split(pair, ids, params, hid="h1"):
     r = prefill_call(pair, ids, params, hid)
     assert r.status_code == 200, r.text
-    a = r.json()
-    kv = a["kv"]
-    call = DecodeCall(
-        hid, list(ids), [a["token"]], params, rng_from_json(a["rng"]), kv["client_id"], kv["tag"]
-    )
+    answer = PrefillAnswer.from_json(r.content)
+    call = DecodeCall.after_prefill(PrefillCall(hid, list(ids), params, pair[1].url), answer)
     status, lines = decode_stream(pair, call.to_json())
     assert status == 200, lines
     assert lines[-1]["finish"] == "length"
-    return [a["token"]] + [x["token"] for x in lines]
+    return [answer.token] + [x["token"] for x in lines]
 
 
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "seeded"])

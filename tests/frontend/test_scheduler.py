@@ -5,14 +5,13 @@ from __future__ import annotations
 import threading
 
 import pytest
-from moecomm_serving.engine.generate import SamplingParams
 from moecomm_serving.engine.scheduler import (
     Engine,
     EngineBusyError,
     EngineRequest,
-    ErrorEvent,
     run_to_completion,
 )
+from moecomm_serving.types import ErrorEvent, SamplingParams
 
 TIMEOUT_S = 60.0
 

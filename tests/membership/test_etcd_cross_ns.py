@@ -113,8 +113,9 @@ def etcd_argv(binary: str, addr: str, data_dir: Path) -> list[str]:
 
 @pytest.mark.timeout(360)
 def test_etcd_in_its_own_namespace_serves_servers_frontend_and_stages(tiny_mixtral_dir, tmp_path):
-    from moecomm_serving.engine.generate import SamplingParams, generate
+    from moecomm_serving.engine.generate import generate
     from moecomm_serving.model.transformer import load_model
+    from moecomm_serving.types import SamplingParams
 
     binary = etcd_binary()
     token = secrets.token_hex(32)

@@ -11,9 +11,10 @@ import torch
 from moecomm.pipeline.driver import PipelineError, run_decode
 from moecomm.pipeline.predictor import LatencyPredictor
 from moecomm.pipeline.scheduler import BubbleScheduler
-from moecomm_serving.engine.generate import SamplingParams, generate
+from moecomm_serving.engine.generate import generate
 from moecomm_serving.engine.stages import model_pipeline
 from moecomm_serving.model.transformer import load_model
+from moecomm_serving.types import SamplingParams
 
 MAX_NEW = 14
 # Prompts of different lengths (ragged batches), deterministic.

@@ -186,8 +186,9 @@ def test_stages_on_three_hosts_migrate_kv_and_a_killed_host_is_a_clear_error(tmp
 
 @pytest.mark.timeout(300)
 def test_model_stages_on_three_hosts_equal_one_process(nine_layer_dir, tmp_path):
-    from moecomm_serving.engine.generate import SamplingParams, generate
+    from moecomm_serving.engine.generate import generate
     from moecomm_serving.model.transformer import load_model
+    from moecomm_serving.types import SamplingParams
 
     token, key = token_file(tmp_path)
     with netns.Lab() as lab:
@@ -358,9 +359,10 @@ def test_moecomm_frontend_places_a_stage_on_another_host_from_the_command_line(t
     """`moecomm stage-agent` on one "host", `moecomm frontend --stages 2 --stage-hosts
     local,HOST:PORT` on another: what a user types, served through the OpenAI API, the same
     greedy tokens as the model in one process."""
-    from moecomm_serving.engine.generate import SamplingParams, generate
+    from moecomm_serving.engine.generate import generate
     from moecomm_serving.model.tokenizer import load_tokenizer
     from moecomm_serving.model.transformer import load_model
+    from moecomm_serving.types import SamplingParams
 
     cli = [*PY, "-m", "moecomm_serving.cli"]
     _, key = token_file(tmp_path)

@@ -13,11 +13,12 @@ import time
 import pytest
 import torch
 from moecomm.pipeline.driver import STOPPED_DEADLINE_S, PipelineError
-from moecomm_serving.engine.generate import SamplingParams, generate
+from moecomm_serving.engine.generate import generate
 from moecomm_serving.engine.pipeline import MAX_RESTARTS_PER_STEP, PipelinedModel
 from moecomm_serving.engine.stages import model_pipeline
 from moecomm_serving.model.config import MoEConfig
 from moecomm_serving.model.transformer import load_model
+from moecomm_serving.types import SamplingParams
 
 PROMPTS = [[(5 * i + j) % 250 + 1 for j in range(4 + 3 * i)] for i in range(3)]
 STEPS = 6

@@ -12,10 +12,11 @@ import time
 
 import httpx
 import torch
-from moecomm_serving.engine.generate import Generation, SamplingParams, step
+from moecomm_serving.engine.generate import Generation, step
 from moecomm_serving.model.remote_experts import RemoteExperts, connect_experts
 from moecomm_serving.model.tokenizer import ByteTokenizer
 from moecomm_serving.model.transformer import load_model
+from moecomm_serving.types import SamplingParams
 
 PROMPTS = ("experts on other hosts", "kill one and keep going")
 JOIN_WAIT_S = 90.0

@@ -28,7 +28,7 @@ def pattern(seed: int, index: int, n: int) -> torch.Tensor:
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
 
 
-def empty_kv_package() -> dict:
+def empty_kv_package():
     from moecomm_serving.kv.blocks import BlockPool, PagedSequence
 
     pool = BlockPool([0, 1], kv_heads=2, k_dim=4, v_dim=4, dtype=torch.float16, device="cpu")

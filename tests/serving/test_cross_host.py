@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 from moecomm import netns
 from moecomm.wire.nixl import available as nixl_available
-from moecomm_serving.engine.generate import SamplingParams, generate
+from moecomm_serving.engine.generate import generate
 from moecomm_serving.model.tokenizer import ByteTokenizer
+from moecomm_serving.types import SamplingParams
 
 lab_ok, lab_why = netns.available()
 nixl_ok, nixl_why = nixl_available()

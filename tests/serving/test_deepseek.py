@@ -5,13 +5,14 @@ grouped sigmoid router."""
 import pytest
 import torch
 from moecomm.pipeline.driver import run_decode
-from moecomm_serving.engine.generate import SamplingParams, generate
+from moecomm_serving.engine.generate import generate
 from moecomm_serving.engine.stages import model_pipeline
 from moecomm_serving.model.config import MoEConfig, UnsupportedConfigError
 from moecomm_serving.model.deepseek import DeepseekLayer
 from moecomm_serving.model.layer import rms_norm
 from moecomm_serving.model.tiny import tiny_config, write_tiny
 from moecomm_serving.model.transformer import load_model
+from moecomm_serving.types import SamplingParams
 
 PROMPT = [5, 17, 200, 33, 90, 12, 7, 250, 64, 3]
 STAGE_LAYERS = 4  # two stages of two layers; a remap moves one across

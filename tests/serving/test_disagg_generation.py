@@ -13,10 +13,11 @@ import torch
 from moecomm.runtime import AttentionClient
 from moecomm.runtime.control import HttpServer, make_app
 from moecomm.runtime.server import ExpertServer
-from moecomm_serving.engine.generate import Generation, SamplingParams, generate, step
+from moecomm_serving.engine.generate import Generation, generate, step
 from moecomm_serving.model.checkpoint import Checkpoint
 from moecomm_serving.model.tokenizer import ByteTokenizer
 from moecomm_serving.model.transformer import load_model
+from moecomm_serving.types import SamplingParams
 
 NEW_TOKENS = 12
 KILL_AFTER_STEP = 4

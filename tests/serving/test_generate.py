@@ -8,12 +8,13 @@ from moecomm_serving.engine.generate import (
     FINISH_LENGTH,
     FINISH_STOP,
     Generation,
-    SamplingParams,
     generate,
+    make_generator,
     sample_next,
     step,
 )
 from moecomm_serving.model.tokenizer import ByteTokenizer, load_tokenizer
+from moecomm_serving.types import SamplingParams
 
 TOK = ByteTokenizer()
 TEXTS = ["Hello", "Mixture of experts, disaggregated.", "a", "Ünïcödé ✓ and more text"]
@@ -65,11 +66,11 @@ def test_sample_next_rules():
     assert sample_next(logits, SamplingParams(), None) == 1
     # top_p small enough keeps only the most likely token, whatever the generator draws
     tiny_p = SamplingParams(temperature=5.0, top_p=0.01, seed=0)
-    g = tiny_p.make_generator()
+    g = make_generator(tiny_p)
     assert {sample_next(logits, tiny_p, g) for _ in range(50)} == {1}
     # top_p = 0.6 keeps tokens 1 and 2 (mass before token 2 is ~0.49 < 0.6), never 0 or 3
     p = SamplingParams(temperature=1.0, top_p=0.6, seed=1)
-    g = p.make_generator()
+    g = make_generator(p)
     assert {sample_next(logits, p, g) for _ in range(200)} == {1, 2}
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)

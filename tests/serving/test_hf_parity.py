@@ -24,11 +24,12 @@ import transformers
 from moecomm.runtime import AttentionClient
 from moecomm.runtime.control import HttpServer, make_app
 from moecomm.runtime.server import ExpertServer
-from moecomm_serving.engine.generate import SamplingParams, generate
+from moecomm_serving.engine.generate import generate
 from moecomm_serving.model.checkpoint import Checkpoint, save_checkpoint
 from moecomm_serving.model.config import MoEConfig
 from moecomm_serving.model.tiny import random_tensors, tiny_config
 from moecomm_serving.model.transformer import load_model
+from moecomm_serving.types import SamplingParams
 
 PROMPT_LEN = 20
 NEW_TOKENS = 10

@@ -9,6 +9,7 @@ decode side, bad connect and disconnect requests get 400s, and an unclaimed pack
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -41,6 +42,7 @@ from moecomm_serving.disagg.transfer import (
 )
 from moecomm_serving.kv.blocks import BlockPool, PagedSequence
 from moecomm_serving.kv.package import PACKAGE_MAGIC, KvHandoffError, decode_package, encode_package
+from moecomm_serving.types import KvPackage
 
 # Small slots so that modest packages span many chunks (4 KiB of payload + the header's slack).
 SLOT_BYTES, SLOTS = 4096, 2
@@ -67,11 +69,11 @@ def paged_package(dtype, heads=2, k_dim=8, v_dim=8, length=37, block_tokens=16, 
     return pool, seq, seq.export_blocks()
 
 
-def same_package(a: dict, b: dict) -> bool:
-    meta = ("version", "length", "block_tokens", "layers", "kv_shape", "dtype")
-    return all(a[k] == b[k] for k in meta) and all(
-        a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8))
-        for k in ("k", "v")
+def same_package(a: KvPackage, b: KvPackage) -> bool:
+    ta, tb = (a.k, a.v), (b.k, b.v)
+    return a.meta() == b.meta() and all(
+        x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+        for x, y in zip(ta, tb, strict=True)
     )
 
 
@@ -149,7 +151,7 @@ def test_a_real_export_round_trips_bit_exactly(dtype, shape):
     assert data.dtype == torch.uint8 and data.dim() == 1
     back = decode_package(data, "req-1")
     assert same_package(back, package)
-    assert back["k"].data_ptr() != data.data_ptr()  # their own memory
+    assert back.k.data_ptr() != data.data_ptr()  # their own memory
     assert same_package(decode_package(bytes(data.numpy())), package)  # from bytes too
     # And the package imports into another pool as the same cache.
     pool2 = BlockPool(pool.layers, heads, kd, vd, dtype, "cpu", block_tokens=pool.block_tokens)
@@ -161,10 +163,10 @@ def test_a_real_export_round_trips_bit_exactly(dtype, shape):
 
 def test_a_sequence_of_length_zero_is_a_package_with_no_blocks():
     package = procs.empty_kv_package()
-    assert package["k"].shape[1] == 0
+    assert package.k.shape[1] == 0
     back = decode_package(encode_package(package, "empty"))
-    assert same_package(back, package) and back["length"] == 0
-    assert back["k"].shape == package["k"].shape
+    assert same_package(back, package) and back.length == 0
+    assert back.k.shape == package.k.shape
 
 
 # ---------------------------------------------------------------------------------- 2. refusals
@@ -232,7 +234,7 @@ def test_a_malformed_package_is_refused_with_a_clear_message(case):
 
 
 def test_the_good_package_of_the_refusal_cases_is_accepted():
-    assert decode_package(_good()[0], "id")["length"] == 5
+    assert decode_package(_good()[0], "id").length == 5
 
 
 def test_random_corruption_is_refused_or_read_never_anything_else():
@@ -252,16 +254,16 @@ def test_random_corruption_is_refused_or_read_never_anything_else():
         except KvHandoffError:
             refused += 1
         else:  # a flip that kept the header meaningful: still a consistent package
-            assert out["k"].numel() + out["v"].numel() > 0
+            assert out.k.numel() + out.v.numel() > 0
     assert refused > 150
 
 
 def test_encode_refuses_a_package_that_does_not_add_up():
     _, _, package = paged_package(torch.float32, length=5, block_tokens=4)
     with pytest.raises(KvHandoffError, match="shape"):
-        encode_package({**package, "k": package["k"][:, :1]}, "id")
-    with pytest.raises(KvHandoffError, match="keys"):
-        encode_package({**package, "extra": 1}, "id")
+        encode_package(dataclasses.replace(package, k=package.k[:, :1]), "id")
+    with pytest.raises(KvHandoffError, match="KvPackage"):
+        encode_package(package.meta(), "id")  # a dict is not a package
     with pytest.raises(TypeError):
         decode_package(torch.zeros(4, dtype=torch.float32))
 
@@ -293,7 +295,7 @@ def test_packages_of_every_size_from_two_processes_arrive_bit_exact(inbox_server
         spec = senders[seed][0][i]
         if tuple(spec) == procs.EMPTY_KV:
             back = decode_package(data, f"h{seed}-{i}")
-            assert back["length"] == 0 and back["k"].shape[1] == 0
+            assert back.length == 0 and back.k.shape[1] == 0
         else:
             assert torch.equal(data, procs.pattern(seed, i, spec[1])), (seed, i)
     stats = inbox.stats

@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
-from moecomm_serving.engine.generate import SamplingParams, generate
-from moecomm_serving.engine.scheduler import Engine, EngineRequest, TokenEvent, run_to_completion
+from moecomm_serving.engine.generate import generate
+from moecomm_serving.engine.scheduler import Engine, EngineRequest, run_to_completion
 from moecomm_serving.kv.blocks import BlockPool, PagedSequence
 from moecomm_serving.model.tiny import write_tiny
 from moecomm_serving.model.transformer import load_model
+from moecomm_serving.types import SamplingParams, TokenEvent
 
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 # Small blocks so the test prompts span several blocks and end inside one.
@@ -156,7 +158,7 @@ def test_export_import_round_trip_continues_bit_identically(mixtral):
     src = mixtral.new_sequence(src_pool)
     mixtral.forward([ids], [src])
     package = src.export_blocks()
-    assert package["k"].shape[:2] == (len(mixtral.layers), 2) and package["length"] == 13
+    assert package.k.shape[:2] == (len(mixtral.layers), 2) and package.length == 13
     dst = PagedSequence.import_blocks(dst_pool, package)
     assert dst.length == 13 and dst_pool.num_used == 2
     want = mixtral.forward([[42]], [src])
@@ -167,28 +169,27 @@ def test_export_import_round_trip_continues_bit_identically(mixtral):
 @pytest.mark.parametrize(
     "change, match",
     [
-        (lambda p: p.pop("v"), "exactly the keys"),
-        (lambda p: p.update(version=99), "version"),
-        (lambda p: p.update(block_tokens=16), "block_tokens"),
-        (lambda p: p.update(layers=[0]), "layers"),
-        (lambda p: p.update(dtype="bfloat16"), "dtype"),
-        (lambda p: p.update(length=-1), "length"),
-        (lambda p: p.update(length=9), "shape"),  # 9 tokens need 3 blocks of 4, not 2
-        (lambda p: p.update(k=p["k"][:, :1]), "shape"),
-        (lambda p: p.update(v=p["v"].double()), "tensor"),
-        (lambda p: p.update(k="bytes"), "tensor"),
+        (lambda p: p.meta(), "KvPackage"),  # a dict of its fields is not a package
+        (lambda p: replace(p, version=99), "version"),
+        (lambda p: replace(p, block_tokens=16), "block_tokens"),
+        (lambda p: replace(p, layers=(0,)), "layers"),
+        (lambda p: replace(p, dtype="bfloat16"), "dtype"),
+        (lambda p: replace(p, length=-1), "length"),
+        (lambda p: replace(p, length=9), "shape"),  # 9 tokens need 3 blocks of 4, not 2
+        (lambda p: replace(p, k=p.k[:, :1]), "shape"),
+        (lambda p: replace(p, v=p.v.double()), "tensor"),
+        (lambda p: replace(p, k="bytes"), "tensor"),
     ],
 )
 def test_malformed_kv_package_refused(change, match):
     src = PagedSequence(small_pool())
     fill(src, 7, seed=9)
-    package = src.export_blocks()
-    change(package)
+    package = change(src.export_blocks())
     dst_pool = small_pool()
     with pytest.raises(ValueError, match=match):
         PagedSequence.import_blocks(dst_pool, package)
     assert dst_pool.num_used == 0  # nothing allocated for a refused package
-    with pytest.raises(ValueError, match="exactly the keys"):
+    with pytest.raises(ValueError, match="KvPackage"):
         PagedSequence.import_blocks(dst_pool, [1, 2])
 
 

@@ -15,9 +15,10 @@ import torch
 from lab_procs import start_logged, wait_for_log
 from moecomm import netns
 from moecomm.wire.nixl import available as nixl_available
-from moecomm_serving.engine.generate import SamplingParams, generate
+from moecomm_serving.engine.generate import generate
 from moecomm_serving.model.tokenizer import load_tokenizer
 from moecomm_serving.model.transformer import load_model
+from moecomm_serving.types import SamplingParams
 
 lab_ok, lab_why = netns.available()
 nixl_ok, nixl_why = nixl_available()

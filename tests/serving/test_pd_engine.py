@@ -7,23 +7,22 @@ kv_handoff; a hand-off that does not fit is refused with a clear error and the e
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
-from moecomm_serving.engine.generate import SamplingParams
-from moecomm_serving.engine.scheduler import (
-    Engine,
-    EngineRequest,
+from moecomm_serving.engine.scheduler import Engine, EngineRequest, run_to_completion
+from moecomm_serving.kv.package import decode_package, encode_package
+from moecomm_serving.model.tiny import write_tiny
+from moecomm_serving.model.transformer import load_model
+from moecomm_serving.types import (
     ErrorEvent,
     FinishEvent,
     HandoffEvent,
     Resume,
+    SamplingParams,
     TokenEvent,
-    run_to_completion,
 )
-from moecomm_serving.kv.package import decode_package, encode_package
-from moecomm_serving.model.tiny import write_tiny
-from moecomm_serving.model.transformer import load_model
 
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 BLOCK = 8  # small blocks: the prompts span several and end inside one
@@ -73,7 +72,7 @@ def split_run(prefill, decode, ids, params, handoff_id="h"):
     """The request's tokens through a prefill engine and a decode engine."""
     (ev,) = submit(prefill, ids, params, handoff=True).wait()
     assert isinstance(ev, HandoffEvent)
-    assert ev.package["length"] == len(ids)
+    assert ev.package.length == len(ids)
     # through the wire format, as a decode front end receives it
     package = decode_package(encode_package(ev.package, handoff_id), handoff_id)
     events = submit(decode, ids, params, resume=Resume(package, [ev.token], ev.rng_state)).wait()
@@ -138,9 +137,9 @@ def handed(prefill, ids, params=GREEDY):
     [
         (lambda ev, ids: ([*ids, 1], [ev.token], ev.package), "holds"),  # prompt longer than KV
         (lambda ev, ids: (ids, [], ev.package), "at least the prefill's first token"),
-        (lambda ev, ids: (ids, [ev.token], {**ev.package, "block_tokens": 4}), "block_tokens"),
-        (lambda ev, ids: (ids, [ev.token], {**ev.package, "k": ev.package["k"][:, :1]}), "shape"),
-        (lambda ev, ids: (ids, [ev.token], {**ev.package, "version": 99}), "version"),
+        (lambda ev, ids: (ids, [ev.token], replace(ev.package, block_tokens=4)), "block_tokens"),
+        (lambda ev, ids: (ids, [ev.token], replace(ev.package, k=ev.package.k[:, :1])), "shape"),
+        (lambda ev, ids: (ids, [ev.token], replace(ev.package, version=99)), "version"),
     ],
     ids=["length", "no-token", "block-size", "truncated-k", "version"],
 )

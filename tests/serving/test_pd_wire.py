@@ -1,5 +1,6 @@
-"""The prefill/decode split's call bodies (pd_wire): round trips, and every malformed field a
-400 naming it (PdRequestError), never another exception — fuzzed with a fixed seed."""
+"""The prefill/decode split's messages (disagg.schema): round trips of every call, answer and
+stream line, and every malformed field a PdRequestError naming it (a 400 for a call, a faulty
+front end for an answer), never another exception — fuzzed with a fixed seed."""
 
 from __future__ import annotations
 
@@ -11,14 +12,18 @@ import pytest
 import torch
 from moecomm_serving.disagg.schema import (
     DecodeCall,
+    DecodeError,
+    DecodeToken,
+    KvReceipt,
     PdRequestError,
+    PrefillAnswer,
     PrefillCall,
     params_from_json,
     params_to_json,
-    parse_decode,
-    parse_prefill,
+    parse_line,
+    to_line,
 )
-from moecomm_serving.engine.generate import SamplingParams
+from moecomm_serving.types import SamplingParams
 
 SEED = 31
 FUZZ_CASES = 300
@@ -29,17 +34,76 @@ def good_prefill() -> dict:
     return PrefillCall("h-1", [1, 2, 3], SAMPLED, "http://127.0.0.1:9/").to_json()
 
 
+def rng_state() -> bytes:
+    return bytes(torch.Generator().manual_seed(1).get_state().numpy())
+
+
 def good_decode() -> dict:
-    rng = torch.Generator().manual_seed(1).get_state()
-    return DecodeCall("h-1", [1, 2, 3], [4], SAMPLED, rng, 7, 1).to_json()
+    return DecodeCall("h-1", [1, 2, 3], [4], SAMPLED, rng_state(), 7, 1).to_json()
+
+
+def good_answer() -> dict:
+    kv = KvReceipt(7, 1, 4096, 0.01, "shm")
+    return PrefillAnswer(5, None, kv, rng_state(), 0.2, 16).to_json()
+
+
+parse_prefill, parse_decode = PrefillCall.from_json, DecodeCall.from_json
 
 
 def test_round_trips():
     assert params_from_json(params_to_json(SAMPLED)) == SAMPLED
-    assert parse_prefill(json.dumps(good_prefill()).encode()).params == SAMPLED
-    call = parse_decode(json.dumps(good_decode()).encode())
-    assert (call.client_id, call.tag, call.tokens) == (7, 1, [4])
-    assert torch.equal(call.rng, torch.Generator().manual_seed(1).get_state())
+    call = parse_prefill(json.dumps(good_prefill()).encode())
+    assert call == PrefillCall("h-1", [1, 2, 3], SAMPLED, "http://127.0.0.1:9/")
+    decode = parse_decode(json.dumps(good_decode()).encode())
+    assert (decode.client_id, decode.tag, decode.tokens) == (7, 1, [4])
+    assert decode.rng == rng_state()
+    answer = PrefillAnswer.from_json(json.dumps(good_answer()).encode())
+    assert answer.kv == KvReceipt(7, 1, 4096, 0.01, "shm") and answer.rng == rng_state()
+    # the decode call the router builds from the prefill's call and answer
+    assert DecodeCall.after_prefill(call, answer) == DecodeCall(
+        "h-1", [1, 2, 3], [5], SAMPLED, rng_state(), 7, 1
+    )
+    finished = PrefillAnswer(5, "stop", None, None, 0.1, 0)
+    assert PrefillAnswer.from_json(finished.to_json()) == finished
+    for line in (DecodeToken(3), DecodeToken(4, "length"), DecodeError("engine failed", 500)):
+        assert parse_line(to_line(line)) == line
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"token": -1}, "token"),
+        ({"token": "5"}, "token"),
+        ({"finish": 3}, "finish"),
+        ({"kv": None}, "kv"),  # an unfinished request without its package
+        ({"kv": {"client_id": 1}}, "kv"),
+        ({"kv": {**good_answer()["kv"], "tag": True}}, "kv.tag"),
+        ({"kv": {**good_answer()["kv"], "transfer_s": "x"}}, "kv.transfer_s"),
+        ({"rng": "!!!"}, "rng"),
+        ({"prefill_s": -1}, "prefill_s"),
+        ({"cached_tokens": 1.5}, "cached_tokens"),
+        ({"extra": 1}, "extra"),
+    ],
+)
+def test_answer_refusals_name_the_field(change, field):
+    with pytest.raises(PdRequestError, match=field):
+        PrefillAnswer.from_json({**good_answer(), **change})
+
+
+@pytest.mark.parametrize(
+    "line, field",
+    [
+        (b'{"token": -3, "finish": null}', "token"),
+        (b'{"token": 3}', "finish"),
+        (b'{"error": {"message": 1, "status": 500}}', "message"),
+        (b'{"error": {"message": "x", "status": 42}}', "status"),
+        (b'{"error": "x"}', "error"),
+        (b"[1]", "object"),
+    ],
+)
+def test_stream_line_refusals_name_the_field(line, field):
+    with pytest.raises(PdRequestError, match=field):
+        parse_line(line)
 
 
 @pytest.mark.parametrize(

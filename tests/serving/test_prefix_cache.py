@@ -10,16 +10,17 @@ import urllib.request
 
 import pytest
 import torch
-from moecomm_serving.api.app import make_frontend_app, start_frontend
+from moecomm_serving.api.app import FrontendSettings, make_frontend_app, start_frontend
 from moecomm_serving.api.metrics import ServingMetrics
 from moecomm_serving.cli.common import add_kv_cache_arguments, kv_cache_kwargs
-from moecomm_serving.engine.generate import SamplingParams, generate
+from moecomm_serving.engine.generate import generate
 from moecomm_serving.engine.scheduler import Engine, run_to_completion
 from moecomm_serving.kv.blocks import DEFAULT_BLOCK_TOKENS, BlockPool, PagedSequence
 from moecomm_serving.kv.prefix_cache import PrefixCache, block_keys
 from moecomm_serving.model.tiny import write_tiny
 from moecomm_serving.model.tokenizer import load_tokenizer
 from moecomm_serving.model.transformer import load_model
+from moecomm_serving.types import SamplingParams
 
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 BLOCK = 8
@@ -232,7 +233,8 @@ def _post(url: str, body: dict) -> dict:
 
 def test_frontend_metrics_show_the_prefix_cache(tiny_mixtral_dir, mixtral):
     tok = load_tokenizer(tiny_mixtral_dir, mixtral.config)
-    app = make_frontend_app(mixtral, tok, "tiny", 64, kv_block_tokens=BLOCK, prefix_cache_bytes=BIG)
+    settings = FrontendSettings("tiny", 64, kv_block_tokens=BLOCK, prefix_cache_bytes=BIG)
+    app = make_frontend_app(mixtral, tok, settings)
     server = start_frontend(app)
     try:
         shared = prompt(3 * BLOCK, seed=6)

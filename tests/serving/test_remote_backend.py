@@ -7,10 +7,11 @@ import pytest
 import torch
 from moecomm.runtime import AttentionClient, ExpertServer
 from moecomm.runtime.control import HttpServer, make_app
-from moecomm_serving.engine.generate import SamplingParams, generate
+from moecomm_serving.engine.generate import generate
 from moecomm_serving.model.checkpoint import Checkpoint
 from moecomm_serving.model.tokenizer import ByteTokenizer
 from moecomm_serving.model.transformer import load_model
+from moecomm_serving.types import SamplingParams
 
 HOSTED = ({i: range(0, 8) for i in range(4)}, {i: range(8, 16) for i in range(4)})
 

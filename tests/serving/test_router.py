@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from moecomm.http_thread import HttpServer
 from moecomm_serving.cli import main as cli
 from moecomm_serving.disagg.router import MAX_ATTEMPTS, Router, make_router_app
+from moecomm_serving.disagg.schema import DecodeToken, KvReceipt, PrefillAnswer
 from moecomm_serving.model.tiny import write_tiny
 from moecomm_serving.model.tokenizer import BYTE_VOCAB_SIZE, ByteTokenizer
 from pd_procs import (
@@ -264,12 +265,12 @@ class Fake:
 
 
 def _first(token=0, finish=None):
-    kv = None if finish else {"client_id": 1, "tag": 7, "bytes": 100, "transfer_s": 0.01}
-    return 200, {"token": token, "finish": finish, "kv": kv, "rng": None, "prefill_s": 0.0}
+    kv = None if finish else KvReceipt(1, 7, 100, 0.01, "shm")
+    return 200, PrefillAnswer(token, finish, kv, None, 0.0, 0).to_json()
 
 
 def _tok(t, finish=None):
-    return {"token": t, "finish": finish}
+    return DecodeToken(t, finish).to_json()
 
 
 @pytest.fixture

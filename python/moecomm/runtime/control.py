@@ -13,7 +13,7 @@ from fastapi import FastAPI, HTTPException
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, Field
 
-from moecomm.errors import MoecommError, deprecated_aliases
+from moecomm.errors import MoecommError
 
 # Served from a thread of the expert server's process; the tests and benches that pair make_app
 # with it import it from here.
@@ -44,10 +44,6 @@ HTTP_TIMEOUT_S = 10.0
 class ServerUnreachableError(MoecommError, ConnectionError):
     """No answer from a server's control plane (down, stopped, wrong address), as opposed to
     an answer that refuses the request."""
-
-
-# The old name, deprecated: the family's names end in Error (docs/errors.md).
-__getattr__ = deprecated_aliases(__name__, {"ServerUnreachable": "ServerUnreachableError"})
 
 
 class LayoutModel(BaseModel):

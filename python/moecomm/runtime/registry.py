@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from moecomm.errors import MoecommError, deprecated_aliases
+from moecomm.errors import MoecommError
 from moecomm.wire.server import ServerChannel
 from moecomm.wire.shm import reap_stale_segments
 
@@ -36,16 +36,6 @@ class ClientIdInUseError(MoecommError, ValueError):
 
 class UnknownSessionError(MoecommError, ValueError):
     """A disconnect named a client id with a session secret that is not the current one."""
-
-
-# The old names, deprecated: the family's names end in Error (docs/errors.md).
-__getattr__ = deprecated_aliases(
-    __name__,
-    {
-        "ClientIdInUse": "ClientIdInUseError",
-        "UnknownSession": "UnknownSessionError",
-    },
-)
 
 
 @dataclass

@@ -25,12 +25,7 @@ import time
 from collections.abc import Callable
 
 from moecomm import _C
-from moecomm.errors import (
-    DeadlineExceededError,
-    MoecommError,
-    PeerLostError,
-    deprecated_aliases,
-)
+from moecomm.errors import DeadlineExceededError, MoecommError, PeerLostError
 from moecomm.runtime.experts import ExpertWeights, LayerExperts
 from moecomm.runtime.registry import ClientRegistry
 from moecomm.wire.transport import Region, SignalOp, Transport
@@ -49,10 +44,6 @@ EPOCH_OFFSET = 0
 
 class ExpertHostedError(MoecommError, ValueError):
     """The server already hosts (and publishes) this expert."""
-
-
-# The old name, deprecated: the family's names end in Error (docs/errors.md).
-__getattr__ = deprecated_aliases(__name__, {"ExpertHosted": "ExpertHostedError"})
 
 
 class ServerPlacement:

@@ -8,10 +8,9 @@ the :class:`Engine`, whose thread feeds each request's events back into an async
 engine fails a request half-way, its stream ends with an ``{"error": ...}`` event (the request
 is not retried here: the client has seen tokens).
 
-With a role (``--role prefill|decode``, docs/router.md) the front end also serves the
-prefill/decode split's internal routes (:mod:`moecomm_serving.disagg.routes`): a prefill front end
-runs a request's prompt and hands its KV blocks to a decode front end over moecomm's transports;
-a decode front end takes them and generates the rest.
+Higher layers add routes through :class:`AppExtension`: with a role (``--role prefill|decode``,
+docs/router.md) the command adds the prefill/decode split's internal routes
+(:class:`moecomm_serving.disagg.routes.PdRoutes`).
 """
 
 from __future__ import annotations
@@ -19,6 +18,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
@@ -27,40 +29,51 @@ from moecomm.http_thread import DEFAULT_HOST, HttpServer
 from moecomm_serving.api import openai as oa
 from moecomm_serving.api.metrics import ServingMetrics
 from moecomm_serving.api.routes import DEFAULT_MAX_BODY_BYTES, ApiFront, install_openai_routes
-from moecomm_serving.engine.generate import SamplingParams
-from moecomm_serving.engine.scheduler import (
-    DEFAULT_REQUEST_TIMEOUT_S,
-    Engine,
-    EngineBusyError,
-    EngineRequest,
-    ErrorEvent,
-    FinishEvent,
-)
+from moecomm_serving.engine.scheduler import Engine, EngineBusyError, EngineRequest
 from moecomm_serving.kv.blocks import DEFAULT_BLOCK_TOKENS
 from moecomm_serving.model.transformer import MoETransformer
+from moecomm_serving.types import DEFAULT_REQUEST_TIMEOUT_S, ErrorEvent, FinishEvent, SamplingParams
 
 # The health probe is one greedy token; it must answer well within a load balancer's timeout.
 HEALTH_TIMEOUT_S = 30.0
 
 
+@dataclass(frozen=True)
+class FrontendSettings:
+    """How a front end serves, apart from its model and tokenizer (``moecomm frontend``'s
+    options). `chat_template`: a function of the messages; None uses the tokenizer's own
+    template (the checkpoint's, as transformers renders it) or else
+    :func:`~moecomm_serving.api.openai.default_chat_template`. Bodies over `max_body_bytes` get
+    a 413. `kv_block_tokens` and `prefix_cache_bytes` size the paged KV cache and the prefix
+    cache (see :class:`~moecomm_serving.engine.scheduler.Engine`)."""
+
+    model_name: str
+    max_batch_tokens: int
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+    batch_wait_s: float = 0.0
+    chat_template: oa.ChatTemplate | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    kv_block_tokens: int | None = DEFAULT_BLOCK_TOKENS
+    prefix_cache_bytes: int = 0
+
+
+class AppExtension(Protocol):
+    """Routes a higher layer adds to a front end's app (the prefill/decode split's,
+    :class:`moecomm_serving.disagg.routes.PdRoutes`): installed once the front end exists,
+    closed after its engine stopped."""
+
+    def install(self, app: FastAPI, fe: Frontend) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class Frontend(ApiFront):
     """The engine behind the OpenAI routes; :func:`make_frontend_app` wires it into FastAPI."""
 
-    def __init__(
-        self,
-        model: MoETransformer,
-        tokenizer,
-        model_name: str,
-        max_batch_tokens: int,
-        max_num_seqs: int = 64,
-        max_model_len: int | None = None,
-        request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
-        batch_wait_s: float = 0.0,
-        chat_template: oa.ChatTemplate | None = None,
-        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-        kv_block_tokens: int | None = DEFAULT_BLOCK_TOKENS,
-        prefix_cache_bytes: int = 0,
-    ):
+    def __init__(self, model: MoETransformer, tokenizer, settings: FrontendSettings):
+        max_batch_tokens = settings.max_batch_tokens
         self.model = model
         # An AttentionClient's slots hold at most layout.max_tokens rows per dispatch, and one
         # engine step dispatches all of its tokens at once.
@@ -76,11 +89,11 @@ class Frontend(ApiFront):
         self.engine = Engine(
             model,
             max_batch_tokens,
-            max_num_seqs,
-            batch_wait_s=batch_wait_s,
+            settings.max_num_seqs,
+            batch_wait_s=settings.batch_wait_s,
             eos_token_id=eos_ids,
-            kv_block_tokens=kv_block_tokens,
-            prefix_cache_bytes=prefix_cache_bytes,
+            kv_block_tokens=settings.kv_block_tokens,
+            prefix_cache_bytes=settings.prefix_cache_bytes,
         )
         backend = model.experts
         # Series other parts add (the prefill/decode hand-offs' counters): rows of
@@ -96,15 +109,16 @@ class Frontend(ApiFront):
             prefix_cache=self.engine.prefix_cache,
             extra=lambda: [row for source in self.extra_metrics for row in source()],
         )
+        max_len = settings.max_model_len
         super().__init__(
             tokenizer,
-            model_name,
+            settings.model_name,
             model.config.vocab_size,
-            limit if max_model_len is None else min(max_model_len, limit),
-            request_timeout_s,
+            limit if max_len is None else min(max_len, limit),
+            settings.request_timeout_s,
             metrics,
-            chat_template,
-            max_body_bytes,
+            settings.chat_template,
+            settings.max_body_bytes,
         )
 
     # ------------------------------------------------------------------ running a request
@@ -157,73 +171,31 @@ class Frontend(ApiFront):
 def make_frontend_app(
     model: MoETransformer,
     tokenizer,
-    model_name: str,
-    max_batch_tokens: int,
-    max_num_seqs: int = 64,
-    max_model_len: int | None = None,
-    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
-    batch_wait_s: float = 0.0,
-    chat_template: oa.ChatTemplate | None = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    kv_block_tokens: int | None = DEFAULT_BLOCK_TOKENS,
-    prefix_cache_bytes: int = 0,
-    role: str | None = None,
-    kv_transport="auto",
-    kv_host: str | None = None,
+    settings: FrontendSettings,
+    extensions: Sequence[AppExtension] = (),
 ) -> FastAPI:
     """The FastAPI app; its engine thread starts and stops with the app's lifespan.
 
     ``app.state.frontend`` holds the :class:`Frontend` (``.engine.stats``, ``.metrics``).
-    `chat_template`: a function of the messages; None uses the tokenizer's own template (the
-    checkpoint's, as transformers renders it) or else :func:`openai_api.default_chat_template`.
-    Requests stop on every id of ``tokenizer.eos_ids``; bodies over `max_body_bytes` get a 413.
-    `kv_block_tokens` and `prefix_cache_bytes` size the paged KV cache and the prefix cache
-    (see :class:`~moecomm_serving.engine.scheduler.Engine`). With a `role` ("prefill", "decode" or
-    "both") the app also serves the prefill/decode split's routes
-    (:mod:`moecomm_serving.disagg.routes`), its KV hand-offs over `kv_transport` (shm, nixl or auto,
-    nixl bound to `kv_host`).
+    Requests stop on every id of ``tokenizer.eos_ids``. Each of `extensions` adds its routes
+    (the prefill/decode split's: :class:`moecomm_serving.disagg.routes.PdRoutes`) and is closed
+    after the engine stopped.
     """
-    fe = Frontend(
-        model,
-        tokenizer,
-        model_name,
-        max_batch_tokens,
-        max_num_seqs,
-        max_model_len,
-        request_timeout_s,
-        batch_wait_s,
-        chat_template,
-        max_body_bytes,
-        kv_block_tokens,
-        prefix_cache_bytes,
-    )
-    pd = None
-    if role is not None:
-        # imported here: a front end without a role never opens a transport for KV
-        from moecomm_serving.disagg.routes import DECODE_ROLES, PdState
-
-        if role in DECODE_ROLES and fe.engine.pool is None:
-            raise ValueError(f"role {role!r} takes KV hand-offs: it needs the paged KV cache")
-        pd = PdState(role, kv_transport, kv_host)
-        fe.extra_metrics.append(pd.metric_rows)
+    fe = Frontend(model, tokenizer, settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         fe.engine.start()
         yield
         await asyncio.to_thread(fe.engine.stop)
-        if pd is not None:
-            await asyncio.to_thread(pd.close)
+        for ext in extensions:
+            await asyncio.to_thread(ext.close)
 
     app = FastAPI(title="moecomm", lifespan=lifespan)
     app.state.frontend = fe
-    app.state.pd = pd
-
     install_openai_routes(app, fe)
-    if pd is not None:
-        from moecomm_serving.disagg.routes import install_pd_routes
-
-        install_pd_routes(app, fe, pd)
+    for ext in extensions:
+        ext.install(app, fe)
     return app
 
 
@@ -237,15 +209,12 @@ def start_frontend(app: FastAPI, host: str = DEFAULT_HOST, port: int = 0) -> Htt
 def serve_frontend(
     model: MoETransformer,
     tokenizer,
-    model_name: str,
-    max_batch_tokens: int,
+    settings: FrontendSettings,
     host: str = DEFAULT_HOST,
     port: int = 8000,
-    **app_kwargs,
 ) -> None:
-    """Serves until interrupted (the ``moecomm serve`` entry point). `app_kwargs` go to
-    :func:`make_frontend_app`."""
+    """Serves until interrupted, in the foreground (uvicorn's own loop)."""
     import uvicorn
 
-    app = make_frontend_app(model, tokenizer, model_name, max_batch_tokens, **app_kwargs)
+    app = make_frontend_app(model, tokenizer, settings)
     uvicorn.run(app, host=host, port=port, log_level="info", access_log=False)

@@ -20,7 +20,7 @@ from moecomm.errors import MoecommError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from moecomm_serving.engine.generate import SamplingParams
+from moecomm_serving.types import SamplingParams
 
 # OpenAI's defaults, so that a client written against the real API gets what it expects.
 DEFAULT_COMPLETION_MAX_TOKENS = 16

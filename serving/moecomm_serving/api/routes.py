@@ -27,8 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from moecomm_serving.api import openai as oa
 from moecomm_serving.api.metrics import ServingMetrics
-from moecomm_serving.engine.generate import SamplingParams
-from moecomm_serving.engine.scheduler import ErrorEvent, FinishEvent, TokenEvent
+from moecomm_serving.types import ErrorEvent, FinishEvent, SamplingParams, TokenEvent
 
 # A handler wakes at least this often to notice a client that hung up (non-streaming requests).
 DISCONNECT_POLL_S = 1.0

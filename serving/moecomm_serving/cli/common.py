@@ -38,7 +38,7 @@ WAKE_S = 0.2
 # What the clients of the expert servers (front end, rebalance) say about --token.
 CLIENT_TOKEN_HELP = "token of the expert servers' control planes"
 # Copies of every expert that re-placement keeps on distinct expert servers: with 2, losing any
-# one server leaves every expert served while its copies are re-homed (issue 28). Fewer when
+# one server leaves every expert served while its copies are re-homed. Fewer when
 # fewer servers host a layer (the pass says so).
 DEFAULT_MIN_REPLICAS = 2
 

@@ -11,7 +11,7 @@ from moecomm.http_thread import DEFAULT_HOST
 from moecomm.runtime.launch import SERVING_TTL_S
 from moecomm.runtime.registry import ClientIdInUseError
 
-from moecomm_serving.api.app import make_frontend_app, start_frontend
+from moecomm_serving.api.app import FrontendSettings, make_frontend_app, start_frontend
 from moecomm_serving.cli.common import (
     add_kv_cache_arguments,
     add_servers_arguments,
@@ -30,6 +30,7 @@ from moecomm_serving.cli.rebalance import (
     check_placement_args,
     start_placement,
 )
+from moecomm_serving.disagg.routes import PdRoutes
 from moecomm_serving.model.config import MoEConfig
 from moecomm_serving.model.remote_experts import (
     DEFAULT_EXPERT_TIMEOUT_S,
@@ -183,16 +184,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"loading {args.checkpoint}", flush=True)
     model = load_model(args.checkpoint, experts=experts, dtype=torch.float32)
     name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
-    app = make_frontend_app(
-        model,
-        tokenizer,
-        name,
-        args.max_batch_tokens,
-        **kv_cache_kwargs(args, "frontend"),
-        role=args.role,
-        kv_transport=args.transport,
-        kv_host=args.host,
-    )
+    settings = FrontendSettings(name, args.max_batch_tokens, **kv_cache_kwargs(args, "frontend"))
+    # with a role, the prefill/decode split's routes (and its KV inbox or outbox)
+    split = [] if args.role is None else [PdRoutes(args.role, args.transport, args.host)]
+    app = make_frontend_app(model, tokenizer, settings, split)
     stop = stop_on_signals()
     http = start_frontend(app, args.host, args.port)
     # the URL ends the line: scripts split it off after " listening on "

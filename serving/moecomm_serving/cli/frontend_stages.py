@@ -12,7 +12,7 @@ import os
 import torch
 from moecomm.pipeline.remote import parse_address, read_token
 
-from moecomm_serving.api.app import make_frontend_app, start_frontend
+from moecomm_serving.api.app import FrontendSettings, make_frontend_app, start_frontend
 from moecomm_serving.cli.common import set_threads, stop_on_signals, wait_for_stop
 from moecomm_serving.cli.rebalance import server_list, start_placement
 from moecomm_serving.engine.pipeline import PipelinedModel
@@ -126,7 +126,8 @@ def run_pipelined(args: argparse.Namespace) -> int:
     try:
         tokenizer = load_tokenizer(args.checkpoint, config)
         name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
-        app = make_frontend_app(model, tokenizer, name, args.max_batch_tokens)
+        settings = FrontendSettings(name, args.max_batch_tokens)
+        app = make_frontend_app(model, tokenizer, settings)
         stop = stop_on_signals()
         http = start_frontend(app, args.host, args.port)
         ranges = " | ".join(f"{r.start}-{r.stop - 1}" for r in pipe.ranges)

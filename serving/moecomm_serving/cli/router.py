@@ -18,9 +18,9 @@ from moecomm_serving.disagg.router import (
     Router,
     make_router_app,
 )
-from moecomm_serving.engine.scheduler import DEFAULT_REQUEST_TIMEOUT_S
 from moecomm_serving.model.config import MoEConfig
 from moecomm_serving.model.tokenizer import load_tokenizer
+from moecomm_serving.types import DEFAULT_REQUEST_TIMEOUT_S
 
 # The start-up check of each front end's /pd/info: it answers from memory, so a front end that
 # takes longer is not serving.

@@ -29,7 +29,6 @@ import contextlib
 import dataclasses
 import hashlib
 import itertools
-import json
 import secrets
 import time
 from collections.abc import Sequence
@@ -41,12 +40,19 @@ from fastapi.responses import JSONResponse
 from moecomm_serving.api import openai as oa
 from moecomm_serving.api.metrics import PREFIX, ServingMetrics
 from moecomm_serving.api.routes import DEFAULT_MAX_BODY_BYTES, ApiFront, install_openai_routes
-from moecomm_serving.disagg.schema import params_to_json
-from moecomm_serving.engine.generate import SamplingParams
-from moecomm_serving.engine.scheduler import (
+from moecomm_serving.disagg.schema import (
+    DecodeCall,
+    DecodeError,
+    PdRequestError,
+    PrefillAnswer,
+    PrefillCall,
+    parse_line,
+)
+from moecomm_serving.types import (
     DEFAULT_REQUEST_TIMEOUT_S,
     ErrorEvent,
     FinishEvent,
+    SamplingParams,
     TokenEvent,
 )
 
@@ -194,7 +200,6 @@ class RouterRequest:
 
     def __init__(self, rid: str, ids: list[int], params: SamplingParams, deadline: float):
         self.id, self.ids, self.params, self.deadline = rid, ids, params, deadline
-        self.params_json = params_to_json(params)
         self.emitted: list[int] = []
         self.queue: asyncio.Queue = asyncio.Queue()
         self.task: asyncio.Task | None = None
@@ -442,16 +447,11 @@ class Router(ApiFront):
 
     async def _try(self, req: RouterRequest, handoff_id: str, p: Backend, d: Backend):
         """One try: prefill on `p` handing the KV to `d`, then decode on `d`."""
-        body = {
-            "handoff_id": handoff_id,
-            "prompt": req.ids,
-            "params": req.params_json,
-            "decode_url": d.url,
-        }
+        call = PrefillCall(handoff_id, req.ids, req.params, d.url)
         where = f"prefill front end {p.url}"
         p.in_flight += 1
         try:
-            r = await self.client.post(f"{p.url}/pd/prefill", json=body)
+            r = await self.client.post(f"{p.url}/pd/prefill", json=call.to_json())
         except httpx.TimeoutException as exc:
             # silent: stuck itself, or stuck handing the KV to `d` (a stopped decode front end
             # takes no package); `p` is blamed, `d` left out of this request's next try
@@ -474,53 +474,39 @@ class Router(ApiFront):
         if r.status_code != 200:
             return _End(ErrorEvent(_error_message(r), r.status_code, time.monotonic()))
         try:
-            ans = r.json()
-            token, finish, kv, rng = ans["token"], ans["finish"], ans["kv"], ans["rng"]
-            if not isinstance(token, int) or (finish is None and not isinstance(kv, dict)):
-                raise ValueError("token must be an int and kv an object")
-            handoff = {"client_id": kv["client_id"], "tag": kv["tag"]} if kv else None
-        except (ValueError, KeyError, TypeError) as exc:
-            why = f"{where} answered a malformed prefill result: {_describe(exc)}"
+            ans = PrefillAnswer.from_json(r.content)
+        except PdRequestError as exc:
+            why = f"{where} answered a malformed prefill result: {exc}"
             return _Failure(PREFILL, why, blame=((PREFILL, p),))
         self.pools[PREFILL].succeeded(p)
-        if kv:
+        if ans.kv is not None:
             m = self.router_metrics
             m.handoffs += 1
-            m.kv_bytes += int(kv.get("bytes", 0))
-            m.kv_transfer_s += float(kv.get("transfer_s", 0.0))
-        err = req.take(token, finish)
+            m.kv_bytes += ans.kv.bytes
+            m.kv_transfer_s += ans.kv.transfer_s
+        err = req.take(ans.token, ans.finish)
         if err is not None or req.finished:
             return _End(err)
-        body = {
-            "handoff_id": handoff_id,
-            "prompt": req.ids,
-            "tokens": [token],
-            "params": req.params_json,
-            "rng": rng,
-            "kv": handoff,
-        }
-        return await self._decode(req, body, p, d)
+        return await self._decode(req, DecodeCall.after_prefill(call, ans), p, d)
 
-    async def _decode(self, req: RouterRequest, body: dict, p: Backend, d: Backend):
+    async def _decode(self, req: RouterRequest, call: DecodeCall, p: Backend, d: Backend):
         where = f"decode front end {d.url}"
         d.in_flight += 1
         try:
-            async with self.client.stream("POST", f"{d.url}/pd/decode", json=body) as r:
+            async with self.client.stream("POST", f"{d.url}/pd/decode", json=call.to_json()) as r:
                 if r.status_code != 200:
                     await r.aread()
                     return self._decode_refused(r, where, p, d)
                 async for line in r.aiter_lines():
                     if not line.strip():
                         continue
-                    msg = json.loads(line)
-                    if "error" in msg:
-                        status = int(msg["error"].get("status", 500))
-                        text = str(msg["error"].get("message", "decode failed"))
-                        if status < 500:
-                            return _End(ErrorEvent(text, status, time.monotonic()))
-                        why = f"{where} failed the request: {text}"
+                    msg = parse_line(line)
+                    if isinstance(msg, DecodeError):
+                        if msg.status < 500:
+                            return _End(ErrorEvent(msg.message, msg.status, time.monotonic()))
+                        why = f"{where} failed the request: {msg.message}"
                         return _Failure(DECODE, why, blame=((DECODE, d),))
-                    err = req.take(int(msg["token"]), msg.get("finish"))
+                    err = req.take(msg.token, msg.finish)
                     if err is not None:
                         return _End(err)
                     if req.finished:
@@ -530,8 +516,8 @@ class Router(ApiFront):
             return _Failure(DECODE, why, blame=((DECODE, d),))
         except httpx.HTTPError as exc:
             return _Failure(DECODE, f"{where}: {_describe(exc)}", blame=((DECODE, d),))
-        except (ValueError, KeyError, TypeError) as exc:
-            why = f"{where} sent a malformed line: {_describe(exc)}"
+        except PdRequestError as exc:
+            why = f"{where} sent a malformed line: {exc}"
             return _Failure(DECODE, why, blame=((DECODE, d),))
         finally:
             d.in_flight -= 1

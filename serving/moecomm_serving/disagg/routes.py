@@ -21,7 +21,6 @@ hand-off is a 400 before anything is imported.
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -33,17 +32,20 @@ from moecomm.errors import DeadlineExceededError, PeerLostError
 
 from moecomm_serving.api import openai as oa
 from moecomm_serving.api.routes import cancel_on_disconnect
-from moecomm_serving.disagg.schema import PdRequestError, parse_decode, parse_prefill, rng_to_json
-from moecomm_serving.disagg.transfer import KvInbox, KvOutbox, KvTransferError, install_kv_routes
-from moecomm_serving.engine.scheduler import (
-    ErrorEvent,
-    FinishEvent,
-    HandoffEvent,
-    Resume,
-    TokenEvent,
+from moecomm_serving.disagg.schema import (
+    DecodeCall,
+    DecodeError,
+    DecodeToken,
+    KvReceipt,
+    PdRequestError,
+    PrefillAnswer,
+    PrefillCall,
+    to_line,
 )
+from moecomm_serving.disagg.transfer import KvInbox, KvOutbox, KvTransferError, install_kv_routes
 from moecomm_serving.kv.blocks import check_package
 from moecomm_serving.kv.package import KvHandoffError, decode_package, encode_package
+from moecomm_serving.types import ErrorEvent, FinishEvent, HandoffEvent, Resume, TokenEvent
 
 ROLES = ("both", "prefill", "decode")
 PREFILL_ROLES, DECODE_ROLES = ("both", "prefill"), ("both", "decode")
@@ -83,6 +85,15 @@ class PdState:
     def count(self, direction: str, what: str, n: int = 1) -> None:
         with self._lock:
             self.counts[(direction, what)] += n
+
+    def sent(self, transport: str, seconds: float, nbytes: int) -> None:
+        """Counts one package handed off over `transport` in `seconds`."""
+        with self._lock:
+            self.transfer_s += seconds
+            if transport:
+                self.sent_by_transport[transport] = self.sent_by_transport.get(transport, 0) + 1
+            self.counts[("sent", "handoffs")] += 1
+            self.counts[("sent", "bytes")] += nbytes
 
     def metric_rows(self) -> list[tuple]:
         with self._lock:
@@ -125,37 +136,49 @@ class PdState:
             self.outbox.close()
 
 
-async def _read_call(request: Request, fe, side, route: str, role: str, parse):
-    """The route's checked body: 404 when this front end has no `side` for it (its role), 400
-    for a malformed body or a prompt the model cannot take."""
-    if side is None:
-        raise oa.ApiError(404, f"{route}: this front end's role is {role!r}")
-    raw = await oa.read_body(request, fe.max_body_bytes)
-    try:
-        call = parse(raw)
-    except PdRequestError as exc:
-        raise oa.ApiError(400, str(exc)) from None
-    fe.check_prompt(call.prompt, call.params.max_new_tokens)
-    return call
+class PdRoutes:
+    """The split's routes on one front end, an
+    :class:`~moecomm_serving.api.app.AppExtension` (``make_frontend_app(..., extensions=[...])``):
+    ``/pd/info``, ``/pd/prefill`` (prefill roles), ``/pd/decode`` (decode roles) and the KV
+    inbox's routes. Its :class:`PdState` is ``.state`` once installed."""
 
+    def __init__(self, role: str, transport="auto", host: str | None = None):
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        self.role, self.transport, self.host = role, transport, host
+        self.state: PdState | None = None  # opened by install()
+        self.fe = None
 
-def install_pd_routes(app: FastAPI, fe, state: PdState) -> None:
-    """Adds the split's routes to a front end's app (`fe`: its
-    :class:`~moecomm_serving.api.app.Frontend`)."""
-    install_kv_routes(app, lambda: state.inbox)
+    # ------------------------------------------------------------------ AppExtension
+    def install(self, app: FastAPI, fe) -> None:
+        """Adds the routes to `fe`'s app (`fe`: its :class:`~moecomm_serving.api.app.Frontend`)
+        and opens the KV inbox or outbox the role needs."""
+        if self.role in DECODE_ROLES and fe.engine.pool is None:
+            raise ValueError(f"role {self.role!r} takes KV hand-offs: it needs the paged KV cache")
+        self.fe = fe
+        self.state = PdState(self.role, self.transport, self.host)
+        fe.extra_metrics.append(self.state.metric_rows)
+        install_kv_routes(app, lambda: self.state.inbox)
+        app.add_api_route("/pd/info", self.info, methods=["GET"])
+        app.add_api_route("/pd/prefill", self.prefill, methods=["POST"])
+        app.add_api_route("/pd/decode", self.decode, methods=["POST"])
 
-    @app.get("/pd/info")
-    async def info():
-        pool = fe.engine.pool
+    def close(self) -> None:
+        if self.state is not None:
+            self.state.close()
+
+    # ------------------------------------------------------------------ routes
+    async def info(self):
+        pool = self.fe.engine.pool
         return {
-            "role": state.role,
-            "model": fe.model_name,
+            "role": self.state.role,
+            "model": self.fe.model_name,
             "block_tokens": None if pool is None else pool.block_tokens,
         }
 
-    @app.post("/pd/prefill")
-    async def prefill(request: Request):
-        call = await _read_call(request, fe, state.outbox, "/pd/prefill", state.role, parse_prefill)
+    async def prefill(self, request: Request):
+        state, fe = self.state, self.fe
+        call = await self._read_call(request, state.outbox, "/pd/prefill", PrefillCall)
         t0 = time.monotonic()
         req, queue = fe.submit(call.prompt, call.params, handoff=True)
         token, finish, handed = None, None, None
@@ -174,16 +197,16 @@ def install_pd_routes(app: FastAPI, fe, state: PdState) -> None:
         if token is None:  # the router hung up
             raise oa.ApiError(499, "request cancelled")
         prefill_s = time.monotonic() - t0
-        answer = {
-            "token": token,
-            "finish": finish,
-            "kv": None,
-            "rng": None,
-            "prefill_s": prefill_s,
-            "cached_tokens": 0 if handed is None else handed.cached_tokens,
-        }
         if handed is None:  # the first token ended it: nothing to hand off
-            return answer
+            return PrefillAnswer(token, finish, None, None, prefill_s, 0).to_json()
+        receipt = await self._send(call, handed)
+        rng = None if handed.rng_state is None else bytes(handed.rng_state.numpy())
+        answer = PrefillAnswer(token, None, receipt, rng, prefill_s, handed.cached_tokens)
+        return answer.to_json()
+
+    async def _send(self, call: PrefillCall, handed: HandoffEvent) -> KvReceipt:
+        """Hands `handed`'s KV package to the decode front end `call` names."""
+        state = self.state
         data = await asyncio.to_thread(encode_package, handed.package, call.handoff_id)
         t1 = time.monotonic()
         try:
@@ -195,29 +218,15 @@ def install_pd_routes(app: FastAPI, fe, state: PdState) -> None:
             raise oa.ApiError(502, f"KV hand-off to {call.decode_url} failed: {exc}") from None
         transfer_s = time.monotonic() - t1
         transport = state.outbox.connected().get(call.decode_url, "")
-        with state._lock:
-            state.transfer_s += transfer_s
-            if transport:
-                state.sent_by_transport[transport] = state.sent_by_transport.get(transport, 0) + 1
-        state.count("sent", "handoffs")
-        state.count("sent", "bytes", data.numel())
-        answer["kv"] = {
-            "client_id": client_id,
-            "tag": tag,
-            "bytes": data.numel(),
-            "transfer_s": transfer_s,
-            "transport": transport,
-        }
-        answer["rng"] = rng_to_json(handed.rng_state)
-        return answer
+        state.sent(transport, transfer_s, data.numel())
+        return KvReceipt(client_id, tag, data.numel(), transfer_s, transport)
 
-    @app.post("/pd/decode")
-    async def decode(request: Request):
-        call = await _read_call(request, fe, state.inbox, "/pd/decode", state.role, parse_decode)
+    async def decode(self, request: Request):
+        state, fe = self.state, self.fe
+        call = await self._read_call(request, state.inbox, "/pd/decode", DecodeCall)
         if any(t >= fe.vocab_size for t in call.tokens):
             raise oa.ApiError(400, f"tokens must be ids in [0, {fe.vocab_size})")
-        if not call.params.greedy:
-            _check_rng(call.rng)
+        rng = None if call.params.greedy else _rng_state(call.rng)
         try:
             data = await asyncio.to_thread(
                 state.inbox.take, call.client_id, call.tag, KV_ARRIVAL_TIMEOUT_S
@@ -235,28 +244,48 @@ def install_pd_routes(app: FastAPI, fe, state: PdState) -> None:
             state.count("received", "failures")
             raise oa.ApiError(400, f"KV package refused: {exc}") from None
         want = len(call.prompt) + len(call.tokens) - 1
-        if package["length"] != want:
+        if package.length != want:
             state.count("received", "failures")
             raise oa.ApiError(
                 400,
-                f"KV package refused: it holds {package['length']} tokens; the prompt and the "
+                f"KV package refused: it holds {package.length} tokens; the prompt and the "
                 f"tokens given need {want}",
             )
         state.count("received", "handoffs")
         state.count("received", "bytes", data.numel())
-        resume = Resume(package, list(call.tokens), call.rng)
+        resume = Resume(package, list(call.tokens), rng)
         req, queue = fe.submit(call.prompt, call.params, resume=resume)
         body = cancel_on_disconnect(_ndjson(fe, req, queue), request, req)
         return StreamingResponse(body, media_type=NDJSON)
 
+    async def _read_call(self, request: Request, side, route: str, message):
+        """The route's checked body: 404 when this front end has no `side` for it (its role),
+        400 for a malformed body or a prompt the model cannot take."""
+        if side is None:
+            raise oa.ApiError(404, f"{route}: this front end's role is {self.state.role!r}")
+        raw = await oa.read_body(request, self.fe.max_body_bytes)
+        try:
+            call = message.from_json(raw)
+        except PdRequestError as exc:
+            raise oa.ApiError(400, str(exc)) from None
+        self.fe.check_prompt(call.prompt, call.params.max_new_tokens)
+        return call
 
-def _check_rng(state: torch.Tensor | None) -> None:
-    if state is None:
+
+def _rng_state(raw: bytes | None) -> torch.Tensor:
+    """The torch generator state a sampled request's decode continues from."""
+    if raw is None:
         raise oa.ApiError(400, "a sampled request's hand-off must carry its sampler state (rng)")
+    state = (
+        torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        if raw
+        else torch.empty(0, dtype=torch.uint8)
+    )
     try:
         torch.Generator().set_state(state)
     except RuntimeError as exc:
         raise oa.ApiError(400, f"rng is not a sampler state: {exc}") from None
+    return state
 
 
 async def _ndjson(fe, req, queue) -> AsyncIterator[bytes]:
@@ -265,13 +294,9 @@ async def _ndjson(fe, req, queue) -> AsyncIterator[bytes]:
     try:
         async for ev in fe.events(req, queue, None):
             if isinstance(ev, TokenEvent):
-                yield _line({"token": ev.token, "finish": ev.finish})
+                yield to_line(DecodeToken(ev.token, ev.finish))
             elif isinstance(ev, ErrorEvent):
-                yield _line({"error": {"message": ev.message, "status": ev.status}})
+                yield to_line(DecodeError(ev.message, ev.status))
             # a FinishEvent repeats the last token's finish: nothing to add
     finally:
         req.cancel()
-
-
-def _line(obj: dict) -> bytes:
-    return (json.dumps(obj) + "\n").encode()

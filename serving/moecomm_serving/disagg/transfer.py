@@ -1,4 +1,6 @@
-"""Prefill -> decode KV hand-off over moecomm's own transports (issue 31).
+"""Moving KV packages from a prefill front end to a decode front end over moecomm's own
+transports: the sending side (:class:`KvOutbox`), the receiving side (:class:`KvInbox`) and the
+inbox's routes.
 
 A prefill front end computes a request's cache (:meth:`PagedSequence.export_blocks
 <moecomm_serving.kv.blocks.PagedSequence.export_blocks>`), packs it with :func:`encode_package`

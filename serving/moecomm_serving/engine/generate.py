@@ -9,58 +9,32 @@ feeds every unfinished sequence's last token; finished sequences leave the batch
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from moecomm_serving.kv.blocks import BlockPool, PagedSequence
 from moecomm_serving.kv.prefix_cache import PrefixCache
 from moecomm_serving.model.transformer import MoETransformer
+from moecomm_serving.types import KvPackage, SamplingParams
 
 FINISH_STOP = "stop"  # produced a stop token (end of sequence)
 FINISH_LENGTH = "length"  # reached max_new_tokens
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """How one request picks its tokens.
-
-    ``temperature == 0`` is greedy (argmax). Otherwise logits are divided by the temperature,
-    the smallest set of tokens whose probability reaches ``top_p`` is kept, and a token is drawn
-    with a generator seeded by ``seed`` (a fresh random seed when None).
-    """
-
-    max_new_tokens: int = 32
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    def make_generator(self) -> torch.Generator | None:
-        if self.greedy:
-            return None
-        g = torch.Generator()
-        if self.seed is None:
-            g.seed()
-        else:
-            g.manual_seed(self.seed)
-        return g
-
-
 DEFAULT_PARAMS = SamplingParams()
+
+
+def make_generator(params: SamplingParams) -> torch.Generator | None:
+    """The seeded generator a sampled request draws with (a fresh random seed without one);
+    None for greedy decoding."""
+    if params.greedy:
+        return None
+    g = torch.Generator()
+    if params.seed is None:
+        g.seed()
+    else:
+        g.manual_seed(params.seed)
+    return g
 
 
 def sample_next(
@@ -112,7 +86,7 @@ class Generation:
         if prefix_cache is not None:
             blocks, self.cached = prefix_cache.match(self.prompt)
             self.cache.adopt(blocks, self.cached)
-        self.generator = params.make_generator()
+        self.generator = make_generator(params)
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
         eos = model.config.eos_token_id if eos_token_id is None else eos_token_id
@@ -129,12 +103,12 @@ class Generation:
         params: SamplingParams,
         eos_token_id: int | Sequence[int] | None,
         pool: BlockPool,
-        package: dict,
+        package: KvPackage,
         tokens: Sequence[int],
         rng_state: torch.Tensor | None,
     ) -> Generation:
         """A generation handed over by a prefill front end: the KV cache of `prompt` and of
-        every token of `tokens` but the last (a :meth:`PagedSequence.export_blocks` package),
+        every token of `tokens` but the last (a :class:`~moecomm_serving.types.KvPackage`),
         the tokens generated so far, and the sampler's state after drawing them. Its next
         forward feeds ``tokens[-1]``, as if it had run here from the start. Raises ValueError
         for a hand-off that does not fit (other model or block size, wrong length, a sampled

@@ -41,17 +41,24 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from moecomm.errors import DeadlineExceededError, MoecommError, deprecated_aliases
+from moecomm.errors import DeadlineExceededError, MoecommError
 
-from moecomm_serving.engine.generate import Generation, SamplingParams
+from moecomm_serving.engine.generate import Generation
 from moecomm_serving.kv.blocks import DEFAULT_BLOCK_TOKENS
 from moecomm_serving.kv.prefix_cache import PrefixCache
 from moecomm_serving.model.transformer import MoETransformer
+from moecomm_serving.types import (
+    ErrorEvent,
+    Event,
+    FinishEvent,
+    HandoffEvent,
+    Resume,
+    SamplingParams,
+    TokenEvent,
+)
 
 # How long the idle engine sleeps on its condition before re-checking stop and deadlines.
 IDLE_POLL_S = 0.05
-# A request with no deadline of its own gets this one: nothing waits forever.
-DEFAULT_REQUEST_TIMEOUT_S = 600.0
 # Bounds the waiting queue so overload answers 503 at once instead of timing out later.
 DEFAULT_MAX_QUEUE = 1024
 # The prefill a prefix-cache hit skips is valued at the marginal cost of one more token in a
@@ -64,59 +71,10 @@ STEP_COST_DECAY = 0.99
 MIN_TOKEN_SPREAD = 1e-3
 
 
-@dataclass(frozen=True)
-class TokenEvent:
-    token: int
-    time: float  # time.monotonic() when the step that produced it returned
-    finish: str | None = None  # set on the last token (a FinishEvent with it follows)
-
-
-@dataclass(frozen=True)
-class FinishEvent:
-    reason: str  # "stop" or "length" (Generation.finish_reason)
-    time: float
-
-
-@dataclass(frozen=True)
-class ErrorEvent:
-    message: str
-    status: int  # the HTTP status a non-streaming request should answer with
-    time: float
-
-
-@dataclass(frozen=True)
-class HandoffEvent:
-    """A prefill-only request (``EngineRequest.handoff``) ends here: its first token, its KV
-    cache as a :meth:`~moecomm_serving.kv.blocks.PagedSequence.export_blocks` package, the
-    sampler's state after the draw (None for greedy) and the prompt tokens the prefix cache
-    supplied. Sent instead of that token's TokenEvent (the decode side continues)."""
-
-    token: int
-    package: dict
-    rng_state: object
-    cached_tokens: int
-    time: float
-
-
-@dataclass(frozen=True)
-class Resume:
-    """What a decode-side request starts from (``EngineRequest.resume``): the KV package, the
-    tokens generated so far (at least the prefill's first) and the sampler's state."""
-
-    package: dict
-    tokens: list[int]
-    rng_state: object = None
-
-
-Event = TokenEvent | FinishEvent | ErrorEvent | HandoffEvent
 
 
 class EngineBusyError(MoecommError, RuntimeError):
     """The waiting queue is full, or the engine is stopped (HTTP 503)."""
-
-
-# The old name, deprecated: the family's names end in Error (docs/errors.md).
-__getattr__ = deprecated_aliases(__name__, {"EngineBusy": "EngineBusyError"})
 
 
 @dataclass

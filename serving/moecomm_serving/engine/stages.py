@@ -22,11 +22,12 @@ from moecomm.pipeline.scheduler import max_moves
 from moecomm.pipeline.stage import stage_host
 from moecomm.wire.protocol import SlotLayout
 
-from moecomm_serving.engine.generate import SamplingParams, sample_next
+from moecomm_serving.engine.generate import sample_next
 from moecomm_serving.kv.cache import ForwardBatch, LayerKV, SequenceKV
 from moecomm_serving.model.config import MoEConfig
 from moecomm_serving.model.remote_experts import RemoteExperts, connect_experts
 from moecomm_serving.model.transformer import LOCAL, load_model
+from moecomm_serving.types import SamplingParams
 
 # Tokens per micro-batch the activation slots are sized for: a few prompts' prefill at once.
 DEFAULT_MAX_TOKENS = 512

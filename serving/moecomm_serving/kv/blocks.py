@@ -25,6 +25,8 @@ from collections.abc import Iterable
 
 import torch
 
+from moecomm_serving.types import KvPackage
+
 # Tokens per block by default: small enough that a prefix is reused at a fine grain, large
 # enough that the block table and the per-block bookkeeping stay small (vLLM's default too).
 DEFAULT_BLOCK_TOKENS = 16
@@ -310,36 +312,33 @@ class PagedSequence:
         self.released = True
 
     # ------------------------------------------------------------------ hand-off
-    def export_blocks(self) -> dict:
-        """The cache as plain data another front end can import (:meth:`import_blocks`).
-
-        Keys and values travel per block, ``[layers, blocks, heads, block_tokens, width]`` on
-        the CPU, with the block table's order as the block axis; the receiver allocates its own
-        block ids. A router hands this (e.g. serialized with ``torch.save`` or as raw bytes
-        over a moecomm transport) from a prefill front end to a decode front end.
-        """
+    def export_blocks(self) -> KvPackage:
+        """The cache as plain data another front end can import (:meth:`import_blocks`); a
+        router hands it (as bytes over a moecomm transport,
+        :func:`~moecomm_serving.kv.package.encode_package`) from a prefill front end to a decode
+        front end."""
         length = self.length
         nb = self.pool.blocks_for(length)
         idx = torch.tensor(self.table[:nb], dtype=torch.int64, device=self.pool.device)
-        layers = list(self.pool.layers)
-        return {
-            "version": EXPORT_VERSION,
-            "length": length,
-            "block_tokens": self.pool.block_tokens,
-            "layers": layers,
-            "kv_shape": list(self.pool.kv_shape),
-            "dtype": str(self.pool.dtype).removeprefix("torch."),
-            "k": torch.stack([self.pool.k[i].index_select(0, idx) for i in layers]).cpu(),
-            "v": torch.stack([self.pool.v[i].index_select(0, idx) for i in layers]).cpu(),
-        }
+        layers = self.pool.layers
+        return KvPackage(
+            version=EXPORT_VERSION,
+            length=length,
+            block_tokens=self.pool.block_tokens,
+            layers=tuple(layers),
+            kv_shape=tuple(self.pool.kv_shape),
+            dtype=dtype_name(self.pool.dtype),
+            k=torch.stack([self.pool.k[i].index_select(0, idx) for i in layers]).cpu(),
+            v=torch.stack([self.pool.v[i].index_select(0, idx) for i in layers]).cpu(),
+        )
 
     @classmethod
-    def import_blocks(cls, pool: BlockPool, package: dict) -> PagedSequence:
+    def import_blocks(cls, pool: BlockPool, package: KvPackage) -> PagedSequence:
         """A new sequence in `pool` holding an :meth:`export_blocks` package; a package that
         does not fit this pool (other model, block size, dtype, layers) is refused."""
         check_package(pool, package)
         seq = cls(pool)
-        k, v = package["k"], package["v"]
+        k, v = package.k, package.v
         for j in range(k.shape[1]):
             block = pool.allocate()
             seq.table.append(block)
@@ -347,31 +346,33 @@ class PagedSequence:
                 pool.k[layer][block] = k[li, j].to(pool.device)
                 pool.v[layer][block] = v[li, j].to(pool.device)
         for i in seq.lengths:
-            seq.lengths[i] = int(package["length"])
+            seq.lengths[i] = package.length
         return seq
 
 
-_PACKAGE_KEYS = {"version", "length", "block_tokens", "layers", "kv_shape", "dtype", "k", "v"}
+def dtype_name(dtype: torch.dtype) -> str:
+    """A KV package's name of an element type (``torch.float32`` -> ``"float32"``)."""
+    return str(dtype).removeprefix("torch.")
 
 
-def check_package(pool: BlockPool, p: dict) -> None:
-    """Raises ValueError unless `p` is an :meth:`PagedSequence.export_blocks` package that fits
+def check_package(pool: BlockPool, p: KvPackage) -> None:
+    """Raises ValueError unless `p` is a :class:`~moecomm_serving.types.KvPackage` that fits
     `pool` (version, block size, layers, KV shape, dtype, tensor shapes for its length)."""
-    if not isinstance(p, dict) or set(p) != _PACKAGE_KEYS:
-        got = sorted(p) if isinstance(p, dict) else type(p).__name__
-        raise ValueError(f"a KV package has exactly the keys {sorted(_PACKAGE_KEYS)}, got {got}")
-    if p["version"] != EXPORT_VERSION:
-        raise ValueError(f"KV package version {p['version']!r}, this build reads {EXPORT_VERSION}")
+    if not isinstance(p, KvPackage):
+        raise ValueError(f"a KV package is a KvPackage, got {type(p).__name__}")
+    if p.version != EXPORT_VERSION:
+        raise ValueError(f"KV package version {p.version!r}, this build reads {EXPORT_VERSION}")
     mine = {
         "block_tokens": pool.block_tokens,
-        "layers": list(pool.layers),
-        "kv_shape": list(pool.kv_shape),
-        "dtype": str(pool.dtype).removeprefix("torch."),
+        "layers": tuple(pool.layers),
+        "kv_shape": tuple(pool.kv_shape),
+        "dtype": dtype_name(pool.dtype),
     }
     for key, want in mine.items():
-        if p[key] != want:
-            raise ValueError(f"KV package {key} is {p[key]!r}, this pool's is {want!r}")
-    length = p["length"]
+        got = getattr(p, key)
+        if (tuple(got) if isinstance(got, list) else got) != want:
+            raise ValueError(f"KV package {key} is {got!r}, this pool's is {want!r}")
+    length = p.length
     if not isinstance(length, int) or isinstance(length, bool) or length < 0:
         raise ValueError(f"KV package length must be an int >= 0, got {length!r}")
     nb = pool.blocks_for(length)
@@ -381,7 +382,7 @@ def check_package(pool: BlockPool, p: dict) -> None:
         "v": (len(pool.layers), nb, heads, pool.block_tokens, vd),
     }
     for key, shape in shapes.items():
-        t = p[key]
+        t = getattr(p, key)
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != pool.dtype:
             got = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(

@@ -1,6 +1,7 @@
-"""The KV package: a request's KV cache (:meth:`PagedSequence.export_blocks
-<moecomm_serving.kv.blocks.PagedSequence.export_blocks>`) as bytes that one front end hands to
-another (:mod:`moecomm_serving.disagg.transfer` moves them), and back.
+"""The KV package format: a request's KV cache (a :class:`~moecomm_serving.types.KvPackage`,
+as :meth:`PagedSequence.export_blocks <moecomm_serving.kv.blocks.PagedSequence.export_blocks>`
+makes it) as bytes that one front end hands to another
+(:mod:`moecomm_serving.disagg.transfer` moves them), and back.
 
 The format is ours and carries data only (no pickle): an 8-byte magic, a u32 little-endian
 header length, a UTF-8 JSON header (the export's metadata, the tensors' shapes and the hand-off
@@ -12,6 +13,7 @@ anything else with :class:`KvHandoffError`; whether the package fits the receivi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import struct
@@ -21,6 +23,7 @@ import torch
 from moecomm.errors import MoecommError
 
 from moecomm_serving.kv.blocks import EXPORT_VERSION
+from moecomm_serving.types import KvPackage
 
 # The package format: the magic names it and its revision (a new layout gets a new magic).
 PACKAGE_MAGIC = b"MCKVPKG1"
@@ -28,12 +31,13 @@ _PREFIX = struct.Struct("<8sI")  # magic, header length
 # The JSON header holds a few numbers and lists (a layer list of a few hundred ids at most);
 # anything larger is not a header of ours and is refused before it is parsed.
 MAX_HEADER_BYTES = 1 << 20
-# The header's keys: the export's metadata, the tensors' shapes, and the hand-off's id.
+# The header's keys: the package's metadata (KvPackage.meta), the tensors' shapes, and the
+# hand-off's id.
 HEADER_KEYS = frozenset(
-    {"handoff_id", "version", "length", "block_tokens", "layers", "kv_shape", "dtype"}
-    | {"k_shape", "v_shape"}
+    {f.name for f in dataclasses.fields(KvPackage)} - {"k", "v"}
+    | {"handoff_id", "k_shape", "v_shape"}
 )
-# Element types a KV pool may hold (the names export_blocks writes).
+# Element types a KV pool may hold (the names KvPackage.dtype takes).
 KV_DTYPES = {
     name: getattr(torch, name)
     for name in ("float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2")
@@ -61,7 +65,7 @@ def _int_list(v, what: str, length: int | None = None, minimum: int = 0) -> list
 
 def _check_meta(meta: dict) -> tuple[torch.dtype, tuple[int, ...], tuple[int, ...]]:
     """The package's dtype and the shapes its keys and values must have, from its metadata
-    (export_blocks' fields); raises KvHandoffError on anything malformed."""
+    (:meth:`KvPackage.meta`'s fields); raises KvHandoffError on anything malformed."""
     version = _positive_int(meta["version"], "version")
     if version != EXPORT_VERSION:
         raise KvHandoffError(f"KV package version {version}, this build reads {EXPORT_VERSION}")
@@ -82,32 +86,24 @@ def _check_meta(meta: dict) -> tuple[torch.dtype, tuple[int, ...], tuple[int, ..
     return KV_DTYPES[dtype_name], k_shape, v_shape
 
 
-def encode_package(package: dict, handoff_id: str) -> torch.Tensor:
-    """`package` (an export_blocks() dict) as one uint8 CPU tensor in our format."""
+def encode_package(package: KvPackage, handoff_id: str) -> torch.Tensor:
+    """`package` as one uint8 CPU tensor in our format."""
     if not isinstance(handoff_id, str):
         raise KvHandoffError(f"handoff_id must be a str, got {type(handoff_id).__name__}")
-    want = {"version", "length", "block_tokens", "layers", "kv_shape", "dtype", "k", "v"}
-    if not isinstance(package, dict) or set(package) != want:
-        got = sorted(package) if isinstance(package, dict) else type(package).__name__
-        raise KvHandoffError(f"a KV package has exactly the keys {sorted(want)}, got {got}")
-    dtype, k_shape, v_shape = _check_meta(package)
+    if not isinstance(package, KvPackage):
+        raise KvHandoffError(f"a KV package is a KvPackage, got {type(package).__name__}")
+    meta = package.meta()
+    dtype, k_shape, v_shape = _check_meta(meta)
     tensors = []
     for name, shape in (("k", k_shape), ("v", v_shape)):
-        t = package[name]
+        t = getattr(package, name)
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
             got = (list(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
             raise KvHandoffError(
                 f"KV package {name} must be a {dtype} tensor of shape {list(shape)}, got {got}"
             )
         tensors.append(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8))
-    header = {key: package[key] for key in ("version", "length", "block_tokens", "dtype")}
-    header.update(
-        handoff_id=handoff_id,
-        layers=list(package["layers"]),
-        kv_shape=list(package["kv_shape"]),
-        k_shape=list(k_shape),
-        v_shape=list(v_shape),
-    )
+    header = {**meta, "handoff_id": handoff_id, "k_shape": list(k_shape), "v_shape": list(v_shape)}
     head = json.dumps(header, separators=(",", ":")).encode()
     if len(head) > MAX_HEADER_BYTES:
         raise KvHandoffError(f"KV package header of {len(head)} bytes exceeds {MAX_HEADER_BYTES}")
@@ -137,8 +133,8 @@ def _as_bytes_tensor(data) -> torch.Tensor:
     raise TypeError(f"a KV package is a uint8 tensor or bytes, got {type(data).__name__}")
 
 
-def decode_package(data: torch.Tensor | bytes, handoff_id: str | None = None) -> dict:
-    """The export_blocks() dict held by `data` (k and v in their own memory). Raises
+def decode_package(data: torch.Tensor | bytes, handoff_id: str | None = None) -> KvPackage:
+    """The :class:`KvPackage` held by `data` (k and v in their own memory). Raises
     KvHandoffError for anything malformed, and for another hand-off's package when `handoff_id`
     is given. Whether it fits a pool is :meth:`PagedSequence.import_blocks`' check."""
     buf = _as_bytes_tensor(data)
@@ -188,9 +184,16 @@ def decode_package(data: torch.Tensor | bytes, handoff_id: str | None = None) ->
         )
     k = buf[start : start + k_bytes].clone().view(dtype).view(k_shape)
     v = buf[start + k_bytes :].clone().view(dtype).view(v_shape)
-    out = {key: header[key] for key in ("version", "length", "block_tokens", "layers")}
-    out.update(kv_shape=header["kv_shape"], dtype=header["dtype"], k=k, v=v)
-    return out
+    return KvPackage(
+        version=header["version"],
+        length=header["length"],
+        block_tokens=header["block_tokens"],
+        layers=tuple(header["layers"]),
+        kv_shape=tuple(header["kv_shape"]),
+        dtype=header["dtype"],
+        k=k,
+        v=v,
+    )
 
 
 # ---------------------------------------------------------------------------------- the inbox

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from moecomm.errors import MoecommError, deprecated_aliases
+from moecomm.errors import MoecommError
 from moecomm.membership import connect_membership, monitor_token
 from moecomm.runtime import AttentionClient
 from moecomm.runtime.launch import SERVING_TTL_S
@@ -42,10 +42,6 @@ class RemoteExperts:
 
 class NoExpertServersError(MoecommError, RuntimeError):
     """The membership monitor given knows no expert server to connect to."""
-
-
-# The old name, deprecated: the family's names end in Error (docs/errors.md).
-__getattr__ = deprecated_aliases(__name__, {"NoExpertServers": "NoExpertServersError"})
 
 
 def remote_from_args(args: argparse.Namespace) -> RemoteExperts:
