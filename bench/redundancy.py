@@ -1,7 +1,7 @@
 """Redundancy restored on its own: time from kill -9 of an expert server to every expert back at
-k copies (`min_replicas`, issue 28).
+k copies (`min_replicas`), the per-expert loading path against the batched one, in one run.
 
-    python bench/redundancy.py [--kills N] [--min-replicas K] [--json PATH]
+    python bench/redundancy.py [--kills N] [--min-replicas K] [--contenders A,B,..] [--json PATH]
 
 Eight expert-server processes (moecomm.runtime.launch.spawn_expert_server: deterministic
 weights, any expert loadable from the process's seed checkpoint) host 16 experts of 2 layers
@@ -13,9 +13,18 @@ pass due (only its redundancy watch acts). Each trial kills -9 the server holdin
 experts and measures until the survivors publish every expert K times (polled every POLL_S);
 --kills trials (default 6), down to K servers.
 
+Contenders (each on fresh servers, same seeds, one after the other):
+- per-expert/peer: the old path — one request per expert, pulled from a peer, each rebuilding
+  its layer's weights and publishing its own epoch (PlacementController(batched=False));
+- batched/peer: one request per target server, its experts pulled in one export per peer,
+  each layer rebuilt once, one epoch;
+- batched/checkpoint: the same batch read from the target's own checkpoint.
+
 Per kill: restore = kill -> every expert at K copies (what the issue asks for); detect = kill
--> the restore pass's start; apply = the pass's loads (and publishing). Median and p90 over the
-kills (nearest rank, bench/common.percentile).
+-> the restore pass's start; fetch = the slowest server's time getting the weights (peer pull or
+checkpoint read), build = its time rebuilding the layers and publishing; apply = the pass's
+loads and publishing as the controller saw them. Median and p90 over the kills (nearest rank,
+bench/common.percentile).
 """
 
 from __future__ import annotations
@@ -115,19 +124,16 @@ class Driver:
             step += 1
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--kills", type=int, default=SERVERS - 2, help="at most servers - K")
-    ap.add_argument("--min-replicas", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default="bench/results/redundancy.json")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    k = args.min_replicas
-    if not 1 <= args.kills <= SERVERS - k:
-        raise SystemExit(f"--kills must be in [1, {SERVERS - k}] with --min-replicas {k}")
+CONTENDERS = {
+    "per-expert/peer": {"batched": False, "weights_from": "peer"},
+    "batched/peer": {"batched": True, "weights_from": "peer"},
+    "batched/checkpoint": {"batched": True, "weights_from": "checkpoint"},
+}
+
+
+def run_contender(name: str, args, k: int) -> tuple[list[dict], dict]:
+    """--kills trials of one contender on fresh servers; its rows and request counts."""
     rng = random.Random(args.seed)
-    load_before = os.getloadavg()
     procs = [spawn_expert_server(SPEC, h, f"r{i}", TOKEN) for i, h in enumerate(initial_hosted(k))]
     live = list(procs)
     urls = [p.url for p in procs]  # the controller's list: dead servers stay (left out)
@@ -143,7 +149,9 @@ def main() -> None:
         timeout=20.0,
     )
     client.connect()
-    controller = PlacementController(lambda: list(urls), TOKEN, min_replicas=k, min_tokens=10**12)
+    controller = PlacementController(
+        lambda: list(urls), TOKEN, min_replicas=k, min_tokens=10**12, **CONTENDERS[name]
+    )
     driver = Driver(client, args.seed)
     rows = []
     try:
@@ -164,7 +172,7 @@ def main() -> None:
             while min_copies([p.url for p in live]) < k:
                 if time.perf_counter() - killed > RESTORE_DEADLINE_S:
                     raise SystemExit(
-                        f"trial {trial}: copies not restored in {RESTORE_DEADLINE_S} s"
+                        f"{name} trial {trial}: copies not restored in {RESTORE_DEADLINE_S} s"
                     )
                 time.sleep(POLL_S)
             restore_s = time.perf_counter() - killed
@@ -175,14 +183,21 @@ def main() -> None:
             r = passes[0] if passes else None
             rows.append(
                 {
+                    "contender": name,
                     "trial": trial,
                     "victim": victim.server_id,
                     "restore_ms": restore_s * 1e3,
                     "detect_ms": (r.started - killed_wall) * 1e3 if r else None,
+                    # Reported by batches only (the per-expert route gives its total alone).
+                    "fetch_ms": max(r.fetch_seconds) * 1e3 if r and r.fetch_seconds else None,
+                    "build_ms": max(r.build_seconds) * 1e3 if r and r.build_seconds else None,
+                    "request_ms_median": percentile(r.load_seconds, 50) * 1e3
+                    if r and r.load_seconds
+                    else None,
                     "apply_ms": r.apply_seconds * 1e3 if r else None,
                     "loaded": sum(x.replicas_loaded for x in passes),
+                    "requests": sum(x.load_batches for x in passes),
                     "mb": sum(x.bytes_moved for x in passes) / 1e6,
-                    "load_s_median": percentile(r.load_seconds, 50) if r else None,
                     "sources": dict(r.sources) if r else {},
                     "errors": [e for x in passes for e in x.errors],
                     "requests_during": driver.done - done_before,
@@ -196,44 +211,114 @@ def main() -> None:
         client.close()
         for p in procs:
             p.stop()
+    return rows, {"done": driver.done, "lost": driver.lost, "wrong": driver.wrong}
+
+
+def summarize(name: str, rows: list[dict], counts: dict) -> dict:
+    def med(key: str) -> float | None:
+        got = [r[key] for r in rows if r[key] is not None]
+        return percentile(got, 50) if got else None
+
     restore = [r["restore_ms"] for r in rows]
-    summary = {
+    return {
+        "contender": name,
         "kills": len(rows),
-        "min_replicas": k,
         "restore_ms_median": percentile(restore, 50),
         "restore_ms_p90": percentile(restore, 90),
         "restore_ms_max": max(restore),
-        "detect_ms_median": percentile([r["detect_ms"] for r in rows if r["detect_ms"]], 50),
-        "apply_ms_median": percentile([r["apply_ms"] for r in rows if r["apply_ms"]], 50),
-        "requests_done": driver.done,
-        "requests_lost": driver.lost,
-        "requests_wrong": driver.wrong,
-        "watch_s": REDUNDANCY_WATCH_S,
-        "load_s_median": percentile([r["load_s_median"] for r in rows if r["load_s_median"]], 50),
-        "loadavg_before_after": [load_before[0], os.getloadavg()[0]],
-        "expert_mb": 3 * SPEC.hidden * SPEC.intermediate * 4 / 1e6,
+        "detect_ms_median": med("detect_ms"),
+        "fetch_ms_median": med("fetch_ms"),
+        "build_ms_median": med("build_ms"),
+        "apply_ms_median": med("apply_ms"),
+        "request_ms_median": med("request_ms_median"),
+        "load_requests": sum(r["requests"] for r in rows),
+        "loaded": sum(r["loaded"] for r in rows),
+        "requests_done": counts["done"],
+        "requests_lost": counts["lost"],
+        "requests_wrong": counts["wrong"],
     }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--kills", type=int, default=SERVERS - 2, help="at most servers - K")
+    ap.add_argument("--min-replicas", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--contenders",
+        default=",".join(CONTENDERS),
+        help=f"comma-separated, of {', '.join(CONTENDERS)}; the first is the ratios' reference",
+    )
+    ap.add_argument("--json", default="bench/results/redundancy.json")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    k = args.min_replicas
+    if not 1 <= args.kills <= SERVERS - k:
+        raise SystemExit(f"--kills must be in [1, {SERVERS - k}] with --min-replicas {k}")
+    names = [n.strip() for n in args.contenders.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONTENDERS]
+    if unknown or not names:
+        raise SystemExit(f"unknown contender(s) {unknown}; choose from {list(CONTENDERS)}")
+    load_before = os.getloadavg()
+    rows, summaries = [], []
+    for name in names:
+        got, counts = run_contender(name, args, k)
+        rows += got
+        summaries.append(summarize(name, got, counts))
+    ref = summaries[0]["restore_ms_median"]
+    for s in summaries:
+        s["restore_median_vs_first"] = s["restore_ms_median"] / ref if ref else None
     print()
     print(format_table(rows, COLUMNS))
     print()
-    print(
-        ", ".join(
-            f"{key}: {value:.1f}" if isinstance(value, float) else f"{key}: {value}"
-            for key, value in summary.items()
-        )
+    print(format_table(summaries, SUMMARY_COLUMNS))
+    load_after = os.getloadavg()
+    print(f"\nload average before/after: {load_before[0]:.2f} / {load_after[0]:.2f}")
+    write_json(
+        args.json,
+        {
+            "summary": summaries,
+            "config": {
+                "min_replicas": k,
+                "kills": args.kills,
+                "watch_s": REDUNDANCY_WATCH_S,
+                "expert_mb": 3 * SPEC.hidden * SPEC.intermediate * 4 / 1e6,
+                "loadavg_before_after": [load_before[0], load_after[0]],
+            },
+            "trials": rows,
+            "command": " ".join(sys.argv),
+        },
     )
-    write_json(args.json, {"summary": summary, "trials": rows, "command": " ".join(sys.argv)})
 
 
+SUMMARY_COLUMNS = [
+    ("contender", "contender", ""),
+    ("restore_ms_median", "restore ms p50", ".1f"),
+    ("restore_ms_p90", "p90", ".1f"),
+    ("detect_ms_median", "detect p50", ".1f"),
+    ("fetch_ms_median", "fetch p50", ".1f"),
+    ("build_ms_median", "build+publish p50", ".1f"),
+    ("apply_ms_median", "apply p50", ".1f"),
+    ("request_ms_median", "ms per load request", ".1f"),
+    ("load_requests", "load requests", "d"),
+    ("loaded", "loaded", "d"),
+    ("requests_lost", "lost", "d"),
+    ("requests_wrong", "wrong", "d"),
+    ("restore_median_vs_first", "restore vs first", ".2f"),
+]
 COLUMNS = [
+    ("contender", "contender", ""),
     ("trial", "kill", "d"),
     ("restore_ms", "kill->k copies ms", ".1f"),
     ("detect_ms", "detect ms", ".1f"),
+    ("fetch_ms", "fetch ms", ".1f"),
+    ("build_ms", "build+publish ms", ".1f"),
     ("apply_ms", "apply ms", ".1f"),
+    ("request_ms_median", "ms per request", ".1f"),
     ("loaded", "loaded", "d"),
+    ("requests", "load requests", "d"),
     ("mb", "MB", ".1f"),
-    ("load_s_median", "s per load", ".2f"),
-    ("requests_during", "requests", "d"),
+    ("requests_during", "requests served", "d"),
 ]
 
 if __name__ == "__main__":

@@ -9,14 +9,19 @@ after the other on fresh servers with the same seeds and load trace, --reps time
 order (medians pool the windows of every run):
 
 - static: the placement the servers started with;
-- eplb: PlacementController (moecomm.runtime.placement) every --interval seconds, as
-  `moecomm frontend --eplb-interval` runs it.
+- eplb-per-expert: PlacementController(batched=False) every --interval seconds — the old path:
+  one request, one rebuild of the layer and one epoch per expert loaded or dropped;
+- eplb: PlacementController every --interval seconds, as `moecomm frontend --eplb-interval`
+  runs it: per server, one request loading all its new experts (one rebuild per layer, one
+  epoch), then one marking all its leaving ones (one epoch).
 
 Per 1-s window: per-server imbalance (max / mean routed (token, k) pairs over the servers) and
-throughput (routed tokens per second). The table gives medians per phase and the eplb/static
-ratios; moves, replicas and bytes moved, time to converge (apply + drop) per pass, requests lost.
-A last part times one expert load from the checkpoint against a pull from a peer server over
-the transport (medians of --loads each, alternated).
+throughput (routed tokens per second). The tables give medians per phase and the eplb/static
+ratios; per pass: moves, replicas and bytes moved, apply (loads + publish + marking the drops)
+and converge (until the dropped copies are freed); throughput during a move: the windows that
+overlap a pass's [start, start + converge], against the static runs' windows at the same times.
+A last part times expert loads from the checkpoint against pulls from a peer server over the
+transport, one per request and in one batch of BATCH_LOADS (medians of --loads each).
 """
 
 from __future__ import annotations
@@ -49,6 +54,9 @@ HOSTED = [list(range(0, 6)), list(range(5, 11)), [*range(10, 16), 0][:6]]
 HOT_WEIGHT = 12.0  # a hot expert draws 12x the tokens of a cold one
 WINDOW_S = 1.0
 TOKEN = "bench"
+# Experts per timed batch load (the last part): as many as a pass typically loads on a server.
+BATCH_LOADS = 5
+CONTENDERS = ("static", "eplb-per-expert", "eplb")
 
 
 def write_checkpoint(path: str) -> str:
@@ -92,14 +100,16 @@ def hot_set(phase: int) -> list[int]:
     return [1, 2, 3] if phase == 0 else [11, 12, 13]
 
 
-def run_trace(urls, duration, interval, seed, controlled):
+def run_trace(urls, duration, interval, seed, name):
     client = AttentionClient(
         urls, None, HIDDEN, TOPK, 64, encoding="bf16", out_dtype=torch.float32, token=TOKEN
     )
     client.connect()
     controller = None
-    if controlled:
-        controller = PlacementController(urls, TOKEN, min_tokens=512, windows=2)
+    if name != "static":
+        controller = PlacementController(
+            urls, TOKEN, min_tokens=512, windows=2, batched=name == "eplb"
+        )
         controller.start(interval)
     g = torch.Generator().manual_seed(seed)
     windows, lost, start = [], 0, time.monotonic()
@@ -160,33 +170,79 @@ def phase_stats(runs, lo, hi):
 
 
 def time_loads(urls, reps):
-    """Loads, on the first server, a layer-0 expert it lacks that another server hosts: from
-    the checkpoint and pulled from that peer in turn, dropping it in between."""
+    """Loads, on the first server, layer-0 experts it lacks that another server hosts: one from
+    the checkpoint and pulled from that peer (a request each), then BATCH_LOADS in one batch
+    request from each source, dropping them in between. Seconds per expert."""
     tables = [httpx.get(f"{u}/experts", timeout=10).json()["layers"]["0"] for u in urls]
     target = urls[0]
-    expert, peer = next(
-        (e, urls[i])
-        for e in range(EXPERTS)
-        if e not in tables[0]
-        for i in range(1, len(urls))
-        if e in tables[i]
-    )
-    out = {"checkpoint": [], "peer": []}
-    body = {"layer": 0, "expert": expert, "token": TOKEN}
+    peer = urls[1]
+    lacking = [e for e in range(EXPERTS) if e not in tables[0] and e in tables[1]]
+    if len(lacking) < BATCH_LOADS:
+        raise RuntimeError(f"the first server lacks only {lacking} of the second's experts")
+    out = {"checkpoint": [], "peer": [], "batch checkpoint": [], "batch peer": []}
     for _ in range(reps):
         for source in ("checkpoint", "peer"):
+            body = {"layer": 0, "expert": lacking[0], "token": TOKEN}
             r = httpx.post(
                 f"{target}/experts/load", json={**body, "source": source, "peer": peer}, timeout=60
             )
             if r.status_code != 200:
                 raise RuntimeError(f"load from {source} failed: {r.text}")
-            out[source].append(r.json())
-            httpx.post(f"{target}/experts/unload", json=body, timeout=60).raise_for_status()
-            deadline = time.monotonic() + 30
-            while httpx.get(f"{target}/experts", timeout=10).json()["leaving"]:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the unloaded expert was never dropped")
-                time.sleep(0.02)
+            out[source].append(r.json()["seconds"])
+            drop_and_wait(target, [lacking[0]])
+            batch = [
+                {"layer": 0, "expert": e, "source": source, "peer": peer}
+                for e in lacking[:BATCH_LOADS]
+            ]
+            r = httpx.post(
+                f"{target}/experts/load_batch",
+                json={"experts": batch, "token": TOKEN},
+                timeout=60,
+            )
+            if r.status_code != 200:
+                raise RuntimeError(f"batch load from {source} failed: {r.text}")
+            out[f"batch {source}"].append(r.json()["seconds"] / BATCH_LOADS)
+            drop_and_wait(target, lacking[:BATCH_LOADS])
+    return out
+
+
+def drop_and_wait(url: str, experts: list[int]) -> None:
+    body = {"experts": [{"layer": 0, "expert": e} for e in experts], "token": TOKEN}
+    httpx.post(f"{url}/experts/unload_batch", json=body, timeout=60).raise_for_status()
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{url}/experts", timeout=10).json()["leaving"]:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the unloaded experts were never dropped")
+        time.sleep(0.02)
+
+
+def during_moves(result, traces) -> dict:
+    """Throughput in the windows that overlap a pass's [start, start + converge], against the
+    static runs' windows starting at the same times (medians)."""
+    static_at: dict[float, list[float]] = {}
+    for rows in traces["static"]:
+        for r in rows:
+            static_at.setdefault(round(r["t"]), []).append(r["tokens_per_s"])
+    out = {}
+    for name in CONTENDERS[1:]:
+        moving, reference = [], []
+        for run in result.get(name, []):
+            spans = [
+                (p["t_rel"], p["t_rel"] + p["converge_seconds"])
+                for p in run["passes"]
+                if p["moves"]
+            ]
+            for w in run["windows"]:
+                if any(w["t"] < hi and w["t"] + WINDOW_S > lo for lo, hi in spans):
+                    moving.append(w["tokens_per_s"])
+                    reference += static_at.get(round(w["t"]), [])
+        if moving and reference:
+            out[name] = {
+                "windows": len(moving),
+                "tps_during_moves": statistics.median(moving),
+                "tps_static_same_times": statistics.median(reference),
+                "ratio": statistics.median(moving) / statistics.median(reference),
+            }
     return out
 
 
@@ -222,7 +278,7 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=40.0, help="seconds per contender")
     ap.add_argument("--interval", type=float, default=3.0, help="eplb pass interval (s)")
     ap.add_argument("--loads", type=int, default=5, help="timed loads per weight source")
-    ap.add_argument("--reps", type=int, default=2, help="runs per contender, in ABBA order")
+    ap.add_argument("--reps", type=int, default=2, help="runs per contender, order rotated")
     ap.add_argument("--quick", action="store_true", help="smoke run (12 s per contender, once)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=None)
@@ -230,19 +286,19 @@ def main() -> int:
     if a.quick:
         a.duration, a.interval, a.loads, a.reps = 12.0, 2.0, 2, 1
     torch.set_num_threads(1)
+    load_before = os.getloadavg()
     traces, summary, result = {}, [], {}
     with tempfile.TemporaryDirectory() as tmp:
         file = write_checkpoint(tmp)
-        # ABBA...: a machine that gets busier or quieter during the run favours neither.
-        order = [n for i in range(a.reps) for n in (("static", "eplb"), ("eplb", "static"))[i % 2]]
+        # The order turns around every run: a machine that gets busier or quieter during the
+        # run favours no contender.
+        order = [n for i in range(a.reps) for n in (CONTENDERS if i % 2 == 0 else CONTENDERS[::-1])]
         for name in order:
             servers = start_servers(file)
             try:
                 urls = [s.url for s in servers]
                 began = time.time()
-                rows, reports, lost, failovers = run_trace(
-                    urls, a.duration, a.interval, 0, name == "eplb"
-                )
+                rows, reports, lost, failovers = run_trace(urls, a.duration, a.interval, 0, name)
                 for r in reports:
                     r["t_rel"] = r["started"] - began
                 traces.setdefault(name, []).append(rows)
@@ -263,16 +319,14 @@ def main() -> int:
         "phase 2 settled": (half * 1.5, a.duration),
     }
     for label, (lo, hi) in phases.items():
-        st, ep = phase_stats(traces["static"], lo, hi), phase_stats(traces["eplb"], lo, hi)
-        row = {
-            "phase": label,
-            "imb_static": st["imbalance"],
-            "imb_eplb": ep["imbalance"],
-            "tps_static": st["tokens_per_s"],
-            "tps_eplb": ep["tokens_per_s"],
-        }
-        if st["tokens_per_s"] and ep["tokens_per_s"]:
-            row["tps_ratio"] = ep["tokens_per_s"] / st["tokens_per_s"]
+        row = {"phase": label}
+        st = phase_stats(traces["static"], lo, hi)
+        row["imb_static"], row["tps_static"] = st["imbalance"], st["tokens_per_s"]
+        for name, key in (("eplb-per-expert", "old"), ("eplb", "eplb")):
+            got = phase_stats(traces[name], lo, hi)
+            row[f"imb_{key}"], row[f"tps_{key}"] = got["imbalance"], got["tokens_per_s"]
+            if st["tokens_per_s"] and got["tokens_per_s"]:
+                row[f"ratio_{key}"] = got["tokens_per_s"] / st["tokens_per_s"]
         summary.append(row)
     print(
         format_table(
@@ -280,37 +334,46 @@ def main() -> int:
             [
                 ("phase", "phase", ""),
                 ("imb_static", "imbalance static", ".3f"),
-                ("imb_eplb", "imbalance eplb", ".3f"),
+                ("imb_old", "per-expert", ".3f"),
+                ("imb_eplb", "eplb", ".3f"),
                 ("tps_static", "tok/s static", ".0f"),
-                ("tps_eplb", "tok/s eplb", ".0f"),
-                ("tps_ratio", "eplb/static", ".2f"),
+                ("tps_old", "per-expert", ".0f"),
+                ("tps_eplb", "eplb", ".0f"),
+                ("ratio_old", "per-expert/static", ".2f"),
+                ("ratio_eplb", "eplb/static", ".2f"),
             ],
         )
     )
-    passes = [r for run in result["eplb"] for r in run["passes"] if r["moves"]]
     moves = [
         {
+            "contender": name,
             "t_s": r["t_rel"],
             "moves": len(r["moves"]),
             "loaded": r["replicas_loaded"],
             "dropped": r["replicas_dropped"],
+            "requests": r["load_batches"],
             "mb": r["bytes_moved"] / 1e6,
             "imb_before": r["imbalance_before"],
             "imb_after": r["imbalance_after"],
             "apply_s": r["apply_seconds"],
             "converge_s": r["converge_seconds"],
         }
-        for r in passes
+        for name in CONTENDERS[1:]
+        for run in result[name]
+        for r in run["passes"]
+        if r["moves"]
     ]
     print()
     print(
         format_table(
             moves,
             [
+                ("contender", "contender", ""),
                 ("t_s", "t (s)", ".1f"),
                 ("moves", "moves", "d"),
                 ("loaded", "loaded", "d"),
                 ("dropped", "dropped", "d"),
+                ("requests", "load requests", "d"),
                 ("mb", "MB moved", ".1f"),
                 ("imb_before", "planned imb before", ".3f"),
                 ("imb_after", "after", ".3f"),
@@ -319,26 +382,47 @@ def main() -> int:
             ],
         )
     )
+    converge = {}
+    for name in CONTENDERS[1:]:
+        got = [m["converge_s"] for m in moves if m["contender"] == name]
+        if got:
+            converge[name] = {
+                "passes": len(got),
+                "median_s": statistics.median(got),
+                "max_s": max(got),
+                "apply_median_s": statistics.median(
+                    m["apply_s"] for m in moves if m["contender"] == name
+                ),
+            }
+    during = during_moves(result, traces)
+    print()
+    for name in CONTENDERS[1:]:
+        c, d = converge.get(name), during.get(name)
+        if c:
+            print(
+                f"{name}: converge median {c['median_s']:.2f} s, max {c['max_s']:.2f} s over "
+                f"{c['passes']} passes (apply median {c['apply_median_s']:.2f} s)"
+            )
+        if d:
+            print(
+                f"{name}: throughput during moves {d['tps_during_moves']:.0f} tok/s vs static "
+                f"{d['tps_static_same_times']:.0f} at the same times: {d['ratio']:.2f}x "
+                f"({d['windows']} windows)"
+            )
     loads = {
-        src: {
-            "median_s": statistics.median(x["seconds"] for x in v),
-            "mb": v[0]["bytes"] / 1e6,
-        }
+        src: {"median_ms_per_expert": statistics.median(v) * 1e3, "samples": len(v)}
         for src, v in result["loads"].items()
     }
-    ratio = loads["peer"]["median_s"] / loads["checkpoint"]["median_s"]
     print(
-        f"\none expert ({loads['peer']['mb']:.1f} MB): checkpoint "
-        f"{loads['checkpoint']['median_s'] * 1e3:.1f} ms, peer over the transport "
-        f"{loads['peer']['median_s'] * 1e3:.1f} ms (peer/checkpoint {ratio:.2f}; medians of "
-        f"{a.loads})"
+        "\nexpert loads, ms per expert (medians of "
+        f"{a.loads}): "
+        + ", ".join(f"{src} {v['median_ms_per_expert']:.1f}" for src, v in loads.items())
     )
-    lost = {k: sum(run["lost"] for run in result[k]) for k in ("static", "eplb")}
-    resends = sum(run["failovers"] for run in result["eplb"])
-    print(
-        f"requests lost: static {lost['static']}, eplb {lost['eplb']} ({a.reps} runs each); "
-        f"eplb failovers (stale-map re-sends) {resends}"
-    )
+    lost = {k: sum(run["lost"] for run in result[k]) for k in CONTENDERS}
+    resends = {k: sum(run["failovers"] for run in result[k]) for k in CONTENDERS[1:]}
+    print(f"requests lost: {lost} ({a.reps} runs each); stale-map re-sends (failovers) {resends}")
+    load_after = os.getloadavg()
+    print(f"load average before/after: {load_before[0]:.2f} / {load_after[0]:.2f}")
     if a.png:
         first = {k: v[0] for k, v in traces.items()}
         plot(a.png, first, a.duration, result["eplb"][0]["passes"])
@@ -346,7 +430,11 @@ def main() -> int:
         a.json,
         {
             "config": vars(a),
+            "command": " ".join(sys.argv),
+            "loadavg_before_after": [load_before[0], load_after[0]],
             "summary": summary,
+            "converge": converge,
+            "during_moves": during,
             "moves": moves,
             "load_sources": loads,
             "lost": lost,

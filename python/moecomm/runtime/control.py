@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import os
+import threading
 import time
 
 import httpx
@@ -22,7 +24,7 @@ from moecomm.runtime.health import metrics_lines
 from moecomm.runtime.registry import SESSION_BYTES, ClientIdInUseError, UnknownSessionError
 from moecomm.runtime.server import MAX_SLOTS_PER_CLIENT, ExpertServer
 from moecomm.runtime.server_placement import ExpertHostedError
-from moecomm.runtime.weights import pull_from_peer
+from moecomm.runtime.weights import pull_from_peer, pull_many_from_peer
 from moecomm.wire.choose import choose
 from moecomm.wire.protocol import SlotLayout, as_encoding
 
@@ -94,6 +96,32 @@ class LoadModel(ExpertModel):
     # "checkpoint": the server's own weight source; "peer": pulled from the server at `peer`.
     source: str = Field(default="checkpoint", pattern="^(checkpoint|peer)$")
     peer: str = Field(default="", max_length=512)
+
+
+# A batch of placement changes names at most this many experts: more than any server hosts,
+# few enough that a bad request cannot make the server allocate without bound.
+MAX_BATCH_EXPERTS = 4096
+
+
+class ExpertRefModel(BaseModel):
+    layer: int = Field(ge=0, lt=1 << 20)
+    expert: int = Field(ge=0, lt=1 << 20)
+
+
+class LoadRefModel(ExpertRefModel):
+    source: str = Field(default="checkpoint", pattern="^(checkpoint|peer)$")
+    peer: str = Field(default="", max_length=512)
+
+
+class ExpertsModel(BaseModel):
+    experts: list[ExpertRefModel] = Field(min_length=1, max_length=MAX_BATCH_EXPERTS)
+    token: str = Field(default="", max_length=256)
+    transport: str = Field(default="", max_length=32)
+
+
+class LoadBatchModel(BaseModel):
+    experts: list[LoadRefModel] = Field(min_length=1, max_length=MAX_BATCH_EXPERTS)
+    token: str = Field(default="", max_length=256)
 
 
 class ReleaseModel(BaseModel):
@@ -264,6 +292,66 @@ def make_app(server: ExpertServer, token: str = "") -> FastAPI:
             raise HTTPException(status_code=400, detail=f"{type(exc).__name__}: {exc}") from exc
         return {**out, "source": body.source, "seconds": time.perf_counter() - start}
 
+    @app.post("/experts/load_batch")
+    def load_experts(body: LoadBatchModel):
+        """Hosts several experts at once: the peer-sourced ones pulled in one export per peer,
+        the rest read from the checkpoint, every layer rebuilt once and the table published in
+        one epoch. All or nothing: a failure loads none of them."""
+        authorize(body.token)
+        start = time.perf_counter()
+        try:
+            by_peer: dict[str, list[tuple[int, int]]] = {}
+            for x in body.experts:
+                if x.source == "peer":
+                    if not x.peer.startswith(("http://", "https://")):
+                        raise ValueError(
+                            f"source=peer needs the peer's control URL, got {x.peer!r}"
+                        )
+                    by_peer.setdefault(x.peer, []).append((x.layer, x.expert))
+            pulled = {}
+            for peer, refs in by_peer.items():
+                name = choose(server.transports, http_transports(peer), peer)
+                ws = pull_many_from_peer(
+                    server.transports.get(name), peer, refs, token, HTTP_TIMEOUT_S
+                )
+                pulled.update(zip(refs, ws, strict=True))
+            pull_s = time.perf_counter() - start
+            items = [(x.layer, x.expert, pulled.get((x.layer, x.expert))) for x in body.experts]
+            out = server.load_experts(items)
+        except ExpertHostedError as exc:
+            raise HTTPException(status_code=409, detail=str(exc)) from exc
+        except (ValueError, KeyError, RuntimeError, OSError, MoecommError, httpx.HTTPError) as exc:
+            raise HTTPException(status_code=400, detail=f"{type(exc).__name__}: {exc}") from exc
+        sources = {}
+        for x in body.experts:
+            sources[x.source] = sources.get(x.source, 0) + 1
+        return {
+            **out,
+            "sources": sources,
+            "pull_seconds": pull_s,
+            "seconds": time.perf_counter() - start,
+        }
+
+    @app.post("/experts/unload_batch")
+    def unload_experts(body: ExpertsModel):
+        """Stops publishing several experts in one epoch; freed once no client routes to them."""
+        authorize(body.token)
+        try:
+            return server.unload_experts([(x.layer, x.expert) for x in body.experts])
+        except KeyError as exc:
+            raise HTTPException(status_code=404, detail=str(exc)) from exc
+
+    @app.post("/experts/export_batch")
+    def export_experts(body: ExpertsModel):
+        authorize(body.token)
+        try:
+            refs = [(x.layer, x.expert) for x in body.experts]
+            return server.export_experts(refs, body.transport or None)
+        except KeyError as exc:
+            raise HTTPException(status_code=404, detail=str(exc)) from exc
+        except RuntimeError as exc:
+            raise HTTPException(status_code=503, detail=str(exc)) from exc
+
     @app.post("/experts/unload")
     def unload_expert(body: ExpertModel):
         """Stops publishing one expert; it is freed once no client can route to it."""
@@ -354,10 +442,25 @@ def _detail(r: httpx.Response) -> str:
         return r.text
 
 
+_placement_http: tuple[int, httpx.Client] | None = None
+_placement_http_lock = threading.Lock()
+
+
+def _placement_client() -> httpx.Client:
+    """One HTTP client per process for table fetches, keeping its connections: a fresh client
+    per request costs ~25 ms of CPU (its TLS context), and a re-placement makes every client
+    fetch a table from each server it changed, between two micro-batches."""
+    global _placement_http
+    with _placement_http_lock:
+        if _placement_http is None or _placement_http[0] != os.getpid():  # not a forked copy
+            _placement_http = (os.getpid(), httpx.Client())
+        return _placement_http[1]
+
+
 def http_placement(url: str, client_id: int, timeout: float = HTTP_TIMEOUT_S) -> dict:
     """A server's placement table and epoch, fetched by a client (which acks the epoch)."""
     try:
-        r = httpx.get(
+        r = _placement_client().get(
             f"{url}/experts", params={"client_id": client_id, "load": False}, timeout=timeout
         )
     except httpx.HTTPError as exc:

@@ -111,22 +111,35 @@ class LayerExperts:
 
     def with_expert(self, expert: int, w: ExpertWeights) -> LayerExperts:
         """This layer plus `expert` at a new local index (appended)."""
-        if self.local_of(expert) is not None:
-            raise ValueError(f"layer {self.layer_id} already hosts expert {expert}")
+        return self.with_experts({expert: w})
+
+    def with_experts(self, added: Mapping[int, ExpertWeights]) -> LayerExperts:
+        """This layer plus every expert of `added`, at new local indices appended in the order
+        given: one rebuild of the stacked weights however many experts come in."""
+        if not added:
+            raise ValueError(f"layer {self.layer_id}: no expert to add")
+        for expert in added:
+            if self.local_of(expert) is not None:
+                raise ValueError(f"layer {self.layer_id} already hosts expert {expert}")
         experts = {e: self.weights(e) for e in self.logical_ids}
-        experts[int(expert)] = w
-        return LayerExperts(self.layer_id, experts, [*self.slots, int(expert)])
+        experts.update({int(e): w for e, w in added.items()})
+        return LayerExperts(self.layer_id, experts, [*self.slots, *(int(e) for e in added)])
 
     def without_expert(self, expert: int) -> LayerExperts | None:
         """This layer with `expert`'s index retired; None when it was the last expert."""
-        local = self.local_of(expert)
-        if local is None:
-            raise KeyError(f"layer {self.layer_id} hosts no expert {expert}")
-        experts = {e: self.weights(e) for e in self.logical_ids if e != expert}
+        return self.without_experts([expert])
+
+    def without_experts(self, gone) -> LayerExperts | None:
+        """This layer with the indices of every expert in `gone` retired (one rebuild); None
+        when no expert is left."""
+        gone = {int(e) for e in gone}
+        for expert in gone:
+            if self.local_of(expert) is None:
+                raise KeyError(f"layer {self.layer_id} hosts no expert {expert}")
+        experts = {e: self.weights(e) for e in self.logical_ids if e not in gone}
         if not experts:
             return None
-        slots = list(self.slots)
-        slots[local] = -1
+        slots = [-1 if e in gone else e for e in self.slots]
         return LayerExperts(self.layer_id, experts, slots)
 
     def forward(self, xs, ids, scores, *, workspace=None, out=None) -> list[torch.Tensor]:

@@ -3,8 +3,11 @@ placement (``moecomm.eplb.rebalance_incremental``) and apply it while they serve
 
 Safe order: every replica to add is loaded first (weights pulled from a peer that hosts the
 expert, or read from the server's own checkpoint), published, and only then are the replicas
-that leave marked as leaving. A leaving replica is still served; the server frees it once every
-client has picked up the new table (docs/placement.md). So at every moment each expert has a
+that leave marked as leaving. Each server gets its changes as one batch: all the experts it
+loads in one request (each layer's weights rebuilt once, the new table published in one epoch),
+later all the experts it drops in another (one epoch), the servers in parallel. A leaving
+replica is still served; the server frees it once every client has picked up the new table
+(docs/placement.md). So at every moment each expert has a
 published replica, and no client request is ever lost to a move.
 
 Redundancy: with `min_replicas` k every plan puts each expert on k distinct servers (as many as
@@ -53,6 +56,10 @@ REDUNDANCY_WATCH_S = 0.1
 # After a restore pass that could not restore everything (a load failed), the watch waits this
 # long before the next try instead of hammering the servers.
 RESTORE_RETRY_S = 1.0
+
+
+class BatchUnsupportedError(RuntimeError):
+    """The server has no batch route (it is from before them): load or drop one by one."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +115,11 @@ class RebalanceReport:
     load_seconds: list[float] = field(default_factory=list)
     sources: dict[str, int] = field(default_factory=dict)
     apply_seconds: float = 0.0
+    # Per load batch (one per target server; one per expert on the per-expert path): seconds
+    # spent getting the weights (checkpoint read or peer pull) and rebuilding + publishing.
+    fetch_seconds: list[float] = field(default_factory=list)
+    build_seconds: list[float] = field(default_factory=list)
+    load_batches: int = 0
     converge_seconds: float = 0.0
     skipped: str = ""
     errors: list[str] = field(default_factory=list)
@@ -146,7 +158,13 @@ class PlacementController:
 
     min_replicas: copies of every expert on distinct servers (default 1, EPLB's placement;
     `moecomm` commands default to 2). watch_s: how often start()'s watch checks them (0: no
-    watch)."""
+    watch).
+
+    batched (default): each server loads all its new experts in one request (one rebuild per
+    layer, one epoch) and drops its leaving ones in another. batched=False is the per-expert
+    path (one request, one rebuild and one epoch per expert), kept for servers from before the
+    batch routes and as the benchmarks' baseline; a batch a server does not know (404) falls
+    back to it."""
 
     def __init__(
         self,
@@ -163,6 +181,7 @@ class PlacementController:
         on_report: Callable[[RebalanceReport], None] | None = None,
         min_replicas: int = 1,
         watch_s: float = REDUNDANCY_WATCH_S,
+        batched: bool = True,
     ):
         if weights_from not in WEIGHT_SOURCES:
             raise ValueError(f"weights_from must be one of {WEIGHT_SOURCES}, got {weights_from!r}")
@@ -170,6 +189,12 @@ class PlacementController:
             raise ValueError(f"watch_s must be >= 0, got {watch_s}")
         self.min_replicas = check_min_replicas(min_replicas)
         self.watch_s = watch_s
+        self.batched = batched
+        # One HTTP client for every request of the controller (thread-safe, keeps connections
+        # open): a fresh client per request costs ~25 ms of CPU (its TLS context), which the
+        # watch would pay for every server every tick.
+        self._http: httpx.Client | None = None
+        self._http_lock = threading.Lock()
         self._servers = servers if callable(servers) else (lambda s=list(servers): s)
         self.token = token
         self.weights_from = weights_from
@@ -192,6 +217,12 @@ class PlacementController:
         self._num_experts: dict[int, int] = {}  # layer -> experts seen in any pass
 
     # ------------------------------------------------------------------ reading the servers
+    def _client(self) -> httpx.Client:
+        with self._http_lock:
+            if self._http is None:
+                self._http = httpx.Client(timeout=self.timeout)
+            return self._http
+
     def snapshot(self, load: bool = True) -> list[ServerView]:
         """GET /experts of every server, all at once (the watch's detection time is one round
         trip, not one per server); without the load table with load=False. A server that does
@@ -201,7 +232,7 @@ class PlacementController:
 
         def read(url: str) -> ServerView | None:
             try:
-                r = httpx.get(f"{url}/experts", params=params, timeout=self.timeout)
+                r = self._client().get(f"{url}/experts", params=params, timeout=self.timeout)
                 r.raise_for_status()
                 view = ServerView.from_json(url, r.json())
             except (httpx.HTTPError, KeyError, ValueError, TypeError) as exc:
@@ -346,16 +377,67 @@ class PlacementController:
 
     # ------------------------------------------------------------------ applying
     def _post(self, url: str, route: str, body: dict, timeout: float) -> dict:
-        r = httpx.post(f"{url}{route}", json={**body, "token": self.token}, timeout=timeout)
+        r = self._client().post(
+            f"{url}{route}", json={**body, "token": self.token}, timeout=timeout
+        )
+        if r.status_code == 404 and route.endswith("_batch"):
+            raise BatchUnsupportedError(f"{url}{route}: not found")
         if r.status_code != 200:
             raise RuntimeError(f"{url}{route} refused ({r.status_code}): {r.text[:300]}")
         return r.json()
 
-    def _load(self, move: Move, views: list[ServerView], report: RebalanceReport) -> bool:
+    def _sources(self, move: Move, views: list[ServerView]) -> list[tuple[str, str]]:
+        """Where `move`'s weights may come from, preferred first: (source, peer URL)."""
         peers = [v.url for v in views if v.url != move.server and move.expert in v.live(move.layer)]
         order = [("peer", p) for p in peers[:1]] + [("checkpoint", "")]
         if self.weights_from == "checkpoint":
             order.reverse()
+        return order
+
+    def _load_batch(self, moves: list[Move], views: list[ServerView], report) -> list[Move]:
+        """All of one server's loads in one request, each from its preferred source; if that
+        fails, once more from each one's other source; if that fails too (or the server has no
+        batch route), one by one. Returns the moves that loaded."""
+        orders = [self._sources(m, views) for m in moves]
+        errors = []
+        for attempt in range(2):
+            body = {
+                "experts": [
+                    dict(zip(("source", "peer"), o[min(attempt, len(o) - 1)], strict=True))
+                    | {"layer": m.layer, "expert": m.expert}
+                    for m, o in zip(moves, orders, strict=True)
+                ]
+            }
+            try:
+                out = self._post(
+                    moves[0].server,
+                    "/experts/load_batch",
+                    body,
+                    self.timeout * LOAD_TIMEOUT_FACTOR,
+                )
+            except BatchUnsupportedError:
+                break
+            except (httpx.HTTPError, RuntimeError) as exc:
+                errors.append(str(exc))
+                continue
+            with self._report_lock:  # batches to different servers run in parallel
+                report.replicas_loaded += len(moves)
+                report.load_batches += 1
+                report.bytes_moved += int(out["bytes"])
+                report.load_seconds.append(float(out["seconds"]))
+                report.fetch_seconds.append(
+                    float(out.get("pull_seconds", 0.0)) + float(out.get("read_seconds", 0.0))
+                )
+                report.build_seconds.append(float(out.get("build_seconds", 0.0)))
+                for source, n in out.get("sources", {}).items():
+                    report.sources[source] = report.sources.get(source, 0) + int(n)
+            return moves
+        if errors:
+            log.warning("placement: batch load on %s failed: %s", moves[0].server, errors)
+        return [m for m in moves if self._load(m, views, report)]
+
+    def _load(self, move: Move, views: list[ServerView], report: RebalanceReport) -> bool:
+        order = self._sources(move, views)
         errors = []
         for source, peer in order:
             body = {"layer": move.layer, "expert": move.expert, "source": source, "peer": peer}
@@ -368,6 +450,7 @@ class PlacementController:
                 continue
             with self._report_lock:  # loads to different servers run in parallel
                 report.replicas_loaded += 1
+                report.load_batches += 1
                 report.bytes_moved += int(out["bytes"])
                 report.load_seconds.append(float(out["seconds"]))
                 report.sources[source] = report.sources.get(source, 0) + 1
@@ -383,18 +466,58 @@ class PlacementController:
         self, loads: list[Move], views: list[ServerView], report: RebalanceReport
     ) -> list[Move]:
         """The loads, one thread per target server (a server applies its own changes one at a
-        time; different servers copy at once, which is what shortens a restore). Returns the
-        moves that loaded."""
+        time; different servers copy at once, which is what shortens a restore): one batch per
+        server, or one request per expert when not batched. Returns the moves that loaded."""
         by_server: dict[str, list[Move]] = {}
         for m in loads:
             by_server.setdefault(m.server, []).append(m)
+
+        def one_server(ms: list[Move]) -> list[Move]:
+            if self.batched:
+                return self._load_batch(ms, views, report)
+            return [m for m in ms if self._load(m, views, report)]
+
         if len(by_server) <= 1:
-            return [m for m in loads if self._load(m, views, report)]
+            return [m for ms in by_server.values() for m in one_server(ms)]
         with ThreadPoolExecutor(len(by_server), thread_name_prefix="moecomm-load") as pool:
-            done = pool.map(
-                lambda ms: [m for m in ms if self._load(m, views, report)], by_server.values()
+            return [m for ms in pool.map(one_server, by_server.values()) for m in ms]
+
+    def _drop(self, m: Move, report: RebalanceReport) -> bool:
+        try:
+            self._post(
+                m.server, "/experts/unload", {"layer": m.layer, "expert": m.expert}, self.timeout
             )
-            return [m for ms in done for m in ms]
+        except (httpx.HTTPError, RuntimeError) as exc:
+            with self._report_lock:
+                report.errors.append(f"drop on {m.server} failed: {exc}")
+            return False
+        return True
+
+    def _drop_all(self, drops: list[Move], report: RebalanceReport) -> int:
+        """The drops, one request (one epoch) per server when batched, the servers in
+        parallel; returns how many were marked leaving."""
+        by_server: dict[str, list[Move]] = {}
+        for m in drops:
+            by_server.setdefault(m.server, []).append(m)
+
+        def one_server(ms: list[Move]) -> int:
+            if self.batched:
+                body = {"experts": [{"layer": m.layer, "expert": m.expert} for m in ms]}
+                try:
+                    self._post(ms[0].server, "/experts/unload_batch", body, self.timeout)
+                    return len(ms)
+                except BatchUnsupportedError:
+                    pass
+                except (httpx.HTTPError, RuntimeError) as exc:
+                    with self._report_lock:
+                        report.errors.append(f"drops on {ms[0].server} failed: {exc}")
+                    return 0
+            return sum(self._drop(m, report) for m in ms)
+
+        if len(by_server) <= 1:
+            return sum(one_server(ms) for ms in by_server.values())
+        with ThreadPoolExecutor(len(by_server), thread_name_prefix="moecomm-drop") as pool:
+            return sum(pool.map(one_server, by_server.values()))
 
     def apply(self, moves: list[Move], views: list[ServerView], report: RebalanceReport) -> None:
         """Loads first, then drops; a drop happens only while another live replica remains."""
@@ -408,6 +531,7 @@ class PlacementController:
                 for layer in {m.layer for m in drops}:
                     for e in v.live(layer):
                         holders.setdefault((layer, e), set()).add(v.url)
+            safe = []
             for m in drops:
                 left = holders.get((m.layer, m.expert), set()) - {m.server}
                 if not left:
@@ -416,18 +540,9 @@ class PlacementController:
                         "it would leave the expert without a replica"
                     )
                     continue
-                try:
-                    self._post(
-                        m.server,
-                        "/experts/unload",
-                        {"layer": m.layer, "expert": m.expert},
-                        self.timeout,
-                    )
-                except (httpx.HTTPError, RuntimeError) as exc:
-                    report.errors.append(f"drop on {m.server} failed: {exc}")
-                    continue
                 holders[(m.layer, m.expert)].discard(m.server)
-                report.replicas_dropped += 1
+                safe.append(m)
+            report.replicas_dropped += self._drop_all(safe, report)
         report.apply_seconds = time.monotonic() - start
         if loaded or report.replicas_dropped:
             report.converge_seconds = report.apply_seconds + self._wait_dropped()
@@ -563,3 +678,7 @@ class PlacementController:
             if thread is not None:
                 thread.join(timeout)
         self._thread = self._watch_thread = None
+        with self._http_lock:
+            http, self._http = self._http, None
+        if http is not None:  # a later pass opens a new one
+            http.close()

@@ -476,6 +476,46 @@ class ExpertServer:
         t = self.transports.get(transport) if transport else self.transport
         return self.exports.export(layer.weights(expert), t)
 
+    def load_experts(self, items: list[tuple[int, int, ExpertWeights | None]]) -> dict:
+        """Starts hosting every (layer, expert, weights) of `items` at once (weights None: read
+        from the weight source): each layer is rebuilt once and the table published in one
+        epoch. Returns bytes, the seconds spent reading weights and building, and the epoch."""
+        if self.draining or not self.health.ok:
+            raise MoecommError(f"{self.server_id} is draining or unhealthy: it loads nothing")
+        start = time.perf_counter()
+        if any(w is None for _, _, w in items) and self.weight_source is None:
+            raise MoecommError(
+                f"{self.server_id} has no checkpoint to load experts from; pull the "
+                "weights from a peer instead"
+            )
+        full = [(la, e, w if w is not None else self.weight_source(la, e)) for la, e, w in items]
+        read = time.perf_counter()
+        out = self.placement.add_many(full)
+        nbytes = sum(t.numel() * t.element_size() for _, _, w in full for t in (w.w1, w.w3, w.w2))
+        done = time.perf_counter()
+        return {
+            **out,
+            "bytes": nbytes,
+            "read_seconds": read - start,
+            "build_seconds": done - read,
+            "seconds": done - start,
+        }
+
+    def unload_experts(self, items: list[tuple[int, int]]) -> dict:
+        """Stops publishing every (layer, expert) of `items`, in one epoch."""
+        return self.placement.unload_many(items)
+
+    def export_experts(self, items: list[tuple[int, int]], transport: str | None = None) -> dict:
+        """Copies hosted experts into one transport region a peer reads at once (weights.py)."""
+        ws = []
+        for layer_id, expert in items:
+            layer = self.layers.get(layer_id)
+            if layer is None or layer.local_of(expert) is None:
+                raise KeyError(f"{self.server_id} hosts no expert {expert} of layer {layer_id}")
+            ws.append(layer.weights(expert))
+        t = self.transports.get(transport) if transport else self.transport
+        return self.exports.export_many(ws, t)
+
     def _on_client_event(self, event) -> None:
         if event.kind != "loss":
             return

@@ -71,6 +71,9 @@ class ServerPlacement:
         # One placement change at a time (loads can be slow; they build outside `lock`).
         self._mutate = threading.Lock()
         self.epoch = 1
+        # Rebuilds of a layer's stacked weights by placement changes (a batch of loads or of
+        # drops rebuilds each layer it touches once): published with the table.
+        self.layer_builds = 0
         self.leaving: dict[tuple[int, int], int] = {}  # (layer, expert) -> epoch it left at
         self.retired_layers: set[int] = set()
         self._acks: dict[int, tuple[int, float]] = {}  # client -> (epoch, when)
@@ -98,7 +101,12 @@ class ServerPlacement:
     def describe(self, client_id: int | None = None) -> dict:
         """The table and its epoch, read together; a client reading it acks that epoch."""
         with self.lock:
-            out = {"epoch": self.epoch, "layers": self.published(), "leaving": self._leaving()}
+            out = {
+                "epoch": self.epoch,
+                "layers": self.published(),
+                "leaving": self._leaving(),
+                "layer_builds": self.layer_builds,
+            }
         if client_id is not None:
             self.ack(client_id, out["epoch"])
         return out
@@ -189,72 +197,122 @@ class ServerPlacement:
         with self._push_lock:
             return sorted(self._pushed)
 
-    def _swap(self, layer_id: int, new: LayerExperts | None) -> None:
-        """Under `lock`: installs a layer's new table and announces it."""
-        if new is None:
-            self.layers.pop(layer_id, None)
-            self.retired_layers.add(layer_id)
-        else:
-            self.layers[layer_id] = new
-            self.retired_layers.discard(layer_id)
+    def _swap(self, new: dict[int, LayerExperts | None]) -> None:
+        """Under `lock`: installs the layers' new tables (None: a layer no longer hosted) and
+        announces them in one epoch."""
+        for layer_id, table in new.items():
+            if table is None:
+                self.layers.pop(layer_id, None)
+                self.retired_layers.add(layer_id)
+            else:
+                self.layers[layer_id] = table
+                self.retired_layers.discard(layer_id)
         self.epoch += 1
         self._publish_epoch()
 
     def add(self, layer_id: int, expert: int, w: ExpertWeights) -> dict:
         """Hosts `expert` of `layer_id` from now on (a new local index). An expert that is
         leaving is simply kept; one already published raises ExpertHostedError."""
-        if expert < 0:
-            raise ValueError(f"expert ids are >= 0, got {expert}")
-        if w.hidden != self.hidden:
-            raise ValueError(f"expert hidden {w.hidden} does not match this server's {self.hidden}")
+        return self.add_many([(layer_id, expert, w)])
+
+    def _fit(self, layer_id: int, w: ExpertWeights) -> ExpertWeights:
+        """`w` in the dtype of the layer it joins (checked against its shape)."""
+        current = self.layers.get(layer_id)
+        if current is None:
+            return w
+        if w.w1.dtype != current.dtype:
+            w = ExpertWeights(*(t.to(current.dtype) for t in (w.w1, w.w3, w.w2)))
+        if w.intermediate != current.intermediate:
+            raise ValueError(
+                f"expert intermediate {w.intermediate} does not match layer "
+                f"{layer_id}'s {current.intermediate}"
+            )
+        return w
+
+    def add_many(self, items) -> dict:
+        """Hosts every (layer, expert, weights) of `items` from now on, all at once: each layer
+        is rebuilt once for all its new experts, and the new table is published in one epoch,
+        after every weight is in place (a client never sees a route to an expert that is not
+        loaded yet). Experts that are leaving are simply kept. All or nothing: a bad item (an
+        expert already published, a duplicate, a shape that does not fit) refuses the batch
+        before anything changes."""
+        items = [(int(la), int(e), w) for la, e, w in items]
+        if not items:
+            raise ValueError("no expert to load")
+        seen: set[tuple[int, int]] = set()
+        for layer_id, expert, w in items:
+            if expert < 0:
+                raise ValueError(f"expert ids are >= 0, got {expert}")
+            if (layer_id, expert) in seen:
+                raise ValueError(f"layer {layer_id} expert {expert} is named twice")
+            seen.add((layer_id, expert))
+            if w.hidden != self.hidden:
+                raise ValueError(
+                    f"expert hidden {w.hidden} does not match this server's {self.hidden}"
+                )
         with self._mutate:
-            current = self.layers.get(layer_id)
-            if current is not None and current.local_of(expert) is not None:
-                if (layer_id, expert) not in self.leaving:
-                    raise ExpertHostedError(f"layer {layer_id} expert {expert} is already hosted")
-                with self.lock:
-                    del self.leaving[(layer_id, expert)]
-                    self.epoch += 1
-                    self._publish_epoch()
-                self.on_change()
-                return {"epoch": self.epoch, "kept": True}
-            if current is None:
-                new = LayerExperts(layer_id, {expert: w})
-            else:
-                if w.w1.dtype != current.dtype:
-                    w = ExpertWeights(*(t.to(current.dtype) for t in (w.w1, w.w3, w.w2)))
-                if w.intermediate != current.intermediate:
-                    raise ValueError(
-                        f"expert intermediate {w.intermediate} does not match layer "
-                        f"{layer_id}'s {current.intermediate}"
-                    )
-                new = current.with_expert(expert, w)
+            kept, added = [], {}
+            for layer_id, expert, w in items:
+                current = self.layers.get(layer_id)
+                if current is not None and current.local_of(expert) is not None:
+                    if (layer_id, expert) not in self.leaving:
+                        raise ExpertHostedError(
+                            f"layer {layer_id} expert {expert} is already hosted"
+                        )
+                    kept.append((layer_id, expert))
+                    continue
+                added.setdefault(layer_id, {})[expert] = self._fit(layer_id, w)
+            new = {}
+            for layer_id, experts in added.items():  # built outside `lock`: serving goes on
+                current = self.layers.get(layer_id)
+                first = {e: experts[e] for e in sorted(experts)} if current is None else experts
+                new[layer_id] = (
+                    LayerExperts(layer_id, first)
+                    if current is None
+                    else current.with_experts(first)
+                )
+                self.layer_builds += 1
             with self.lock:
-                self._swap(layer_id, new)
+                for key in kept:
+                    del self.leaving[key]
+                self._swap(new)
+            epoch = self.epoch
         self.on_change()
-        return {"epoch": self.epoch, "kept": False}
+        return {"epoch": epoch, "kept": len(kept), "added": sum(len(x) for x in added.values())}
 
     def unload(self, layer_id: int, expert: int) -> dict:
         """Marks `expert` leaving; it is freed once no client can route to it any more."""
+        return self.unload_many([(layer_id, expert)])
+
+    def unload_many(self, items) -> dict:
+        """Marks every (layer, expert) of `items` leaving, in one epoch; they are freed together
+        (one rebuild per layer) once no client can route to them any more. Experts already
+        leaving stay as they are; one not hosted here refuses the batch (KeyError)."""
+        items = sorted({(int(la), int(e)) for la, e in items})
+        if not items:
+            raise ValueError("no expert to unload")
         with self._mutate:
-            current = self.layers.get(layer_id)
-            if current is None or current.local_of(expert) is None:
-                raise KeyError(f"layer {layer_id} expert {expert} is not hosted here")
-            if (layer_id, expert) in self.leaving:
-                return {"epoch": self.epoch, "leaving": True}
+            for layer_id, expert in items:
+                current = self.layers.get(layer_id)
+                if current is None or current.local_of(expert) is None:
+                    raise KeyError(f"layer {layer_id} expert {expert} is not hosted here")
+            marked = [key for key in items if key not in self.leaving]
+            if not marked:
+                return {"epoch": self.epoch, "leaving": True, "marked": 0}
             with self.lock:
                 self.epoch += 1
-                self.leaving[(layer_id, expert)] = self.epoch
+                for key in marked:
+                    self.leaving[key] = self.epoch
                 self._publish_epoch()
             epoch = self.epoch
         self.on_change()
         threading.Thread(
             target=self._drop_when_released,
-            args=(layer_id, expert, epoch, time.monotonic()),
+            args=(marked, epoch, time.monotonic()),
             name="moecomm-drop",
             daemon=True,
         ).start()
-        return {"epoch": epoch, "leaving": True}
+        return {"epoch": epoch, "leaving": True, "marked": len(marked)}
 
     def _all_acked_at(self, epoch: int, since: float) -> float | None:
         """When the last connected client acked `epoch` (None: some have not)."""
@@ -266,7 +324,7 @@ class ServerPlacement:
             latest = max(latest, got[1])
         return latest
 
-    def _drop_when_released(self, layer_id: int, expert: int, epoch: int, marked: float) -> None:
+    def _drop_when_released(self, items: list[tuple[int, int]], epoch: int, marked: float) -> None:
         while not self._stop.is_set():
             acked = self._all_acked_at(epoch, marked)
             if acked is None and time.monotonic() >= marked + DROP_GRACE_S:
@@ -277,14 +335,22 @@ class ServerPlacement:
         else:
             return
         with self._mutate:
-            if self.leaving.get((layer_id, expert)) != epoch:
-                return  # loaded again meanwhile: it stays
-            current = self.layers[layer_id]
-            new = current.without_expert(expert)
+            # Loaded again meanwhile: it stays.
+            gone = [key for key in items if self.leaving.get(key) == epoch]
+            if not gone:
+                return
+            by_layer: dict[int, list[int]] = {}
+            for layer_id, expert in gone:
+                by_layer.setdefault(layer_id, []).append(expert)
+            new = {}
+            for layer_id, experts in by_layer.items():
+                new[layer_id] = self.layers[layer_id].without_experts(experts)
+                self.layer_builds += 1
             with self.lock:
-                del self.leaving[(layer_id, expert)]
-                self._swap(layer_id, new)
-        log.info("dropped layer %d expert %d (epoch %d)", layer_id, expert, self.epoch)
+                for key in gone:
+                    del self.leaving[key]
+                self._swap(new)
+        log.info("dropped %s (epoch %d)", gone, self.epoch)
         self.on_change()
 
     def forget(self, client_id: int) -> None:

@@ -29,6 +29,10 @@ log = logging.getLogger("moecomm.client")
 
 # An evicted server is routed to again only once its /health answers within this long.
 HEALTH_PROBE_TIMEOUT_S = 2.0
+# After a refresh that fetched a table, the epoch words are read again (a change that came
+# before the fetched one is visible by then); a placement that keeps changing under the client
+# is picked up over at most this many passes here, the rest at the next micro-batch.
+REFRESH_ROUNDS = 4
 # Local expert indices at and above this are placeholders for experts with no live replica.
 _NO_LOCAL = 1 << 30
 
@@ -281,6 +285,22 @@ class ServerPool:
         is late (or lost with its sender) only delays the new table: a request naming an expert
         the server no longer has gets STALE_MAP and is re-sent on a fresh table."""
         changed = False
+        # A move publishes the new copy on one server before it marks the old one leaving on
+        # another, but the words are read one after the other: a pass that read the first
+        # server's word just before its load and the second's just after its leave would see
+        # the expert leave without its new copy. So after fetching any table, the words are read
+        # again: every push that came before the change we fetched is visible by then.
+        for _ in range(REFRESH_ROUNDS):
+            fetched = self._refresh_once()
+            changed |= fetched
+            if not fetched:
+                break
+        if changed:
+            self.rebuild_maps()
+
+    def _refresh_once(self) -> bool:
+        """One pass over the epoch words; True when some table was fetched."""
+        changed = False
         for i, word in enumerate(self.epoch_words):
             if word is None or not self.live(i):
                 continue
@@ -296,8 +316,7 @@ class ServerPool:
             )
             if news:
                 changed |= self.fetch_placement(i)
-        if changed:
-            self.rebuild_maps()
+        return changed
 
     def fetch_placement(self, i: int) -> bool:
         """Reads server `i`'s table (acking its epoch); True when it answered."""

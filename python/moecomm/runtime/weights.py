@@ -2,10 +2,11 @@
 
 The server that hosts an expert exports a copy into a region of its transport (w1 | w3 | w2,
 contiguous) and answers the region's handle; the server that loads the expert attaches the region,
-copies the weights out and tells the exporter to release it. Over shm that is one memcpy on the
-same host; over a network transport the same exchange becomes a one-sided READ of registered
-memory, with no weights in the HTTP messages. An export nobody releases (the reader died) is
-freed after EXPORT_TTL_S.
+copies the weights out and tells the exporter to release it. A batch of experts travels the same
+way in one region (one export, one read, one release for all of them). Over shm that is one
+memcpy on the same host; over a network transport the same exchange becomes a one-sided READ of
+registered memory, with no weights in the HTTP messages. An export nobody releases (the reader
+died) is freed after EXPORT_TTL_S.
 """
 
 from __future__ import annotations
@@ -66,6 +67,42 @@ class WeightExports:
             "bytes": nbytes,
         }
 
+    def export_many(self, ws: list[ExpertWeights], transport: Transport | None = None) -> dict:
+        """Copies every expert of `ws` into one region, back to back (each w1 | w3 | w2);
+        answers the handle and, per expert, its offset and shape."""
+        if not ws:
+            raise ValueError("no expert to export")
+        with self._lock:
+            self._expire()
+            if len(self._live) >= MAX_EXPORTS:
+                raise RuntimeError(f"{MAX_EXPORTS} weight exports are already waiting for readers")
+        parts_of = [(w.w1, w.w3, w.w2) for w in ws]
+        sizes = [sum(t.numel() * t.element_size() for t in parts) for parts in parts_of]
+        region = (transport or self.transport).create_region(sum(sizes))
+        raw, offset, experts = region_bytes_view(region), 0, []
+        for w, parts, size in zip(ws, parts_of, sizes, strict=True):
+            experts.append(
+                {
+                    "offset": offset,
+                    "bytes": size,
+                    "dtype": _dtype_name(w.w1.dtype),
+                    "intermediate": w.intermediate,
+                    "hidden": w.hidden,
+                }
+            )
+            for t in parts:
+                view(raw, offset, tuple(t.shape), t.dtype).copy_(t)
+                offset += t.numel() * t.element_size()
+        export_id = secrets.token_hex(8)
+        with self._lock:
+            self._live[export_id] = (region, time.monotonic() + EXPORT_TTL_S)
+        return {
+            "export_id": export_id,
+            "handle": region.handle,
+            "bytes": sum(sizes),
+            "experts": experts,
+        }
+
     def release(self, export_id: str) -> bool:
         with self._lock:
             entry = self._live.pop(export_id, None)
@@ -83,6 +120,40 @@ class WeightExports:
             live, self._live = self._live, {}
         for region, _ in live.values():
             region.close()
+
+
+def _shape(info: dict) -> tuple[torch.dtype, int, int]:
+    dtype = _DTYPES.get(str(info["dtype"]))
+    if dtype is None:
+        raise ValueError(f"exported weights have an unknown dtype {info['dtype']!r}")
+    i, h = int(info["intermediate"]), int(info["hidden"])
+    if i <= 0 or h <= 0:
+        raise ValueError(f"exported weights have a bad shape: intermediate {i}, hidden {h}")
+    return dtype, i, h
+
+
+def _expert_at(raw: torch.Tensor, offset: int, info: dict) -> ExpertWeights:
+    """The expert stored at `offset` of `raw` (view() checks every part against its size)."""
+    dtype, i, h = _shape(info)
+    item = torch.empty((), dtype=dtype).element_size()
+    w1 = view(raw, offset, (i, h), dtype)
+    w3 = view(raw, offset + i * h * item, (i, h), dtype)
+    w2 = view(raw, offset + 2 * i * h * item, (h, i), dtype)
+    return ExpertWeights(w1, w3, w2)
+
+
+def read_export_many(transport: Transport, info: dict) -> list[ExpertWeights]:
+    """Attaches a batch export (WeightExports.export_many) and copies it out in one read."""
+    shapes = info.get("experts")
+    if not isinstance(shapes, list) or not shapes:
+        raise ValueError("a batch export lists no experts")
+    region = transport.attach(str(info["handle"]))
+    try:
+        raw = torch.empty(region.size, dtype=torch.uint8)
+        transport.read(region, 0, raw.data_ptr(), region.size)
+    finally:
+        region.close()
+    return [_expert_at(raw, int(e["offset"]), e) for e in shapes]
 
 
 def read_export(transport: Transport, info: dict) -> ExpertWeights:
@@ -125,3 +196,34 @@ def pull_from_peer(
         # A release that does not arrive is freed by the exporter after EXPORT_TTL_S.
         with contextlib.suppress(httpx.HTTPError):
             httpx.post(f"{peer_url}/experts/export/release", json=release, timeout=timeout)
+
+
+def pull_many_from_peer(
+    transport: Transport,
+    peer_url: str,
+    items: list[tuple[int, int]],
+    token: str,
+    timeout: float,
+) -> list[ExpertWeights]:
+    """Asks the server at `peer_url` to export every (layer, expert) of `items` into one region
+    and reads them over `transport` in one read; the weights in the order asked."""
+    body = {
+        "experts": [{"layer": la, "expert": e} for la, e in items],
+        "token": token,
+        "transport": transport.name,
+    }
+    with httpx.Client(timeout=timeout) as http:
+        r = http.post(f"{peer_url}/experts/export_batch", json=body)
+        if r.status_code != 200:
+            raise RuntimeError(f"{peer_url} cannot export {items}: {r.text}")
+        info = r.json()
+        try:
+            ws = read_export_many(transport, info)
+        finally:
+            release = {"export_id": info.get("export_id", ""), "token": token}
+            # A release that does not arrive is freed by the exporter after EXPORT_TTL_S.
+            with contextlib.suppress(httpx.HTTPError):
+                http.post(f"{peer_url}/experts/export/release", json=release)
+    if len(ws) != len(items):
+        raise RuntimeError(f"{peer_url} exported {len(ws)} experts, {len(items)} asked for")
+    return ws
