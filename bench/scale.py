@@ -36,6 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(ROOT, "tests")]
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import scale_placement  # noqa: E402
 from common import percentile, write_json  # noqa: E402
 from membership_procs import EtcdProcess, MonitorProcess, etcd_binary, stop_pid  # noqa: E402
 from moecomm.membership import Member, connect_membership  # noqa: E402
@@ -320,20 +321,30 @@ def model(rows: list[dict]) -> dict:
     return out
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot(rows: list[dict], placement: list[dict], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     panels = [
         ("backend_cpu_cores", "backend CPU (cores)"),
         ("requests_per_s_per_member", "control requests/s per member"),
         ("heartbeat_p99_ms", "heartbeat p99 (ms)"),
         ("change_to_all_watchers_max_s", "change at every watcher (s)"),
+        ("death_to_removal_leases", "death to removal (leases)"),
     ]
-    for ax, (key, label) in zip(axes.flat, panels, strict=True):
+    if placement:
+        ax = axes.flat[5]
+        ax.plot([r["servers"] for r in placement], [r["read_s_median"] for r in placement], "o-")
+        ax.axhline(placement[0]["watch_period_s"], color="r", ls="--", label="watch period")
+        ax.set_xscale("log")
+        ax.set_xlabel("expert servers")
+        ax.set_ylabel("placement controller: one read of every table (s)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax, (key, label) in zip(list(axes.flat)[:5], panels, strict=True):
         for name in sorted({(r["backend"], r["mode"]) for r in rows}):
             sel = sorted(
                 (r for r in rows if (r["backend"], r["mode"]) == name), key=lambda r: r["n"]
@@ -382,6 +393,7 @@ def main() -> int:
     p.add_argument("--sizes", type=int, nargs="*", help="these N instead of the sweep's")
     p.add_argument("--backends", default="monitor", help="with --sizes: monitor,etcd")
     p.add_argument("--modes", default="grouped", help="with --sizes: grouped,per-member")
+    p.add_argument("--no-placement", action="store_true", help="membership rows only")
     p.add_argument("--hosts", type=int, default=None, help=f"member hosts (default {HOSTS})")
     p.add_argument("--json", default=os.path.join(ROOT, "bench/results/scale.json"))
     p.add_argument("--plot", default=os.path.join(ROOT, "bench/results/scale.png"))
@@ -413,8 +425,18 @@ def main() -> int:
                 + (f"  drill {row['drill']}" if "drill" in row else ""),
                 flush=True,
             )
+    placement = []
+    if not args.no_placement:
+        for n in [10] if args.quick else [10, 100, 300] + ([1000] if args.full else []):
+            try:
+                placement.append(scale_placement.measure(n))
+            except Exception as exc:
+                failures.append({"backend": "placement", "n": n, "error": repr(exc)})
+                continue
+            print(f"placement {placement[-1]}", flush=True)
     payload = {
         "bench": "scale",
+        "placement": placement,
         "quick": args.quick,
         "full": args.full,
         "ttl_s": TTL_S,
@@ -428,7 +450,7 @@ def main() -> int:
     }
     write_json(args.json, payload)
     if args.plot and rows:
-        plot(rows, args.plot)
+        plot(rows, payload["placement"], args.plot)
     return 0 if rows and not failures else 1
 
 

@@ -20,8 +20,8 @@ OUTAGE_S = 2 * TTL_S
 # A member heartbeats three times per TTL, so it is back about TTL/3 after the backend; one TTL
 # plus scheduling slack on a loaded 2-core machine is the deadline.
 BACK_WITHIN_S = TTL_S + 2.0
-# After the return, the test listens past every watcher's one-TTL re-registration grace.
-LISTEN_S = 2 * TTL_S
+# After the return, the test listens past every watcher's re-registration grace (two TTLs).
+LISTEN_S = 3 * TTL_S
 EVENT_WAIT_S = 5.0
 POLL_S = 0.05
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lab_procs import start_logged, wait_for_log
+from lab_procs import start_logged, wait_for_log, wait_ready
 from membership_procs import etcd_binary
 from moecomm import netns
 from moecomm.wire.nixl import available as nixl_available
@@ -142,7 +142,7 @@ def test_etcd_in_its_own_namespace_serves_servers_frontend_and_stages(tiny_mixtr
         agent_argv += ["--port", str(AGENT_PORT), "--token-file", str(key)]
         agent = start_logged(lab, ah, agent_argv, logs["agent"])
         for name, p in (*servers.items(), ("agent", agent)):
-            wait_for_log(logs[name], "listening on", p, deadline)
+            wait_ready(logs[name], p, deadline)
         args = {
             "etcd": etcd_url,
             "ckpt": str(tiny_mixtral_dir),

@@ -175,3 +175,30 @@ def test_expiry_sweep_reads_only_the_members_that_are_due(monkeypatch):
     assert reads[0] == 0, reads[0]
     assert reg.expire(now=0.5 + TTL_S) == n // 2
     assert len(reg) == 0
+
+
+def test_member_slow_to_reregister_after_a_restart_is_not_evicted(monitor_process):
+    """Old: a watcher gave a member missing from a restarted monitor one TTL to come back, and
+    reported a live member lost when the restarted monitor took longer than that to take its
+    registration (thousands re-registering at once). Now two TTLs: a member back 1.8 TTLs after
+    the restart stays, silently."""
+    ms = connect_membership(monitor_process.url, MONITOR_TOKEN, poll_s=0.3)
+    reg = ms.register(members("slow", 1)[0], TTL_S)
+    events = []
+    watcher = ms.watch(role="server", callback=events.append, initial=False)
+    try:
+        with reg._lock:  # the member cannot re-register: the monitor is slow to take it
+            monitor_process.restart()
+            time.sleep(1.8 * TTL_S)
+        deadline = time.monotonic() + EVENT_WAIT_S
+        while reg.member.member_id not in {m.member_id for m in ms.list_members("server")}:
+            assert time.monotonic() < deadline, "not re-registered"
+            time.sleep(0.05)
+        time.sleep(TTL_S)  # past the grace either way
+        mine = [(e.kind, e.reason) for e in events if e.member.key == reg.member.key]
+        assert mine == [], mine
+        assert reg.reregistrations == 1
+    finally:
+        watcher.close()
+        reg.close()
+        ms.close()

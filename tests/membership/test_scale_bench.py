@@ -68,6 +68,15 @@ def test_quick_scale_bench_writes_consistent_json(tmp_path, etcd_process):
         )
         key = f"{row['backend']}/{row['mode']}"
         assert data["model"][key]["sizes"] == [n]
+    # The placement controller's reads of simulated servers' tables.
+    assert [r["servers"] for r in data["placement"]] == [10]
+    for r in data["placement"]:
+        assert r["answered_min"] == r["servers"]
+        assert 0 < r["read_s_median"] <= r["read_s_max"]
+        assert r["requests_per_s_total"] == pytest.approx(
+            r["servers"] * r["requests_per_s_per_server"]
+        )
+        assert r["keeps_watch_period"] == (r["read_s_median"] <= r["watch_period_s"])
     drill = next(row["drill"] for row in data["rows"] if row["backend"] == "monitor")
     assert drill["killed"] + drill["survivors"] == drill["members"]
     assert drill["killed"] == round(drill["members"] * 0.1)
