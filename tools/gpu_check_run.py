@@ -513,7 +513,7 @@ def settle_from_files(res: Result, require_pass: bool) -> None:
 
 def _blocked(stage: Stage, ctx: Context) -> tuple[str, str] | None:
     if stage.needs_device and not ctx.device:
-        why = f"no CUDA device ({ctx.device_reason})"
+        why = f"[machine] no CUDA device ({ctx.device_reason})"
         extra = stage.no_device_reason(ctx) if callable(stage.no_device_reason) else ""
         extra = extra or (stage.no_device_reason if isinstance(stage.no_device_reason, str) else "")
         return SKIPPED, why + (f"; {extra}" if extra else "")
@@ -575,7 +575,7 @@ def run_stages(plan: list[tuple[Stage, float]], ctx: Context) -> list[Result]:
     ends = planned_ends(time.monotonic(), [b for _, b in plan])
     for (stage, budget), end in zip(plan, ends, strict=True):
         until = end + ctx.plan_shift
-        given = until - time.monotonic()
+        given = min(until, ctx.deadline) - time.monotonic()
         ctx.echo(
             f"[gpu-check] {stage.name} ({budget:.0f} s, {given:.0f} s with what earlier stages "
             f"left): {stage.title or 'running'} ..."
