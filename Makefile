@@ -11,7 +11,7 @@ BUILD_INPUTS := $(shell find csrc bindings cmake -type f 2>/dev/null) CMakeLists
 PY_SOURCES := python serving tests bench tools
 CXX_SOURCES = $(shell find csrc bindings -name '*.h' -o -name '*.cc' -o -name '*.cu' -o -name '*.cuh')
 
-.PHONY: demo test lint format pytest build venv bench clean etcd engines gpu-check gpu-check-plan gpu-wheels
+.PHONY: demo test lint format pytest build venv bench bench-full clean etcd engines gpu-check gpu-check-plan gpu-wheels
 
 venv: $(PKG_STAMP)
 
@@ -75,8 +75,14 @@ pytest: $(PKG_STAMP) etcd engines
 
 test: lint pytest
 
+# A short pass of every benchmark (bench/run.py: seconds each on a quiet machine; JSON under
+# build/bench-quick, the committed figures untouched); bench-full: the runs behind the committed
+# figures in bench/results (hours: the soaks).
 bench: $(PKG_STAMP)
-	$(PY) bench/rtt.py --json bench/results/rtt.json
+	$(PY) bench/run.py
+
+bench-full: $(PKG_STAMP)
+	$(PY) bench/run.py --full
 
 # The GPU check (docs/gpu-check.md), in stages that fit a lent GPU machine's device time:
 # CALL=1 runs preflight, build, joinleave, core, smoke, regress (<= 7 min); CALL=2 preflight,

@@ -27,6 +27,7 @@ from delayed_link import spawn_delayed_server
 from moecomm.runtime import AttentionClient
 from moecomm.runtime.experts import LayerExperts
 from moecomm.runtime.launch import ModelSpec, spawn_expert_server
+from moecomm.testing import connect_client
 
 SPEC = ModelSpec(num_layers=4, num_experts=16, hidden=1024, intermediate=512, seed=0)
 # (b) measures what overlap hides — the link — so its experts are small enough that the
@@ -52,18 +53,7 @@ def halves(spec: ModelSpec = SPEC):
 
 
 def make_client(servers, cid: int, spec: ModelSpec = SPEC) -> AttentionClient:
-    c = AttentionClient(
-        [s.url for s in servers],
-        cid,
-        spec.hidden,
-        TOPK,
-        MAX_TOKENS,
-        encoding="f32",
-        out_dtype=torch.float32,
-        timeout=TIMEOUT_S,
-    )
-    c.connect()
-    return c
+    return connect_client(servers, spec.hidden, TOPK, MAX_TOKENS, cid, timeout=TIMEOUT_S)
 
 
 def layer_sweep(batches, iters: int) -> list[dict]:

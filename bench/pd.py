@@ -60,10 +60,11 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import format_table, percentile, write_json
+from moecomm.testing import MONITOR_CMD, Proc, Processes, wait_all
 from moecomm_serving.cli import loadgen
 from moecomm_serving.cli.demo import CLI, ONE_THREAD, SERVER_EXPERTS
 from moecomm_serving.model.tiny import ARCHS
-from soak_frontend import GONE_TIMEOUT_S, Child, alive, descendants
+from soak_frontend import GONE_TIMEOUT_S, START_TIMEOUT_S, STOP_TIMEOUT_S, alive, descendants
 from soak_report import save_figure
 
 MODEL = "tiny"
@@ -150,48 +151,57 @@ class Deployment:
     the servers they call, the monitor last) and says which are left."""
 
     def __init__(self):
-        self.children: list[Child] = []
+        # the `moecomm` children, each in a process group of its own (output in a log file)
+        self.procs = Processes(cli=CLI)
+        self.children: list[Proc] = []
         self.pids: dict[str, int] = {}
 
-    def start(self, name: str, args: list[str]) -> Child:
-        c = Child(name, args)
+    def start(self, name: str, args: list[str]) -> Proc:
+        """`moecomm <args>` as `name`, not waited for (url_of / wait_all)."""
+        c = self.procs.moecomm(name, args, wait=False)
         self.children.append(c)
-        self.pids[name] = c.p.pid
+        self.pids[name] = c.pid
         return c
 
-    def stop(self, children: list[Child] | None = None) -> list[str]:
+    def stop(self, children: list[Proc] | None = None) -> list[str]:
         """Stops `children` (default: all), newest first; the names of processes still alive
-        (children and what they started) after GONE_TIMEOUT_S."""
+        (children and what they started) after GONE_TIMEOUT_S. Whatever is left is then killed
+        and every group's shared memory reaped."""
         todo = list(self.children if children is None else children)
-        pids = {c.name: c.p.pid for c in todo}
+        pids = {c.name: c.pid for c in todo}
         for c in todo:
-            for pid in descendants(c.p.pid):
+            for pid in descendants(c.pid):
                 pids[f"{c.name}.{pid}"] = pid
         for c in reversed(todo):
-            c.stop()
+            c.stop(signal.SIGINT, STOP_TIMEOUT_S, clean=False)
             self.children.remove(c)
         deadline = time.monotonic() + GONE_TIMEOUT_S
         while time.monotonic() < deadline and any(alive(p) for p in pids.values()):
             time.sleep(0.1)
-        return [f"{n} ({p})" for n, p in pids.items() if alive(p)]
+        left = [f"{n} ({p})" for n, p in pids.items() if alive(p)]
+        for c in todo:
+            c.stop()  # the rest of its group killed, its shared memory reaped
+        return left
 
 
-def url_of(child: Child, prefix: str) -> str:
-    # every ready line ends with " listening on URL" (for servers: URL then ": layers ...")
-    return child.wait_line(prefix).split(" listening on ")[1].split(": layers")[0]
+def url_of(child: Proc) -> str:
+    """The URL `child` announced once it serves."""
+    return child.wait_ready(START_TIMEOUT_S)["url"]
 
 
 def start_servers(dep: Deployment, ckpt: str) -> str:
     """The monitor and the expert servers (started together); the monitor's URL."""
-    monitor = dep.start("monitor", ["monitor", "--port", "0"]).wait_line("http://")
+    mon = dep.procs.spawn("monitor", [*MONITOR_CMD, "--port", "0"])  # light: no torch
+    dep.children.append(mon)
+    dep.pids["monitor"] = mon.pid
+    monitor = url_of(mon)
     servers = []
     for i, experts in enumerate(SERVER_EXPERTS):
         args = ["expert-server", "--checkpoint", ckpt, "--experts", experts]
         servers.append(
             dep.start(f"s{i}", [*args, "--id", f"pd-bench-{i}", "--monitor", monitor, *ONE_THREAD])
         )
-    for c in servers:
-        url_of(c, "expert server")
+    wait_all(servers, START_TIMEOUT_S)
     return monitor
 
 
@@ -215,20 +225,21 @@ def frontend_args(ckpt: str, monitor: str, extra: list[str]) -> list[str]:
 
 def start_contender(
     dep: Deployment, name: str, ckpt: str, monitor: str, cache_bytes: int
-) -> tuple[list[Child], str, str]:
+) -> tuple[list[Proc], str, str]:
     """The contender's processes; (them, the URL the clients use, the URL whose /metrics has
     the prefix cache and the KV hand-offs)."""
     cache = ["--prefix-cache-bytes", str(cache_bytes)]
     if name == "single":
         fe = dep.start("frontend", frontend_args(ckpt, monitor, cache))
-        url = url_of(fe, "frontend")
+        url = url_of(fe)
         return [fe], url, url
     pre = dep.start("prefill", frontend_args(ckpt, monitor, ["--role", "prefill", *cache]))
     dec = dep.start("decode", frontend_args(ckpt, monitor, ["--role", "decode"]))
-    pre_url, dec_url = url_of(pre, "frontend"), url_of(dec, "frontend")
+    wait_all([pre, dec], START_TIMEOUT_S)  # started together
+    pre_url, dec_url = pre.url, dec.url
     args = ["router", "--checkpoint", ckpt, "--model-name", MODEL, "--port", "0"]
     router = dep.start("router", [*args, "--prefill", pre_url, "--decode", dec_url])
-    return [pre, dec, router], url_of(router, "router"), pre_url
+    return [pre, dec, router], url_of(router), pre_url
 
 
 def scrape(url: str) -> dict[str, float]:

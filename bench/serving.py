@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 
@@ -32,7 +33,8 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import format_table, write_json
-from moecomm_serving.cli.demo import CLI, ONE_THREAD, Processes
+from moecomm.testing import Processes
+from moecomm_serving.cli.demo import CLI, ONE_THREAD
 from moecomm_serving.cli.loadgen import run_bench
 
 MAX_BATCH_TOKENS = 64
@@ -54,18 +56,18 @@ def probe(url: str) -> list[str]:
 
 
 def start_systems(procs: Processes, ckpt: str, pipeline: bool = False) -> dict[str, str]:
-    import subprocess
-
+    """The expert servers (together), then every front end (together); the URLs by system."""
     subprocess.run([*CLI, "tiny", "--out", ckpt], check=True, capture_output=True, timeout=120)
-    urls = []
-    for i, experts in enumerate(("0-7", "8-15")):
-        line = procs.start(
+    servers = procs.start_many(
+        (
             f"expert-server-{i}",
-            ["expert-server", "--checkpoint", ckpt, "--experts", experts, *ONE_THREAD],
-            "expert server",
+            [*CLI, "expert-server", "--checkpoint", ckpt, "--experts", experts, *ONE_THREAD],
         )
-        urls.append(line.split(" listening on ")[1].split(": layers")[0])
+        for i, experts in enumerate(("0-7", "8-15"))
+    )
+    urls = ",".join(s.url for s in servers)
     common = [
+        *CLI,
         "frontend",
         "--checkpoint",
         ckpt,
@@ -77,18 +79,15 @@ def start_systems(procs: Processes, ckpt: str, pipeline: bool = False) -> dict[s
         str(MAX_BATCH_TOKENS),
         *ONE_THREAD,
     ]
-    mono = procs.start("monolith", [*common, "--local-experts"], "frontend")
-    disagg = procs.start("disaggregated", [*common, "--servers", ",".join(urls)], "frontend")
-    systems = {
-        "monolith": mono.split(" listening on ")[1],
-        "disaggregated": disagg.split(" listening on ")[1],
-    }
+    fronts = [
+        ("monolith", [*common, "--local-experts"]),
+        ("disaggregated", [*common, "--servers", urls]),
+    ]
     if pipeline:
-        staged = [*common, "--servers", ",".join(urls), "--stages", "2", "--no-standby-stages"]
+        staged = [*common, "--servers", urls, "--stages", "2", "--no-standby-stages"]
         for name, micro in (("pipe2", 1), ("pipe2ov", 2)):
-            line = procs.start(name, [*staged, "--stage-micro-batches", str(micro)], "frontend")
-            systems[name] = line.split(" listening on ")[1]
-    return systems
+            fronts.append((name, [*staged, "--stage-micro-batches", str(micro)]))
+    return {p.name: p.url for p in procs.start_many(fronts)}
 
 
 # Short names of the systems in the rows.
@@ -150,17 +149,16 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    procs = Processes()
     rows = []
-    try:
-        with tempfile.TemporaryDirectory(prefix="moecomm-bench-") as tmp:
-            systems = start_systems(procs, os.path.join(tmp, "tiny"), a.pipeline)
-            outputs = [probe(url) for url in systems.values()]
-            same = all(o == outputs[0] for o in outputs)
-            for c in [int(x) for x in a.concurrency.split(",")]:
-                rows.append(run_level(systems, c, a))
-    finally:
-        procs.stop_all()
+    with (
+        tempfile.TemporaryDirectory(prefix="moecomm-bench-") as tmp,
+        Processes(os.path.join(tmp, "procs"), cli=CLI) as procs,
+    ):
+        systems = start_systems(procs, os.path.join(tmp, "tiny"), a.pipeline)
+        outputs = [probe(url) for url in systems.values()]
+        same = all(o == outputs[0] for o in outputs)
+        for c in [int(x) for x in a.concurrency.split(",")]:
+            rows.append(run_level(systems, c, a))
     print(
         f"\ntiny model (4 layers, 16 experts, top-2, hidden 256), {a.input_len} prompt / "
         f"{a.output_len} output tokens; greedy outputs identical: {same}"

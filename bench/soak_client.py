@@ -13,9 +13,9 @@ import traceback
 from collections import deque
 
 import torch
-from moecomm.runtime import AttentionClient
 from moecomm.runtime.experts import LayerExperts
 from moecomm.runtime.launch import ModelSpec
+from moecomm.testing import connect_client
 
 # Micro-batches a client keeps in flight: double-batch overlap, one per slot.
 IN_FLIGHT = 2
@@ -176,18 +176,10 @@ def client_main(idx, cfg, urls, t0, go, stop, q) -> None:
     faulthandler.dump_traceback_later(START_TIMEOUT_S + cfg.stall_limit_s(), exit=False)
     c = None
     try:
-        c = AttentionClient(
-            urls,
-            None,  # a random id, the default: unique without coordination
-            cfg.hidden,
-            cfg.topk,
-            cfg.max_tokens,
-            encoding="f32",
-            out_dtype=torch.float32,
-            num_slots=IN_FLIGHT,
-            timeout=cfg.timeout_s,
+        # a random id (client_id None): unique without coordination
+        c = connect_client(
+            urls, cfg.hidden, cfg.topk, cfg.max_tokens, num_slots=IN_FLIGHT, timeout=cfg.timeout_s
         )
-        c.connect()
         ref = Reference(cfg.spec(), c.hosted)
         q.put(("ready", idx, os.getpid()))
         deadline = time.monotonic() + START_TIMEOUT_S

@@ -49,9 +49,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections import deque
 from dataclasses import asdict, dataclass
 
 import httpx
@@ -59,7 +57,7 @@ import httpx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moecomm
 from common import format_table, percentile, write_json
-from moecomm.errors import DeadlineExceededError
+from moecomm.testing import MONITOR_CMD, Proc, Processes, wait_all
 from moecomm_serving.cli.demo import CLI, ONE_THREAD, SERVER_EXPERTS
 from soak_report import (
     KB_PER_MB,
@@ -80,8 +78,6 @@ STOP_TIMEOUT_S = 30.0
 GONE_TIMEOUT_S = 30.0
 # /health, /metrics: a real one-token forward pass, on a machine that may be loaded.
 PROBE_TIMEOUT_S = 60.0
-# Lines of each child's output kept for the report when it fails.
-KEEP_LINES = 200
 # A client keeps its first few error reports; the counts are always complete.
 MAX_SAMPLES = 10
 # Client idx of run seed s draws from seed s * SEED_STRIDE + idx: distinct for every (s, idx).
@@ -158,69 +154,6 @@ class FrontendSoakConfig:
 
 
 # ---------------------------------------------------------------------------- processes
-class Child:
-    """One `moecomm` subcommand; a thread reads its output, so its pipe never fills, keeping the
-    last KEEP_LINES lines and counting RESTART_MARK lines."""
-
-    def __init__(self, name: str, args: list[str]):
-        self.name = name
-        self.p = subprocess.Popen(
-            [*CLI, *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,  # a Ctrl-C of the soak reaches us, not them: we stop them
-        )
-        self.lines: deque[str] = deque(maxlen=KEEP_LINES)
-        self.restarts = 0
-        self.cond = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.p.stdout:
-            with self.cond:
-                self.lines.append(line.rstrip())
-                self.restarts += RESTART_MARK in line
-                self.cond.notify_all()
-        with self.cond:
-            self.cond.notify_all()
-
-    def wait_line(self, prefix: str) -> str:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        seen = 0
-        with self.cond:
-            while True:
-                lines = list(self.lines)
-                for line in lines[seen:]:
-                    if line.startswith(prefix):
-                        return line
-                seen = len(lines)
-                if self.p.poll() is not None:
-                    raise RuntimeError(
-                        f"{self.name} exited during start-up (code {self.p.returncode}):\n"
-                        + "\n".join(lines[-20:])
-                    )
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise DeadlineExceededError(
-                        f"{self.name} did not start within {START_TIMEOUT_S} s"
-                    )
-                self.cond.wait(min(left, 1.0))
-
-    def interrupt(self) -> None:
-        if self.p.poll() is None:
-            self.p.send_signal(signal.SIGINT)
-
-    def stop(self) -> None:
-        self.interrupt()
-        if self.p.poll() is None:
-            try:
-                self.p.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait(STOP_TIMEOUT_S)
-
-
 def rss_kb(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -404,21 +337,25 @@ class Deployment:
     each child, as first seen."""
 
     def __init__(self):
-        self.children: list[Child] = []
+        # the `moecomm` children, each in a process group of its own (output in a log file)
+        self.procs = Processes(cli=CLI)
+        self.children: list[Proc] = []
         self.server_urls: list[str] = []
         self.url = ""
         self.pids: dict[str, int] = {}
 
     def start(self, cfg: FrontendSoakConfig, ckpt: str) -> None:
-        mon = self._child("monitor", ["monitor", "--port", "0"])
-        monitor = mon.wait_line("http://")
+        mon = self.procs.spawn("monitor", [*MONITOR_CMD, "--port", "0"])  # light: no torch
+        self.children.append(mon)
+        self.pids["monitor"] = mon.pid
+        monitor = mon.wait_ready(START_TIMEOUT_S)
         for i, experts in enumerate(SERVER_EXPERTS):
             args = ["expert-server", "--checkpoint", ckpt, "--experts", experts]
-            args += ["--id", f"soak-server-{i}", "--monitor", monitor, *ONE_THREAD]
+            args += ["--id", f"soak-server-{i}", "--monitor", monitor["url"], *ONE_THREAD]
             self._child(f"s{i}", args)
-        for c in self.children[1:]:  # the servers start in parallel
-            line = c.wait_line("expert server")
-            self.server_urls.append(line.split(" listening on ")[1].split(": layers")[0])
+        servers = self.children[1:]  # they start in parallel
+        wait_all(servers, START_TIMEOUT_S)
+        self.server_urls = [c.url for c in servers]
         fe = self._child(
             "frontend",
             [
@@ -428,7 +365,7 @@ class Deployment:
                 "--model-name",
                 "tiny",
                 "--monitor",
-                monitor,
+                monitor["url"],
                 *ONE_THREAD,
                 "--port",
                 "0",
@@ -436,47 +373,47 @@ class Deployment:
                 str(cfg.stages),
             ],
         )
-        self.url = fe.wait_line("frontend").split(" listening on ")[1]
+        self.url = fe.wait_ready(START_TIMEOUT_S)["url"]
         names = {
             "pipeline stage pids: ": "stage",
             "pipeline standby stages ready: pids ": "standby",
         }
         if cfg.stages > 1:  # the load starts once the standby set is up too: its start-up
-            fe.wait_line("pipeline standby stages ready")  # is no part of the steady RSS
+            # is no part of the steady RSS
+            fe.wait_output("pipeline standby stages ready", 1, START_TIMEOUT_S)
             for prefix, role in names.items():
-                pids = fe.wait_line(prefix).removeprefix(prefix).split()
+                pids = fe.wait_output(prefix, 1, 0)[0].removeprefix(prefix).split()
                 self.pids.update({f"{role}{i}": int(p) for i, p in enumerate(pids)})
 
-    def _child(self, name: str, args: list[str]) -> Child:
-        c = Child(name, args)
+    def _child(self, name: str, args: list[str]) -> Proc:
+        c = self.procs.moecomm(name, args, wait=False)
         self.children.append(c)
-        self.pids[name] = c.p.pid
+        self.pids[name] = c.pid
         return c
 
     def discover(self) -> None:
         """Adds the processes below each child seen now (stage processes appear at start-up)."""
         known = set(self.pids.values())
         for c in self.children:
-            for pid in descendants(c.p.pid):
+            for pid in descendants(c.pid):
                 if pid not in known:
                     self.pids[f"{c.name}.{pid}"] = pid
 
     def dead(self) -> list[str]:
-        return [
-            f"{c.name} (exit {c.p.returncode})" for c in self.children if c.p.poll() is not None
-        ]
+        return [f"{c.name} (exit {c.poll()})" for c in self.children if c.poll() is not None]
 
     def stop(self) -> None:
         """The front end first (its in-flight steps still need the servers), then the servers
         together, the monitor last (the servers leave its membership as they stop)."""
         n = 1 + len(SERVER_EXPERTS)
         monitor, servers, rest = self.children[0], self.children[1:n], self.children[n:]
+        # Not cleaned up after (clean=False): what a process leaves is counted, then reaped.
         for c in reversed(rest):
-            c.stop()
+            c.stop(signal.SIGINT, STOP_TIMEOUT_S, clean=False)
         for c in servers:
-            c.interrupt()
+            c.send_signal(signal.SIGINT)
         for c in [*servers, monitor]:
-            c.stop()
+            c.stop(signal.SIGINT, STOP_TIMEOUT_S, clean=False)
 
 
 def sample_rss(dep: Deployment, rss: dict, t: float) -> None:
@@ -554,7 +491,7 @@ def end_checks(dep: Deployment) -> tuple[dict, list[str]]:
         bad = {k: body.get(k) for k in ("batch_failures", "rejected", "dead_clients_dropped")}
         if status != 200 or any(bad.values()):
             failures.append(f"server s{i} /health at the end: {health[f's{i}']}")
-    restarts = sum(c.restarts for c in dep.children)
+    restarts = sum(c.count(RESTART_MARK) for c in dep.children)
     if restarts:
         failures.append(f"{restarts} '{RESTART_MARK}' lines from the front end")
     return health, failures
@@ -598,6 +535,7 @@ def run_soak(cfg: FrontendSoakConfig) -> dict:
             for pid in dep.pids.values():
                 leaked += moecomm.list_segments(pid)
                 moecomm.reap_stale_segments(pid)
+            dep.procs.close()  # whatever is left of each group
             phases["stop_s"] = time.monotonic() - t
     result = analyse(cfg, dep, load, rss, failures, checked, wrong, health, leftover, leaked, began)
     return {**result, "phases_s": phases}

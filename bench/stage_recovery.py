@@ -41,7 +41,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import httpx
@@ -49,7 +48,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import format_table, write_json
-from moecomm.wire.shm import reap_stale_segments
+from moecomm.testing import Proc, Processes
 from moecomm_serving.cli.demo import CLI, ONE_THREAD
 from moecomm_serving.model.checkpoint import Checkpoint
 from moecomm_serving.model.transformer import stage_tensor_names
@@ -60,51 +59,18 @@ STREAMS = 6
 MAX_NEW = 32
 KILL_AFTER = 4
 STEP_TOKENS = 64
+# (fault, stage) of a trial: each stage killed (SIGKILL) and stopped (SIGSTOP).
+FAULTS = (("kill", 0), ("kill", 1), ("stop", 0), ("stop", 1))
+QUICK_FAULTS = (("kill", 1),)
 RESTARTED = re.compile(
     r"pipeline restarted in ([\d.]+) s \(stages ([\d.]+) s, re-prefill ([\d.]+) s"
 )
 
 
-class Proc:
-    """A child and every line it printed (a thread reads them, so its pipe never fills)."""
-
-    def __init__(self, args: list[str]):
-        self.p = subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, text=True)
-        self.lines: list[str] = []
-        self.cond = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.p.stdout:
-            with self.cond:
-                self.lines.append(line.rstrip())
-                self.cond.notify_all()
-
-    def wait_line(self, prefix: str, count: int = 1, timeout: float = START_S) -> list[str]:
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            while True:
-                found = [ln for ln in self.lines if ln.startswith(prefix)]
-                if len(found) >= count:
-                    return found
-                left = deadline - time.monotonic()
-                if left <= 0 or self.p.poll() is not None:
-                    raise RuntimeError(f"no line {prefix!r} ({count}): {self.lines[-5:]}")
-                self.cond.wait(min(left, 1.0))
-
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            self.p.send_signal(signal.SIGINT)
-            try:
-                self.p.wait(30)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait(30)
-        reap_stale_segments(self.p.pid)
-
-
 def stage_pids(fe: Proc) -> list[int]:
-    return [int(x) for x in fe.wait_line("pipeline stage pids: ")[-1].split(": ")[1].split()]
+    """The serving pipeline's stage pids (printed at start and after every replacement)."""
+    last = fe.wait_output("pipeline stage pids: ", 1, START_S)[-1]
+    return [int(x) for x in last.split(": ")[1].split()]
 
 
 async def run_streams(url: str, fault=None) -> tuple[list[list[int]], list[list[float]], float]:
@@ -138,10 +104,10 @@ async def run_streams(url: str, fault=None) -> tuple[list[list[int]], list[list[
 
 def trial(fe: Proc, url: str, want: list[list[int]], how: str, victim: int) -> dict:
     before = stage_pids(fe)
-    restarts = len([ln for ln in fe.lines if ln.startswith("pipeline restarted")])
+    restarts = fe.count("pipeline restarted")
     sig = signal.SIGKILL if how == "kill" else signal.SIGSTOP
     tokens, times, t_fault = asyncio.run(run_streams(url, lambda: os.kill(before[victim], sig)))
-    line = fe.wait_line("pipeline restarted", restarts + 1, REQUEST_TIMEOUT_S)[-1]
+    line = fe.wait_output("pipeline restarted", restarts + 1, REQUEST_TIMEOUT_S)[-1]
     m = RESTARTED.match(line)
     after = [t for ts in times for t in ts if t > t_fault]
     steps = sorted(b - a for ts in times for a, b in itertools.pairwise(ts) if a > t_fault + 1.0)
@@ -171,59 +137,67 @@ def takeover_load(ckpt: str, layers: range, repeats: int = 5) -> float:
     return statistics.median(out)
 
 
-def run_mode(ckpt: str, urls: list[str], standby: bool, trials: int) -> tuple[list[dict], list]:
+def run_mode(
+    procs: Processes, ckpt: str, urls: list[str], standby: bool, trials: int, faults=FAULTS
+) -> tuple[list[dict], list]:
     """A front end with (or without) its standby stages; `trials` of every fault."""
     flag = "--standby-stages" if standby else "--no-standby-stages"
-    fe = Proc(
+    fe = procs.moecomm(
+        f"frontend-{'standby' if standby else 'new'}",
         [
             "frontend", "--checkpoint", ckpt, "--model-name", "tiny", "--port", "0",
             "--servers", ",".join(urls), "--stages", "2", flag,
             "--max-batch-tokens", str(STEP_TOKENS), *ONE_THREAD,
-        ]
+        ],
+        wait=False,
     )  # fmt: skip
     rows = []
     try:
-        url = fe.wait_line("frontend ")[0].split(" listening on ")[1]
+        url = fe.wait_ready(START_S)["url"]
         want, _, _ = asyncio.run(run_streams(url))  # fault-free, and warms the stages up
         for _ in range(trials):
-            for how, victim in (("kill", 0), ("kill", 1), ("stop", 0), ("stop", 1)):
+            for how, victim in faults:
                 if standby:  # a trial measures a replacement by a standby that is up
-                    restarts = len([ln for ln in fe.lines if ln.startswith("pipeline restarted")])
-                    fe.wait_line("pipeline standby stages ready", restarts + 1)
+                    restarts = fe.count("pipeline restarted")
+                    fe.wait_output("pipeline standby stages ready", restarts + 1, START_S)
                 row = trial(fe, url, want, how, victim)
                 row["mode"] = "standby" if standby else "new"
                 rows.append(row)
                 print(row, flush=True)
-        return rows, [ln for ln in fe.lines if ln.startswith("pipeline stage lost")]
+        return rows, [ln for ln in fe.lines() if ln.startswith("pipeline stage lost")]
     finally:
-        fe.stop()
+        fe.stop()  # its stages with it (its process group), their shared memory reaped
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--trials", type=int, default=3, help="trials per (mode, fault, stage)")
+    ap.add_argument("--quick", action="store_true", help="one trial of one fault per mode")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    servers: list[Proc] = []
     rows, lost = [], []
-    try:
-        with tempfile.TemporaryDirectory(prefix="moecomm-recovery-") as tmp:
-            ckpt = os.path.join(tmp, "tiny")
-            subprocess.run([*CLI, "tiny", "--out", ckpt], check=True, capture_output=True)
-            urls = []
-            for experts in ("0-11", "4-15"):
-                s = Proc(["expert-server", "--checkpoint", ckpt, "--experts", experts, *ONE_THREAD])
-                servers.append(s)
-                line = s.wait_line("expert server")[0]
-                urls.append(line.split(" listening on ")[1].split(": ")[0])
-            for standby in (False, True):
-                got, lines = run_mode(ckpt, urls, standby, a.trials)
-                rows += got
-                lost += lines
-            load = takeover_load(ckpt, range(2, 4))
-    finally:
-        for p in reversed(servers):
-            p.stop()
+    with (
+        tempfile.TemporaryDirectory(prefix="moecomm-recovery-") as tmp,
+        Processes(os.path.join(tmp, "procs"), cli=CLI) as procs,
+    ):
+        ckpt = os.path.join(tmp, "tiny")
+        subprocess.run([*CLI, "tiny", "--out", ckpt], check=True, capture_output=True)
+        servers = procs.start_many(
+            (
+                f"server-{i}",
+                [*CLI, "expert-server", "--checkpoint", ckpt, "--experts", e, *ONE_THREAD],
+            )
+            for i, e in enumerate(("0-11", "4-15"))
+        )
+        urls = [s.url for s in servers]
+        for standby in (False, True):
+            if a.quick:
+                got, lines = run_mode(procs, ckpt, urls, standby, 1, QUICK_FAULTS)
+            else:
+                got, lines = run_mode(procs, ckpt, urls, standby, a.trials)
+            rows += got
+            lost += lines
+        load = takeover_load(ckpt, range(2, 4))
     print(
         format_table(
             rows,
@@ -244,6 +218,8 @@ def main(argv=None) -> int:
     for mode in ("new", "standby"):
         for how in ("kill", "stop"):
             rs = [r for r in rows if r["mode"] == mode and r["fault"] == how]
+            if not rs:  # --quick
+                continue
             keys = ("stall_s", "restart_s", "spawn_s", "reprefill_s", "step_s")
             summary[f"{mode}/{how}"] = {k: statistics.median(r[k] for r in rs) for k in keys}
             summary[f"{mode}/{how}"]["max_stall_s"] = max(r["stall_s"] for r in rs)

@@ -1,4 +1,4 @@
-"""Process control for fault tests."""
+"""Process control for fault tests (starting and stopping processes is moecomm.testing's)."""
 
 import os
 import signal
@@ -16,14 +16,3 @@ def stop_process(pid: int, timeout: float = 10.0) -> None:
                 return
         time.sleep(0.001)
     raise AssertionError(f"process {pid} did not stop within {timeout} s")
-
-
-def read_line(proc, prefix: str, deadline: float) -> str:
-    """The first line of `proc`'s stdout that starts with `prefix` (a CLI reporting its URL)."""
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if line.startswith(prefix):
-            return line.strip()
-    raise AssertionError(f"no line starting with {prefix!r}")

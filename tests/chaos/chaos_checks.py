@@ -10,7 +10,7 @@ import httpx
 import moecomm
 import torch
 from chaos_model import MAX_TOKENS, SPEC, TOPK, Reference
-from moecomm.runtime import AttentionClient
+from moecomm.testing import connect_client
 
 # A healthy server answers /health and a probe request in milliseconds; this long means its
 # control plane or its loop is stuck.
@@ -59,19 +59,12 @@ def probe_batch(layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def probe_problems(urls: list[str], client_id: int, reference: Reference) -> list[str]:
     """Sends every surviving server real work through a fresh client. A server whose loop died
     still answers /health; here it misses the deadline, which shows up as a failover."""
-    client = AttentionClient(
-        urls,
-        client_id,
-        SPEC.hidden,
-        TOPK,
-        MAX_TOKENS,
-        encoding="f32",
-        out_dtype=torch.float32,
-        timeout=PROBE_TIMEOUT_S,
-    )
     problems = []
+    client = None
     try:
-        client.connect()
+        client = connect_client(
+            urls, SPEC.hidden, TOPK, MAX_TOKENS, client_id, timeout=PROBE_TIMEOUT_S
+        )
         for layer in range(SPEC.num_layers):
             x, ids, w = probe_batch(layer)
             (want,) = reference.layers[layer].forward([x], [ids], [w])
@@ -85,7 +78,8 @@ def probe_problems(urls: list[str], client_id: int, reference: Reference) -> lis
     except Exception as exc:
         problems.append(f"probe: {type(exc).__name__}: {exc}")
     finally:
-        client.close()
+        if client is not None:
+            client.close()
     return problems
 
 

@@ -14,6 +14,7 @@ import torch
 from chaos_model import MAX_TOKENS, SPEC, TOPK, BatchKey, make_batch, rng_seed
 from moecomm.errors import MoecommError
 from moecomm.runtime import AttentionClient
+from moecomm.testing import connect_client
 
 # Connect attempts before a run gives up: each retry leaves out servers that did not answer
 # /health, so a dead or stopped server costs one attempt.
@@ -59,19 +60,16 @@ def connect_live(job: ClientJob) -> tuple[AttentionClient, int]:
     urls = list(job.urls)
     error: Exception | None = None
     for attempt in range(1, CONNECT_ATTEMPTS + 1):
-        client = AttentionClient(
-            urls,
-            job.client_id,
-            SPEC.hidden,
-            TOPK,
-            MAX_TOKENS,
-            encoding="f32",
-            out_dtype=torch.float32,
-            timeout=job.timeout_s,
-            evict_s=job.evict_s,
-        )
         try:
-            client.connect()
+            client = connect_client(
+                urls,
+                SPEC.hidden,
+                TOPK,
+                MAX_TOKENS,
+                job.client_id,
+                timeout=job.timeout_s,
+                evict_s=job.evict_s,
+            )
             return client, attempt
         except (ConnectionError, MoecommError) as exc:
             error = exc

@@ -3,8 +3,9 @@
 expert on two of them, and `moecomm frontend --stages 2` (standby stages on, the CLI default)
 with live re-placement (`--eplb-interval`, `--min-replicas 2`), all found through the monitor.
 
-Every process is started and stopped by PID; every line each one prints is kept (a thread
-reads each pipe, so none fills), which is how the stage pids are known."""
+Every process is started through the process harness (moecomm.testing: a process group of its
+own, ready once it announced its URL) and stopped with its group; every line each one prints is
+kept in its log, which is how the stage pids are known."""
 
 from __future__ import annotations
 
@@ -12,17 +13,14 @@ import contextlib
 import os
 import secrets
 import signal
-import subprocess
-import sys
-import threading
 import time
 
 import httpx
 import moecomm
 from deployment_plan import CLIENT_TIMEOUT_S, NUM_SERVERS, NUM_STAGES
 from membership_procs import MonitorProcess
+from moecomm.testing import Proc, Processes, wait_all
 
-CLI = [sys.executable, "-m", "moecomm_serving.cli"]
 MODEL_NAME = "tiny"
 # Every expert of the tiny model (16 per layer) on two of the three servers: 0-4 on 0 and 2,
 # 5-10 on 0 and 1, 11-15 on 1 and 2. One server down leaves every expert served.
@@ -47,67 +45,6 @@ STRAY_STAGE_S = 30.0
 HTTP_TIMEOUT_S = 10.0
 
 
-class Proc:
-    """A CLI process and every line it printed."""
-
-    def __init__(self, name: str, cmd: list[str], env: dict | None = None):
-        self.name = name
-        self.popen = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-        )
-        self.lines: list[str] = []
-        self.cond = threading.Condition()
-        threading.Thread(target=self._read, daemon=True, name=f"read-{name}").start()
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def _read(self) -> None:
-        for line in self.popen.stdout:
-            with self.cond:
-                self.lines.append(line.rstrip())
-                self.cond.notify_all()
-        with self.cond:
-            self.cond.notify_all()
-
-    def wait_line(self, prefix: str, count: int, timeout: float) -> list[str]:
-        """The first `count` lines starting with `prefix`; raises after `timeout` s or when the
-        process exited without printing them."""
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            while True:
-                found = [ln for ln in self.lines if ln.startswith(prefix)]
-                if len(found) >= count:
-                    return found
-                left = deadline - time.monotonic()
-                if left <= 0 or self.popen.poll() is not None:
-                    tail = "\n".join(self.lines[-30:])
-                    raise RuntimeError(
-                        f"{self.name}: no {count} lines {prefix!r} within {timeout} s "
-                        f"(exit code {self.popen.poll()}); last lines:\n{tail}"
-                    )
-                self.cond.wait(min(left, 1.0))
-
-    def count(self, prefix: str) -> int:
-        with self.cond:
-            return sum(ln.startswith(prefix) for ln in self.lines)
-
-    def stop(self) -> int | None:
-        """SIGINT (the CLIs stop cleanly on it), SIGKILL after STOP_S; the exit code."""
-        p = self.popen
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                p.send_signal(signal.SIGCONT)  # a stopped process cannot act on SIGINT
-                p.send_signal(signal.SIGINT)
-            try:
-                p.wait(STOP_S)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(STOP_S)
-        return p.returncode
-
-
 class Deployment:
     def __init__(self, checkpoint: str, threads: int = 1):
         self.checkpoint = str(checkpoint)
@@ -116,11 +53,13 @@ class Deployment:
         self.env = dict(os.environ, MOECOMM_MONITOR_TOKEN=self.token)
         self.monitor = MonitorProcess(token=self.token)
         self.monitor_pids: list[int] = []
+        self.procs = Processes(env=self.env)
         self.servers: list[Proc | None] = [None] * len(HOSTED)
         self.server_generation = [0] * len(HOSTED)
         self.all_procs: list[Proc] = []  # every server and front end ever started
         self.frontend: Proc | None = None
         self.url = ""
+        self._leftovers: list[str] = []
 
     # ------------------------------------------------------------------ start / stop
     def start(self) -> None:
@@ -128,18 +67,16 @@ class Deployment:
         self.monitor_pids.append(self.monitor.proc.pid)
         for i in range(len(HOSTED)):
             self._spawn_server(i)
-        for i in range(len(HOSTED)):
-            self.servers[i].wait_line("expert server", 1, START_S)
+        wait_all(self.servers, START_S)
         args = ["frontend", "--checkpoint", self.checkpoint, "--model-name", MODEL_NAME]
         args += ["--monitor", self.monitor_url, "--stages", "2", "--port", "0"]
         args += ["--threads", self.threads, "--max-batch-tokens", str(MAX_BATCH_TOKENS)]
         args += ["--timeout", str(CLIENT_TIMEOUT_S), "--min-replicas", "2"]
         args += ["--eplb-interval", str(EPLB_INTERVAL_S)]
         args += ["--eplb-min-tokens", str(EPLB_MIN_TOKENS)]
-        self.frontend = Proc("frontend", [*CLI, *args], self.env)
+        self.frontend = self.procs.moecomm("frontend", args, wait=False)
         self.all_procs.append(self.frontend)
-        line = self.frontend.wait_line("frontend ", 1, START_S)[0]
-        self.url = line.split(" listening on ")[1]
+        self.url = self.frontend.wait_ready(START_S)["url"]
 
     def _spawn_server(self, i: int) -> None:
         gen = self.server_generation[i]
@@ -147,7 +84,7 @@ class Deployment:
         args = ["expert-server", "--checkpoint", self.checkpoint, "--experts", HOSTED[i]]
         args += ["--monitor", self.monitor_url, "--id", f"chaos-server-{i}-{gen}"]
         args += ["--threads", self.threads]
-        p = Proc(f"server {i} ({gen})", [*CLI, *args], self.env)
+        p = self.procs.moecomm(f"server {i} ({gen})", args, wait=False)
         self.servers[i] = p
         self.all_procs.append(p)
 
@@ -156,12 +93,12 @@ class Deployment:
         old = self.servers[i]
         if old is not None:
             old.popen.wait(STOP_S)  # killed: reaped here
+            old.stop()  # its group gone, its shared memory reaped
         self._spawn_server(i)
 
     def restart_monitor(self) -> None:
         """The monitor again, on its port (it keeps nothing: everyone registers again)."""
         self.monitor.proc.wait(STOP_S)
-        self.monitor.proc.stdout.close()
         self.monitor.start()
         self.monitor_pids.append(self.monitor.proc.pid)
 
@@ -169,30 +106,31 @@ class Deployment:
         """Stops everything: the front end first (its stages still call the servers), then the
         servers, then the monitor. Exit codes by process name."""
         codes = {}
+        # Not cleaned up after: a process or segment left behind is a leak to report.
         if self.frontend is not None:
-            codes["frontend"] = self.frontend.stop()
+            codes["frontend"] = self.frontend.stop(signal.SIGINT, STOP_S, clean=False)
         for p in self.servers:
             if p is not None:
-                codes[p.name] = p.stop()
+                codes[p.name] = p.stop(signal.SIGINT, STOP_S, clean=False)
         if self.monitor.proc is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.monitor.proc.pid, signal.SIGCONT)
             self.monitor.stop()
+        self._leftovers = self._find_leftovers()  # reaps what it finds
+        self.procs.close(signal.SIGINT, STOP_S)  # every group gone, its shared memory reaped
         return codes
 
     # ------------------------------------------------------------------ state
     def stage_pids(self) -> list[int]:
         """The serving pipeline's stage pids (the front end prints them at start and after
         every replacement)."""
-        last = self.frontend.wait_line("pipeline stage pids: ", 1, 0)[-1]
+        last = self.frontend.wait_output("pipeline stage pids: ", 1, 0)[-1]
         return [int(p) for p in last.split(": ", 1)[1].split()]
 
     def every_stage_pid(self) -> set[int]:
         """Every stage process the front end ever started: serving and standby."""
         out = set()
-        with self.frontend.cond:
-            lines = list(self.frontend.lines)
-        for ln in lines:
+        for ln in self.frontend.lines():
             if ln.startswith("pipeline stage pids: "):
                 out |= {int(p) for p in ln.split(": ", 1)[1].split()}
             elif ln.startswith("pipeline standby stages ready: pids "):
@@ -234,8 +172,8 @@ class Deployment:
         deadline = time.monotonic() + RESTORE_S
         for i, p in enumerate(self.servers):
             try:
-                p.wait_line("expert server", 1, max(0.0, deadline - time.monotonic()))
-            except RuntimeError as exc:
+                p.wait_ready(max(0.0, deadline - time.monotonic()))
+            except Exception as exc:  # exited or late: said with its output
                 return [f"server {i} did not come back: {exc}"]
         last = ""
         while time.monotonic() < deadline:
@@ -267,7 +205,11 @@ class Deployment:
         ]
 
     def leftovers(self) -> list[str]:
-        """After close: no process of the deployment left, no shared-memory segment of any."""
+        """After close: no process of the deployment was left, no shared-memory segment of any
+        (checked by close(), before its teardown reaped everything)."""
+        return list(self._leftovers)
+
+    def _find_leftovers(self) -> list[str]:
         problems = []
         for pid, name in self.every_pid().items():
             with contextlib.suppress(ChildProcessError):

@@ -156,7 +156,7 @@ class DeployTrial:
         d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
         answers = traffic.answers
         lat = sorted(a.ended - a.started for a in answers)
-        lines = self.dep.frontend.wait_line("pipeline restarted", restarted, 0)[restarted:]
+        lines = self.dep.frontend.wait_output("pipeline restarted", restarted, 0)[restarted:]
         # "pipeline restarted in 1.234 s (stages ...": the front end's own recovery time.
         recovery_s = [float(ln.split(" in ", 1)[1].split(" s", 1)[0]) for ln in lines]
         struck = [f for _, f, _ in self.struck]

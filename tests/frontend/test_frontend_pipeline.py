@@ -6,18 +6,15 @@ pipeline stage processes that each call the expert servers."""
 from __future__ import annotations
 
 import asyncio
-import signal
 import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 from frontend_helpers import MODEL_NAME
-from moecomm.wire.shm import reap_stale_segments
-from proc_helpers import read_line
+from moecomm.testing import MOECOMM_CLI, FrontendSpec, start_local_cluster
 
-CLI = [sys.executable, "-m", "moecomm_serving.cli"]
+CLI = list(MOECOMM_CLI)
+# A refused start imports torch first, on a loaded machine.
 START_S = 120.0
 TIMEOUT_S = 60.0
 # The demo's split: experts 4-11 on both servers.
@@ -28,64 +25,21 @@ PROMPTS = ("pipeline stages", "two stages, two servers, one front end; " * 2)
 MAX_NEW = 8
 
 
-def _stop(p: subprocess.Popen) -> None:
-    if p.poll() is None:
-        p.send_signal(signal.SIGINT)
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(30)
-    reap_stale_segments(p.pid)
-
-
 @pytest.fixture(scope="module")
 def pipelined_frontend(tiny_dir):
-    procs = []
+    args = ("--stages", "2", "--max-batch-tokens", str(STEP_TOKENS))
+    cluster = start_local_cluster(
+        tiny_dir,
+        servers=HOSTED,
+        frontends=[FrontendSpec(args=args)],
+        model_name=MODEL_NAME,
+        id_prefix="fe-pipe",
+    )
     try:
-        for i, experts in enumerate(HOSTED):
-            args = ["expert-server", "--checkpoint", str(tiny_dir), "--experts", experts]
-            procs.append(
-                subprocess.Popen(
-                    [*CLI, *args, "--id", f"fe-pipe-{i}", "--threads", "1"],
-                    stdout=subprocess.PIPE,
-                    text=True,
-                )
-            )
-        deadline = time.monotonic() + START_S
-        urls = [
-            read_line(p, "expert server", deadline).split(" listening on ")[1].split(": ")[0]
-            for p in procs
-        ]
-        fe = subprocess.Popen(
-            [
-                *CLI,
-                "frontend",
-                "--checkpoint",
-                str(tiny_dir),
-                "--model-name",
-                MODEL_NAME,
-                "--servers",
-                ",".join(urls),
-                "--stages",
-                "2",
-                "--max-batch-tokens",
-                str(STEP_TOKENS),
-                "--threads",
-                "1",
-                "--port",
-                "0",
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        procs.append(fe)
-        line = read_line(fe, "frontend ", time.monotonic() + START_S)
-        yield line.split(" listening on ")[1]
+        yield cluster.frontend_urls[0]
     finally:
-        for p in reversed(procs):  # the front end first: its stages still use the servers
-            _stop(p)
-        assert procs[-1].returncode == 0 or len(procs) < 3
+        codes = cluster.close()  # the front end first: its stages still use the servers
+    assert codes["frontend-0"] == 0
 
 
 @pytest.mark.timeout(240)

@@ -10,8 +10,9 @@ import httpx
 import pytest
 import torch
 from frontend_helpers import MODEL_NAME
-from moecomm.runtime import AttentionClient, ExpertServer
+from moecomm.runtime import ExpertServer
 from moecomm.runtime.control import HttpServer, make_app
+from moecomm.testing import connect_client
 from moecomm_serving.model.checkpoint import Checkpoint
 from moecomm_serving.model.transformer import load_model
 
@@ -35,17 +36,14 @@ def remote_served(tiny_dir, model, serve):
             server.start()
             running.append((server, http, http.start()))
         cfg = model.config
-        client = AttentionClient(
+        client = connect_client(
             [url for _, _, url in running],
+            cfg.hidden_size,
+            cfg.num_experts_per_tok,
+            CLIENT_MAX_TOKENS,
             client_id=7,
-            hidden=cfg.hidden_size,
-            topk=cfg.num_experts_per_tok,
-            max_tokens=CLIENT_MAX_TOKENS,
-            encoding="f32",
-            out_dtype=torch.float32,
             timeout=20.0,
         )
-        client.connect()
         remote = load_model(tiny_dir, experts=client, dtype=torch.float32)
         served = serve(remote, max_batch_tokens=CLIENT_MAX_TOKENS)
         yield served, client

@@ -10,19 +10,13 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
-import threading
-import time
 
 import httpx
 import pytest
 from frontend_helpers import MODEL_NAME
-from moecomm.wire.shm import reap_stale_segments
-from proc_helpers import read_line, stop_process
+from moecomm.testing import FrontendSpec, Proc, start_local_cluster
+from proc_helpers import stop_process
 
-CLI = [sys.executable, "-m", "moecomm_serving.cli"]
-START_S = 120.0
 # A request's deadline: covers a restart of the stages (a few seconds) on a loaded machine.
 TIMEOUT_S = 90.0
 HOSTED = ("0-11", "4-15")
@@ -34,83 +28,27 @@ KILL_AFTER = 3
 SAMPLED = {"temperature": 0.8, "top_p": 0.9, "seed": 11}
 
 
-class Frontend:
-    """The front-end process and every line it printed (read by a thread, so its pipe never
-    fills)."""
-
-    def __init__(self, proc: subprocess.Popen):
-        self.proc, self.lines = proc, []
-        self.cond = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            with self.cond:
-                self.lines.append(line.rstrip())
-                self.cond.notify_all()
-
-    def wait_line(self, prefix: str, count: int, timeout: float) -> list[str]:
-        """Waits until `count` lines start with `prefix`; returns them."""
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            while True:
-                found = [ln for ln in self.lines if ln.startswith(prefix)]
-                if len(found) >= count:
-                    return found
-                left = deadline - time.monotonic()
-                assert left > 0, f"no {count} lines {prefix!r} within {timeout} s: {self.lines}"
-                self.cond.wait(left)
-
-    def stage_pids(self) -> list[int]:
-        last = self.wait_line("pipeline stage pids: ", 1, 0)[-1]
-        return [int(p) for p in last.split(": ")[1].split()]
-
-
-def _stop(p: subprocess.Popen) -> None:
-    if p.poll() is None:
-        p.send_signal(signal.SIGINT)
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(30)
-    reap_stale_segments(p.pid)
+def stage_pids(fe: Proc) -> list[int]:
+    """The serving pipeline's stage pids: the front end prints them at start and after every
+    replacement."""
+    last = fe.wait_output("pipeline stage pids: ", 1, 0)[-1]
+    return [int(p) for p in last.split(": ")[1].split()]
 
 
 @pytest.fixture(scope="module")
 def frontend(tiny_dir):
-    procs, fe = [], None
-    try:
-        for i, experts in enumerate(HOSTED):
-            args = ["expert-server", "--checkpoint", str(tiny_dir), "--experts", experts]
-            procs.append(
-                subprocess.Popen(
-                    [*CLI, *args, "--id", f"fe-recover-{i}", "--threads", "1"],
-                    stdout=subprocess.PIPE,
-                    text=True,
-                )
-            )
-        deadline = time.monotonic() + START_S
-        urls = [
-            read_line(p, "expert server", deadline).split(" listening on ")[1].split(": ")[0]
-            for p in procs
-        ]
-        args = ["frontend", "--checkpoint", str(tiny_dir), "--model-name", MODEL_NAME]
-        args += ["--servers", ",".join(urls), "--stages", "2", "--port", "0", "--threads", "1"]
-        # Two micro-batches in flight per step: a fault also lands while both stages are busy.
-        args += ["--max-batch-tokens", str(STEP_TOKENS), "--stage-micro-batches", "2"]
-        p = subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, text=True)
-        procs.append(p)
-        fe = Frontend(p)
-        line = fe.wait_line("frontend ", 1, START_S)[0]
-        fe.url = line.split(" listening on ")[1]
-        yield fe
-    finally:
-        stages = fe.stage_pids() if fe is not None and fe.lines else []
-        for p in reversed(procs):  # the front end first: its stages still use the servers
-            _stop(p)
-        for pid in stages:  # the stages stop with the front end; nothing of theirs is left
-            reap_stale_segments(pid)
+    # Two micro-batches in flight per step: a fault also lands while both stages are busy.
+    args = ("--stages", "2", "--max-batch-tokens", str(STEP_TOKENS), "--stage-micro-batches", "2")
+    with start_local_cluster(
+        tiny_dir,
+        servers=HOSTED,
+        frontends=[FrontendSpec(args=args)],
+        model_name=MODEL_NAME,
+        id_prefix="fe-recover",
+    ) as cluster:
+        # the front end first at teardown (its stages still use the servers); every stage
+        # process is in its group: stopped and reaped with it
+        yield cluster.frontends[0]
 
 
 def _bodies():
@@ -172,9 +110,9 @@ def _expected(tok, solo) -> list[list[int]]:
     return out
 
 
-def _check_replaced(fe: Frontend, before: list[int], restarts: int, victim: int) -> None:
-    fe.wait_line("pipeline restarted", restarts, TIMEOUT_S)
-    after = fe.stage_pids()
+def _check_replaced(fe: Proc, before: list[int], restarts: int, victim: int) -> None:
+    fe.wait_output("pipeline restarted", restarts, TIMEOUT_S)
+    after = stage_pids(fe)
     assert not set(after) & set(before), (before, after)  # all new processes
     with pytest.raises(ProcessLookupError):  # the victim is gone for good (reaped by the driver)
         os.kill(before[victim], 0)
@@ -183,8 +121,8 @@ def _check_replaced(fe: Frontend, before: list[int], restarts: int, victim: int)
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("victim", [1, 0])
 def test_killed_stage_is_replaced_and_every_request_completes(frontend, tok, solo, victim):
-    restarts = len([ln for ln in frontend.lines if ln.startswith("pipeline restarted")])
-    before = frontend.stage_pids()
+    restarts = len([ln for ln in frontend.lines() if ln.startswith("pipeline restarted")])
+    before = stage_pids(frontend)
     got, at_fault = asyncio.run(
         _serve_through(frontend.url, lambda: os.kill(before[victim], signal.SIGKILL))
     )
@@ -195,11 +133,11 @@ def test_killed_stage_is_replaced_and_every_request_completes(frontend, tok, sol
 
 @pytest.mark.timeout(300)
 def test_stopped_stage_is_replaced_and_every_request_completes(frontend, tok, solo):
-    restarts = len([ln for ln in frontend.lines if ln.startswith("pipeline restarted")])
-    before = frontend.stage_pids()
+    restarts = len([ln for ln in frontend.lines() if ln.startswith("pipeline restarted")])
+    before = stage_pids(frontend)
     got, at_fault = asyncio.run(_serve_through(frontend.url, lambda: stop_process(before[0])))
     assert at_fault < MAX_NEW
     assert got == _expected(tok, solo)
     _check_replaced(frontend, before, restarts + 1, 0)
-    lost = frontend.wait_line("pipeline stage lost", restarts + 1, 0)[-1]
+    lost = frontend.wait_output("pipeline stage lost", restarts + 1, 0)[-1]
     assert f"stage 0 (pid {before[0]}) stopped" in lost, lost

@@ -7,22 +7,19 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 from moecomm.pipeline.driver import run_decode
-from moecomm.wire.shm import reap_stale_segments
+from moecomm.testing import start_local_cluster
 from moecomm.wire.stage import stage_layout
 from moecomm_serving.engine.stages import model_pipeline
 from moecomm_serving.model.config import MoEConfig
 from moecomm_serving.model.remote_experts import RemoteExperts
-from proc_helpers import read_line
 from test_stages import MAX_NEW, PROMPTS, reference
 
-CLI = [sys.executable, "-m", "moecomm_serving.cli"]
+# The pipeline's progress before the kill, and its end after it, on a loaded 2-core machine.
 START_S = 120.0
 # Every expert of the tiny model (16) on two servers: the demo's 0-11 / 4-15 split plus a third
 # server for the experts those two do not share, so any one server can die.
@@ -36,30 +33,10 @@ KILL_AFTER_STEPS = 8
 @pytest.fixture(scope="module")
 def expert_servers(tiny_dir):
     """Three expert-server processes (the kill test, last in this module, kills the first)."""
-    procs = []
-    try:
-        for i, experts in enumerate(HOSTED):
-            args = ["expert-server", "--checkpoint", str(tiny_dir), "--experts", experts]
-            args += ["--id", f"pipe-es-{i}", "--threads", "1"]
-            procs.append(
-                subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, text=True, bufsize=1)
-            )
-        deadline = time.monotonic() + START_S
-        urls = []
-        for p in procs:
-            line = read_line(p, "expert server", deadline)
-            urls.append(line.split(" listening on ")[1].split(": layers")[0])
-        yield urls, procs
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-                try:
-                    p.wait(20)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(20)
-            reap_stale_segments(p.pid)
+    with start_local_cluster(
+        tiny_dir, servers=HOSTED, frontends=(), id_prefix="pipe-es"
+    ) as cluster:
+        yield cluster.server_urls, cluster.servers
 
 
 def _remote(urls) -> RemoteExperts:
@@ -110,6 +87,6 @@ def test_killing_an_expert_server_mid_generation_loses_nothing(tiny_dir, expert_
         assert not worker.is_alive()
     if "error" in out:
         raise out["error"]
-    assert procs[0].wait(10) == -signal.SIGKILL
+    assert procs[0].popen.wait(10) == -signal.SIGKILL
     assert pipe.next_step > KILL_AFTER_STEPS + len(PROMPTS)  # the kill landed mid-generation
     assert out["run"].tokens == want

@@ -5,20 +5,18 @@ reconnects on its own and says so in its log."""
 
 import logging
 import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 import torch
-from moecomm.runtime import AttentionClient
 from moecomm.runtime.launch import ModelSpec, spawn_expert_server
 from moecomm.runtime.registry import ClientIdInUseError
-from proc_helpers import read_line
+from moecomm.testing import FrontendSpec, connect_client, start_local_cluster
 
 SPEC = ModelSpec(num_layers=1, num_experts=4, hidden=32, intermediate=16, seed=2)
 TOPK = 2
-CLI = [sys.executable, "-m", "moecomm_serving.cli"]
+# The refused second front end: imports torch and loads the checkpoint first, on a loaded
+# machine.
 START_S = 120.0
 
 
@@ -36,19 +34,7 @@ def servers():
 
 
 def client(servers, client_id, **kw):
-    c = AttentionClient(
-        [s.url for s in servers],
-        client_id,
-        SPEC.hidden,
-        TOPK,
-        8,
-        encoding="f32",
-        out_dtype=torch.float32,
-        timeout=5.0,
-        **kw,
-    )
-    c.connect()
-    return c
+    return connect_client(servers, SPEC.hidden, TOPK, 8, client_id, timeout=5.0, **kw)
 
 
 def step(c, seed=0):
@@ -122,37 +108,17 @@ def test_a_client_whose_session_was_dropped_reconnects_on_its_own_and_logs_it(se
 def test_two_front_ends_with_the_same_client_id(tmp_path, tiny_mixtral_dir):
     """The second `moecomm frontend --client-id 7` stops with a clear error; the first one keeps
     answering completions."""
-    procs = []
-    try:
-        es = subprocess.Popen(
-            [*CLI, "expert-server", "--checkpoint", str(tiny_mixtral_dir), "--threads", "1"],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        procs.append(es)
-        deadline = time.monotonic() + START_S
-        line = read_line(es, "expert server", deadline)
-        url = line.split(" listening on ")[1].split(": layers")[0]
-        frontend = [*CLI, "frontend", "--checkpoint", str(tiny_mixtral_dir), "--servers", url]
-        frontend += ["--model-name", "tiny", "--threads", "1"]
-        first = subprocess.Popen([*frontend, "--client-id", "7"], stdout=subprocess.PIPE, text=True)
-        procs.append(first)
-        line = read_line(first, "frontend", deadline)
-        fe_url = line.split(" listening on ")[1]
-        second = subprocess.run(
-            [*frontend, "--client-id", "7"], capture_output=True, text=True, timeout=START_S
-        )
+    with start_local_cluster(
+        tiny_mixtral_dir, servers=["all"], frontends=[FrontendSpec(args=("--client-id", "7"))]
+    ) as cluster:
+        first = cluster.frontends[0]
+        second = subprocess.run(first.argv, capture_output=True, text=True, timeout=START_S)
         assert second.returncode != 0
         assert "client id 7 belongs to another live client" in second.stderr
         assert "Traceback" not in second.stderr
         r = httpx.post(
-            f"{fe_url}/v1/completions",
+            f"{first.url}/v1/completions",
             json={"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0},
             timeout=60,
         )
         assert r.status_code == 200, r.text
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)

@@ -1,17 +1,15 @@
 """The `moecomm` command as a user runs it: real subprocesses on 127.0.0.1."""
 
+import signal
 import subprocess
-import sys
-import time
 
 import httpx
 import pytest
+from moecomm.testing import MOECOMM_CLI, Processes
 from moecomm_serving.cli.expert_server import parse_ids
 from moecomm_serving.model.config import MoEConfig
-from proc_helpers import read_line
 
-CLI = [sys.executable, "-m", "moecomm_serving.cli"]
-START_S = 120.0
+CLI = list(MOECOMM_CLI)
 
 
 def test_help_explains_every_subcommand():
@@ -38,15 +36,11 @@ def test_parse_ids():
 def test_monitor_and_expert_server_from_the_command_line(tmp_path):
     ckpt = tmp_path / "tiny"
     subprocess.run([*CLI, "tiny", "--out", str(ckpt)], check=True, timeout=120, capture_output=True)
-    procs = []
-    try:
-        mon = subprocess.Popen([*CLI, "monitor"], stdout=subprocess.PIPE, text=True)
-        procs.append(mon)
-        deadline = time.monotonic() + START_S
-        monitor_url = read_line(mon, "http://", deadline)
-        es = subprocess.Popen(
+    with Processes(tmp_path / "procs") as procs:
+        monitor_url = procs.moecomm("monitor", ["monitor"]).url
+        es = procs.moecomm(
+            "expert-server",
             [
-                *CLI,
                 "expert-server",
                 "--checkpoint",
                 str(ckpt),
@@ -59,12 +53,8 @@ def test_monitor_and_expert_server_from_the_command_line(tmp_path):
                 "--ttl",
                 "1",
             ],
-            stdout=subprocess.PIPE,
-            text=True,
         )
-        procs.append(es)
-        line = read_line(es, "expert server", deadline)
-        url = line.split(" listening on ")[1].split(": layers")[0]
+        url = es.url
         health = httpx.get(f"{url}/health", timeout=10).json()
         assert health["ok"]
         experts = httpx.get(f"{url}/experts", timeout=10).json()["layers"]
@@ -72,17 +62,12 @@ def test_monitor_and_expert_server_from_the_command_line(tmp_path):
         members = httpx.get(f"{monitor_url}/members", timeout=10).json()["members"]
         assert [m["member"]["endpoints"]["control"] for m in members] == [url]
         # SIGTERM drains: the server answers DRAINING, waits for traffic to stop, then leaves.
-        es.send_signal(subprocess.signal.SIGTERM)
-        assert es.wait(60) == 0
-        assert "draining" in es.stdout.read()
+        es.send_signal(signal.SIGTERM)
+        assert es.popen.wait(60) == 0
+        assert "draining" in es.output()
         # A clean exit deregisters at once (no waiting for the lease).
         members = httpx.get(f"{monitor_url}/members", timeout=10).json()["members"]
         assert members == []
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
 
 
 @pytest.mark.parametrize(("flag", "arch"), [("--arch", "qwen3_moe"), ("--layout", "qwen2_moe")])

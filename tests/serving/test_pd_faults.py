@@ -12,16 +12,9 @@ import time
 
 import httpx
 import pytest
+from moecomm.testing import FrontendSpec, start_local_cluster
 from moecomm_serving.model.tiny import write_tiny
-from pd_procs import (
-    HTTP_TIMEOUT_S,
-    Deployment,
-    Stream,
-    frontend_args,
-    metric,
-    router_args,
-    url_of,
-)
+from pd_procs import HTTP_TIMEOUT_S, MODEL_NAME, Deployment, Stream, metric
 from proc_helpers import stop_process
 
 # Long enough that every stream is still running when the fault strikes (the tiny model makes
@@ -78,27 +71,17 @@ def split(tmp_path_factory):
         ports = _free_ports(4)
         roles = ["prefill", "prefill", "decode", "decode"]
         names = ["prefill0", "prefill1", "decode0", "decode1"]
+        # in-process experts (no servers), each on a fixed port (the later --port wins)
         specs = [
-            (
-                name,
-                frontend_args(ckpt, role, ["--local-experts"], ("--port", str(port))),
-                "frontend",
-            )
+            FrontendSpec(role, ("--port", str(port)), name)
             for name, role, port in zip(names, roles, ports, strict=True)
         ]
-        urls = [url_of(line) for line in dep.start_many(specs)]
-        args = router_args(
-            ckpt,
-            urls[:2],
-            urls[2:],
-            (
-                "--backend-timeout",
-                str(BACKEND_TIMEOUT_S),
-                "--request-timeout",
-                str(REQUEST_TIMEOUT_S),
-            ),
+        timeouts = ("--backend-timeout", str(BACKEND_TIMEOUT_S))
+        timeouts += ("--request-timeout", str(REQUEST_TIMEOUT_S))
+        cluster = start_local_cluster(
+            ckpt, frontends=specs, router=timeouts, model_name=MODEL_NAME, procs=dep.processes
         )
-        router = url_of(dep.start("router", args, "router"))
+        router = cluster.router_url
         baseline = _results(_run(router), time.monotonic() + WAIT_S)
         assert all(len(t) == MAX_TOKENS for t in baseline)
         yield router, dep, baseline
@@ -124,7 +107,7 @@ def _wait_all_healthy(router: str, deadline: float) -> None:
 
 
 def _restore(router: str, dep: Deployment, name: str) -> None:
-    dep.restart(name, "frontend")
+    dep.restart(name)
     _wait_all_healthy(router, time.monotonic() + WAIT_S)
 
 

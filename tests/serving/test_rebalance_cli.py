@@ -3,18 +3,14 @@ two `moecomm expert-server` processes while it serves, greedy completions stay t
 `moecomm rebalance` runs a pass on its own."""
 
 import json
-import queue
 import subprocess
-import sys
-import threading
 import time
 
 import httpx
 import pytest
-from proc_helpers import read_line
+from moecomm.testing import MOECOMM_CLI, Processes
 
-CLI = [sys.executable, "-m", "moecomm_serving.cli"]
-START_S = 120.0
+CLI = list(MOECOMM_CLI)
 ONE_THREAD = ("--threads", "1")
 BODY = {
     "model": "tiny",
@@ -26,43 +22,24 @@ BODY = {
 }
 
 
-def lines_of(proc) -> queue.Queue:
-    """Every stdout line of `proc`, collected by a thread (the test reads without blocking)."""
-    out: queue.Queue = queue.Queue()
-
-    def pump():
-        for line in proc.stdout:
-            out.put(line.rstrip())
-
-    threading.Thread(target=pump, daemon=True).start()
-    return out
-
-
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("stages", [1, 2])
 def test_frontend_eplb_interval_moves_experts_while_serving(mixtral_dir, stages):
     """With --stages 2 the experts are called from two stage processes, each with its own
     client: both pick up every new table."""
-    procs = []
-    try:
-        deadline = time.monotonic() + START_S
-        urls = []
+    with Processes() as procs:
         # A lopsided start: one server holds every expert, the other two of them, so the first
         # measured load calls for moves.
-        for experts in ("0-15", "0-1"):
-            args = ["expert-server", "--checkpoint", str(mixtral_dir), "--experts", experts]
-            es = subprocess.Popen(
-                [*CLI, *args, *ONE_THREAD],
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            procs.append(es)
-            line = read_line(es, "expert server", deadline)
-            urls.append(line.split(" listening on ")[1].split(": layers")[0])
+        args = [*procs.cli, "expert-server", "--checkpoint", str(mixtral_dir), *ONE_THREAD]
+        servers = procs.start_many(
+            (f"server-{i}", [*args, "--experts", experts])
+            for i, experts in enumerate(("0-15", "0-1"))
+        )
+        urls = [s.url for s in servers]
         before = [httpx.get(f"{u}/experts", timeout=10).json()["layers"] for u in urls]
-        fe = subprocess.Popen(
+        fe = procs.moecomm(
+            "frontend",
             [
-                *CLI,
                 "frontend",
                 "--checkpoint",
                 str(mixtral_dir),
@@ -80,12 +57,8 @@ def test_frontend_eplb_interval_moves_experts_while_serving(mixtral_dir, stages)
                 str(stages),
                 *ONE_THREAD,
             ],
-            stdout=subprocess.PIPE,
-            text=True,
         )
-        procs.append(fe)
-        fe_url = read_line(fe, "frontend ", deadline).split(" listening on ")[1]
-        out = lines_of(fe)
+        fe_url = fe.url
         first = httpx.post(f"{fe_url}/v1/completions", json=BODY, timeout=120)
         assert first.status_code == 200, first.text
         tokens = first.json()["choices"][0]["token_ids"]
@@ -95,8 +68,7 @@ def test_frontend_eplb_interval_moves_experts_while_serving(mixtral_dir, stages)
             r = httpx.post(f"{fe_url}/v1/completions", json=BODY, timeout=120)
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["token_ids"] == tokens  # during the moves too
-            while not out.empty():
-                line = out.get()
+            for line in fe.lines()[len(seen) :]:
                 seen.append(line)
                 if line.startswith("frontend: rebalance:") and "loaded" in line:
                     moved = line
@@ -119,8 +91,3 @@ def test_frontend_eplb_interval_moves_experts_while_serving(mixtral_dir, stages)
         assert rb.returncode == 0, rb.stdout + rb.stderr
         report = json.loads(rb.stdout.strip().splitlines()[-1])
         assert report["servers"] == 2 and report["errors"] == []
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)

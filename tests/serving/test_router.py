@@ -21,24 +21,13 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from moecomm.http_thread import HttpServer
+from moecomm.testing import FrontendSpec, Processes, start_local_cluster
 from moecomm_serving.cli import main as cli
 from moecomm_serving.disagg.router import MAX_ATTEMPTS, Router, make_router_app
 from moecomm_serving.disagg.schema import DecodeToken, KvReceipt, PrefillAnswer
 from moecomm_serving.model.tiny import write_tiny
 from moecomm_serving.model.tokenizer import BYTE_VOCAB_SIZE, ByteTokenizer
-from pd_procs import (
-    CLI,
-    HTTP_TIMEOUT_S,
-    MODEL_NAME,
-    Deployment,
-    Stream,
-    completion,
-    expert_server_args,
-    frontend_args,
-    metric,
-    router_args,
-    url_of,
-)
+from pd_procs import CLI, HTTP_TIMEOUT_S, MODEL_NAME, Stream, completion, metric
 
 # Families served by real expert servers (the issue: both roles use them as today); the others
 # run their experts in each front end to keep the machine's two cores for the rest.
@@ -63,26 +52,17 @@ def deployed(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"pd-{arch}")
     ckpt = tmp / "tiny"
     write_tiny(str(ckpt), arch, seed=0)
-    dep = Deployment(tmp)
-    try:
-        if arch in WITH_EXPERT_SERVERS:
-            line = dep.start("experts", expert_server_args(ckpt, 0), "expert server")
-            experts = ["--servers", url_of(line)]
-        else:
-            experts = ["--local-experts"]
-        prefill, decode = (
-            url_of(line)
-            for line in dep.start_many(
-                [
-                    ("prefill", frontend_args(ckpt, "prefill", experts), "frontend"),
-                    ("decode", frontend_args(ckpt, "decode", experts), "frontend"),
-                ]
-            )
-        )
-        router = url_of(dep.start("router", router_args(ckpt, [prefill], [decode]), "router"))
-        yield router, prefill, prefill, decode
-    finally:
-        dep.stop_all()
+    with start_local_cluster(
+        ckpt,
+        servers=["all"] if arch in WITH_EXPERT_SERVERS else [],
+        frontends=[FrontendSpec("prefill"), FrontendSpec("decode")],
+        router=True,
+        model_name=MODEL_NAME,
+        procs=Processes(tmp / "procs"),
+        id_prefix="pd-test",
+    ) as cluster:
+        prefill, decode = cluster.frontend_urls
+        yield cluster.router_url, prefill, prefill, decode
 
 
 @pytest.mark.timeout(240)

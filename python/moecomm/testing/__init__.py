@@ -26,6 +26,7 @@ _LAZY = {
     "serve_identity": "identity",
     "spawn_identity_server": "identity",
     "MOECOMM_CLI": "procs",
+    "MONITOR_CMD": "procs",
     "Proc": "procs",
     "ProcessStartError": "procs",
     "Processes": "procs",

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from moecomm.testing.procs import START_TIMEOUT_S, Proc, Processes, wait_all
+from moecomm.testing.procs import MONITOR_CMD, START_TIMEOUT_S, Proc, Processes, wait_all
 
 # Each process gets one torch thread: several share the machine's cores.
 ONE_THREAD = ("--threads", "1")
@@ -121,8 +121,7 @@ def start_local_cluster(
     ckpt = cluster.checkpoint
     try:
         if monitor:
-            cluster.monitor = procs.moecomm("monitor", ["monitor", "--port", "0"], wait=False)
-            cluster.monitor.wait_ready(timeout)
+            cluster.monitor = procs.start("monitor", [*MONITOR_CMD, "--port", "0"], timeout=timeout)
         mon = cluster.monitor_url
         cluster.servers = [
             procs.spawn(

@@ -26,11 +26,17 @@ from moecomm.readiness import READY_FILE_ENV, read_ready
 # The `moecomm` command run by this interpreter. A module name, not an import: the library never
 # imports the serving layer.
 MOECOMM_CLI = (sys.executable, "-m", "moecomm_serving.cli")
+# The membership monitor from its own module: what `moecomm monitor` runs, without the import of
+# every command (torch included) that the `moecomm` entry point pays: ~3 s to ready instead of
+# ~13 s on a loaded two-core machine (median of 3, load average 22).
+MONITOR_CMD = (sys.executable, "-m", "moecomm.membership.monitor")
 # A process that imports torch and loads a checkpoint, several starting at once on a loaded
 # two-core machine, serves within this long; longer means it is broken, not slow.
 START_TIMEOUT_S = 120.0
-# After the stop signal, this long for a clean exit before SIGKILL.
-STOP_TIMEOUT_S = 10.0
+# After the stop signal, this long for a clean exit before SIGKILL: a front end with pipeline
+# stages stops them (and any standby set still starting) first, tens of seconds on a loaded
+# two-core machine.
+STOP_TIMEOUT_S = 30.0
 # How often a wait for a ready file (or an output line) looks again: a fraction of the start-up
 # time of the lightest process (the monitor, ~0.5 s).
 POLL_S = 0.02
@@ -128,9 +134,9 @@ class Proc:
         self._lines += [ln.decode(errors="replace").rstrip("\r") for ln in done]
         return self._lines
 
-    def count(self, text: str) -> int:
-        """How many of its lines contain `text`."""
-        return sum(text in ln for ln in self.lines())
+    def count(self, prefix: str) -> int:
+        """How many of its lines start with `prefix`."""
+        return sum(ln.startswith(prefix) for ln in self.lines())
 
     def wait_output(self, prefix: str, count: int = 1, timeout: float = START_TIMEOUT_S) -> list:
         """The first `count` lines starting with `prefix`, for events other than readiness;
@@ -173,9 +179,10 @@ class Proc:
             )
         return None
 
-    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> dict:
-        """Waits up to `timeout` s for its ready file; returns what it announced."""
-        wait_all([self], timeout)
+    def wait_ready(self, timeout: float = START_TIMEOUT_S, on_output=None) -> dict:
+        """Waits up to `timeout` s for its ready file; returns what it announced. `on_output`:
+        see wait_all."""
+        wait_all([self], timeout, on_output)
         assert self.ready is not None
         return self.ready
 
@@ -196,11 +203,15 @@ class Proc:
         self.signal_group(signal.SIGKILL)
         self.popen.wait(timeout)
 
-    def stop(self, sig: int = signal.SIGINT, timeout: float = STOP_TIMEOUT_S) -> int | None:
+    def stop(
+        self, sig: int = signal.SIGINT, timeout: float = STOP_TIMEOUT_S, clean: bool = True
+    ) -> int | None:
         """`sig` to the process (the moecomm commands stop cleanly on SIGINT), SIGKILL after
-        `timeout`; then SIGKILL to whatever is left of its group, and the shared memory of every
-        process seen in the group reaped. Returns the exit code (None if it could not be
-        reaped). Safe to call twice."""
+        `timeout`; then SIGKILL to whatever is left of its group and the shared memory of every
+        process seen in the group reaped. `clean=False` leaves both (the process alone is
+        stopped) for a test that checks what a clean stop leaves behind; Processes.close()
+        cleans up after it. Returns the exit code (None if it could not be reaped). Safe to
+        call twice."""
         self.seen_pids |= group_pids(self.pid)
         if self.poll() is None:
             self.signal_group(signal.SIGCONT)  # a stopped process cannot act on `sig`
@@ -208,9 +219,14 @@ class Proc:
             try:
                 self.popen.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.signal_group(signal.SIGKILL)
+                if clean:
+                    self.signal_group(signal.SIGKILL)
+                else:
+                    self.send_signal(signal.SIGKILL)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self.popen.wait(timeout)
+        if not clean:
+            return self.popen.poll()
         # Children it left (stage processes, ...): gone before their segments can be reaped.
         deadline = time.monotonic() + timeout
         while (left := group_pids(self.pid)) and time.monotonic() < deadline:
@@ -229,13 +245,26 @@ def reap_segments(pids: Iterable[int]) -> None:
         reap_stale_segments(pid)
 
 
-def wait_all(procs: Sequence[Proc], timeout: float = START_TIMEOUT_S) -> list[dict]:
+def wait_all(procs: Sequence[Proc], timeout: float = START_TIMEOUT_S, on_output=None) -> list[dict]:
     """Waits for every one of `procs` to announce it serves, all against one deadline (they
     start concurrently); returns what each announced, in order. Raises ProcessStartError as soon
-    as one exits, DeadlineExceededError (with the laggards' output) after `timeout`."""
+    as one exits, DeadlineExceededError (with the laggards' output) after `timeout`.
+    `on_output(proc, line)`, if given, sees each line a process prints while it is waited for
+    (`moecomm demo` shows them)."""
     deadline = time.monotonic() + timeout
+    shown = {id(p): 0 for p in procs}
     while True:
-        pending = [p for p in procs if p.check_ready() is None]
+        # Readiness first, then the output: a process prints before it announces, so every
+        # line up to its announcement is shown before this returns.
+        try:
+            pending = [p for p in procs if p.check_ready() is None]
+        finally:
+            if on_output is not None:
+                for p in procs:
+                    lines = p.lines()
+                    for line in lines[shown[id(p)] :]:
+                        on_output(p, line)
+                    shown[id(p)] = len(lines)
         if not pending:
             return [p.ready for p in procs]
         if time.monotonic() >= deadline:

@@ -22,13 +22,15 @@ import tempfile
 import time
 
 import httpx
-from moecomm.errors import DeadlineExceededError
+from moecomm.testing.procs import MONITOR_CMD, Proc, Processes, wait_all
 
 CLI = [sys.executable, "-m", "moecomm_serving.cli"]
 # Start-up of a child `moecomm` process (it imports torch and loads the checkpoint) on a busy
 # 2-core machine.
 CHILD_START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 20.0
+# What a front end with --stages N prints once its standby stage processes are up.
+STANDBY_READY = "pipeline standby stages ready"
 HTTP_TIMEOUT_S = 120.0
 SERVER_EXPERTS = ("0-11", "4-15")
 PROMPTS = ["The experts are", "Once upon a time", "moecomm moves tokens"]
@@ -42,42 +44,22 @@ def say(msg: str) -> None:
     print(msg, flush=True)
 
 
-class Processes:
-    """Children started by the demo; all stopped on exit, whatever happened."""
+def show(proc: Proc, line: str) -> None:
+    """A child's line, printed while the demo waits for it to serve."""
+    say(f"  [{proc.name}] {line}")
 
-    def __init__(self):
-        self.procs: list[tuple[str, subprocess.Popen]] = []
 
-    def start(self, name: str, args: list[str], ready_prefix: str) -> str:
-        p = subprocess.Popen(
-            [*CLI, *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        self.procs.append((name, p))
-        deadline = time.monotonic() + CHILD_START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            line = p.stdout.readline()
-            if not line:
-                raise RuntimeError(f"{name} exited during start-up (code {p.wait()})")
-            line = line.rstrip()
-            if line.startswith(ready_prefix):
-                return line
-            say(f"  [{name}] {line}")
-        raise DeadlineExceededError(f"{name} did not start within {CHILD_START_TIMEOUT_S} s")
+def start(procs: Processes, name: str, args: list[str], argv: list[str] | None = None) -> Proc:
+    """`moecomm <args>` (or `argv`) as `name`, its output shown until it announced it serves."""
+    p = procs.spawn(name, [*CLI, *args] if argv is None else argv)
+    p.wait_ready(CHILD_START_TIMEOUT_S, on_output=show)
+    return p
 
-    def stop_all(self) -> None:
-        for name, p in reversed(self.procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-                try:
-                    p.wait(STOP_TIMEOUT_S)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(STOP_TIMEOUT_S)
-            say(f"  stopped {name} (exit {p.returncode})")
+
+def stop_all(procs: Processes) -> None:
+    """Every child stopped (SIGINT, SIGKILL after STOP_TIMEOUT_S), the last started first."""
+    for name, code in procs.close(signal.SIGINT, STOP_TIMEOUT_S).items():
+        say(f"  stopped {name} (exit {code})")
 
 
 def complete(url: str, prompt: str) -> tuple[str, float]:
@@ -145,54 +127,32 @@ def pd_metric_lines(url: str, prefix: str) -> list[str]:
 
 
 def start_expert_servers(procs: Processes, ckpt: str, monitor: str, gpu: list[str]) -> list[str]:
-    """The two expert servers of SERVER_EXPERTS, registered with the monitor; their URLs."""
-    urls = []
+    """The two expert servers of SERVER_EXPERTS, registered with the monitor, started together;
+    their URLs."""
+    servers = []
     for i, experts in enumerate(SERVER_EXPERTS):
         say(f"3.{i + 1} starting expert server {i} with experts {experts}")
-        line = procs.start(
-            f"expert-server-{i}",
-            [
-                "expert-server",
-                "--checkpoint",
-                ckpt,
-                "--experts",
-                experts,
-                "--id",
-                f"demo-server-{i}",
-                "--monitor",
-                monitor,
-                *ONE_THREAD,
-                *gpu,
-            ],
-            "expert server",
+        args = ["expert-server", "--checkpoint", ckpt, "--experts", experts]
+        args += ["--id", f"demo-server-{i}", "--monitor", monitor, *ONE_THREAD, *gpu]
+        servers.append(procs.moecomm(f"expert-server-{i}", args, wait=False))
+    wait_all(servers, CHILD_START_TIMEOUT_S, on_output=show)
+    for s in servers:
+        r = s.ready
+        experts = r["experts"]
+        say(
+            f"   expert server {r['server_id']} at {s.url}: layers {r['layers']}, "
+            f"experts {experts[0]}..{experts[-1]} ({len(experts)})"
         )
-        urls.append(line.split(" listening on ")[1].split(": layers")[0])
-        say(f"   {line}")
-    return urls
+    return [s.url for s in servers]
 
 
 def start_frontend(procs: Processes, name: str, ckpt: str, monitor: str, extra: list[str]) -> str:
     """A `moecomm frontend` that finds the servers through the monitor; its URL."""
-    line = procs.start(
-        name,
-        [
-            "frontend",
-            "--checkpoint",
-            ckpt,
-            "--model-name",
-            "tiny",
-            "--monitor",
-            monitor,
-            *ONE_THREAD,
-            "--port",
-            "0",
-            *extra,
-        ],
-        "frontend",
-    )
-    say(f"   {line}")
-    # the URL ends the ready line (frontend_cmd)
-    return line.split(" listening on ")[1]
+    args = ["frontend", "--checkpoint", ckpt, "--model-name", "tiny", "--monitor", monitor]
+    p = start(procs, name, [*args, *ONE_THREAD, "--port", "0", *extra])
+    role = f" (role {p.ready['pd_role']})" if p.ready.get("pd_role") else ""
+    say(f"   frontend {p.ready['name']}{role} at {p.url}")
+    return p.url
 
 
 def start_pd(procs: Processes, ckpt: str, monitor: str) -> tuple[str, dict[str, str]]:
@@ -203,25 +163,10 @@ def start_pd(procs: Processes, ckpt: str, monitor: str) -> tuple[str, dict[str, 
     say("4.2 starting the decode front end (takes the KV blocks, generates the rest)")
     decode = start_frontend(procs, "decode-frontend", ckpt, monitor, ["--role", "decode"])
     say("5. starting the router (the OpenAI API in front of both)")
-    line = procs.start(
-        "router",
-        [
-            "router",
-            "--checkpoint",
-            ckpt,
-            "--model-name",
-            "tiny",
-            "--prefill",
-            prefill,
-            "--decode",
-            decode,
-            "--port",
-            "0",
-        ],
-        "router",
-    )
-    say(f"   {line}")
-    return line.split(" listening on ")[1], {"prefill": prefill, "decode": decode}
+    args = ["router", "--checkpoint", ckpt, "--model-name", "tiny", "--port", "0"]
+    router = start(procs, "router", [*args, "--prefill", prefill, "--decode", decode])
+    say(f"   router {router.ready['name']} at {router.url}")
+    return router.url, {"prefill": prefill, "decode": decode}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -241,7 +186,6 @@ def run(args: argparse.Namespace) -> int:
                 "moecomm demo --device cuda: pipeline stages are not on the GPU path yet"
             )
     gpu = ["--device", device] if on_gpu else []
-    procs = Processes()
     interrupted = False
 
     def on_signal(*_):
@@ -253,8 +197,11 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     # --pd has one step more (the router) before the prompts
     step = 1 if pd else 0
+    procs = None
     try:
         with tempfile.TemporaryDirectory(prefix="moecomm-demo-") as tmp:
+            # the children's logs and ready files
+            procs = Processes(os.path.join(tmp, "procs"), cli=CLI)
             ckpt = os.path.join(tmp, "tiny")
             arch = getattr(args, "arch", "mixtral")
             say(f"1. writing the tiny {arch} checkpoint (4 layers, 16 experts, hidden 256)")
@@ -264,7 +211,8 @@ def run(args: argparse.Namespace) -> int:
                 timeout=CHILD_START_TIMEOUT_S,
             )
             say("2. starting the membership monitor")
-            monitor = procs.start("monitor", ["monitor"], "http://")
+            # `moecomm monitor` from its own module: no import of every command (torch included)
+            monitor = start(procs, "monitor", [], argv=[*MONITOR_CMD]).url
             say(f"   monitor at {monitor}")
             server_urls = start_expert_servers(procs, ckpt, monitor, gpu)
             stages = args.stages
@@ -317,11 +265,18 @@ def run(args: argparse.Namespace) -> int:
                 say("7. front-end metrics")
                 for ln in metric_summary(url):
                     say(f"   {ln}")
+                if stages > 1:
+                    # The standby stages start in the background while the prompts run; a
+                    # front end stops once they are up, so the demo lets them come up first.
+                    fe = procs["frontend"]
+                    ready = fe.wait_output(STANDBY_READY, 1, CHILD_START_TIMEOUT_S)[0]
+                    say(f"   {ready}")
     except KeyboardInterrupt:
         interrupted = True
         say("interrupted: shutting down")
     finally:
         say(f"{8 + step}. shutting down")
-        procs.stop_all()
+        if procs is not None:
+            stop_all(procs)
     say("demo " + ("interrupted" if interrupted else "OK"))
     return 130 if interrupted else 0

@@ -13,6 +13,7 @@ import torch
 from moecomm.http_thread import DEFAULT_HOST, HttpServer
 from moecomm.membership import connect_membership, monitor_token
 from moecomm.membership.base import TOKEN_ENV
+from moecomm.readiness import announce_ready
 from moecomm.runtime.control import make_app
 from moecomm.runtime.launch import LOOP_FAILED_EXIT, SERVING_TTL_S
 from moecomm.runtime.server import ExpertServer
@@ -193,7 +194,6 @@ def warm_up(server: ExpertServer) -> None:
     warm = getattr(server, "warm_up", None)
     if warm is None:
         return
-    # Not "expert server ...": launchers take the first line with that prefix as the ready line.
     print(f"warm-up of {server.server_id}: compiling and loading the device kernels", flush=True)
     print(f"warm-up of {server.server_id}: warm in {warm():.1f} s", flush=True)
 
@@ -202,8 +202,8 @@ def start_serving(
     args: argparse.Namespace, server: ExpertServer, layers: list[int], experts: list[int]
 ) -> HttpServer:
     """Warm-up, the loop, the control plane, NVSHMEM and membership, in that order; then the
-    'listening' line, which launchers and tests wait for: a server that printed it serves at
-    full speed from its first request."""
+    'listening' line for people and the ready file (moecomm.readiness) launchers and tests wait
+    for: a server that announced itself serves at full speed from its first request."""
     warm_up(server)
     server.start()
     http = HttpServer(make_app(server, args.token), args.host, args.port)
@@ -223,6 +223,9 @@ def start_serving(
         f"expert server {server.server_id} listening on {url}: layers {layers}, "
         f"experts {experts[0]}..{experts[-1]} ({len(experts)})",
         flush=True,
+    )
+    announce_ready(
+        "expert-server", url=url, server_id=server.server_id, layers=layers, experts=experts
     )
     return http
 

@@ -8,6 +8,7 @@ import os
 
 import torch
 from moecomm.http_thread import DEFAULT_HOST
+from moecomm.readiness import announce_ready
 from moecomm.runtime.launch import SERVING_TTL_S
 from moecomm.runtime.registry import ClientIdInUseError
 
@@ -190,9 +191,9 @@ def run(args: argparse.Namespace) -> int:
     app = make_frontend_app(model, tokenizer, settings, split)
     stop = stop_on_signals()
     http = start_frontend(app, args.host, args.port)
-    # the URL ends the line: scripts split it off after " listening on "
     role = f" (role {args.role})" if args.role else ""
     print(f"frontend {name}{role} listening on {http.url}", flush=True)
+    announce_ready("frontend", url=http.url, name=name, pd_role=args.role, stages=1)
     controller = None
     if client is not None:
         controller = start_placement(args, client.live_urls)

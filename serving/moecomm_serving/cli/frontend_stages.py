@@ -11,6 +11,7 @@ import os
 
 import torch
 from moecomm.pipeline.remote import parse_address, read_token
+from moecomm.readiness import announce_ready
 
 from moecomm_serving.api.app import FrontendSettings, make_frontend_app, start_frontend
 from moecomm_serving.cli.common import set_threads, stop_on_signals, wait_for_stop
@@ -133,9 +134,16 @@ def run_pipelined(args: argparse.Namespace) -> int:
         ranges = " | ".join(f"{r.start}-{r.stop - 1}" for r in pipe.ranges)
         print(f"pipeline stages ready: layers {ranges}", flush=True)
         print(f"pipeline stage pids: {' '.join(map(str, pipe.pids))}", flush=True)
-        # The last line of the start-up, in the single-process front end's format (the demo
-        # and scripts read the URL from it).
+        # The last line of the start-up, in the single-process front end's format.
         print(f"frontend {name} listening on {http.url}", flush=True)
+        announce_ready(
+            "frontend",
+            url=http.url,
+            name=name,
+            pd_role=None,
+            stages=len(pipe.ranges),
+            stage_pids=list(pipe.pids),
+        )
         # The stages' clients share the servers: the controller reads them from the flags.
         # In-process experts have no servers to place on (--eplb-interval is refused above).
         if not args.local_experts:

@@ -8,6 +8,7 @@ import os
 
 import httpx
 from moecomm.http_thread import DEFAULT_HOST, HttpServer
+from moecomm.readiness import announce_ready
 
 from moecomm_serving.cli.common import stop_on_signals, wait_for_stop
 from moecomm_serving.disagg.router import (
@@ -165,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
     http = HttpServer(make_router_app(router), args.host, args.port, what="the router")
     http.start()
     print(f"router {name} listening on {http.url}", flush=True)
+    announce_ready("router", url=http.url, name=name)
     try:
         wait_for_stop(stop)
     finally:
