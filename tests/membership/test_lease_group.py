@@ -202,3 +202,35 @@ def test_member_slow_to_reregister_after_a_restart_is_not_evicted(monitor_proces
         watcher.close()
         reg.close()
         ms.close()
+
+
+def test_members_still_reregistering_after_a_restart_are_not_evicted(monitor_process):
+    """Old: each member missing from a restarted monitor had a fixed grace from the watcher's
+    resync (one TTL; two after the first fix), so with thousands re-registering for longer than
+    that the last ones were reported lost while alive. Now nobody is reported lost while
+    re-registrations keep arriving: B, back 3.3 TTLs after the restart but within two TTLs of
+    A's re-registration, stays."""
+    ms = connect_membership(monitor_process.url, MONITOR_TOKEN, poll_s=0.3)
+    a, b = ms.register_many(members("late", 2), TTL_S)
+    events = []
+    watcher = ms.watch(role="server", callback=events.append, initial=False)
+    try:
+        with b._lock:
+            with a._lock:
+                monitor_process.restart()
+                time.sleep(1.5 * TTL_S)
+            time.sleep(1.8 * TTL_S)
+        deadline = time.monotonic() + EVENT_WAIT_S
+        want = {a.member.member_id, b.member.member_id}
+        while not want <= {m.member_id for m in ms.list_members("server")}:
+            assert time.monotonic() < deadline, "not re-registered"
+            time.sleep(0.05)
+        time.sleep(TTL_S)
+        keys = {a.member.key, b.member.key}
+        mine = [(e.kind, e.reason) for e in events if e.member.key in keys]
+        assert mine == [], mine
+    finally:
+        watcher.close()
+        a.close()
+        b.close()
+        ms.close()

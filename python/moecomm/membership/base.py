@@ -61,6 +61,11 @@ HEARTBEAT_BUG_PAUSE_S = 1.0
 ALIGN_FRACTION = 0.5
 
 
+class BackendBusyError(ConnectionError):
+    """The backend took the request but did not answer in time (a read timeout): it is up and
+    overloaded, so retrying at once would only add to its queue."""
+
+
 @dataclass
 class Lease:
     """What a backend needs to keep a registration alive (a monitor's record, an etcd lease)."""
@@ -198,6 +203,12 @@ class Membership(ABC):
         No blocking call may last longer than about `poll_s`."""
 
 
+def _down(exc: Exception) -> bool:
+    """Unreachable (retried soon), as opposed to busy (a timeout: retried at the interval, or a
+    monitor re-registering 10,000 members is sent every batch again every 0.2 s)."""
+    return isinstance(exc, ConnectionError) and not isinstance(exc, BackendBusyError)
+
+
 def _each(items: list, call: Callable) -> list:
     out: list = []
     for item in items:
@@ -302,9 +313,9 @@ class LeaseGroup:
             elif isinstance(answer, Exception):
                 reg.last_error = answer
                 unreachable = answer
-                if isinstance(answer, ConnectionError):
+                if _down(answer):
                     # A restarted backend is found within UNREACHABLE_RETRY_S, not an interval:
-                    # watchers give a missing member one TTL to come back.
+                    # watchers give a missing member two TTLs to come back.
                     reg._due = min(reg._due, time.monotonic() + UNREACHABLE_RETRY_S)
             elif answer:
                 reg.heartbeats += 1
@@ -321,7 +332,7 @@ class LeaseGroup:
                 if isinstance(lease, Exception):
                     reg.last_error = lease
                     unreachable = lease
-                    if isinstance(lease, ConnectionError):
+                    if _down(lease):
                         reg._due = min(reg._due, time.monotonic() + UNREACHABLE_RETRY_S)
                     continue
                 reg._lease = lease

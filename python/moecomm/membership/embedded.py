@@ -15,6 +15,7 @@ from moecomm.errors import RemoteError
 from moecomm.membership.base import (
     DEFAULT_HTTP_TIMEOUT_S,
     DEFAULT_POLL_S,
+    BackendBusyError,
     Lease,
     Membership,
 )
@@ -65,6 +66,8 @@ class EmbeddedMembership(Membership):
     def _call(self, method: str, path: str, ok=(200,), timeout: float | None = None, **kw):
         try:
             r = self._http.request(method, path, timeout=timeout or self.timeout, **kw)
+        except httpx.ReadTimeout as exc:
+            raise BackendBusyError(f"monitor {self.url}{path} did not answer: {exc}") from exc
         except httpx.HTTPError as exc:
             raise ConnectionError(f"monitor {self.url}{path} unreachable: {exc}") from exc
         if r.status_code not in ok:

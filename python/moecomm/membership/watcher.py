@@ -37,6 +37,9 @@ log = logging.getLogger("moecomm.membership")
 # watcher. Two TTLs keep a member that died during the outage within the "death noticed in two
 # leases" bound (docs/scale.md).
 REREGISTER_GRACE_TTLS = 2
+# ...and while re-registrations keep arriving (10,000 members take the restarted monitor seconds
+# to register again on a loaded machine), nobody is reported lost before a grace has passed
+# since the latest: a busy store is not a dead member.
 # Scheduling and one heartbeat round trip on top of that grace.
 GRACE_SLACK_S = 0.25
 
@@ -65,6 +68,9 @@ class Watcher:
         self._lock = threading.Lock()
         self._known: dict[tuple[str, str], Record] = {}
         self._pending: dict[tuple[str, str], tuple[Record, float]] = {}
+        # No member missing from a replaced store is reported lost before this (monotonic):
+        # a grace after the latest re-registration seen (see _put_locked).
+        self._pending_floor = 0.0
         self._timer: threading.Timer | None = None
         self._synced = False
         self._ready = threading.Event()
@@ -174,6 +180,9 @@ class Watcher:
         old = self._known.get(key)
         if old is None and key in self._pending:
             old = self._pending.pop(key)[0]
+            # Re-registrations are still arriving: the store is busy taking the deployment
+            # back, and the members still missing wait at least a grace from this one.
+            self._pending_floor = time.monotonic() + grace_s(rec)
         self._known[key] = rec
         if old is None:
             self._emit("join", rec, join_reason)
@@ -245,7 +254,7 @@ class Watcher:
             self._timer = None
         if not self._pending or self._stop.is_set():
             return
-        first_deadline = min(d for _, d in self._pending.values())
+        first_deadline = max(min(d for _, d in self._pending.values()), self._pending_floor)
         self._timer = threading.Timer(
             max(0.0, first_deadline - time.monotonic()), self._expire_pending
         )
@@ -255,7 +264,8 @@ class Watcher:
     def _expire_pending(self) -> None:
         now = time.monotonic()
         with self._lock:
-            for key in [k for k, (_, d) in self._pending.items() if d <= now]:
+            due = [k for k, (_, d) in self._pending.items() if d <= now]
+            for key in due if now >= self._pending_floor else []:
                 self._emit("loss", self._pending.pop(key)[0], "not re-registered")
             self._arm_timer_locked()
 
