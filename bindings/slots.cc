@@ -185,6 +185,30 @@ void register_slots(py::module_& m) {
       py::call_guard<py::gil_scoped_release>());
 
   m.def(
+      "wait_any_response",
+      [](Transport& t, const std::vector<std::shared_ptr<Region>>& locals,
+         const std::vector<const SlotRing*>& rings, const std::vector<uint32_t>& slots,
+         const std::vector<uint64_t>& seqs, const std::vector<std::shared_ptr<Region>>& peers,
+         uint64_t client_id, int64_t timeout_ns) {
+        const size_t n = locals.size();
+        MC_CHECK(rings.size() == n && slots.size() == n && seqs.size() == n && peers.size() == n,
+                 "wait_any_response: locals, rings, slots, seqs and peers differ in length");
+        std::vector<AnswerWait> waits(n);
+        for (size_t i = 0; i < n; ++i) {
+          MC_CHECK(locals[i] != nullptr && rings[i] != nullptr, "wait_any_response: wait ", i,
+                   " has no region or ring");
+          waits[i] = {locals[i].get(), rings[i], slots[i], seqs[i], peers[i].get()};
+        }
+        const AnyOutcome out = wait_any_response(t, waits, client_id, timeout_ns);
+        return std::make_pair(out.index, out.outcome);
+      },
+      py::arg("transport"), py::arg("locals"), py::arg("rings"), py::arg("slots"), py::arg("seqs"),
+      py::arg("peers"), py::arg("client_id"), py::arg("timeout_ns"),
+      py::call_guard<py::gil_scoped_release>(),
+      "The first of several answers to come, or the first whose server died: (index, outcome);"
+      " index -1 when the deadline passed first.");
+
+  m.def(
       "wait_response",
       [](Transport& t, Region& local, const SlotRing& ring, uint32_t slot, uint64_t client_id,
          uint64_t seq, int64_t timeout_ns, std::shared_ptr<Region> peer) {

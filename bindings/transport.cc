@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "common/error.h"
@@ -155,12 +156,19 @@ void register_transport(py::module_& m) {
            py::call_guard<py::gil_scoped_release>());
 
   py::class_<shm::ShmTransport, Transport, std::shared_ptr<shm::ShmTransport>>(m, "ShmTransport")
-      .def(py::init([](int64_t spin_ns, bool reap_on_start) {
-             return std::make_shared<shm::ShmTransport>(shm::ShmOptions{spin_ns, reap_on_start});
+      .def(py::init([](int64_t spin_ns, bool reap_on_start, std::optional<bool> watch_death) {
+             return std::make_shared<shm::ShmTransport>(shm::ShmOptions{
+                 spin_ns, reap_on_start, watch_death.value_or(shm::default_watch_death())});
            }),
-           py::arg("spin_ns") = shm::kDefaultSpinNs, py::arg("reap_on_start") = true)
+           py::arg("spin_ns") = shm::kDefaultSpinNs, py::arg("reap_on_start") = true,
+           py::arg("watch_death") = py::none())
       .def_property_readonly("spin_ns",
-                             [](const shm::ShmTransport& t) { return t.options().spin_ns; });
+                             [](const shm::ShmTransport& t) { return t.options().spin_ns; })
+      .def_property_readonly("watch_death",
+                             [](const shm::ShmTransport& t) { return t.options().watch_death; });
+
+  m.def("shm_set_default_watch_death", &shm::set_default_watch_death, py::arg("on"));
+  m.def("shm_default_watch_death", &shm::default_watch_death);
 
   m.def("shm_reap_stale_segments", &shm::reap_stale_segments, py::arg("pid") = 0);
   m.def("shm_list_segments", &shm::list_segments, py::arg("pid") = 0);

@@ -185,6 +185,28 @@ struct Outcome {
 Outcome wait_response(Transport& t, Region& local, const SlotRing& ring, uint32_t slot,
                       uint64_t client_id, uint64_t seq, int64_t timeout_ns, const Region* peer);
 
+// One answer a client waits for in wait_any_response: `seq` in `slot` of `ring` in its own
+// region `local`, sent to the owner of `peer`.
+struct AnswerWait {
+  Region* local = nullptr;
+  const SlotRing* ring = nullptr;
+  uint32_t slot = 0;
+  uint64_t seq = 0;
+  const Region* peer = nullptr;
+};
+
+struct AnyOutcome {
+  int64_t index = -1;  // which wait ended (its answer came, or its peer died); -1: the deadline
+  Outcome outcome;     // that wait's outcome, as wait_response gives it
+};
+
+// Client: waits for the first of several answers (each in its own slot, from its own peer) —
+// the answer, or the death of its peer, whichever comes first — with one deadline for all. One
+// sleep on every word at once where the transport can (shm), so the order of `waits` does not
+// decide which server is heard first.
+AnyOutcome wait_any_response(Transport& t, const std::vector<AnswerWait>& waits, uint64_t client_id,
+                             int64_t timeout_ns);
+
 // Stage sender: waits for the ack of chunk `seq` in `slot` of its own ack ring (as
 // wait_response, the header validated as a stage ack).
 Outcome wait_stage_ack(Transport& t, Region& local, const SlotRing& ring, uint32_t slot,

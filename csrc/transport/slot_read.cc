@@ -201,6 +201,47 @@ Outcome wait_response(Transport& t, Region& local, const SlotRing& ring, uint32_
   return wait_answer(t, local, ring, slot, client_id, seq, timeout_ns, peer, false);
 }
 
+AnyOutcome wait_any_response(Transport& t, const std::vector<AnswerWait>& waits, uint64_t client_id,
+                             int64_t timeout_ns) {
+  MC_CHECK(!waits.empty(), "wait_any_response needs at least one answer to wait for");
+  const int64_t deadline = timeout_ns < 0 ? INT64_MAX : now_ns() + timeout_ns;
+  std::vector<transport::WaitItem> items(waits.size());
+  for (;;) {
+    // Anything but an older answer still in the slot ends the wait on that slot: its own answer
+    // (validated by wait_answer below), OFFLINE, or a newer word wait_answer reports.
+    for (size_t i = 0; i < waits.size(); ++i) {
+      const AnswerWait& a = waits[i];
+      MC_CHECK(a.local != nullptr && a.ring != nullptr, "wait_any_response: wait ", i,
+               " has no region or ring");
+      MC_CHECK(!a.ring->request, "answers are read from a response ring");
+      a.ring->check(*a.local, a.slot);
+      const uint64_t off = a.ring->slot_offset(a.slot) + kSignalOffset;
+      const uint64_t w = t.load(*a.local, off);
+      const SlotState state = signal_state(w);
+      if (state == SlotState::kOffline ||
+          (state == SlotState::kResponseReady && signal_seq(w) == a.seq)) {
+        const int64_t left = deadline == INT64_MAX ? -1 : std::max<int64_t>(0, deadline - now_ns());
+        return {static_cast<int64_t>(i),
+                wait_answer(t, *a.local, *a.ring, a.slot, client_id, a.seq, left, a.peer, false)};
+      }
+      items[i] = {a.local, off, WaitPredicate{WaitOp::kNotEqual, ~uint64_t{0}, w}, a.peer};
+    }
+    const int64_t left = deadline == INT64_MAX ? -1 : std::max<int64_t>(0, deadline - now_ns());
+    const transport::WaitAnyResult r = t.wait_any(items.data(), items.size(), left);
+    if (r.status == WaitStatus::kTimeout) {
+      AnyOutcome out;
+      out.outcome.status = WaitStatus::kTimeout;
+      return out;
+    }
+    if (r.status != WaitStatus::kOk) {
+      AnyOutcome out{r.index, {}};
+      out.outcome.status = r.status;
+      out.outcome.word = r.value;
+      return out;
+    }
+  }
+}
+
 Outcome wait_stage_ack(Transport& t, Region& local, const SlotRing& ring, uint32_t slot,
                        uint64_t client_id, uint64_t seq, int64_t timeout_ns, const Region* peer) {
   return wait_answer(t, local, ring, slot, client_id, seq, timeout_ns, peer, true);

@@ -4,6 +4,9 @@
 // interface only, so it runs unchanged over every backend.
 #pragma once
 
+#include <algorithm>
+#include <chrono>
+#include <climits>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -43,6 +46,23 @@ enum class WaitStatus : uint8_t {
 struct WaitResult {
   WaitStatus status = WaitStatus::kOk;
   uint64_t value = 0;  // the last word observed
+};
+
+class Region;
+
+// One word of a wait_any: a word of our own region, what ends the wait on it, and the peer
+// whose death ends it too (optional).
+struct WaitItem {
+  Region* local = nullptr;
+  uint64_t offset = 0;
+  WaitPredicate pred;
+  const Region* peer = nullptr;
+};
+
+struct WaitAnyResult {
+  WaitStatus status = WaitStatus::kOk;
+  int64_t index = -1;  // the item whose word is satisfied or whose peer died; -1 on a timeout
+  uint64_t value = 0;  // that item's last word observed
 };
 
 // Memory registered with a transport: either our own (owned) or a peer's we attached to.
@@ -94,6 +114,10 @@ class Transport {
   virtual void fence() = 0;
   // False once the owner of `peer` is known to be gone.
   virtual bool peer_alive(const Region& peer) = 0;
+  // Waits until the word of any item satisfies its predicate or any item's peer is found dead,
+  // or the deadline passes. The default waits on the items in turn, a short slice each (the
+  // backend's own wait drives its progress); shm sleeps on every word at once.
+  virtual WaitAnyResult wait_any(const WaitItem* items, uint64_t count, int64_t timeout_ns);
 };
 
 inline void Transport::read(Region& region, uint64_t offset, void* dst, uint64_t bytes) {
@@ -113,6 +137,31 @@ inline void Transport::read(Region& region, uint64_t offset, void* dst, uint64_t
     }
   }
   for (; i < bytes; ++i) out[i] = *reinterpret_cast<const volatile uint8_t*>(src + i);
+}
+
+inline WaitAnyResult Transport::wait_any(const WaitItem* items, uint64_t count,
+                                         int64_t timeout_ns) {
+  MC_CHECK(count > 0, "wait_any needs at least one item");
+  // Each item's turn: short enough that an answer on another item waits little for its turn.
+  constexpr int64_t kSliceNs = 200'000;
+  const auto now = [] {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  };
+  const int64_t deadline = timeout_ns < 0 ? INT64_MAX : now() + timeout_ns;
+  for (;;) {
+    for (uint64_t i = 0; i < count; ++i) {
+      const int64_t left = deadline == INT64_MAX ? kSliceNs : deadline - now();
+      const WaitItem& it = items[i];
+      const WaitResult r = wait(*it.local, it.offset, it.pred,
+                                std::max<int64_t>(0, std::min(left, kSliceNs)), it.peer);
+      if (r.status != WaitStatus::kTimeout) {
+        return {r.status, static_cast<int64_t>(i), r.value};
+      }
+    }
+    if (now() >= deadline) return {WaitStatus::kTimeout, -1, 0};
+  }
 }
 
 // Signal words live at the start of a cache line: backends keep per-word state (shm: the count

@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -31,6 +32,11 @@ constexpr const char* kShmDir = "/dev/shm";
 constexpr uint64_t kHandlePrefixLen = 4;  // "shm:"
 // Byte offset, inside a signal line, of the count of waiters asleep on that word.
 constexpr uint64_t kSleepersOffset = 8;
+// Items of one wait_any: each takes a word and at most a life word of futex_waitv's 128.
+constexpr uint64_t kMaxWaitItems = FUTEX_WAITV_MAX / 2;
+// Without futex_waitv (kernels before 5.16) a wait on several words naps this long on the first
+// and then looks at all of them.
+constexpr int64_t kNoWaitvNapNs = 200'000;
 
 struct SegmentHeader {
   uint32_t magic;
@@ -65,9 +71,10 @@ std::string random_hex() {
   return os.str();
 }
 
-// Parses "moecomm-<pid>-<ticks>-..." into the owner's identity.
-bool parse_segment_name(const std::string& name, ProcessId* owner) {
-  const std::string prefix = kSegmentPrefix;
+// Parses "<prefix><pid>-<ticks>-..." into the owner's identity.
+bool parse_segment_name(const std::string& name, ProcessId* owner,
+                        const char* segment_prefix = kSegmentPrefix) {
+  const std::string prefix = segment_prefix;
   if (name.compare(0, prefix.size(), prefix) != 0) return false;
   const char* p = name.c_str() + prefix.size();
   char* end = nullptr;
@@ -113,8 +120,14 @@ class OwnedSegments {
 
 class ShmRegion final : public Region {
  public:
-  ShmRegion(std::string name, uint8_t* base, uint64_t mapped, bool owned, ProcessId owner)
-      : name_(std::move(name)), base_(base), mapped_(mapped), owned_(owned), owner_(owner) {}
+  ShmRegion(std::string name, uint8_t* base, uint64_t mapped, bool owned, ProcessId owner,
+            std::shared_ptr<LifeWord> life = nullptr)
+      : name_(std::move(name)),
+        base_(base),
+        mapped_(mapped),
+        owned_(owned),
+        owner_(owner),
+        life_(std::move(life)) {}
 
   ~ShmRegion() override {
     close();
@@ -139,6 +152,8 @@ class ShmRegion final : public Region {
     return os.str();
   }
   const ProcessId& owner() const { return owner_; }
+  // The owner's life word (attached regions whose owner has one), else nullptr.
+  LifeWord* life() const { return life_.get(); }
 
  private:
   std::string name_;
@@ -146,6 +161,7 @@ class ShmRegion final : public Region {
   uint64_t mapped_;
   bool owned_;
   ProcessId owner_;
+  std::shared_ptr<LifeWord> life_;
   std::atomic<bool> closed_{false};
 };
 
@@ -189,6 +205,17 @@ const uint32_t* futex_word(Region& r, uint64_t offset) {
 
 }  // namespace
 
+namespace {
+std::atomic<bool> g_watch_death{true};
+}  // namespace
+
+void set_default_watch_death(bool on) {
+  g_watch_death.store(on);
+}
+bool default_watch_death() {
+  return g_watch_death.load();
+}
+
 ShmTransport::ShmTransport(ShmOptions options) : options_(options), self_(self_process()) {
   MC_CHECK(options_.spin_ns >= 0, "spin_ns must be >= 0, got ", options_.spin_ns);
   if (options_.reap_on_start) reap_stale_segments();
@@ -196,6 +223,8 @@ ShmTransport::ShmTransport(ShmOptions options) : options_(options), self_(self_p
 
 std::shared_ptr<Region> ShmTransport::create_region(uint64_t bytes) {
   MC_CHECK(bytes > 0, "cannot create an empty shm region");
+  // Peers that attach this region watch our death through our life word (process.h).
+  ensure_own_life();
   static std::atomic<uint64_t> counter{0};
   std::ostringstream os;
   os << kSegmentPrefix << self_.pid << "-" << self_.start_ticks << "-" << counter.fetch_add(1)
@@ -266,7 +295,8 @@ std::shared_ptr<Region> ShmTransport::attach(const std::string& handle) {
              " has no valid moecomm segment header (not ready, or not ours)");
   }
   ProcessId owner{hdr->owner_pid, hdr->owner_start_ticks};
-  return std::make_shared<ShmRegion>(name, static_cast<uint8_t*>(base), mapped, false, owner);
+  return std::make_shared<ShmRegion>(name, static_cast<uint8_t*>(base), mapped, false, owner,
+                                     attach_life(owner));
 }
 
 void ShmTransport::put(Region& dst, uint64_t offset, const void* src, uint64_t bytes) {
@@ -300,43 +330,113 @@ uint64_t ShmTransport::load(Region& local, uint64_t offset) {
 
 WaitResult ShmTransport::wait(Region& local, uint64_t offset, const WaitPredicate& pred,
                               int64_t timeout_ns, const Region* peer) {
-  ShmRegion& r = as_shm(local);
-  check_word(r, offset);
-  const ShmRegion* watched = peer != nullptr ? &as_shm(*peer) : nullptr;
-  auto word = word_at(r, offset);
-  // The hot path finds the word already there: check it before paying for a clock read.
-  uint64_t w = word.load(std::memory_order_acquire);
-  if (pred.satisfied(w)) return {WaitStatus::kOk, w};
+  const WaitItem item{&local, offset, pred, peer};
+  const WaitAnyResult r = wait_any(&item, 1, timeout_ns);
+  return {r.status, r.value};
+}
+
+WaitAnyResult ShmTransport::wait_any(const WaitItem* items, uint64_t count, int64_t timeout_ns) {
+  MC_CHECK(count > 0, "wait_any needs at least one item");
+  // More words than one futex_waitv takes: each in turn, a slice at a time.
+  if (count > kMaxWaitItems) return Transport::wait_any(items, count, timeout_ns);
+  // Resolved once: the word, the peer and its life word of every item.
+  std::array<uint64_t*, kMaxWaitItems> words;
+  std::array<const ShmRegion*, kMaxWaitItems> peers;
+  std::array<LifeWord*, kMaxWaitItems> lives;
+  std::array<uint64_t, kMaxWaitItems> seen;
+  for (uint64_t i = 0; i < count; ++i) {
+    ShmRegion& r = as_shm(*items[i].local);
+    check_word(r, items[i].offset);
+    words[i] = reinterpret_cast<uint64_t*>(r.data() + items[i].offset);
+    peers[i] = items[i].peer != nullptr ? &as_shm(*items[i].peer) : nullptr;
+    lives[i] = peers[i] != nullptr && options_.watch_death ? peers[i]->life() : nullptr;
+  }
+  auto word = [&](uint64_t i) { return std::atomic_ref<uint64_t>(*words[i]); };
+  // Loads every word; the first satisfied one ends the wait.
+  auto ready = [&](std::memory_order order) -> int64_t {
+    for (uint64_t i = 0; i < count; ++i) {
+      seen[i] = word(i).load(order);
+      if (items[i].pred.satisfied(seen[i])) return static_cast<int64_t>(i);
+    }
+    return -1;
+  };
+  auto ok = [&](int64_t i) { return WaitAnyResult{WaitStatus::kOk, i, seen[i]}; };
+  auto timeout = [&] { return WaitAnyResult{WaitStatus::kTimeout, -1, seen[0]}; };
+  // The hot path finds a word already there: check before paying for a clock read.
+  if (const int64_t i = ready(std::memory_order_acquire); i >= 0) return ok(i);
   const int64_t start = now_ns();
   const int64_t deadline = timeout_ns < 0 ? INT64_MAX : start + timeout_ns;
   const int64_t spin_until = std::min(deadline, start + options_.spin_ns);
-  // Spin phase: check the clock only every few iterations; it costs more than the load.
+  // Spin phase: check the clock only every few rounds; it costs more than the loads.
   constexpr int kSpinsPerClockRead = 64;
   for (int64_t now = start; now < spin_until; now = now_ns()) {
-    for (int i = 0; i < kSpinsPerClockRead; ++i) {
-      w = word.load(std::memory_order_acquire);
-      if (pred.satisfied(w)) return {WaitStatus::kOk, w};
+    for (int k = 0; k < kSpinsPerClockRead; ++k) {
+      if (const int64_t i = ready(std::memory_order_acquire); i >= 0) return ok(i);
       cpu_relax();
     }
   }
-  // Sleep phase.
-  auto sleepers = sleepers_at(r, offset);
+  // Sleep phase: on every word at once, and on the life word of every watched peer, so that
+  // an answer or a death wakes us, whichever comes first.
+  bool waitv = true;  // false once the kernel turns out to lack futex_waitv
+  bool watching = false;
+  for (uint64_t i = 0; i < count; ++i) watching = watching || lives[i] != nullptr;
   int64_t next_peer_check = now_ns();
+  std::array<struct futex_waitv, 2 * kMaxWaitItems> waiters;
   for (;;) {
-    w = word.load(std::memory_order_acquire);
-    if (pred.satisfied(w)) return {WaitStatus::kOk, w};
+    if (const int64_t i = ready(std::memory_order_acquire); i >= 0) return ok(i);
     const int64_t now = now_ns();
-    if (now >= deadline) return {WaitStatus::kTimeout, w};
-    if (watched != nullptr && now >= next_peer_check) {
-      if (!process_alive(watched->owner())) return {WaitStatus::kPeerLost, w};
-      next_peer_check = now + kPeerCheckIntervalNs;
+    if (now >= deadline) return timeout();
+    for (uint64_t i = 0; i < count; ++i) {
+      if (lives[i] != nullptr && lives[i]->dead()) {
+        lives[i]->wake_all();  // the kernel woke one sleeper of that word: pass it on
+        return {WaitStatus::kPeerLost, static_cast<int64_t>(i), seen[i]};
+      }
     }
+    const int64_t check_every =
+        watching && waitv ? kWatchedPeerCheckIntervalNs : kPeerCheckIntervalNs;
+    bool any_peer = false;
+    for (uint64_t i = 0; i < count; ++i) {
+      if (peers[i] == nullptr) continue;
+      any_peer = true;
+      if (now >= next_peer_check && !process_alive(peers[i]->owner())) {
+        return {WaitStatus::kPeerLost, static_cast<int64_t>(i), seen[i]};
+      }
+    }
+    if (now >= next_peer_check) next_peer_check = now + check_every;
     int64_t nap = deadline - now;
-    if (watched != nullptr) nap = std::min(nap, kPeerCheckIntervalNs);
-    sleepers.fetch_add(1, std::memory_order_seq_cst);
-    w = word.load(std::memory_order_seq_cst);
-    if (!pred.satisfied(w)) futex_wait(futex_word(r, offset), static_cast<uint32_t>(w), nap);
-    sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    if (any_peer) nap = std::min(nap, check_every);
+    const bool many = count > 1 || (watching && waitv);
+    // Without futex_waitv several words can only be polled: nap briefly on the first one.
+    if (count > 1 && !waitv) nap = std::min(nap, kNoWaitvNapNs);
+    unsigned n = 0;
+    if (many && waitv) {
+      for (uint64_t i = 0; i < count; ++i) {
+        if (lives[i] == nullptr) continue;
+        const uint32_t lv = lives[i]->arm();
+        if (lv & FUTEX_OWNER_DIED) nap = 0;  // died just now: the check above sees it
+        waiters[n++] = futex_waiter(lives[i]->word(), lv);
+      }
+    }
+    for (uint64_t i = 0; i < count; ++i) {
+      sleepers_at(*items[i].local, items[i].offset).fetch_add(1, std::memory_order_seq_cst);
+    }
+    // seq_cst re-check after announcing ourselves: a signal() either sees a sleeper or we see
+    // its value (no lost wake-up).
+    if (ready(std::memory_order_seq_cst) < 0 && nap > 0) {
+      if (many && waitv) {
+        for (uint64_t i = 0; i < count; ++i) {
+          waiters[n++] = futex_waiter(futex_word(*items[i].local, items[i].offset),
+                                      static_cast<uint32_t>(seen[i]));
+        }
+        waitv = futex_wait_any(waiters.data(), n, nap);
+      } else {
+        futex_wait(futex_word(*items[0].local, items[0].offset), static_cast<uint32_t>(seen[0]),
+                   nap);
+      }
+    }
+    for (uint64_t i = 0; i < count; ++i) {
+      sleepers_at(*items[i].local, items[i].offset).fetch_sub(1, std::memory_order_seq_cst);
+    }
   }
 }
 
@@ -352,25 +452,43 @@ void ShmTransport::fence() {
 }
 
 bool ShmTransport::peer_alive(const Region& peer) {
-  return process_alive(as_shm(peer).owner());
+  const ShmRegion& r = as_shm(peer);
+  if (options_.watch_death && r.life() != nullptr && r.life()->dead()) return false;
+  return process_alive(r.owner());
 }
+
+namespace {
+
+// Gone by /proc, or marked dead by the kernel in its life word: a waiter that heard of a death
+// through the life word reaps at once, while the process may still be tearing down (it runs no
+// user code any more).
+bool owner_alive(const ProcessId& owner) {
+  if (!process_alive(owner)) return false;
+  const std::shared_ptr<LifeWord> life = attach_life(owner);
+  return life == nullptr || !life->dead();
+}
+
+}  // namespace
 
 int reap_stale_segments(int64_t only_pid) {
   DIR* dir = opendir(kShmDir);
   if (dir == nullptr) return 0;
   std::vector<std::string> stale;
+  std::vector<std::string> stale_lives;
   while (const dirent* e = readdir(dir)) {
     ProcessId owner;
     const std::string name = e->d_name;
-    if (!parse_segment_name(name, &owner)) continue;
+    const bool region = parse_segment_name(name, &owner);
+    if (!region && !parse_segment_name(name, &owner, kLifePrefix)) continue;
     if (only_pid > 0 && owner.pid != only_pid) continue;
-    if (!process_alive(owner)) stale.push_back(name);
+    if (!owner_alive(owner)) (region ? stale : stale_lives).push_back(name);
   }
   closedir(dir);
   int removed = 0;
   for (const auto& name : stale) {
     if (shm_unlink(("/" + name).c_str()) == 0) ++removed;
   }
+  for (const auto& name : stale_lives) shm_unlink(("/" + name).c_str());
   return removed;
 }
 

@@ -23,14 +23,26 @@ namespace moecomm::transport::shm {
 // expert server that answers at once (a few µs), short enough that an idle waiter goes to sleep
 // before it costs measurable CPU.
 constexpr int64_t kDefaultSpinNs = 50'000;
-// A sleeping waiter wakes this often to check that its peer is still alive.
+// A sleeping waiter wakes this often to check that its peer is still alive, when the peer has no
+// life word (process.h) or death watching is off.
 constexpr int64_t kPeerCheckIntervalNs = 20'000'000;
+// With a life word the kernel wakes the waiter at the peer's death; the poll stays as a safety
+// net at this interval. It bounds the one case the wake misses: the kernel wakes a single
+// sleeper of a dead peer's word and that one passes the wake on — unless it is itself stopped.
+constexpr int64_t kWatchedPeerCheckIntervalNs = 100'000'000;
 // Prefix of every segment name, also the pattern the reaper looks for.
 constexpr const char* kSegmentPrefix = "moecomm-";
+
+// Whether waits of new transports sleep on their peer's life word (process.h), unless their
+// options say otherwise: on by default; off reproduces the poll-only detection (benchmarks
+// compare the two).
+void set_default_watch_death(bool on);
+bool default_watch_death();
 
 struct ShmOptions {
   int64_t spin_ns = kDefaultSpinNs;
   bool reap_on_start = true;
+  bool watch_death = default_watch_death();
 };
 
 class ShmTransport final : public Transport {
@@ -48,6 +60,7 @@ class ShmTransport final : public Transport {
                         uint64_t desired) override;
   void fence() override;
   bool peer_alive(const Region& peer) override;
+  WaitAnyResult wait_any(const WaitItem* items, uint64_t count, int64_t timeout_ns) override;
 
   const ShmOptions& options() const { return options_; }
 
@@ -56,7 +69,8 @@ class ShmTransport final : public Transport {
   ProcessId self_;
 };
 
-// Removes segments whose owner is gone. Returns how many were removed. `only_pid` > 0 limits
+// Removes segments whose owner is gone (life segments too). Returns how many region segments
+// were removed. `only_pid` > 0 limits
 // the scan to segments of that pid.
 int reap_stale_segments(int64_t only_pid = 0);
 

@@ -5,17 +5,24 @@ the copy), writes and signals — it does not wait. `combine` waits with a deadl
 server contacted and sums the partial results in server order, so the result does not depend on
 which answer arrived first. `num_slots` micro-batches can be in flight at once (two give
 double-batch overlap: the attention of batch B runs while batch A is with the experts).
+
+Rerouting: `combine` sleeps on the answers of all the step's servers at once, and on their
+deaths (the shm transport's life words wake it as a server dies). The moment one server fails,
+its share goes to live replicas — into a spare slot each connection keeps for such re-sends, so
+the replica can take it even while it still owes this step its own answer — and the step's
+other answers keep coming in meanwhile.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import secrets
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,10 +35,11 @@ from moecomm.errors import (
 )
 from moecomm.ops.combine import combine as combine_partials
 from moecomm.ops.dispatch import ExpertMap, pack_dispatch
+from moecomm.runtime.server import MAX_SLOTS_PER_CLIENT
 from moecomm.runtime.server_pool import ServerPool
 from moecomm.wire.channel import DEFAULT_TIMEOUT_S
 from moecomm.wire.choose import TransportSet
-from moecomm.wire.client import ClientChannel
+from moecomm.wire.client import ClientChannel, wait_first
 from moecomm.wire.protocol import ResponseStatus, SlotLayout, as_encoding
 from moecomm.wire.transport import Transport
 
@@ -51,6 +59,23 @@ CLIENT_ID_BITS = 62
 # Answers after which a request is re-sent elsewhere instead of failing the dispatch: the server
 # drains, or our expert map is older than its placement (re-read, then re-sent).
 _RESEND_STATUSES = (int(ResponseStatus.DRAINING), int(ResponseStatus.STALE_MAP))
+# When combine re-sends a failed server's share: "at_once" (default), the moment the failure is
+# seen, into the replica's spare slot, while the step's other answers are still awaited;
+# "after_step", once every server of the step answered or failed (no spare slot: retries reuse
+# the step's slot) — the behaviour before spare slots, kept for bench/chaos_reroute.py.
+RESEND_ENV = "MOECOMM_RESEND"
+RESEND_MODES = ("at_once", "after_step")
+# With servers on several transports (shm and nixl) no single sleep covers every answer: each
+# transport's answers are waited for in turn, this long at a time.
+MIXED_TRANSPORT_SLICE_S = 0.002
+
+
+def resend_mode(mode: str | None = None) -> str:
+    """`mode`, else MOECOMM_RESEND, else "at_once"; anything else is an error."""
+    mode = mode or os.environ.get(RESEND_ENV, "") or "at_once"
+    if mode not in RESEND_MODES:
+        raise ValueError(f"resend must be one of {RESEND_MODES} ({RESEND_ENV}), got {mode!r}")
+    return mode
 
 
 def random_client_id() -> int:
@@ -69,6 +94,48 @@ class Sent:
     # Set when the send itself failed (a network transport finds a dead peer at the write):
     # combine re-sends this share to replicas as it does for a failed wait.
     error: Exception | None = None
+
+
+@dataclass(eq=False)  # compared by identity: the fields hold tensors
+class _Share:
+    """The (row, k) pairs of a failed request, re-sent to replicas: its partial, once every part
+    answered, is the sum of the parts' answers in the order they were sent, and takes the
+    failed request's place (`pos` in the step, or `index` among its parent share's parts)."""
+
+    rows: torch.Tensor  # rows of the handle's batch
+    pairs: torch.Tensor  # [len(rows), K] bool
+    attempt: int  # 1 for the first re-send of a request, +1 for each re-send of a part
+    errors: list[str]
+    parent: _Share | None = None
+    pos: int = -1  # in handle.sent, when parent is None
+    index: int = -1  # in parent.parts otherwise
+    sent: list[Sent] | None = None  # the parts, once sent (token_index into `rows`)
+    parts: list | None = None  # per part: its answer (f32, owned), or None while awaited
+
+
+@dataclass(eq=False)
+class _Await:
+    """An answer combine waits for: a request of the step (`share` None, at `pos`) or a part
+    of a re-sent share (in the spare slot)."""
+
+    sent: Sent
+    slot: int
+    deadline: float
+    pos: int = -1
+    share: _Share | None = None
+    index: int = -1  # among share.parts
+
+
+@dataclass(eq=False)
+class _Gather:
+    """What one re-send-at-once combine keeps track of."""
+
+    handle: DispatchHandle
+    timeout: float
+    partials: list  # per request of the step: its answer, or its re-sent share's sum
+    waiting: list[_Await] = field(default_factory=list)
+    queued: list[_Share] = field(default_factory=list)  # re-sends whose spare slot is in use
+    busy: set[int] = field(default_factory=set)  # servers with a re-send in their spare slot
 
 
 @dataclass
@@ -110,6 +177,7 @@ class AttentionClient:
         transport: Transport | str | None = None,
         evict_s: float = DEFAULT_EVICT_S,
         host: str | None = None,
+        resend: str | None = None,
     ):
         if not servers:
             raise ValueError("an attention client needs at least one expert server")
@@ -127,11 +195,17 @@ class AttentionClient:
         self.encoding = self.layout.encoding
         self.out_dtype = out_dtype
         self.replica_policy = replica_policy
+        self.resend = resend_mode(resend)
+        self.num_slots = num_slots
+        # The spare slot of every connection, for re-sends at once (one more than the
+        # micro-batches); none at the server's limit, and then re-sends wait for the step.
+        at_once = self.resend == "at_once" and num_slots < MAX_SLOTS_PER_CLIENT
+        self._spare = num_slots if at_once else None
         self.pool = ServerPool(
             list(servers),
             self.client_id,
             self.layout,
-            num_slots,
+            num_slots + (1 if at_once else 0),
             token,
             timeout,
             TransportSet(transport, host, timeout),
@@ -185,8 +259,8 @@ class AttentionClient:
         /health passes (probed in the background)."""
         self.pool.evict(server, reason)
 
-    # Connection settings and server state live in the pool, once.
-    num_slots = property(lambda self: self.pool.num_slots)
+    # Connection settings and server state live in the pool, once (num_slots, the micro-batches,
+    # is ours: the pool's connections may hold the spare slot besides).
     token = property(lambda self: self.pool.token)
     timeout = property(lambda self: self.pool.timeout)
     evict_s = property(lambda self: self.pool.evict_s)
@@ -373,27 +447,10 @@ class AttentionClient:
             raise ValueError("this handle was already combined")
         timeout = self.timeout if timeout is None else timeout
         try:
-            partials, failed = [], []
-            for pos, sent in enumerate(handle.sent):
-                try:
-                    partials.append(self._wait(handle, sent, timeout))
-                except (DeadlineExceededError, PeerLostError, RemoteError) as exc:
-                    if isinstance(exc, RemoteError) and exc.status not in _RESEND_STATUSES:
-                        raise type(exc)(
-                            exc.status,
-                            exc.reason,
-                            f"server {self.urls[sent.server]} layer {handle.layer_id}: ",
-                        ) from exc
-                    partials.append(None)
-                    failed.append((pos, sent, exc))
-            if failed:
-                # Retries reuse the slot: own the answers already received, then release it.
-                partials = [p.clone() if p is not None else None for p in partials]
-                self._release(handle)
-                for _, sent, exc in failed:
-                    self._after_failure(sent.server, exc)
-                for pos, sent, exc in failed:
-                    partials[pos] = self._retry(handle, sent, exc, timeout)
+            if self._spare is None:
+                partials = self._gather_after_step(handle, timeout)
+            else:
+                partials = self._gather_at_once(handle, timeout)
             return combine_partials(
                 partials,
                 [s.token_index for s in handle.sent],
@@ -407,6 +464,241 @@ class AttentionClient:
             handle.done = True
             self._release(handle)
             self._busy[handle.slot] = False
+
+    def _gather_after_step(self, handle: DispatchHandle, timeout: float) -> list:
+        """The step's partials, waiting for its servers one after the other; failed shares are
+        re-sent once every server answered or failed, into the step's slot."""
+        partials, failed = [], []
+        for pos, sent in enumerate(handle.sent):
+            try:
+                partials.append(self._wait(handle, sent, timeout))
+            except (DeadlineExceededError, PeerLostError, RemoteError) as exc:
+                self._check_resendable(handle, sent, exc)
+                partials.append(None)
+                failed.append((pos, sent, exc))
+        if failed:
+            # Retries reuse the slot: own the answers already received, then release it.
+            partials = [p.clone() if p is not None else None for p in partials]
+            self._release(handle)
+            for _, sent, exc in failed:
+                self._after_failure(sent.server, exc)
+            for pos, sent, exc in failed:
+                partials[pos] = self._retry(handle, sent, exc, timeout)
+        return partials
+
+    def _check_resendable(self, handle: DispatchHandle, sent: Sent, exc: Exception) -> None:
+        """Raises an error answer that a replica would give too (a bad request), naming the
+        server; returns for the failures a re-send cures."""
+        if isinstance(exc, RemoteError) and exc.status not in _RESEND_STATUSES:
+            raise type(exc)(
+                exc.status,
+                exc.reason,
+                f"server {self.urls[sent.server]} layer {handle.layer_id}: ",
+            ) from exc
+
+    # ------------------------------------------------------------------ re-send at once
+    def _gather_at_once(self, handle: DispatchHandle, timeout: float) -> list:
+        """The step's partials. Sleeps on every awaited answer at once; the moment one fails
+        (its server died, missed its deadline or refused), that server is evicted and its share
+        re-sent to replicas — into their spare slots, while the other answers are awaited."""
+        start = time.monotonic()
+        state = _Gather(handle, timeout, [None] * len(handle.sent))
+        partials, waiting = state.partials, state.waiting
+        try:
+            for pos, sent in enumerate(handle.sent):
+                a = _Await(sent, handle.slot, start + timeout, pos=pos)
+                if sent.error is not None:
+                    self._fail(state, a, sent.error)
+                else:
+                    waiting.append(a)
+            while waiting:
+                if self._watcher is not None:
+                    self._apply_events()  # a loss event ends the wait on that server
+                gone = [a for a in waiting if self.channels[a.sent.server] is None]
+                for a in gone:
+                    waiting.remove(a)
+                    self._fail(state, a, self._channel_error(a.sent.server))
+                if not waiting:
+                    break
+                left = min(a.deadline for a in waiting) - time.monotonic()
+                if self._watcher is not None:
+                    left = min(left, WAIT_SLICE_S)
+                i, result = self._wait_first(waiting, max(0.0, left))
+                if i < 0:
+                    now = time.monotonic()
+                    for a in [a for a in waiting if a.deadline <= now]:
+                        waiting.remove(a)
+                        url = self.urls[a.sent.server]
+                        late = DeadlineExceededError(
+                            f"server {url} slot {a.slot} seq {a.sent.seq}: no response within "
+                            f"{timeout:.3f} s"
+                        )
+                        self._fail(state, a, late)
+                    continue
+                a = waiting.pop(i)
+                if isinstance(result, Exception):
+                    self._fail(state, a, result)
+                else:
+                    self._answered(state, a, result.activations)
+                self._send_queued(state)
+            if state.queued:  # cannot be: a queued share waits for a spare slot in flight
+                raise RuntimeError(f"{len(state.queued)} re-sends never found a free spare slot")
+            return partials
+        finally:
+            for a in waiting:  # abandoned by an error: their late answers will be dropped
+                self.outstanding[a.sent.server] -= int(a.sent.token_index.numel())
+
+    def _wait_first(self, waiting: list[_Await], timeout: float) -> tuple[int, object]:
+        """wait_first over the awaited answers; with channels on several transports, each
+        transport's answers in turn, a slice at a time."""
+        chans = [self.channels[a.sent.server] for a in waiting]
+        groups: dict[int, list[int]] = {}
+        for i, ch in enumerate(chans):
+            groups.setdefault(id(ch.transport), []).append(i)
+        if len(groups) == 1:
+            waits = [(ch, a.slot, a.sent.seq) for ch, a in zip(chans, waiting, strict=True)]
+            return wait_first(waits, timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            for members in groups.values():
+                left = max(0.0, min(MIXED_TRANSPORT_SLICE_S, deadline - time.monotonic()))
+                j, result = wait_first(
+                    [(chans[i], waiting[i].slot, waiting[i].sent.seq) for i in members], left
+                )
+                if j >= 0:
+                    return members[j], result
+            if time.monotonic() >= deadline:
+                return -1, None
+
+    def _channel_error(self, server: int) -> PeerLostError:
+        return PeerLostError(f"server {self.urls[server]} left (membership or removal)")
+
+    def _answered(self, state: _Gather, a: _Await, y: torch.Tensor) -> None:
+        self.outstanding[a.sent.server] -= int(a.sent.token_index.numel())
+        if a.share is None:
+            state.partials[a.pos] = y  # a view into the step's slot, read before its release
+            return
+        # A spare slot's answer is owned at once: the next re-send to that server reuses it.
+        a.share.parts[a.index] = y.float().clone()
+        self._release_spare(a.sent.server, state.busy)
+        self._share_done(state.partials, a.share)
+
+    def _release_spare(self, server: int, busy: set) -> None:
+        busy.discard(server)
+        ch = self.channels[server]
+        if ch is not None:
+            ch.release(self._spare)
+
+    def _fail(self, state: _Gather, a: _Await, exc: Exception) -> None:
+        """`a` failed: evict its server, and re-send its pairs to replicas now (or as soon as
+        the replica's spare slot is free)."""
+        handle = state.handle
+        self.outstanding[a.sent.server] -= int(a.sent.token_index.numel())
+        self._check_resendable(handle, a.sent, exc)
+        if a.share is not None:
+            self._release_spare(a.sent.server, state.busy)
+        self._after_failure(a.sent.server, exc)
+        parent = a.share
+        rows = a.sent.token_index if parent is None else parent.rows[a.sent.token_index]
+        errors = ([] if parent is None else parent.errors) + [f"{self.urls[a.sent.server]}: {exc}"]
+        share = _Share(
+            rows,
+            a.sent.pairs,
+            1 if parent is None else parent.attempt + 1,
+            errors,
+            parent,
+            pos=a.pos,
+            index=a.index,
+        )
+        if share.attempt > MAX_ATTEMPTS:
+            raise MoecommError(
+                f"layer {handle.layer_id}: {MAX_ATTEMPTS} attempts on distinct replicas failed: "
+                + "; ".join(errors)
+            ) from exc
+        state.queued.append(share)
+        self._send_queued(state)
+
+    def _send_queued(self, state: _Gather) -> None:
+        """Sends every queued share whose replicas' spare slots are free."""
+        queued = state.queued
+        for share in list(queued):
+            if share not in queued:  # a nested call (a part that failed at once) sent it
+                continue
+            queued.remove(share)
+            if not self._send_share(state, share):
+                queued.append(share)
+
+    def _send_share(self, state: _Gather, share: _Share) -> bool:
+        """Packs `share` for live replicas and sends each part into its server's spare slot;
+        False (nothing sent) while one of those spare slots holds a re-send in flight."""
+        handle, busy = state.handle, state.busy
+        x = handle.x[share.rows]
+        ids = handle.topk_ids[share.rows].masked_fill(~share.pairs, -1)
+        weights = handle.topk_weights[share.rows]
+        try:
+            emap = self._check_routable(handle.layer_id, ids)
+        except MoecommError as e:
+            raise MoecommError(f"{e}; after failures of " + "; ".join(share.errors)) from e
+        replica = self._replicas(emap, handle.layer_id)
+        batches = pack_dispatch(x, ids, weights, emap, encoding=self.encoding, replica=replica)
+        if any(b.server in busy for b in batches):
+            return False
+        self.failovers += 1
+        share.sent, share.parts = [], [None] * len(batches)
+        deadline = time.monotonic() + state.timeout
+        fresh = []
+        for index, b in enumerate(batches):
+            ch = self.channels[b.server]
+            pairs = b.expert_ids >= 0
+            n = b.num_tokens
+            self.outstanding[b.server] += n
+            busy.add(b.server)
+            try:
+                seq = ch.send(
+                    self._spare,
+                    b.activations,
+                    b.expert_ids,
+                    b.scores,
+                    layer_id=handle.layer_id,
+                    scales=b.scales,
+                    wake=False,
+                )
+                sent = Sent(b.server, seq, b.token_index, pairs)
+            except (PeerLostError, DeadlineExceededError) as exc:  # gone or stopped
+                lost = type(exc)(f"server {self.urls[b.server]} layer {handle.layer_id}: {exc}")
+                sent = Sent(b.server, -1, b.token_index, pairs, lost)
+            share.sent.append(sent)
+            fresh.append(_Await(sent, self._spare, deadline, share=share, index=index))
+        for a in fresh:  # wake the replicas once every part is written
+            if a.sent.error is None:
+                with contextlib.suppress(PeerLostError, DeadlineExceededError):
+                    self.channels[a.sent.server].ring()
+        if not batches:
+            self._share_done(state.partials, share)
+        for a in fresh:
+            if a.sent.error is not None:
+                self._fail(state, a, a.sent.error)
+            else:
+                state.waiting.append(a)
+        return True
+
+    def _share_done(self, partials: list, share: _Share) -> None:
+        """Once every part of `share` answered, its partial takes its failed request's place
+        (and completes its parent share in turn)."""
+        if share.parts is None or any(p is None for p in share.parts):
+            return
+        y = combine_partials(
+            share.parts,
+            [s.token_index for s in share.sent],
+            int(share.rows.numel()),
+            hidden=self.layout.hidden,
+            dtype=torch.float32,
+        )
+        if share.parent is None:
+            partials[share.pos] = y
+        else:
+            share.parent.parts[share.index] = y
+            self._share_done(partials, share.parent)
 
     def _after_failure(self, server: int, exc: Exception) -> None:
         """A stale map is no failure of the server: re-read its table and keep routing to it.

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from moecomm import _C
-from moecomm.errors import RemoteError
+from moecomm.errors import MoecommError, RemoteError
 from moecomm.wire.channel import (
     DEFAULT_TIMEOUT_S,
     Channel,
@@ -227,6 +227,10 @@ class ClientChannel(Channel):
             timeout_ns(timeout),
             self.server,
         )
+        return self._answer(out, slot, seq, timeout)
+
+    def _answer(self, out, slot: int, seq: int, timeout: float) -> Response:
+        """The Response of a finished wait's outcome `out`, or the error it stands for."""
         # Happy path first: pybind enum comparisons cost ~0.5 µs each.
         if out.status != _WAIT_OK or out.offline or out.code != _VALID:
             self._raise_for(out, slot, seq, timeout)
@@ -257,3 +261,33 @@ class ClientChannel(Channel):
             f"no response within {timeout:.3f} s",
             "response header",
         )
+
+
+def wait_first(waits: list[tuple[ClientChannel, int, int]], timeout: float) -> tuple[int, object]:
+    """Waits for the first of several answers, each `(channel, slot, seq)`: the answer that
+    comes first, or the first server found dead, ends the wait — the order of `waits` does not
+    decide which is heard first. Returns `(i, Response)` for wait i's answer, `(i, error)` for
+    wait i's failure (the exception ClientChannel.wait would raise, not raised), or
+    `(-1, None)` when the deadline passed before any. Every channel must share one transport."""
+    if not waits:
+        raise ValueError("wait_first needs at least one answer to wait for")
+    transport = waits[0][0].transport
+    if any(ch.transport is not transport for ch, _, _ in waits):
+        raise ValueError("wait_first: the channels use different transports")
+    index, out = _C.wait_any_response(
+        transport,
+        [ch.region for ch, _, _ in waits],
+        [ch.response_ring for ch, _, _ in waits],
+        [slot for _, slot, _ in waits],
+        [seq for _, _, seq in waits],
+        [ch.server for ch, _, _ in waits],
+        waits[0][0].client_id,
+        timeout_ns(timeout),
+    )
+    if index < 0:
+        return -1, None
+    ch, slot, seq = waits[index]
+    try:
+        return index, ch._answer(out, slot, seq, timeout)
+    except MoecommError as exc:  # handed to the caller, which decides per server
+        return index, exc
