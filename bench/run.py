@@ -48,7 +48,8 @@ class Bench:
 
 # fmt: off
 BENCHES = (
-    Bench("rtt", ("--iters-signal", "2000", "--iters-decode", "200", "--warmup", "20"), ()),
+    Bench("rtt", ("--iters-signal", "500", "--iters-decode", "50", "--warmup", "10",
+                  "--signal-runs", "1"), ()),
     Bench("expert_compute", ("--iters", "2", "--warmup", "1"), ()),
     Bench("disagg_layer", ("--iters", "3", "--batches", "1,16"), ()),
     Bench("eplb", (), ()),

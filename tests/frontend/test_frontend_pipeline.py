@@ -11,9 +11,9 @@ import subprocess
 import httpx
 import pytest
 from frontend_helpers import MODEL_NAME
-from moecomm.testing import MOECOMM_CLI, FrontendSpec, start_local_cluster
+from moecomm.testing import CLI_ARGV, FrontendSpec, start_local_cluster
 
-CLI = list(MOECOMM_CLI)
+CLI = list(CLI_ARGV)
 # A refused start imports torch first, on a loaded machine.
 START_S = 120.0
 TIMEOUT_S = 60.0

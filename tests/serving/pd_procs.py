@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import httpx
-from moecomm.testing import MOECOMM_CLI, Proc, Processes
+from moecomm.testing import CLI_ARGV, Proc, Processes
 
-CLI = list(MOECOMM_CLI)
+CLI = list(CLI_ARGV)
 MODEL_NAME = "tiny"
 # One HTTP call of a test: a short generation of the tiny model, with retries behind it.
 HTTP_TIMEOUT_S = 120.0

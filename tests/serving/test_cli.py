@@ -5,11 +5,11 @@ import subprocess
 
 import httpx
 import pytest
-from moecomm.testing import MOECOMM_CLI, Processes
+from moecomm.testing import CLI_ARGV, Processes
 from moecomm_serving.cli.expert_server import parse_ids
 from moecomm_serving.model.config import MoEConfig
 
-CLI = list(MOECOMM_CLI)
+CLI = list(CLI_ARGV)
 
 
 def test_help_explains_every_subcommand():

@@ -8,9 +8,9 @@ import time
 
 import httpx
 import pytest
-from moecomm.testing import MOECOMM_CLI, Processes
+from moecomm.testing import CLI_ARGV, Processes
 
-CLI = list(MOECOMM_CLI)
+CLI = list(CLI_ARGV)
 ONE_THREAD = ("--threads", "1")
 BODY = {
     "model": "tiny",

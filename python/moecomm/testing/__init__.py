@@ -25,7 +25,7 @@ _LAZY = {
     "make_pattern": "identity",
     "serve_identity": "identity",
     "spawn_identity_server": "identity",
-    "MOECOMM_CLI": "procs",
+    "CLI_ARGV": "procs",
     "MONITOR_CMD": "procs",
     "Proc": "procs",
     "ProcessStartError": "procs",

@@ -25,7 +25,7 @@ from moecomm.readiness import READY_FILE_ENV, read_ready
 
 # The `moecomm` command run by this interpreter. A module name, not an import: the library never
 # imports the serving layer.
-MOECOMM_CLI = (sys.executable, "-m", "moecomm_serving.cli")
+CLI_ARGV = (sys.executable, "-m", "moecomm_serving.cli")
 # The membership monitor from its own module: what `moecomm monitor` runs, without the import of
 # every command (torch included) that the `moecomm` entry point pays: ~3 s to ready instead of
 # ~13 s on a loaded two-core machine (median of 3, load average 22).
@@ -288,7 +288,7 @@ class Processes:
         self,
         log_dir: str | os.PathLike | None = None,
         env: dict | None = None,
-        cli: Sequence[str] = MOECOMM_CLI,
+        cli: Sequence[str] = CLI_ARGV,
     ):
         self._own_dir = log_dir is None
         if log_dir is None:
