@@ -21,7 +21,8 @@ Contenders (each on fresh servers, same seeds, one after the other):
 - batched/checkpoint: the same batch read from the target's own checkpoint.
 
 Per kill: restore = kill -> every expert at K copies (what the issue asks for); detect = kill
--> the restore pass's start; fetch = the slowest server's time getting the weights (peer pull or
+-> the restore pass's start (its snapshot of the survivors taken); plan = planning the moves;
+fetch = the slowest server's time getting the weights (peer pull or
 checkpoint read), build = its time rebuilding the layers and publishing; apply = the pass's
 loads and publishing as the controller saw them. Median and p90 over the kills (nearest rank,
 bench/common.percentile).
@@ -73,8 +74,13 @@ def initial_hosted(k: int) -> list[dict[int, list[int]]]:
     ]
 
 
+# The bench's own HTTP client, kept: polling with a fresh client per request (~25 ms of CPU
+# each) would starve the controller, which shares this process.
+HTTP = httpx.Client(timeout=10)
+
+
 def published(url: str) -> dict[int, set[int]]:
-    table = httpx.get(f"{url}/experts", params={"load": "false"}, timeout=10).json()
+    table = HTTP.get(f"{url}/experts", params={"load": "false"}).json()
     return {int(la): {e for e in ids if e >= 0} for la, ids in table["layers"].items()}
 
 
@@ -188,6 +194,7 @@ def run_contender(name: str, args, k: int) -> tuple[list[dict], dict]:
                     "victim": victim.server_id,
                     "restore_ms": restore_s * 1e3,
                     "detect_ms": (r.started - killed_wall) * 1e3 if r else None,
+                    "plan_ms": r.plan_seconds * 1e3 if r else None,
                     # Reported by batches only (the per-expert route gives its total alone).
                     "fetch_ms": max(r.fetch_seconds) * 1e3 if r and r.fetch_seconds else None,
                     "build_ms": max(r.build_seconds) * 1e3 if r and r.build_seconds else None,
@@ -227,6 +234,7 @@ def summarize(name: str, rows: list[dict], counts: dict) -> dict:
         "restore_ms_p90": percentile(restore, 90),
         "restore_ms_max": max(restore),
         "detect_ms_median": med("detect_ms"),
+        "plan_ms_median": med("plan_ms"),
         "fetch_ms_median": med("fetch_ms"),
         "build_ms_median": med("build_ms"),
         "apply_ms_median": med("apply_ms"),
@@ -296,6 +304,7 @@ SUMMARY_COLUMNS = [
     ("restore_ms_median", "restore ms p50", ".1f"),
     ("restore_ms_p90", "p90", ".1f"),
     ("detect_ms_median", "detect p50", ".1f"),
+    ("plan_ms_median", "plan p50", ".1f"),
     ("fetch_ms_median", "fetch p50", ".1f"),
     ("build_ms_median", "build+publish p50", ".1f"),
     ("apply_ms_median", "apply p50", ".1f"),
@@ -311,6 +320,7 @@ COLUMNS = [
     ("trial", "kill", "d"),
     ("restore_ms", "kill->k copies ms", ".1f"),
     ("detect_ms", "detect ms", ".1f"),
+    ("plan_ms", "plan ms", ".1f"),
     ("fetch_ms", "fetch ms", ".1f"),
     ("build_ms", "build+publish ms", ".1f"),
     ("apply_ms", "apply ms", ".1f"),

@@ -114,6 +114,7 @@ class RebalanceReport:
     bytes_moved: int = 0
     load_seconds: list[float] = field(default_factory=list)
     sources: dict[str, int] = field(default_factory=dict)
+    plan_seconds: float = 0.0  # planning the moves (rebalance_incremental), before any load
     apply_seconds: float = 0.0
     # Per load batch (one per target server; one per expert on the per-expert path): seconds
     # spent getting the weights (checkpoint read or peer pull) and rebuilding + publishing.
@@ -603,7 +604,9 @@ class PlacementController:
     def _plan_and_apply(
         self, views: list[ServerView], weights: dict[int, np.ndarray], report: RebalanceReport
     ) -> RebalanceReport:
+        planned = time.monotonic()
         moves, before, after, notes = self.plan(views, weights)
+        report.plan_seconds = time.monotonic() - planned
         report.imbalance_before = _imbalance(before, weights)
         report.imbalance_after = _imbalance(after, weights)
         copies = self._copies(after).values()
