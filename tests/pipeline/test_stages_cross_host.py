@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import json
 import secrets
+import signal
 import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from lab_procs import start_logged, wait_for_log
+from lab_procs import start_logged, wait_for_log, wait_ready
 from moecomm import netns
 from moecomm.pipeline.testing import expected_token
+from moecomm.testing import Processes
 from moecomm.wire.nixl import available as nixl_available
 
 lab_ok, lab_why = netns.available()
@@ -96,7 +98,7 @@ if __name__ == "__main__":  # the local stage is spawned: it re-imports this fil
 def start_agent(lab, host, token_file: Path, log: Path):
     argv = [*PY, "-m", "moecomm.pipeline.agent", "--host", host.addr, "--port", str(AGENT_PORT)]
     p = start_logged(lab, host, [*argv, "--token-file", str(token_file)], log)
-    wait_for_log(log, "stage agent listening on", p, time.monotonic() + START_S)
+    wait_ready(log, p, time.monotonic() + START_S)
     return p
 
 
@@ -234,25 +236,13 @@ def free_port() -> int:
 @pytest.fixture
 def local_agent(tmp_path):
     """A stage agent on 127.0.0.1 (this host: its stages share our /dev/shm)."""
-    import subprocess
-
     token, key = token_file(tmp_path)
-    port = free_port()
-    log = tmp_path / "agent.log"
-    argv = [*PY, "-m", "moecomm.pipeline.agent", "--host", "127.0.0.1", "--port", str(port)]
-    with open(log, "w") as f:
-        p = subprocess.Popen([*argv, "--token-file", str(key)], stdout=f, stderr=f)
-    try:
-        wait_for_log(log, "stage agent listening on", p, time.monotonic() + START_S)
-        yield f"127.0.0.1:{port}", token
-    finally:
-        p.terminate()
-        try:
-            p.wait(AGENT_STOP_S)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(AGENT_STOP_S)
-        assert p.returncode == 0, log.read_text()[-2000:]
+    argv = [*PY, "-m", "moecomm.pipeline.agent", "--host", "127.0.0.1", "--port", "0"]
+    with Processes(tmp_path / "procs") as procs:
+        p = procs.start("agent", [*argv, "--token-file", str(key)], timeout=START_S)
+        yield p.ready["address"], token
+        code = p.stop(signal.SIGTERM, AGENT_STOP_S)
+        assert code == 0, p.tail(2000)
 
 
 @pytest.mark.timeout(300)
@@ -371,7 +361,7 @@ def test_moecomm_frontend_places_a_stage_on_another_host_from_the_command_line(t
         agent_argv = ["stage-agent", "--host", a.addr, "--port", str(AGENT_PORT)]
         a_log = tmp_path / "a.log"
         agent = start_logged(lab, a, [*cli, *agent_argv, "--token-file", str(key)], a_log)
-        wait_for_log(a_log, "stage agent listening on", agent, time.monotonic() + START_S)
+        wait_ready(a_log, agent, time.monotonic() + START_S)
         fe_argv = [
             "frontend", "--checkpoint", str(tiny_dir), "--model-name", "tiny", "--local-experts",
             "--stages", "2", "--stage-hosts", f"local,{a.addr}:{AGENT_PORT}",
@@ -379,9 +369,7 @@ def test_moecomm_frontend_places_a_stage_on_another_host_from_the_command_line(t
             "--threads", "1",
         ]  # fmt: skip
         front = start_logged(lab, fe, [*cli, *fe_argv], tmp_path / "fe.log")
-        wait_for_log(
-            tmp_path / "fe.log", "frontend tiny listening on", front, time.monotonic() + START_S
-        )
+        wait_ready(tmp_path / "fe.log", front, time.monotonic() + START_S)
         script, out = tmp_path / "ask.py", tmp_path / "answer.json"
         script.write_text(ASK)
         url = f"http://{fe.addr}:{FRONTEND_PORT}"

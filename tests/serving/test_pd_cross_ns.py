@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lab_procs import start_logged, wait_for_log
+from lab_procs import start_logged, wait_ready
 from moecomm import netns
 from moecomm.wire.nixl import available as nixl_available
 from moecomm_serving.engine.generate import generate
@@ -69,7 +69,7 @@ def test_split_across_namespaces_hands_kv_over_nixl(tiny_mixtral_dir, tmp_path: 
             log = tmp_path / f"{role}.log"
             started.append((start_logged(lab, host, argv, log), log))
         for proc, log in started:
-            wait_for_log(log, " listening on ", proc, time.monotonic() + START_S)
+            wait_ready(log, proc, time.monotonic() + START_S)
         urls = {h.name: f"http://{h.addr}:{PORT}" for h in (hp, hd, hr)}
         argv = [
             *CLI, "router", "--checkpoint", ckpt, "--model-name", "tiny",
@@ -77,7 +77,7 @@ def test_split_across_namespaces_hands_kv_over_nixl(tiny_mixtral_dir, tmp_path: 
         ]  # fmt: skip
         rlog = tmp_path / "router.log"
         router = start_logged(lab, hr, argv, rlog)
-        wait_for_log(rlog, " listening on ", router, time.monotonic() + START_S)
+        wait_ready(rlog, router, time.monotonic() + START_S)
         script, out = tmp_path / "ask.py", tmp_path / "answer.json"
         script.write_text(ASK)
         rc, so, se = lab.run(
