@@ -137,7 +137,10 @@ def test_blocks_arrive_bit_exact_across_processes(peer, pool):
             src, dst = random_blocks(rng, n)
             with link.expect(dst) as recv:
                 assert recv.poll() == KvState.WAITING
+                rung = pool.doorbell_value()
                 peer.call("send", recv.request.to_json(), src)
+                # The doorbell moved: one sleeper can watch every transfer of the pool.
+                assert pool.wait_any(rung, WAIT_S) > rung
                 recv.wait(WAIT_S)
                 assert recv.poll() == KvState.DONE
                 assert_blocks_equal(pool, dst, ref, src)

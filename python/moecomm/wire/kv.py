@@ -449,9 +449,15 @@ class KvPool:
         self.layout = layout
         self.max_transfers = max_transfers
         self.geometry = _Geometry(layout, max_transfers)
-        self.data = transport.create_region(self.geometry.data_bytes)
-        self.control = transport.create_region(self.geometry.control_bytes)
-        self.doorbell = transport.create_region(_C.DOORBELL_BYTES)
+        made = []
+        try:  # all three regions or none: a failure (say /dev/shm full) frees what was made
+            for size in (self.geometry.data_bytes, self.geometry.control_bytes, _C.DOORBELL_BYTES):
+                made.append(transport.create_region(size))
+        except BaseException:
+            for r in made:
+                r.close()
+            raise
+        self.data, self.control, self.doorbell = made
         self._bytes = region_bytes_view(self.data)
         self._control_bytes = region_bytes_view(self.control)
         self._lock = threading.Lock()
