@@ -52,6 +52,8 @@ BENCHES = (
                   "--signal-runs", "1"), ()),
     Bench("expert_compute", ("--iters", "2", "--warmup", "1"), ()),
     Bench("disagg_layer", ("--iters", "3", "--batches", "1,16"), ()),
+    Bench("death_notice", ("--trials", "2", "--live", "0.2"), ()),
+    Bench("kv_transfer", ("--quick",), (), png="--plot"),
     Bench("eplb", (), ()),
     Bench("vs_deepep", ("--quick",), ()),
     Bench("deepep_modes", ("--quick",), None),
