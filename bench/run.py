@@ -140,7 +140,8 @@ def main(argv=None) -> int:
         print(f"--- {b.name}", flush=True)
         rows.append(run(b, a.full, out, log_dir))
         print(f"    {rows[-1]['status']} in {rows[-1]['s']} s", flush=True)
-    print(format_table(rows, [("bench", "benchmark", "s"), ("s", "s", ".1f"), ("status", "", "s")]))
+    cols = [("bench", "benchmark", "s"), ("s", "s", ".1f"), ("status", "status", "s")]
+    print(format_table(rows, cols))
     failed = [r for r in rows if r["status"] not in ("ok", "no committed figures")]
     summary = {"full": a.full, "loadavg": os.getloadavg(), "rows": rows}
     write_json(os.path.join(log_dir, "summary.json"), summary)
