@@ -217,9 +217,16 @@ def idle_waiter(conn, seconds, options):
     conn.send(("idle", (time.process_time() - c0) / (time.monotonic() - w0)))
 
 
-def ucx_env_child(conn, user_env):
-    """Sets `user_env` as a user would, makes a NIXL agent as moecomm does, and sends the UCX
-    variables of moecomm.wire.nixl.UCX_DEFAULTS as the process holds them afterwards."""
-    os.environ.update(user_env)
-    moecomm.wire.nixl.new_agent()
-    conn.send({k: os.environ.get(k) for k in moecomm.wire.nixl.UCX_DEFAULTS})
+def ucx_env_child(conn, user_envs):
+    """For each of `user_envs`: clears the variables of moecomm.wire.nixl.UCX_DEFAULTS, sets the
+    user's as a user would, makes a NIXL agent as moecomm does, and notes those variables as the
+    process holds them afterwards. Sends the list of what it noted."""
+    names = moecomm.wire.nixl.UCX_DEFAULTS
+    out = []
+    for user_env in user_envs:
+        for k in (*names, moecomm.wire.nixl.UCX_DEFAULTS_ENV):
+            os.environ.pop(k, None)
+        os.environ.update(user_env)
+        moecomm.wire.nixl.new_agent()
+        out.append({k: os.environ.get(k) for k in names})
+    conn.send(out)

@@ -33,15 +33,21 @@ log = logging.getLogger("moecomm.nixl")
 INSTALL_HINT = "pip install 'moecomm[nixl]'"
 # The NIXL Python packages, by CUDA flavour; any one serves host memory.
 _NIXL_MODULES = ("nixl_cu12._api", "nixl_cu13._api", "nixl._api")
-# The NIXL progress thread sleeps this long between two passes when it finds nothing to do. It
-# runs both sides of every transfer over UCX's TCP transport (a target's bytes land only when its
-# thread turns), so the delay adds up to that much to a transfer's completion; NIXL's own
-# default, 0, keeps one core per process busy even when idle (bench/cross_host.py measures it).
-DEFAULT_PROGRESS_US = 100
+# The NIXL progress thread's delay. NIXL 1.5's thread blocks in poll() on its UCX worker's event
+# fd with this as the timeout (rounded up to whole ms), so bytes and notifications that arrive
+# wake it at once and the delay only bounds how often an idle agent wakes for nothing: 100 µs
+# (a 1 ms timeout) cost an idle agent ~2 % of a core, 10 ms ~0.4 % (bench/cross_host.py, idle
+# waiter); NIXL's own default, 0, turns the poll into a busy loop that takes a core per process
+# (10-100x slower round trips on a 2-core host: bench/results/cross_host_ucx.json).
+DEFAULT_PROGRESS_US = 10_000
 PROGRESS_ENV = "MOECOMM_NIXL_PROGRESS_US"
-# A transfer is spun on this long before its waiter starts yielding the GIL between checks: a
-# small write across a fast network completes within it.
+# A transfer is spun on this long before its waiter sleeps XFER_POLL_S between checks: a small
+# write across a fast network completes within it. The sleep leaves the CPU to the progress
+# threads that move a large transfer's bytes (over UCX's TCP transport both ends' threads copy
+# them): a waiter that only yielded kept a core busy for the whole transfer, which on a 2-core
+# host made a 3.7 MB WRITE slower than NIXL's own with the same waiting policy.
 SPIN_S = 50e-6
+XFER_POLL_S = 20e-6
 # NIXL errors of a well-formed handle whose agent cannot be reached (it died, or its address is
 # not routable from here), as opposed to a handle NIXL cannot parse.
 _UNREACHABLE_ERRORS = ("nixlBackendError", "nixlRemoteDisconnectError")
@@ -125,18 +131,24 @@ def interface_of(addr: str) -> str | None:
 # when the agent's UCX context is made; a variable the user set is never overridden). Measured
 # on the lab's TCP link (veth -> bridge -> veth between namespaces) by
 # `bench/cross_host.py --ucx-sweep`: bench/results/cross_host_ucx.json; docs/transports.md.
-UCX_DEFAULTS: dict[str, str] = {}
+# Of the settings tried (transports, rendezvous threshold, TCP segment and socket buffer sizes,
+# Nagle, PUT zcopy, the progress thread), only these told apart under the load the sweep ran in:
+# with Nagle on (UCX_TCP_NODELAY=n) a decode-size round trip took ~12x longer, with PUT zcopy
+# off (UCX_TCP_PUT_ENABLE=n) 3-7x. They are UCX's own defaults today; pinned here so that a
+# site's ucx.conf cannot turn them off unnoticed. The rest were within the run's noise.
+UCX_DEFAULTS: dict[str, str] = {"UCX_TCP_NODELAY": "y", "UCX_TCP_PUT_ENABLE": "y"}
 # Set to 0 to leave every UCX setting at UCX's own default.
 UCX_DEFAULTS_ENV = "MOECOMM_NIXL_UCX_DEFAULTS"
 
 
-def apply_ucx_defaults(env=None) -> dict[str, str]:
-    """Sets each of UCX_DEFAULTS in `env` (os.environ) that is not set there, unless
+def apply_ucx_defaults(env=None, defaults: dict[str, str] | None = None) -> dict[str, str]:
+    """Sets each of `defaults` (UCX_DEFAULTS) in `env` (os.environ) that is not set there, unless
     MOECOMM_NIXL_UCX_DEFAULTS=0; returns what it set."""
     env = os.environ if env is None else env
+    defaults = UCX_DEFAULTS if defaults is None else defaults
     if env.get(UCX_DEFAULTS_ENV, "1") == "0":
         return {}
-    applied = {k: v for k, v in UCX_DEFAULTS.items() if k not in env}
+    applied = {k: v for k, v in defaults.items() if k not in env}
     env.update(applied)
     return applied
 
@@ -373,7 +385,7 @@ class NixlEngine:
                     posted = [p for p in posted if p[2] != "PROC"]
                     return _C.NIXL_XFER_TIMEOUT
                 if now >= spin_until:
-                    time.sleep(0)  # lets other Python threads run during a long transfer
+                    time.sleep(XFER_POLL_S)
                 for p in posted:
                     if p[2] == "PROC":
                         # NIXL sends an attached notification from here, once it finds the
