@@ -40,6 +40,7 @@ import scale_placement  # noqa: E402
 from common import percentile, write_json  # noqa: E402
 from membership_procs import EtcdProcess, MonitorProcess, etcd_binary, stop_pid  # noqa: E402
 from moecomm.membership import Member, connect_membership  # noqa: E402
+from moecomm.membership.watcher import GRACE_SLACK_S, REREGISTER_GRACE_TTLS  # noqa: E402
 
 HOST_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scale_members.py")
 TOKEN = "scale-bench-token"
@@ -55,6 +56,10 @@ HOST_START_S = 180.0
 ANSWER_S = 60.0
 # Membership changes timed per run (register, then deregister, of a probe member).
 PROBES = 3
+# The driver's HTTP deadline (its probes, listings and the drill's watcher).
+DRIVER_TIMEOUT_S = 30.0
+# The driver's watcher long-polls as a member's does (DEFAULT_POLL_S).
+DRIVER_POLL_S = 2.0
 # A probe must reach every watcher within this, or the run says so (goal: 1 s).
 PROBE_DEADLINE_S = 15.0
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -174,7 +179,8 @@ def run_one(
         for h in hosts:
             h.ready = h.read(HOST_START_S)
         row["register_s"] = time.monotonic() - started
-        ms = connect_membership(url, token, poll_s=2.0)
+        # A long deadline: on an overloaded machine a slow answer is a figure, not a failure.
+        ms = connect_membership(url, token, poll_s=DRIVER_POLL_S, timeout=DRIVER_TIMEOUT_S)
         listed = len(ms.list_members("server"))
         row["listed_after_register"] = listed
         # Steady window: renewals and idle watchers only.
@@ -242,7 +248,15 @@ def run_one(
 def run_drill(server, ms, hosts: list[Host], n: int) -> dict:
     """10 % of the members die at once, then the monitor is killed and restarted on its port."""
     losses: list = []
-    watcher = ms.watch(role="server", callback=losses.append, initial=False)
+    loss_times: list[float] = []  # seconds after the monitor was back, of each loss heard
+    t_back = math.inf
+
+    def heard(ev) -> None:
+        losses.append(ev)
+        if ev.kind == "loss":
+            loss_times.append(time.monotonic() - t_back)
+
+    watcher = ms.watch(role="server", callback=heard, initial=False)
     try:
         killed_hosts = hosts[:1]  # holds DRILL_FRACTION of the members (host_sizes)
         killed = {f"{h.host_id}-{i}" for h in killed_hosts for i in range(h.count)}
@@ -265,10 +279,15 @@ def run_drill(server, ms, hosts: list[Host], n: int) -> dict:
                 all_back_s = time.monotonic() - t_back
                 break
             time.sleep(0.1)
-        # Listen past the watchers' re-registration grace (one TTL after their resync).
-        time.sleep(2 * TTL_S + 1.0)
+        # Listen past the watchers' re-registration grace (from the latest re-registration they
+        # saw), and the long-poll after it that brings the evidence.
+        time.sleep(REREGISTER_GRACE_TTLS * TTL_S + GRACE_SLACK_S + DRIVER_POLL_S + 1.0)
         lost = [e for e in losses if e.kind == "loss"]
         lost_live = [e.member.member_id for e in lost if e.member.member_id not in killed]
+        why: dict[str, int] = {}
+        for e in lost:
+            if e.member.member_id not in killed:
+                why[e.reason] = why.get(e.reason, 0) + 1
         lost_dead = {e.member.member_id for e in lost if e.member.member_id in killed}
         listed_end = {m.member_id for m in ms.list_members("server")}
         reregs = sum(h.stats()["reregistrations"] for h in hosts[len(killed_hosts) :])
@@ -281,6 +300,9 @@ def run_drill(server, ms, hosts: list[Host], n: int) -> dict:
             "all_survivors_listed_after_s": all_back_s,
             "dead_listed": len(listed_end & killed),
             "live_members_evicted": len(set(lost_live)),
+            "live_losses_by_reason": why,
+            "watcher_losses_at_s": sorted(round(e_t, 2) for e_t in loss_times)[:1]
+            + sorted(round(e_t, 2) for e_t in loss_times)[-1:],
             "dead_reported_lost": len(lost_dead),
             "survivor_reregistrations": reregs,
         }

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import httpx
 
@@ -170,13 +171,16 @@ class EmbeddedMembership(Membership):
             try:
                 if epoch is None:
                     body = self._call("GET", "/members", params=role).json()
+                    answered = time.monotonic()
                     view.snapshot([Record.from_dict(d) for d in body["members"]], False)
+                    view.heard(answered)
                     epoch, seq = body["epoch"], body["seq"]
                     continue
                 params = {"since": seq, "epoch": epoch, "timeout": self.poll_s, **role}
                 body = self._call(
                     "GET", "/events", params=params, timeout=self.poll_s + POLL_MARGIN_S
                 ).json()
+                answered = time.monotonic()
             except (ConnectionError, MembershipError, ValueError, KeyError) as exc:
                 view.error(exc)
                 stop.wait(RETRY_S)
@@ -194,4 +198,5 @@ class EmbeddedMembership(Membership):
                         view.delete(rec.member.key, ev["reason"])
                     else:
                         view.put(rec)
+            view.heard(answered)
             epoch, seq = body["epoch"], body["seq"]

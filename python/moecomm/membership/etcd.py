@@ -20,6 +20,7 @@ import json
 import math
 import secrets
 import threading
+import time
 
 import httpx
 
@@ -351,22 +352,38 @@ class EtcdMembership(Membership):
         kvs = data.get("kvs", [])
         return (_unb64(kvs[0]["value"]) if kvs else None), int(data["header"]["revision"])
 
+    def _puts_since(self, revision: int) -> int:
+        """How many member keys were put after `revision` (one keys-only read: etcd's `count`
+        ignores the revision filter, the keys it returns do not)."""
+        body = {
+            "key": _b64(self._members_prefix),
+            "range_end": _b64(_prefix_end(self._members_prefix)),
+            "keys_only": True,
+            "min_mod_revision": str(revision + 1),
+        }
+        return len(self._post("/v3/kv/range", body).get("kvs", []))
+
     def _watch_source(self, view, stop: threading.Event) -> None:
         identity, revision, need_snapshot = None, 0, True
         while not stop.is_set():
             try:
                 if need_snapshot:
                     epoch, rev, records = self._snapshot()
+                    answered = time.monotonic()
                     # A new epoch, or a revision that went back: a store without our history.
                     changed = identity is not None and (epoch != identity or rev < revision)
                     view.snapshot(records, changed)
+                    view.heard(answered)
                     identity, revision = epoch, rev
                 else:
                     # An idle stream ended: resume from `revision` if the store is still ours.
+                    asked = time.monotonic()
                     epoch, rev = self._current_epoch()
                     if epoch != identity or rev < revision:
                         need_snapshot = True
                         continue
+                    if not self._puts_since(revision):  # the view has every record put
+                        view.heard(asked)
                 revision, complete = self._stream(view, stop, revision)
                 need_snapshot = not complete
             except Exception as exc:
@@ -403,10 +420,14 @@ class EtcdMembership(Membership):
                     result = json.loads(line).get("result")
                     if result is None or result.get("canceled"):
                         return revision, False
+                    read = time.monotonic()
                     revision = max(revision, int(result["header"]["revision"]))
                     for ev in result.get("events", []):
                         self._apply(view, ev)
                     view.recovered()
+                    if not result.get("created"):
+                        # The created answer comes before the history it will replay.
+                        view.heard(read)
             except httpx.ReadTimeout:
                 return revision, True
         return revision, False

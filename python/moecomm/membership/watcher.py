@@ -4,9 +4,11 @@ The view is the same for both backends. A backend feeds it changes (`put`, `dele
 any reconnect, a full `snapshot`. A snapshot is diffed against the view, so nothing that
 happened while the watcher was disconnected is missed. When the backend itself was replaced (a
 restarted monitor, an etcd with a fresh data dir), members missing from the first snapshot are
-given one TTL (REREGISTER_GRACE_TTLS) to re-register before they are reported lost: their
+given two TTLs (REREGISTER_GRACE_TTLS) to re-register before they are reported lost: their
 heartbeats find the backend empty and register again, and peers must not drop live members
-because the monitor restarted. While the backend cannot be reached the view stays as it was.
+because the monitor restarted. That loss is reported on evidence only — an answer of the
+backend, applied, after the grace — never because the watcher could not hear it. While the
+backend cannot be reached the view stays as it was.
 """
 
 from __future__ import annotations
@@ -71,7 +73,10 @@ class Watcher:
         # No member missing from a replaced store is reported lost before this (monotonic):
         # a grace after the latest re-registration seen (see _put_locked).
         self._pending_floor = 0.0
-        self._timer: threading.Timer | None = None
+        # When the backend last answered with everything up to then applied: a member missing
+        # from a replaced store is reported lost only on such evidence, never because this
+        # watcher could not hear the backend (an overloaded monitor, a slow network).
+        self._heard = 0.0
         self._synced = False
         self._ready = threading.Event()
         self._stop = threading.Event()
@@ -134,9 +139,6 @@ class Watcher:
 
     def close(self) -> None:
         self._stop.set()
-        with self._lock:
-            if self._timer is not None:
-                self._timer.cancel()
         self._events.put(None)
         join_s = self._backend.poll_s + self._backend.timeout
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
@@ -195,7 +197,7 @@ class Watcher:
 
     def snapshot(self, records: list[Record], backend_changed: bool) -> None:
         """Everything alive now. `backend_changed`: the store was replaced (restart without
-        state), so members missing here get one TTL to come back before they are lost."""
+        state), so members missing here get two TTLs to come back before they are lost."""
         now = time.monotonic()
         with self._lock:
             first = not self._synced
@@ -213,7 +215,6 @@ class Watcher:
                 else:
                     self._emit("loss", rec, "missing")
             self._synced = True
-            self._arm_timer_locked()
         self.recovered()
         self._ready.set()
 
@@ -248,26 +249,16 @@ class Watcher:
             log.info("membership watch: backend reachable again")
         self._failing = False
 
-    def _arm_timer_locked(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if not self._pending or self._stop.is_set():
-            return
-        first_deadline = max(min(d for _, d in self._pending.values()), self._pending_floor)
-        self._timer = threading.Timer(
-            max(0.0, first_deadline - time.monotonic()), self._expire_pending
-        )
-        self._timer.daemon = True
-        self._timer.start()
-
-    def _expire_pending(self) -> None:
-        now = time.monotonic()
+    def heard(self, at: float) -> None:
+        """The backend answered at `at` (monotonic) and the answer is applied: members missing
+        from a replaced store whose grace had ended by then (and not within a grace of the
+        latest re-registration) are lost."""
         with self._lock:
-            due = [k for k, (_, d) in self._pending.items() if d <= now]
-            for key in due if now >= self._pending_floor else []:
+            self._heard = max(self._heard, at)
+            if not self._pending or self._heard < self._pending_floor:
+                return
+            for key in [k for k, (_, d) in self._pending.items() if d <= self._heard]:
                 self._emit("loss", self._pending.pop(key)[0], "not re-registered")
-            self._arm_timer_locked()
 
     def stopped(self) -> bool:
         return self._stop.is_set()
