@@ -13,7 +13,11 @@ the same run:
 - ``kv contiguous``: source and destination blocks in one run each (a fresh pool): one copy per
   layer and part;
 - ``kv scattered``: random source and destination blocks (a fragmented pool): one copy per block,
-  layer and part.
+  layer and part;
+- ``staged``: today's reference-serving shape, random blocks: gather every part's blocks
+  (``index_select``), one flat buffer (``cat``), 2 MiB chunks through a stage channel into the
+  receiver's slots, copied out and joined there, scattered into its pool: about five copies of
+  each byte (the serving's HTTP handshake and per-block device copies left out).
 
 Bytes moved = blocks × (bytes of one block over every layer and part). Bandwidth = bytes / median
 hand-off (GB/s, 10^9 B/s); ratio = kv bandwidth / memcpy bandwidth (goal: ≥ 0.5 for ≥ 1 MiB).
@@ -40,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import format_table, percentile, write_json
 from moecomm.wire.kv import KvLayout, KvPool
 from moecomm.wire.shm import ShmTransport
+from moecomm.wire.stage import StageInbox, StageReceiver, StageSender, stage_layout
 
 # Two layers, K and V, 16 tokens x 2 heads x 64 wide in bf16: 4 KiB per part and block, 16 KiB
 # per block over the pool, so 16 KiB ... 64 MiB is 1 ... 4096 blocks.
@@ -59,6 +64,11 @@ GOAL_MIN_KIB = 1024
 # Each pipe exchange with the receiver gets this long (a loaded host can stall a process).
 PIPE_TIMEOUT_S = 120.0
 PATTERNS = ("contiguous", "scattered")
+# The staged contender: the reference serving's KV channel (serving/.../disagg/transfer.py:
+# 2 MiB chunks, 4 slots) rebuilt from the library's stage channel, without its HTTP handshake.
+STAGED_SLOT_BYTES = 2 << 20
+STAGED_SLOTS = 4
+STAGED_CLIENT_ID = 7
 
 
 def layout(num_blocks: int) -> KvLayout:
@@ -70,18 +80,57 @@ def receiver(conn, num_blocks: int) -> None:
     pool = KvPool(ShmTransport(), layout(num_blocks))
     for p in pool.layout.parts:  # touch every page once: the timed runs measure copies only
         pool.view(p.layer, p.name).zero_()
-    conn.send(pool.info().to_json())
-    link = pool.connect(conn.recv())
+    inbox = StageInbox(pool.transport)
+    stage = StageReceiver(pool.transport, staged_layout(), STAGED_CLIENT_ID, STAGED_SLOTS)
+    conn.send((pool.info().to_json(), stage.handle, inbox.doorbell_handle))
+    pool_info, stage_sender = conn.recv()
+    link = pool.connect(pool_info)
+    stage.connect(stage_sender)
+    inbox.add("bench", stage)
     while True:
         msg = conn.recv()
         if msg is None:
             break
+        if isinstance(msg, tuple):  # ("staged", tag, dst): the reference serving's shape
+            _, tag, dst = msg
+            conn.send("ready")
+            _, data = inbox.take("bench", tag, PIPE_TIMEOUT_S)  # copied out of the slots
+            scatter(pool, dst, data)
+            conn.send(time.perf_counter_ns())
+            continue
         with link.expect(msg) as recv:
             conn.send(recv.request.to_json())
             recv.wait(PIPE_TIMEOUT_S)
             conn.send(time.perf_counter_ns())
     link.close()
+    inbox.close()
     pool.close()
+
+
+def staged_layout():
+    """The reference serving's KV channel: 2 MiB chunks of whole 4 KiB rows (disagg/transfer)."""
+    return stage_layout(STAGED_SLOT_BYTES // 4096, 1024, "f32")
+
+
+def gather(pool: KvPool, src: list[int]) -> torch.Tensor:
+    """The staged path's sending side: every part's blocks gathered, then one flat buffer."""
+    idx = torch.tensor(src)
+    return torch.cat(
+        [
+            pool.view(p.layer, p.name).index_select(0, idx).reshape(-1).view(torch.uint8)
+            for p in pool.layout.parts
+        ]
+    )
+
+
+def scatter(pool: KvPool, dst: list[int], data: torch.Tensor) -> None:
+    """The staged path's receiving side: the flat buffer scattered into the pool's blocks."""
+    idx, offset = torch.tensor(dst), 0
+    for p in pool.layout.parts:
+        v = pool.view(p.layer, p.name)
+        nbytes = len(dst) * p.block_bytes
+        v[idx] = data[offset : offset + nbytes].view(v.dtype).view(len(dst), *p.block_shape)
+        offset += nbytes
 
 
 def ask(conn, msg):
@@ -99,7 +148,7 @@ def memcpy_once(src: torch.Tensor, dst: torch.Tensor, nbytes: int) -> int:
     return time.perf_counter_ns() - t0
 
 
-def run(sizes_kib: list[int], iters: int, seed: int) -> dict:
+def run(sizes_kib: list[int], iters: int, seed: int, staged: bool = True) -> dict:
     block_bytes = layout(1).block_bytes
     num_blocks = max(sizes_kib) * 1024 // block_bytes
     transport = ShmTransport()
@@ -113,13 +162,17 @@ def run(sizes_kib: list[int], iters: int, seed: int) -> dict:
     child.start()
     rng = random.Random(seed)
     rows = []
+    tag = 0
     floor_src = torch.randint(0, 255, (num_blocks * block_bytes,), dtype=torch.uint8)
     floor_dst = torch.ones(num_blocks * block_bytes, dtype=torch.uint8)
     try:
         if not conn.poll(PIPE_TIMEOUT_S):
             raise TimeoutError("the receiving process did not start")
-        link = pool.connect(conn.recv())
-        conn.send(pool.info().to_json())
+        info, stage_handle, doorbell = conn.recv()
+        link = pool.connect(info)
+        stage = StageSender(transport, staged_layout(), STAGED_CLIENT_ID, STAGED_SLOTS)
+        stage.connect(stage_handle, doorbell)
+        conn.send((pool.info().to_json(), stage.handle))
         # One full transfer first: maps every page of the receiver's pool in this process.
         request = ask(conn, list(range(num_blocks)))
         link.send(request, list(range(num_blocks)))
@@ -167,6 +220,27 @@ def run(sizes_kib: list[int], iters: int, seed: int) -> dict:
                 # The sender's writes and signals alone (no wake-up of the receiver).
                 row[f"{pattern}_send_x_memcpy"] = row["memcpy_us"] / row[f"{pattern}_send_us"]
                 row[f"{pattern}_samples_us"] = [s / 1e3 for s in samples]
+            if staged:
+                samples = []
+                for i in range(WARMUP + reps):
+                    src = rng.sample(range(num_blocks), n)
+                    dst = rng.sample(range(num_blocks), n)
+                    tag += 1
+                    if ask(conn, ("staged", tag, dst)) != "ready":
+                        raise RuntimeError("the receiver did not take the staged hand-off")
+                    t0 = time.perf_counter_ns()
+                    stage.send(tag, gather(pool, src), PIPE_TIMEOUT_S)
+                    stage.flush(PIPE_TIMEOUT_S)
+                    if not conn.poll(PIPE_TIMEOUT_S):
+                        raise TimeoutError("the staged hand-off did not complete")
+                    t1 = conn.recv()
+                    if i >= WARMUP:
+                        samples.append(t1 - t0)
+                med = percentile(samples, 50)
+                row["staged_us"] = med / 1e3
+                row["staged_x_memcpy"] = (nbytes / med) / row["memcpy_gbps"]
+                row["staged_over_scattered"] = med / 1e3 / row["scattered_us"]
+                row["staged_samples_us"] = [s / 1e3 for s in samples]
             rows.append(row)
             print(
                 f"{kib:>6} KiB: memcpy {row['memcpy_us']:.1f} us, contiguous "
@@ -177,6 +251,7 @@ def run(sizes_kib: list[int], iters: int, seed: int) -> dict:
         conn.send(None)
         child.join(PIPE_TIMEOUT_S)
         link.close()
+        stage.close()
     finally:
         if child.is_alive():
             child.kill()
@@ -205,6 +280,10 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     ax.plot(x, [r["memcpy_gbps"] for r in rows], "k--o", label="memcpy (same bytes, one process)")
     for p in PATTERNS:
         ax.plot(x, [r[f"{p}_gbps"] for r in rows], "-o", label=f"KV hand-off, {p} blocks")
+    if all("staged_us" in r for r in rows):
+        staged = [r["bytes"] / (r["staged_us"] * 1e3) for r in rows]
+        ax.plot(x, staged, ":s", label="staged (gather, flat buffer, stage channel, scatter)")
+    ax.set_yscale("log")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("KV bytes per hand-off")
     ax.set_ylabel("GB/s (bytes / median time)")
@@ -238,6 +317,8 @@ def main(argv=None) -> int:
         ("scattered_us", "scatter us", ".1f"),
         ("scattered_x_memcpy", "scatter x memcpy", ".2f"),
         ("contiguous_gbps", "contig GB/s", ".2f"),
+        ("staged_us", "staged us", ".1f"),
+        ("staged_over_scattered", "staged/scatter", ".2f"),
         ("contiguous_send_us", "contig send us", ".1f"),
         ("scattered_send_us", "scatter send us", ".1f"),
     ]

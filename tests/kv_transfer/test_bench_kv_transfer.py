@@ -1,5 +1,6 @@
 """bench/kv_transfer.py --quick runs end to end: two processes, every size and pattern timed
-beside the memcpy floor, the goals evaluated, JSON and PNG written (no figure is asserted)."""
+beside the memcpy floor and the staged path, the goals evaluated, JSON and PNG written (no
+figure is asserted)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,13 @@ def test_quick_bench_writes_its_results(tmp_path):
     assert [r["kib"] for r in result["rows"]] == [16, 1024, 16384]
     for r in result["rows"]:
         assert r["bytes"] == r["blocks"] * result["block_bytes"] == r["kib"] * 1024
-        for key in ("memcpy_us", "contiguous_us", "scattered_us", "contiguous_send_us"):
+        for key in (
+            "memcpy_us",
+            "contiguous_us",
+            "scattered_us",
+            "contiguous_send_us",
+            "staged_us",
+        ):
             assert r[key] > 0, key
         assert len(r["contiguous_samples_us"]) == 4
     assert set(result["goals"]) == {
