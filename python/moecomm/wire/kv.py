@@ -805,14 +805,15 @@ class KvRecv:
                     self.peer.control,
                 )
             except DeadlineExceededError:
-                pass  # re-check the word, the deadline and the sender's liveness
+                # A slice ended: the word, the deadline and, as a safety net beside the wait's
+                # own death watch, the sender's liveness are checked again (the /proc read costs
+                # tens of µs, so only here, never on a wait that was answered).
+                lost = not self.peer.alive()
             except PeerLostError:
-                reap_stale_segments()
-                raise PeerLostError(
-                    f"kv transfer {self.seq} (slot {self.slot}): the sending "
-                    f"process died before {what} arrived"
-                ) from None
-            if not self.peer.alive() and not self._judge(self._read(offset), what):
+                lost = True
+            else:
+                lost = False
+            if lost and not self._judge(self._read(offset), what):
                 reap_stale_segments()
                 raise PeerLostError(
                     f"kv transfer {self.seq} (slot {self.slot}): the sending "
