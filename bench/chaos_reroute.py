@@ -1,5 +1,18 @@
-"""Kill -> first re-routed completion in the chaos trials (tests/chaos), before and after the
-fix of issue 28 item 5, side by side in one run.
+"""Kill -> first re-routed completion in the chaos trials (tests/chaos): the old reroute path
+beside the new one, and the trial loop before and after its fix, side by side in one run.
+
+Variants (each seed runs under every variant asked for, in alternating order):
+  poll     the old reroute path: a dead shm peer is seen by the 20 ms /proc liveness poll
+           (MOECOMM_SHM_DEATH_WATCH=poll) and its share re-sent once every server of the step
+           answered or failed (MOECOMM_RESEND=after_step);
+  watch    death seen at once through the peer's life word, re-sent after the step (what the
+           earlier notice alone buys);
+  at_once  the library's default: life word, and the share re-sent to a replica's spare slot the
+           moment the death is seen, while the step's other answers are awaited;
+  inline / deferred   the trial loop before / after the fix below (library defaults).
+
+The variants' settings reach every process of a trial through the environment (the trial
+spawns its servers and clients after it is set).
 
 What replaying seed 86 (399 ms in the 101-trial run) showed: the trial's event loop, which
 strikes the faults and ends each SIGSTOP on time, computed the fault-free reference of every
@@ -16,14 +29,16 @@ when the re-routed request was dispatched, when the dead server was evicted, how
 client waited for a CPU, how long it was held by SIGSTOP. Load average is recorded with every
 trial: this machine is shared, so compare the two variants within one run only.
 
-Usage: python bench/chaos_reroute.py [--seeds N] [--variants inline,deferred]
+Usage: python bench/chaos_reroute.py [--seeds N] [--variants poll,at_once]
        [--json bench/results/chaos_reroute.json]
-(`--variants deferred` runs the fixed loop alone: the many-trial measurement of the reroute time.)
+The reroute goal's measurement: `python bench/chaos_reroute.py --seeds 100 --variants
+poll,at_once --json bench/results/chaos_reroute_100.json` on a quiet machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -39,9 +54,17 @@ from chaos_figures import percentile  # noqa: E402
 from chaos_model import BatchKey, Reference  # noqa: E402
 from chaos_plan import plan_trial  # noqa: E402
 from chaos_trial import Trial, run_trial  # noqa: E402
-from common import write_json  # noqa: E402
+from common import format_table, write_json  # noqa: E402
 
-VARIANTS = ("inline", "deferred")
+# variant -> (trial loop, environment of every process of its trials)
+VARIANTS = {
+    "poll": ("deferred", {"MOECOMM_SHM_DEATH_WATCH": "poll", "MOECOMM_RESEND": "after_step"}),
+    "watch": ("deferred", {"MOECOMM_SHM_DEATH_WATCH": "futex", "MOECOMM_RESEND": "after_step"}),
+    "at_once": ("deferred", {"MOECOMM_SHM_DEATH_WATCH": "futex", "MOECOMM_RESEND": "at_once"}),
+    "inline": ("inline", {}),
+    "deferred": ("deferred", {}),
+}
+DEFAULT_VARIANTS = ("poll", "at_once")
 # Seeds are taken in order from 1 up, keeping those whose plan kills a server (46 of 1..100).
 MAX_SEED = 1000
 
@@ -85,7 +108,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=10, help="how many kill seeds (each run twice)")
     ap.add_argument("--only", default="", help="comma-separated seeds instead of the first N")
     ap.add_argument(
-        "--variants", default=",".join(VARIANTS), help="which loops to run (comma-separated)"
+        "--variants",
+        default=",".join(DEFAULT_VARIANTS),
+        help=f"which variants to run (comma-separated, of {', '.join(VARIANTS)})",
     )
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
@@ -93,6 +118,9 @@ def main(argv=None) -> int:
     unknown = set(variants) - set(VARIANTS)
     if unknown or not variants:
         ap.error(f"--variants: one or more of {', '.join(VARIANTS)}, got {a.variants!r}")
+    command = "python bench/chaos_reroute.py " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
     seeds = [int(s) for s in a.only.split(",") if s] or kill_seeds(a.seeds)
     reference = Reference()
     trials = []
@@ -100,8 +128,10 @@ def main(argv=None) -> int:
         order = variants if i % 2 == 0 else variants[::-1]
         for variant in order:
             load = os.getloadavg()[0]
-            cls = InlineTrial if variant == "inline" else Trial
-            r = run_trial(seed, plan_trial(seed), reference, trial_cls=cls)
+            loop, env = VARIANTS[variant]
+            cls = InlineTrial if loop == "inline" else Trial
+            with _environment(env):
+                r = run_trial(seed, plan_trial(seed), reference, trial_cls=cls)
             f = r.figures
             trials.append(
                 {
@@ -125,7 +155,12 @@ def main(argv=None) -> int:
                 + ("" if not r.problems else f"  PROBLEMS: {r.problems[:2]}"),
                 flush=True,
             )
-    out = {"seeds": seeds, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    out = {
+        "command": command,
+        "seeds": seeds,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "variants": {v: {"loop": VARIANTS[v][0], "env": VARIANTS[v][1]} for v in variants},
+    }
     for variant in variants:
         mine = [t for t in trials if t["variant"] == variant]
         kills = [d for t in mine for d in t["reroute_after_kill"]]
@@ -134,6 +169,8 @@ def main(argv=None) -> int:
             "kills_not_rerouted": sum(d["ms"] is None for d in kills),
             "runqueue_ms": summarize([d["runqueue_ms"] for d in kills if d["ms"] is not None]),
             "frozen_ms": summarize([d["frozen_ms"] for d in kills if d["ms"] is not None]),
+            # When the dead server was evicted by the client that re-routed first: the notice.
+            "evicted_ms": summarize([d["evicted_ms"] for d in kills if d["ms"] is not None]),
             "stop_overrun_ms": summarize([v for t in mine for v in t["stop_overrun_ms"]]),
             "load_1min_median": percentile([t["load_1min_before"] for t in mine], 50),
             "failed_trials": [t["seed"] for t in mine if not t["passed"]],
@@ -147,8 +184,62 @@ def main(argv=None) -> int:
             f"stop overrun max {s['stop_overrun_ms']['max']} ms; load median "
             f"{s['load_1min_median']}; lost {s['lost']}; failed {s['failed_trials']}"
         )
+    base = variants[0]
+    rows = []
+    for variant in variants:
+        k = out[variant]["reroute_after_kill_ms"]
+        b = out[base]["reroute_after_kill_ms"]
+        rows.append(
+            {
+                "variant": variant,
+                "n": k["n"],
+                "p50": k["p50"],
+                "p99": k["p99"],
+                "max": k["max"],
+                "p50_ratio": _ratio(k, b, "p50"),
+                "p99_ratio": _ratio(k, b, "p99"),
+                "evicted_p99": out[variant]["evicted_ms"]["p99"],
+                "load": out[variant]["load_1min_median"],
+            }
+        )
+    out["table"] = rows
+    print(
+        format_table(
+            rows,
+            [
+                ("variant", "variant", "s"),
+                ("n", "kills", "d"),
+                ("p50", "p50 ms", ".1f"),
+                ("p99", "p99 ms", ".1f"),
+                ("max", "max ms", ".1f"),
+                ("p50_ratio", f"p50/{base}", ".2f"),
+                ("p99_ratio", f"p99/{base}", ".2f"),
+                ("evicted_p99", "evicted p99 ms", ".1f"),
+                ("load", "load", ".1f"),
+            ],
+        )
+    )
     write_json(a.json, {**out, "trials": trials})
     return 0
+
+
+def _ratio(k: dict, base: dict, q: str) -> float | None:
+    return round(k[q] / base[q], 2) if k[q] is not None and base[q] else None
+
+
+@contextlib.contextmanager
+def _environment(env: dict):
+    """`env` set in this process (and so in every process a trial spawns) while inside."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 if __name__ == "__main__":
