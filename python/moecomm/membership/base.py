@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from moecomm.errors import MoecommError
 from moecomm.membership.member import (
     Event,
     Member,
@@ -61,7 +62,7 @@ HEARTBEAT_BUG_PAUSE_S = 1.0
 ALIGN_FRACTION = 0.5
 
 
-class BackendBusyError(ConnectionError):
+class BackendBusyError(MoecommError, ConnectionError):
     """The backend took the request but did not answer in time (a read timeout): it is up and
     overloaded, so retrying at once would only add to its queue."""
 
