@@ -153,6 +153,7 @@ def _mixed_hint(asked: str, offered: list[str]) -> str:
 def make_app(server: ExpertServer, token: str = "") -> FastAPI:
     """The HTTP face of `server`. `token`, when set, must accompany connects and disconnects."""
     app = FastAPI(title=f"moecomm expert server {server.server_id}")
+    table_reads = [0]  # GET /experts answered (a list: the handlers below add to it)
 
     def authorize(given: str) -> None:
         if token and not hmac.compare_digest(given.encode(), token.encode()):
@@ -261,6 +262,7 @@ def make_app(server: ExpertServer, token: str = "") -> FastAPI:
             for (layer, expert), n in sorted(server.stats.expert_load.items())
             if load
         ]
+        table_reads[0] += 1
         table = server.placement.describe(client_id)
         return {"server_id": server.server_id, "hidden": server.hidden, **table, "load": counts}
 
@@ -379,6 +381,11 @@ def make_app(server: ExpertServer, token: str = "") -> FastAPI:
     @app.get("/metrics", response_class=PlainTextResponse)
     def metrics():
         lines = metrics_lines(server.server_id, server.stats, server.health, server.num_clients)
+        # GET /experts answered: what a placement controller's watch costs this server.
+        lines.append("# TYPE moecomm_server_table_reads_total counter")
+        lines.append(
+            f'moecomm_server_table_reads_total{{server="{server.server_id}"}} {table_reads[0]}'
+        )
         return "\n".join(lines) + "\n"
 
     return app

@@ -12,13 +12,21 @@ published replica, and no client request is ever lost to a move.
 
 Redundancy: with `min_replicas` k every plan puts each expert on k distinct servers (as many as
 host the layer, when fewer), and while the controller runs (start()) a watch re-reads the
-servers every `watch_s`: when one is lost and an expert falls below its copies, a restore pass
-re-homes them at once, without waiting for the next load-driven pass.
+servers' tables when something changed: a server lost (the idle TCP connection the watch holds
+to its control port closes, or stops answering the kernel's keep-alive probes, and a new one is
+refused), a server back or added (the server list changed), or, as a safety net for tables
+changed by someone else, every `safety_poll_s`. An expert below its copies is then re-homed at
+once, without waiting for the next load-driven pass. An idle watch reads no table between safety
+polls: with S servers the old watch's S/`watch_s` reads a second (one read outlasts 0.1 s from
+~100 servers, docs/scale.md) become S/`safety_poll_s`. notified=False keeps the old watch (every
+table every `watch_s`), for the benchmarks.
 """
 
 from __future__ import annotations
 
 import logging
+import selectors
+import socket
 import threading
 import time
 from collections import deque
@@ -32,6 +40,7 @@ import torch
 
 from moecomm.eplb import combine_windows, rebalance_incremental
 from moecomm.eplb.redundancy import check_min_replicas
+from moecomm.errors import MoecommError
 from moecomm.runtime.control import HTTP_TIMEOUT_S
 
 log = logging.getLogger("moecomm.placement")
@@ -53,12 +62,24 @@ LOAD_TIMEOUT_FACTOR = 6
 # /experts of each server without its load table, a few ms): the detection part of the time
 # from a server's loss to restored redundancy. A killed server refuses the next connect at once.
 REDUNDANCY_WATCH_S = 0.1
+# The notified watch's safety poll: every table is re-read this often even with no event, for
+# tables changed by someone other than this controller (a second controller, an operator's
+# `moecomm` command). Losses and joins do not wait for it.
+SAFETY_POLL_S = 10.0
+# A server the watch cannot connect to is tried again this often (a refused connect is cheap),
+# so one that comes back is re-read within this long.
+DOWN_RETRY_S = 1.0
+# Kernel keep-alive on the watch's connections: a host that dies without closing its sockets
+# (power, network) is noticed after about IDLE + INTERVAL * COUNT seconds of silence.
+KEEPALIVE_IDLE_S = 2
+KEEPALIVE_INTERVAL_S = 1
+KEEPALIVE_COUNT = 2
 # After a restore pass that could not restore everything (a load failed), the watch waits this
 # long before the next try instead of hammering the servers.
 RESTORE_RETRY_S = 1.0
 
 
-class BatchUnsupportedError(RuntimeError):
+class BatchUnsupportedError(MoecommError):
     """The server has no batch route (it is from before them): load or drop one by one."""
 
 
@@ -158,8 +179,10 @@ class PlacementController:
     first and falls back to a peer.
 
     min_replicas: copies of every expert on distinct servers (default 1, EPLB's placement;
-    `moecomm` commands default to 2). watch_s: how often start()'s watch checks them (0: no
-    watch).
+    `moecomm` commands default to 2). watch_s: how often start()'s watch looks at its events
+    (the server list, its connections; no request) (0: no watch); safety_poll_s: how often it
+    re-reads every table with no event. notified=False: the old watch, every table every
+    watch_s.
 
     batched (default): each server loads all its new experts in one request (one rebuild per
     layer, one epoch) and drops its leaving ones in another. batched=False is the per-expert
@@ -183,13 +206,19 @@ class PlacementController:
         min_replicas: int = 1,
         watch_s: float = REDUNDANCY_WATCH_S,
         batched: bool = True,
+        notified: bool = True,
+        safety_poll_s: float = SAFETY_POLL_S,
     ):
         if weights_from not in WEIGHT_SOURCES:
             raise ValueError(f"weights_from must be one of {WEIGHT_SOURCES}, got {weights_from!r}")
         if watch_s < 0:
             raise ValueError(f"watch_s must be >= 0, got {watch_s}")
+        if safety_poll_s <= 0:
+            raise ValueError(f"safety_poll_s must be > 0, got {safety_poll_s}")
         self.min_replicas = check_min_replicas(min_replicas)
         self.watch_s = watch_s
+        self.notified = notified
+        self.safety_poll_s = safety_poll_s
         self.batched = batched
         # One HTTP client for every request of the controller (thread-safe, keeps connections
         # open): a fresh client per request costs ~25 ms of CPU (its TLS context), which the
@@ -666,6 +695,9 @@ class PlacementController:
             self._watch_thread.start()
 
     def _watch(self) -> None:
+        if self.notified:
+            self._watch_notified()
+            return
         while not self._stop.wait(self.watch_s):
             try:
                 report = self.restore()
@@ -674,6 +706,37 @@ class PlacementController:
                 report = None
             if report is not None and report.errors:
                 self._stop.wait(RESTORE_RETRY_S)
+
+    def _watch_notified(self) -> None:
+        """Restore passes on events only: the server list changed, a server's connection closed
+        and it refuses a new one (lost), a lost one accepts again, or safety_poll_s passed."""
+        conns = _ServerConnections(self.timeout)
+        known: list[str] | None = None
+        next_read = 0.0  # the first pass reads at once
+        try:
+            while not self._stop.is_set():
+                try:
+                    urls = list(self._servers())
+                except Exception:  # the caller's list failed: keep the last one
+                    log.exception("placement: the server list could not be read")
+                    urls = known or []
+                if urls != known:
+                    known = urls
+                    conns.track(urls)
+                    next_read = 0.0
+                if time.monotonic() >= next_read:
+                    next_read = time.monotonic() + self.safety_poll_s
+                    try:
+                        report = self.restore()
+                    except Exception:  # a failed restore is logged; the next event tries again
+                        log.exception("placement: restore pass failed")
+                        report = None
+                    if report is not None and report.errors:
+                        next_read = time.monotonic() + RESTORE_RETRY_S
+                if conns.wait(self.watch_s):
+                    next_read = 0.0
+        finally:
+            conns.close()
 
     def stop(self, timeout: float = 30.0) -> None:
         self._stop.set()
@@ -685,3 +748,82 @@ class PlacementController:
             http, self._http = self._http, None
         if http is not None:  # a later pass opens a new one
             http.close()
+
+
+class _ServerConnections:
+    """One idle TCP connection to each server's control port, held by the notified watch. No
+    request is ever sent on it: the kernel says when it closes (the server process died, or its
+    HTTP server dropped the idle connection) or stops answering keep-alive probes (its host is
+    gone). A closed one is reconnected at once; a refused reconnect means the server is lost."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self._sel = selectors.DefaultSelector()
+        self._socks: dict[str, socket.socket] = {}
+        self._down: dict[str, float] = {}  # url -> when to try connecting again
+
+    def track(self, urls: list[str]) -> None:
+        for url in set(self._socks) - set(urls):
+            self._drop(url)
+        for url in set(self._down) - set(urls):
+            del self._down[url]
+        for url in urls:
+            if url not in self._socks and url not in self._down:
+                self._connect(url)
+
+    def _connect(self, url: str) -> bool:
+        try:
+            u = httpx.URL(url)
+            sock = socket.create_connection((u.host, u.port or 80), timeout=self.timeout)
+        except (OSError, httpx.InvalidURL):
+            self._down[url] = time.monotonic() + DOWN_RETRY_S
+            return False
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for opt, value in (
+            ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+            ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+            ("TCP_KEEPCNT", KEEPALIVE_COUNT),
+        ):
+            if hasattr(socket, opt):  # Linux; elsewhere the system's keep-alive defaults
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
+        sock.setblocking(False)
+        self._socks[url] = sock
+        self._down.pop(url, None)
+        self._sel.register(sock, selectors.EVENT_READ, url)
+        return True
+
+    def _drop(self, url: str) -> None:
+        sock = self._socks.pop(url)
+        self._sel.unregister(sock)
+        sock.close()
+
+    def wait(self, timeout: float) -> bool:
+        """Waits up to `timeout` for an event; True when a server was lost or came back."""
+        changed = False
+        if self._socks:
+            events = self._sel.select(timeout)
+        else:
+            time.sleep(timeout)
+            events = []
+        for key, _ in events:
+            url = key.data
+            try:
+                if key.fileobj.recv(1):  # a server never writes here unasked: ignore it
+                    continue
+            except BlockingIOError:
+                continue
+            except OSError:
+                pass  # reset, or keep-alive timed out: closed like an EOF
+            self._drop(url)
+            if not self._connect(url):
+                changed = True
+        now = time.monotonic()
+        for url, at in list(self._down.items()):
+            if now >= at and self._connect(url):
+                changed = True
+        return changed
+
+    def close(self) -> None:
+        for url in list(self._socks):
+            self._drop(url)
+        self._sel.close()
