@@ -63,6 +63,48 @@ def test_the_router_imports_no_torch_and_no_model_code():
     assert not heavy, f"the router process loads {heavy}"
 
 
+HEAVY_PREFIXES = ("moecomm_serving.engine", "moecomm_serving.kv")
+
+
+def run_fresh(code: str) -> set[str]:
+    """The modules a fresh interpreter holds after running `code`."""
+    code += "\nimport sys; print(' '.join(sorted(sys.modules)))"
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert res.returncode == 0, res.stderr
+    return set(res.stdout.split())
+
+
+def test_the_router_command_loads_no_torch():
+    # what `moecomm router ...` runs before serving: the whole parser, the router's options
+    # parsed, its run function found, and the config and tokenizer readers its run calls
+    loaded = run_fresh(
+        "from moecomm_serving.cli.main import build_parser\n"
+        "args = build_parser().parse_args(['router', '--checkpoint', 'c', "
+        "'--prefill', 'http://p', '--decode', 'http://d'])\n"
+        "assert args.func.__module__ == 'moecomm_serving.cli.router', args.func\n"
+        "import moecomm_serving.model.config, moecomm_serving.model.tokenizer\n"
+    )
+    assert "moecomm_serving.cli.router" in loaded  # the check looks at the right process
+    heavy = sorted(m for m in loaded if m == "torch" or m.startswith(("torch.", *HEAVY_PREFIXES)))
+    assert not heavy, f"the router command loads {heavy}"
+    # and no other command's module: each is imported only when it is parsed
+    others = {"frontend", "expert_server", "demo", "rebalance", "loadgen"}
+    assert not {f"moecomm_serving.cli.{o}" for o in others} & loaded
+
+
+def test_building_the_cli_parser_imports_no_command():
+    loaded = run_fresh("from moecomm_serving.cli.main import build_parser\nbuild_parser()\n")
+    assert "moecomm_serving.cli.main" in loaded
+    commands = sorted(
+        m
+        for m in loaded
+        if m.startswith("moecomm_serving.cli.") and m not in ("moecomm_serving.cli.main",)
+    )
+    assert not commands and "torch" not in loaded, commands
+
+
 def test_the_library_imports_no_serving_code():
     for module in ("moecomm", "moecomm.compat.deep_ep"):
         loaded = fresh_import(module)

@@ -13,10 +13,7 @@ import argparse
 import signal
 import threading
 
-import torch
 from moecomm.wire.choose import TRANSPORT_CHOICES
-
-from moecomm_serving.kv.blocks import DEFAULT_BLOCK_TOKENS
 
 __all__ = [
     "DEFAULT_MIN_REPLICAS",
@@ -58,6 +55,8 @@ def set_threads(args: argparse.Namespace) -> None:
     if args.threads is not None:
         if args.threads < 1:
             raise SystemExit(f"--threads must be >= 1, got {args.threads}")
+        import torch  # here, not at the top: the router shares this module and loads no torch
+
         torch.set_num_threads(args.threads)
 
 
@@ -74,6 +73,9 @@ def add_transport_argument(p: argparse.ArgumentParser) -> None:
 
 def add_kv_cache_arguments(p: argparse.ArgumentParser) -> None:
     """--kv-block-tokens and --prefix-cache-bytes, read by :func:`kv_cache_kwargs`."""
+    # here, not at the top: the block pool module imports torch, the router this module
+    from moecomm_serving.kv.blocks import DEFAULT_BLOCK_TOKENS
+
     p.add_argument(
         "--kv-block-tokens",
         type=int,

@@ -40,6 +40,28 @@ MAX_TOKENS = 16
 ONE_THREAD = ("--threads", "1")
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The demo's options (its model family and device are the tiny checkpoint's and the GPU
+    path's own options)."""
+    from moecomm_serving.cli.device import add_device_arguments
+    from moecomm_serving.model import tiny
+
+    p.add_argument(
+        "--stages",
+        type=int,
+        default=1,
+        help="pipeline stages of the front end (2: the model split over two stage processes, "
+        "each calling the expert servers)",
+    )
+    p.add_argument(
+        "--pd",
+        action="store_true",
+        help="prefill and decode on separate front ends behind `moecomm router`",
+    )
+    tiny.add_arch_argument(p, help="model family of the tiny checkpoint")
+    add_device_arguments(p, server=False)
+
+
 def say(msg: str) -> None:
     print(msg, flush=True)
 

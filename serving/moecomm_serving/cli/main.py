@@ -1,20 +1,16 @@
-"""The `moecomm` command: one entry point, one subcommand per service."""
+"""The `moecomm` command: one entry point, one subcommand per service.
+
+A subcommand's module is imported only when that subcommand is parsed (or its help shown):
+the router process never loads torch or model code, and every command starts without
+importing the others.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
-
-from moecomm.membership import monitor
-from moecomm.pipeline import agent as stage_agent
-
-from moecomm_serving.cli import demo, expert_server, loadgen
-from moecomm_serving.cli import frontend as frontend_cmd
-from moecomm_serving.cli import rebalance as rebalance_cmd
-from moecomm_serving.cli import router as router_cmd
-from moecomm_serving.cli.device import add_device_arguments
-from moecomm_serving.model import tiny
 
 DESCRIPTION = """moecomm: serve Mixture-of-Experts models with the experts in separate services.
 
@@ -31,46 +27,33 @@ subcommands:
 """
 
 
-def _demo_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--stages",
-        type=int,
-        default=1,
-        help="pipeline stages of the front end (2: the model split over two stage processes, "
-        "each calling the expert servers)",
-    )
-    p.add_argument(
-        "--pd",
-        action="store_true",
-        help="prefill and decode on separate front ends behind `moecomm router`",
-    )
-    tiny.add_arch_argument(p, help="model family of the tiny checkpoint")
-    add_device_arguments(p, server=False)
-
-
-# name: (short help, description, adds the options, runs the command)
+# name: (short help, description, module, its function that adds the options, its function
+# that runs the command)
 COMMANDS = {
     "monitor": (
         "the embedded membership monitor",
         "Track members by heartbeat; push join/loss events to watchers over HTTP. "
         "Prints its URL on the first line.",
-        monitor.add_arguments,
-        monitor.run,
+        "moecomm.membership.monitor",
+        "add_arguments",
+        "run",
     ),
     "expert-server": (
         "host experts of a checkpoint",
         "Host the experts of some layers of a HF-layout checkpoint. Clients connect over HTTP "
         "and then exchange tokens through shared-memory slots. Runs until Ctrl-C.",
-        expert_server.add_arguments,
-        expert_server.run,
+        "moecomm_serving.cli.expert_server",
+        "add_arguments",
+        "run",
     ),
     "frontend": (
         "the model behind the OpenAI API",
         "Serve /v1/completions and /v1/chat/completions with continuous batching. Attention and "
         "the KV cache run here; the experts on expert servers (--servers or --monitor) or in "
         "this process (--local-experts).",
-        frontend_cmd.add_arguments,
-        frontend_cmd.run,
+        "moecomm_serving.cli.frontend",
+        "add_arguments",
+        "run",
     ),
     "router": (
         "the OpenAI API over prefill and decode front ends",
@@ -80,59 +63,96 @@ COMMANDS = {
         "front end that fails is replaced for the request (a lost decode front end: the "
         "request is replayed), then probed until it answers. Prints its URL once ready; runs "
         "until Ctrl-C.",
-        router_cmd.add_arguments,
-        router_cmd.run,
+        "moecomm_serving.cli.router",
+        "add_arguments",
+        "run",
     ),
     "stage-agent": (
         "run pipeline stages for a front end on another host",
         "Listen for `moecomm frontend --stages N --stage-hosts ...` on another host and run the "
         "stages it places here, each as a process of its own. The token file is the right to "
         "run code on this host: keep it secret and listen on a private network.",
-        stage_agent.add_arguments,
-        stage_agent.run,
+        "moecomm.pipeline.agent",
+        "add_arguments",
+        "run",
     ),
     "rebalance": (
         "re-place experts on running servers from their load",
         "Read the per-expert load of running expert servers, compute a placement that moves "
         "few replicas (EPLB, incremental) and apply it while they serve: new replicas are "
         "loaded first, then the old ones dropped once no client routes to them.",
-        rebalance_cmd.add_arguments,
-        rebalance_cmd.run,
+        "moecomm_serving.cli.rebalance",
+        "add_arguments",
+        "run",
     ),
     "demo": (
         "the whole system on the tiny model",
         "Start the monitor, two expert servers and a front end as processes on a tiny random "
         "checkpoint, send a few prompts, print completions and metrics, shut down.",
-        _demo_arguments,
-        demo.run,
+        "moecomm_serving.cli.demo",
+        "add_arguments",
+        "run",
     ),
     "bench": (
         "load generator for an OpenAI-compatible endpoint",
         "Send requests at a rate/concurrency and report throughput, TTFT, TPOT, ITL and "
         "end-to-end latency (mean, median, p99); --json writes the report.",
-        loadgen.build_parser,
-        loadgen.run_from_args,
+        "moecomm_serving.cli.loadgen",
+        "build_parser",
+        "run_from_args",
     ),
     "tiny": (
         "write the tiny random checkpoint",
         "Write the tiny random MoE checkpoint (fixed seed).",
-        tiny.add_arguments,
-        tiny.run,
+        "moecomm_serving.model.tiny",
+        "add_arguments",
+        "run",
     ),
 }
 
 
+class CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser whose options are added on first use: :meth:`load` imports the
+    command's module, adds its options and sets ``func`` to its run function, before the
+    command's arguments are parsed or its help or usage is written."""
+
+    command: tuple[str, str, str] | None = None  # (module, add-options function, run function)
+
+    def load(self) -> None:
+        if self.command is None:
+            return
+        module_name, add_name, run_name = self.command
+        self.command = None
+        module = importlib.import_module(module_name)
+        getattr(module, add_name)(self)
+        self.set_defaults(func=getattr(module, run_name))
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.load()
+        return super().parse_known_args(args, namespace)
+
+    def format_usage(self) -> str:
+        self.load()
+        return super().format_usage()
+
+    def format_help(self) -> str:
+        self.load()
+        return super().format_help()
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The `moecomm` parser; no subcommand's module is imported until it is parsed."""
     p = argparse.ArgumentParser(
         prog="moecomm",
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (short, description, add_arguments, run) in COMMANDS.items():
+    sub = p.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=CommandParser
+    )
+    for name, (short, description, module, add_arguments, run) in COMMANDS.items():
         command = sub.add_parser(name, help=short, description=description)
-        add_arguments(command)
-        command.set_defaults(func=run)
+        command.command = (module, add_arguments, run)
     return p
 
 

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from moecomm.errors import MoecommError
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT = "default"
 LINEAR = "linear"
@@ -127,6 +129,10 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 def inv_freq_and_scale(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
     """``(inv_freq [dim/2] float32, cos/sin scale)`` of a rope over `dim` rotated dimensions."""
+    # torch is imported where the math is, not at the top: the config reader (and through it
+    # the router, which reads a checkpoint's config) loads no torch
+    import torch
+
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     pos_freqs = rope.theta**exponents
     base = 1.0 / pos_freqs
@@ -169,6 +175,8 @@ class Rotary:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x ``[T, heads, D]``, positions ``[T]`` -> x rotated by each token's position."""
+        import torch
+
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         cos = (freqs.cos() * self.scale)[:, None, :]
         sin = (freqs.sin() * self.scale)[:, None, :]
