@@ -60,7 +60,7 @@ class KvPackage:
     CPU, with the block table's order as the block axis; the receiver allocates its own block
     ids. ``dtype`` is the element type's name (``"float32"``); ``kv_shape`` is
     ``(heads, key width, value width)``. Whether a package fits a pool is
-    :func:`~moecomm_serving.kv.blocks.check_package`'s question, asked once, on import.
+    :func:`~moecomm_serving.kv.blocks.check_package`'s question, asked once per package.
     """
 
     version: int
@@ -121,9 +121,11 @@ class HandoffEvent:
 @dataclass(frozen=True)
 class Resume:
     """What a decode-side request starts from (``EngineRequest.resume``): the KV package, the
-    tokens generated so far (at least the prefill's first) and the sampler's state."""
+    tokens generated so far (at least the prefill's first) and the sampler's state. The
+    package is a :class:`KvPackage`, checked when the engine imports it, or one that a route
+    checked already (:class:`~moecomm_serving.kv.blocks.CheckedKvPackage`, not checked again)."""
 
-    package: KvPackage
+    package: Any  # KvPackage | kv.blocks.CheckedKvPackage (a layer above this module)
     tokens: list[int]
     rng_state: object = None
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 from moecomm_serving.engine.generate import generate
 from moecomm_serving.engine.scheduler import Engine, EngineRequest, run_to_completion
-from moecomm_serving.kv.blocks import BlockPool, PagedSequence
+from moecomm_serving.kv import blocks
+from moecomm_serving.kv.blocks import BlockPool, CheckedKvPackage, PagedSequence
 from moecomm_serving.model.tiny import write_tiny
 from moecomm_serving.model.transformer import load_model
 from moecomm_serving.types import SamplingParams, TokenEvent
@@ -191,6 +192,33 @@ def test_malformed_kv_package_refused(change, match):
     assert dst_pool.num_used == 0  # nothing allocated for a refused package
     with pytest.raises(ValueError, match="KvPackage"):
         PagedSequence.import_blocks(dst_pool, [1, 2])
+
+
+def test_a_package_is_checked_once_and_a_check_counts_for_its_pool_only(monkeypatch):
+    calls = []
+    real = blocks.check_package
+
+    def counted(pool, package):
+        calls.append(package)
+        return real(pool, package)
+
+    monkeypatch.setattr(blocks, "check_package", counted)
+    src = PagedSequence(small_pool())
+    fill(src, 7, seed=10)
+    package = src.export_blocks()
+    pool = small_pool()
+    checked = real(pool, package)  # the route's check
+    assert isinstance(checked, CheckedKvPackage) and checked.package is package
+    dst = PagedSequence.import_blocks(pool, checked)
+    assert calls == [] and dst.length == 7  # the engine's import asks nothing again
+    # a raw package, or one checked for another pool, is checked on import
+    PagedSequence.import_blocks(small_pool(), package)
+    PagedSequence.import_blocks(small_pool(), checked)
+    assert calls == [package, checked]
+    with pytest.raises(ValueError, match="block_tokens"):
+        PagedSequence.import_blocks(small_pool(block=8), checked)
+    with pytest.raises(TypeError, match="check_package only"):
+        CheckedKvPackage(package, pool)  # only the check makes one
 
 
 def test_bad_input_refused(mixtral):

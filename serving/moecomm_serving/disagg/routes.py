@@ -239,7 +239,8 @@ class PdRoutes:
             raise oa.ApiError(502, f"the prefill side was lost mid-package: {exc}") from None
         try:
             package = await asyncio.to_thread(decode_package, data, call.handoff_id)
-            check_package(fe.engine.pool, package)
+            # checked here, once: the engine imports the checked package without asking again
+            package = check_package(fe.engine.pool, package)
         except (KvHandoffError, ValueError) as exc:
             state.count("received", "failures")
             raise oa.ApiError(400, f"KV package refused: {exc}") from None

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from moecomm_serving.kv.blocks import BlockPool, PagedSequence
+from moecomm_serving.kv.blocks import BlockPool, CheckedKvPackage, PagedSequence
 from moecomm_serving.kv.prefix_cache import PrefixCache
 from moecomm_serving.model.transformer import MoETransformer
 from moecomm_serving.types import KvPackage, SamplingParams
@@ -103,7 +103,7 @@ class Generation:
         params: SamplingParams,
         eos_token_id: int | Sequence[int] | None,
         pool: BlockPool,
-        package: KvPackage,
+        package: KvPackage | CheckedKvPackage,
         tokens: Sequence[int],
         rng_state: torch.Tensor | None,
     ) -> Generation:

@@ -22,6 +22,7 @@ about to write into one copies it first (copy on write), so sharing is invisible
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -333,10 +334,13 @@ class PagedSequence:
         )
 
     @classmethod
-    def import_blocks(cls, pool: BlockPool, package: KvPackage) -> PagedSequence:
+    def import_blocks(cls, pool: BlockPool, package: KvPackage | CheckedKvPackage) -> PagedSequence:
         """A new sequence in `pool` holding an :meth:`export_blocks` package; a package that
-        does not fit this pool (other model, block size, dtype, layers) is refused."""
-        check_package(pool, package)
+        does not fit this pool (other model, block size, dtype, layers) is refused. A
+        :class:`CheckedKvPackage` of this pool was checked already and is not checked again."""
+        if not (isinstance(package, CheckedKvPackage) and package.pool is pool):
+            package = check_package(pool, package)
+        package = package.package
         seq = cls(pool)
         k, v = package.k, package.v
         for j in range(k.shape[1]):
@@ -355,9 +359,38 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def check_package(pool: BlockPool, p: KvPackage) -> None:
-    """Raises ValueError unless `p` is a :class:`~moecomm_serving.types.KvPackage` that fits
-    `pool` (version, block size, layers, KV shape, dtype, tensor shapes for its length)."""
+# Only check_package makes a CheckedKvPackage: the token it passes says the check ran.
+_BY_THE_CHECK = object()
+
+
+@dataclass(frozen=True, eq=False)
+class CheckedKvPackage:
+    """A :class:`~moecomm_serving.types.KvPackage` that :func:`check_package` found to fit
+    `pool`: :meth:`PagedSequence.import_blocks` into that pool takes it without checking it
+    again, so a package handed from a route to the engine is checked exactly once."""
+
+    package: KvPackage
+    pool: BlockPool
+    by: object = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.by is not _BY_THE_CHECK:
+            raise TypeError("a CheckedKvPackage is made by check_package only")
+
+    @property
+    def length(self) -> int:
+        return self.package.length
+
+
+def check_package(pool: BlockPool, p: KvPackage | CheckedKvPackage) -> CheckedKvPackage:
+    """`p` as a :class:`CheckedKvPackage` of `pool`; raises ValueError unless `p` is a
+    :class:`~moecomm_serving.types.KvPackage` that fits `pool` (version, block size, layers, KV
+    shape, dtype, tensor shapes for its length). A package already checked for `pool` is
+    returned as it is."""
+    if isinstance(p, CheckedKvPackage):
+        if p.pool is pool:
+            return p
+        p = p.package  # checked against another pool: this one asks its own question
     if not isinstance(p, KvPackage):
         raise ValueError(f"a KV package is a KvPackage, got {type(p).__name__}")
     if p.version != EXPORT_VERSION:
@@ -389,3 +422,4 @@ def check_package(pool: BlockPool, p: KvPackage) -> None:
                 f"KV package {key} must be a {pool.dtype} tensor of shape {shape} for "
                 f"{length} tokens, got {got}"
             )
+    return CheckedKvPackage(p, pool, _BY_THE_CHECK)
