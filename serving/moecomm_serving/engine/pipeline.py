@@ -40,6 +40,11 @@ from moecomm.pipeline.scheduler import BubbleScheduler
 
 from moecomm_serving.model.config import MoEConfig
 
+# How long close() gives every stage of every pipeline (serving, standby, retired) to exit,
+# all at once, before the ones left are killed: a stage's exit (its expert client's goodbye,
+# torch's teardown) takes about a second, several on a loaded 2-core host; a supervisor that
+# stops the front end waits 20-30 s for the whole process.
+CLOSE_DEADLINE_S = 8.0
 # Replacements one engine step may take before its requests fail: a stage that dies again and
 # again on the same step (a crash its input causes, expert servers gone for good) is not fixed
 # by new processes, and each replacement without a standby costs a pipeline start-up.
@@ -138,6 +143,9 @@ class PipelinedModel:
         self._standby_on, self._standby = standby, None
         self._standby_thread: threading.Thread | None = None
         self._retired: list[Pipeline] = []  # failed pipelines whose stages may still be exiting
+        # Set by close() (under the lock): no replacement or standby starts after it, and a
+        # standby that finishes starting closes itself.
+        self._closing = False
         if standby:
             self._start_standby()
 
@@ -172,7 +180,8 @@ class PipelinedModel:
                 break
             except PipelineError as exc:
                 failures += 1
-                if self._restart is None or failures > MAX_RESTARTS_PER_STEP:
+                # a pipeline closed by close() is not lost: nothing replaces it
+                if self._restart is None or failures > MAX_RESTARTS_PER_STEP or self._closing:
                     raise
                 lost = exc
         with self._lock:
@@ -220,6 +229,8 @@ class PipelinedModel:
     # ------------------------------------------------------------------ supervision
     def _replace(self, exc: PipelineError) -> None:
         """Replaces every stage and rebuilds the live sequences' caches in the new ones."""
+        if self._closing:  # close() stopped the stages: nothing to replace
+            raise exc
         t0 = time.monotonic()
         self._say(f"pipeline stage lost ({exc}); replacing the stages")
         old = self.pipe  # failed, so closed: its stages are being reaped in the background
@@ -230,6 +241,9 @@ class PipelinedModel:
             old.close()  # waits until its stages are gone: a new pipeline may reuse their ids
             pipe = self._restart(old.k if isinstance(old.k, int) else 0)
         self.pipe = pipe
+        if self._closing:  # close() came while these stages started: they stop too
+            pipe.close(grace_s=CLOSE_DEADLINE_S)
+            raise exc
         if self.scheduler is not None:  # it starts over from the map the new stages run
             self.scheduler.k = pipe.k
             self.scheduler.recent.clear()
@@ -245,7 +259,7 @@ class PipelinedModel:
             f"{'standby' if standby else 'new'} stages)"
         )
         self._say(f"pipeline stage pids: {' '.join(map(str, pipe.pids))}")
-        if self._standby_on:
+        if self._standby_on and not self._closing:
             self._start_standby()
 
     def recovery_counts(self) -> dict[str, int]:
@@ -290,7 +304,12 @@ class PipelinedModel:
                 self._say(f"pipeline: the standby stages did not start: {exc}")
                 return
             with self._lock:
-                self._standby = pipe
+                closing = self._closing
+                if not closing:
+                    self._standby = pipe
+            if closing:  # close() did not wait for these stages: they stop here
+                pipe.close(grace_s=CLOSE_DEADLINE_S)
+                return
             self._say(f"pipeline standby stages ready: pids {' '.join(map(str, pipe.pids))}")
 
         self._standby_thread = threading.Thread(
@@ -317,12 +336,20 @@ class PipelinedModel:
         return pipe
 
     def close(self) -> None:
-        if self._standby_thread is not None:
-            self._standby_thread.join(STAGE_START_TIMEOUT_S)
+        """Stops every stage within :data:`CLOSE_DEADLINE_S`: all pipelines (serving, standby,
+        retired) are told to stop first, then each is waited for with what is left of the one
+        deadline (the ones left are killed). A standby still starting is not waited for: it
+        closes itself once started (or, should this process exit first, multiprocessing's
+        exit handler ends its daemon processes). A step in flight fails; nothing replaces it."""
+        deadline = time.monotonic() + CLOSE_DEADLINE_S
         with self._lock:
+            self._closing = True
             standby, self._standby = self._standby, None
-        if standby is not None:
-            standby.close()
-        for p in self._retired:
-            p.close()
-        self.pipe.close()
+        pipes = [p for p in (standby, *self._retired, self.pipe) if p is not None]
+        self._retired = []
+        for p in pipes:
+            p.ask_stop()
+        for p in pipes:
+            p.close(grace_s=max(0.0, deadline - time.monotonic()))
+        if self._standby_thread is not None:
+            self._standby_thread.join(max(0.0, deadline - time.monotonic()))
