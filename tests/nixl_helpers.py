@@ -1,4 +1,4 @@
-"""Shared by tests/test_nixl_transport.py and tests/test_nixl_faults.py: the spawned peer
+"""Shared by tests/wire/test_nixl_transport.py and tests/wire/test_nixl_faults.py: the spawned peer
 processes (each with its own NIXL agent), how to start them and read their answers, and the
 constants both use. The child functions live here, in a plain importable module, so a `spawn`
 child unpickles them without importing a test module."""

@@ -81,8 +81,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None, stages: list[Stage] | None = None) -> int:
-    """``stages`` replaces the real ones (tests/test_gpu_check.py: tiny fake stages, each with
-    ``budget_s`` of its own, default 60 s)."""
+    """``stages`` replaces the real ones (tests/tools/test_gpu_check.py: tiny fake stages, each
+    with ``budget_s`` of its own, default 60 s)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--make-venv"]:
         # Internal: the build stage makes .gpu-venv with this (the image's) Python.

@@ -21,7 +21,7 @@ from gpu_check_run import CALL_RESERVE_S, KILL_GRACE_S, MIN_RUN_S, STAGE_OVERHEA
 SMOKE_TEST = "tests/gpu/test_smoke_loopback.py"
 DEEPEP_TEST = "tests/compat/test_deep_ep_cuda.py"
 ENGINES_TEST = "tests/engines/test_engines_gpu.py"
-NIXL_TEST = "tests/test_nixl_tensors.py"
+NIXL_TEST = "tests/wire/test_nixl_tensors.py"
 STAGE_FILES: dict[str, dict[str, float]] = {
     # Never given a verdict on a GPU (or failed on code changed since): first, so the device
     # time goes to what is not known yet.
@@ -43,7 +43,7 @@ STAGE_FILES: dict[str, dict[str, float]] = {
     "regress": {
         "tests/ops/test_device_dispatch.py": 30.0,  # 22.8 s in call 1
         "tests/ops/test_reorg.py": 15.0,  # 11.1 s
-        "tests/serving/test_model.py": 15.0,  # 1.8 s + start-up (torch, the model)
+        "tests/serving/model/test_model.py": 15.0,  # 1.8 s + start-up (torch, the model)
     },
     # One pytest over the scenario file; its scenarios' own caps add up inside it
     # (tests/compat/deep_ep_cuda_procs.py: SETUP_TIMEOUT_S + SCENARIO_TIMEOUT_S + the margin).
@@ -59,7 +59,7 @@ CONDITIONAL_FILES: dict[str, tuple[str, float, str]] = {
     NIXL_TEST: ("core", 20.0, "the nixl module (its wheel: 65 MiB)"),
 }
 # A gpu-marked file in no stage (a new one) still runs, last in core, with this cap; the plan
-# check fails until it is given a stage (tests/test_gpu_check.py).
+# check fails until it is given a stage (tests/tools/test_gpu_check.py).
 UNPLANNED_CAP_S = 30.0
 # The join/leave diagnostic (tools/probe/join_leave_diag.py): four variants of one join.
 JOINLEAVE_S = 60.0

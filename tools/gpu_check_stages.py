@@ -16,7 +16,7 @@ library only: it runs before anything is installed.
     sanitizer  compute-sanitizer --tool memcheck on the smoke test, deadlines scaled by 20;
                skipped for the machine when the preflight found the tool cannot open the device
     racecheck  the same with --tool racecheck (optional: in no call, by name only)
-    host       tests/gpu/test_gpu_host.py tests/test_cuda_build.py (no device needed)
+    host       tests/gpu/test_gpu_host.py tests/tools/test_cuda_build.py (no device needed)
 
 docs/gpu-check.md describes them; their budgets per device call are in gpu_check_plan.py."""
 
@@ -62,7 +62,7 @@ HOST_TESTS = [
     "tests/gpu/test_gpu_host.py",
     "tests/gpu/test_free_and_preload_host.py",
     "tests/gpu/test_roundtrip_reference_host.py",
-    "tests/test_cuda_build.py",
+    "tests/tools/test_cuda_build.py",
 ]
 WHEELS_DIR = ".gpu-wheels"
 REQUIREMENTS = "tools/gpu-requirements.txt"

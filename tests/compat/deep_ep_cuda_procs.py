@@ -40,7 +40,8 @@ TIMEOUT_S = 30.0
 # Each scenario's cap in the parent, from when the previous one ended everywhere (or the group
 # was ready); scaled by MOECOMM_DEVICE_DEADLINE_SCALE. Sized so that the set-up and every
 # scenario fit the gpu-check's deepep stage (tools/gpu_check_plan.py: 110 s, less this file's
-# 8 s margin; tests/test_gpu_check.py checks the sum): a hang costs its own cap, not the stage.
+# 8 s margin; tests/tools/test_gpu_check.py checks the sum): a hang costs its own cap, not the
+# stage.
 # The core scenarios run first (SCENARIOS' order), the contract walks after them.
 DEFAULT_SCENARIO_TIMEOUT_S = 6.0
 SCENARIO_TIMEOUT_S = {

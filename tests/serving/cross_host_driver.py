@@ -1,4 +1,4 @@
-"""The front end of tests/serving/test_cross_host.py, run inside its own network namespace:
+"""The front end of tests/serving/disagg/test_cross_host.py, run inside its own network namespace:
 greedy generation with the experts on servers in other namespaces (found through the monitor,
 reached over nixl), one step at a time, announcing each step on stdout so the test can kill a
 server mid-generation. Halfway it waits for a server that joined after the start, so the rest of

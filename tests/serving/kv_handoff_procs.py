@@ -1,5 +1,5 @@
-"""Processes for tests/serving/test_kv_handoff.py: a prefill side that sends KV packages with a
-KvOutbox, and a decode side (KvInbox behind an HTTP server), started with multiprocessing's
+"""Processes for tests/serving/disagg/test_kv_handoff.py: a prefill side that sends KV packages
+with a KvOutbox, and a decode side (KvInbox behind an HTTP server), started with multiprocessing's
 spawn, or as scripts in network namespaces (``python kv_handoff_procs.py ns-inbox|ns-sender
 CONFIG.json``)."""
 

@@ -29,7 +29,7 @@ pytestmark = [
 ]
 
 CLI = [sys.executable, "-X", "faulthandler", "-m", "moecomm_serving.cli"]
-DRIVER = str(Path(__file__).with_name("cross_host_driver.py"))
+DRIVER = str(Path(__file__).resolve().parents[1] / "cross_host_driver.py")
 MONITOR_PORT, SERVER_PORT = 7100, 8100
 TOKEN = "cross-host-token"
 NEW_TOKENS = 16

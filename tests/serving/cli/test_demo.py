@@ -41,7 +41,7 @@ def test_demo_runs_and_shuts_down_cleanly():
 def test_demo_with_two_pipeline_stages():
     """`moecomm demo --stages 2`: the front end's model runs in two stage processes, each a
     client of both expert servers (token equality with the single-process model is
-    tests/frontend/test_frontend_pipeline.py's)."""
+    tests/serving/api/test_frontend_pipeline.py's)."""
     out = subprocess.run(
         [*CLI, "demo", "--stages", "2"], capture_output=True, text=True, timeout=280
     )

@@ -21,14 +21,14 @@ import subprocess
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TABLE = ROOT / "docs" / "env.md"
 SCANNED_DIRS = ("python", "serving", "tools", "bench", "tests", "engines", "csrc", "bindings")
 SCANNED_FILES = ("Makefile", "pyproject.toml")
 # Committed benchmark output quotes the environment it ran in; it is not code.
 SKIPPED_DIRS = ("bench/results/",)
 # This file names made-up variables to test its own scan.
-SELF = "tests/test_env_table.py"
+SELF = "tests/tools/test_env_table.py"
 NAME = re.compile(r"\bMOECOMM_[A-Z0-9_]*[A-Z0-9]\b")
 CMAKE_OPTION = re.compile(r"set\((MOECOMM_[A-Z0-9_]+)\b[^)]*\bCACHE\b")
 ROW = re.compile(r"^\|\s*`(MOECOMM_[A-Z0-9_]+)`\s*\|([^|]*)\|")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
+BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
 SCRIPT = BENCH_DIR / "pd.py"
 # ~50 s on a quiet 2-core machine (seven torch imports, 2 x 4 s of load); the margin is for a
 # loaded one.

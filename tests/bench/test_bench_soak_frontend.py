@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
+BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
 SCRIPT = BENCH_DIR / "soak_frontend.py"
 DURATION_S = 12.0
 INTERVAL_S = 4.0

@@ -20,7 +20,7 @@ import re
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 TOP_DIRS = ("csrc", "python", "serving", "tests", "bench", "docs", "tools", "engines", "bindings")

@@ -19,7 +19,7 @@ import pytest
 from moecomm.errors import DeadlineExceededError, MoecommError
 from moecomm.wire.cuda import GpuUnavailableError
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "errors.md"
 
 # Top-level packages that exist only where CUDA does: a module importing one of them cannot be
 # imported on a host without a GPU stack, and is skipped (reported) rather than failed.

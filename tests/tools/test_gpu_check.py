@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
 gc = importlib.util.module_from_spec(_spec)
 sys.modules["gpu_check"] = gc  # dataclasses look their module up by name
@@ -182,7 +182,7 @@ def test_every_gpu_test_file_is_in_a_stage_with_a_cap_that_fits_it():
     passed_before = {
         "tests/ops/test_device_dispatch.py",
         "tests/ops/test_reorg.py",
-        "tests/serving/test_model.py",
+        "tests/serving/model/test_model.py",
         gs.SMOKE_TEST,
     }
     assert passed_before.isdisjoint(gp.STAGE_FILES["core"])
@@ -788,12 +788,12 @@ def test_core_finds_its_files_by_the_gpu_marker():
     assert gs.uses_gpu_marker("from pytest import mark\n@mark.gpu\ndef test_x(): pass\n")
     assert not gs.uses_gpu_marker("TEXT = 'pytestmark = pytest.mark.gpu'  # mark.gpu\n")
     found = gs.discover_gpu_files(ROOT)
-    assert "tests/test_gpu_check.py" not in found  # it only writes the marker into strings
+    assert "tests/tools/test_gpu_check.py" not in found  # it only writes the marker into strings
     assert "tests/gpu/test_device_roundtrip.py" in found and gs.DEEPEP_TEST in found
     assert "tests/gpu/test_gpu_host.py" not in found  # no gpu marker in it
     core = gs.core_files(ROOT)
     assert gs.DEEPEP_TEST not in core and gs.SMOKE_TEST not in core
-    assert "tests/test_nixl_tensors.py" in core and gs.ENGINES_TEST in core
+    assert "tests/wire/test_nixl_tensors.py" in core and gs.ENGINES_TEST in core
     assert "tests/ops/test_reorg.py" in [f for f, _ in gs.stage_files(ROOT, "regress")]
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NVCC = shutil.which("nvcc")
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="needs nvcc (the CUDA compiler)")
 # The first target of the GPU path (see CMakeLists.txt: MOECOMM_CUDA_ARCHITECTURES).
