@@ -123,7 +123,7 @@ async def _client_main(a: argparse.Namespace) -> int:
 def start_frontend_here(ckpt: str, stages: int, standby: bool, max_batch_tokens: int):
     """(HttpServer, its Frontend, closer) of a front end over `ckpt` in this process."""
     import torch
-    from moecomm_serving.api.app import make_frontend_app, start_frontend
+    from moecomm_serving.api.app import FrontendSettings, make_frontend_app, start_frontend
     from moecomm_serving.model.config import MoEConfig
     from moecomm_serving.model.tokenizer import load_tokenizer
     from moecomm_serving.model.transformer import LOCAL, load_model
