@@ -71,8 +71,6 @@ STEP_COST_DECAY = 0.99
 MIN_TOKEN_SPREAD = 1e-3
 
 
-
-
 class EngineBusyError(MoecommError, RuntimeError):
     """The waiting queue is full, or the engine is stopped (HTTP 503)."""
 
