@@ -86,3 +86,40 @@ def test_quick_scale_bench_writes_consistent_json(tmp_path, etcd_process):
     assert drill["live_members_evicted"] == 0
     assert drill["dead_listed"] == 0
     assert drill["dead_reported_lost"] == drill["killed"]
+
+
+# The short placement-watch and connect benches: ~1 min on a quiet 2-core machine.
+SHORT_BENCH_TIMEOUT_S = 280
+
+
+@pytest.mark.timeout(2 * SHORT_BENCH_TIMEOUT_S + 20)
+def test_short_placement_watch_and_connect_benches_write_consistent_json(tmp_path):
+    watch_json, connect_json = tmp_path / "watch.json", tmp_path / "connect.json"
+    for cmd in (
+        ["bench/scale_placement.py", "--compare", "--sizes", "3", "--seconds", "1"],
+        ["bench/scale_connect.py", "--sizes", "1x2"],
+    ):
+        out = watch_json if "--compare" in cmd else connect_json
+        r = subprocess.run(
+            [sys.executable, *cmd, "--json", str(out)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=SHORT_BENCH_TIMEOUT_S,
+        )
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.loads(watch_json.read_text())["rows"]
+    assert [(r["servers"], r["watch"]) for r in rows] == [(3, "polling"), (3, "notified")]
+    for r in rows:
+        # "seconds" is rounded to ms in the JSON.
+        assert r["reads_per_s_total"] == pytest.approx(r["table_reads"] / r["seconds"], rel=1e-2)
+        assert len(r["loadavg"]) == 3
+    data = json.loads(connect_json.read_text())
+    assert data["failures"] == []
+    (row,) = data["rows"]
+    assert (row["clients"], row["servers"], row["pairs"]) == (1, 2, 2)
+    assert 0 < row["connect_s_median"] <= row["connect_s_max"]
+    assert row["connect_per_server_s_median"] == pytest.approx(row["connect_s_median"] / 2)
+    # Every pair has slot regions while connected; none is left once the clients closed.
+    assert row["shm_files"] > 0 and row["shm_bytes_per_pair"] > 0
+    assert row["shm_files_left_after_close"] == 0
