@@ -65,7 +65,14 @@ _FAKE_CUDA = types.SimpleNamespace(
 class _Kernels:
     """moecomm._cuda with the transport and the four launchers replaced (host memory)."""
 
+    def preload_kernels(self, device):
+        """The real module loads every kernel on `device` before the first launch (once per
+        process and device: runtime/device_preload.py); the stand-in launchers need nothing."""
+        self.preloaded.append(device)
+        return {"device": device, "functions": 0, "loaded_now": 0, "seconds": 0.0, "how": "stub"}
+
     def __init__(self):
+        self.preloaded = []  # devices the glue asked to preload, in order
         real = moecomm.wire.cuda.cuda_module(need_device=False)
         for name in ("ClientConfig", "DispatchArgs", "CombineArgs", "ServerConfig",
                      "ServerGatherArgs", "ServerRespondArgs", "IpcPeers", "SERVER_STATUS",

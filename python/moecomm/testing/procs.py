@@ -90,6 +90,7 @@ class Proc:
                 stdin=subprocess.DEVNULL,
                 env={**env, READY_FILE_ENV: str(self.ready_path)},
                 start_new_session=True,
+                preexec_fn=_sigint_default if _sigint_ignored() else None,
             )
         self.seen_pids.add(self.popen.pid)
 
@@ -235,6 +236,19 @@ class Proc:
             time.sleep(POLL_S)
         reap_segments(self.seen_pids)
         return self.popen.poll()
+
+
+def _sigint_ignored() -> bool:
+    """Whether this process ignores SIGINT (it was started in a script's background): its
+    children inherit that, and a Python child then never installs its handler, so stop()'s SIGINT
+    would do nothing and every stop would end in SIGKILL."""
+    return signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+
+
+def _sigint_default() -> None:
+    """In the child before exec: SIGINT back to its default, as an interactive start has it.
+    Only used when the parent ignores SIGINT (preexec_fn is best avoided in threaded parents)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def reap_segments(pids: Iterable[int]) -> None:
