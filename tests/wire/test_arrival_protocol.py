@@ -200,20 +200,25 @@ def test_a_client_waits_for_every_chunk_of_a_device_servers_answer(transport):
             make_signal(SlotState.REQUEST_READY, req.seq),
             make_signal(SlotState.IDLE, req.seq),
         )
-        landed = []
+        last_started = []
 
-        def trickle(pieces=pieces, landed=landed):
-            for piece in pieces:
+        def trickle(pieces=pieces, last_started=last_started):
+            for k, piece in enumerate(pieces):
                 time.sleep(0.002)
+                if k == len(pieces) - 1:
+                    # Stamped before the last write: a reader woken by that write may note
+                    # its own time before this thread runs again.
+                    last_started.append(time.monotonic())
                 w.land(piece)
-            landed.append(time.monotonic())
 
         th = threading.Thread(target=trickle)
         th.start()
         r = c.wait(slot, seq, timeout=10)
         done = time.monotonic()
         th.join(10)
-        assert landed and done >= landed[0], "the answer was read before its last chunk landed"
+        assert last_started and done >= last_started[0], (
+            "the answer was read before its last chunk was written"
+        )
         assert torch.equal(r.activations.view(torch.int16), y.view(torch.int16))
         c.release(slot)
 
