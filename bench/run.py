@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import format_table, write_json
+from _lib.common import format_table, write_json
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
@@ -37,44 +37,48 @@ FULL_TIMEOUT_S = 4 * 3600.0
 class Bench:
     """One benchmark script: its short-pass flags, the flags of its committed figures (None: it
     has none), and how it is told where to write (`json`, `png`: the flag names, None when it
-    takes none). (bench/vs_deepep.py runs the GPU row itself where there is a GPU.)"""
+    takes none). (bench/ops/vs_deepep.py runs the GPU row itself where there is a GPU.)"""
 
-    name: str
+    path: str  # under bench/, without .py: "<group>/<script>"
     quick: tuple[str, ...]
     full: tuple[str, ...] | None
     json: str | None = "--json"
     png: str | None = None
 
+    @property
+    def name(self) -> str:
+        return self.path.rsplit("/", 1)[-1]
+
 
 # fmt: off
 BENCHES = (
-    Bench("rtt", ("--iters-signal", "500", "--iters-decode", "50", "--warmup", "10",
+    Bench("wire/rtt", ("--iters-signal", "500", "--iters-decode", "50", "--warmup", "10",
                   "--signal-runs", "1"), ()),
-    Bench("expert_compute", ("--iters", "2", "--warmup", "1"), ()),
-    Bench("disagg_layer", ("--iters", "3", "--batches", "1,16"), ()),
-    Bench("death_notice", ("--trials", "2", "--live", "0.2"), ()),
-    Bench("kv_transfer", ("--quick",), (), png="--plot"),
-    Bench("eplb", (), ()),
-    Bench("vs_deepep", ("--quick",), ()),
-    Bench("deepep_modes", ("--quick",), None),
-    Bench("pipeline", ("--quick",), ("--stages", "2", "3")),
-    Bench("cross_host", ("--quick",), (), png="--png"),
+    Bench("ops/expert_compute", ("--iters", "2", "--warmup", "1"), ()),
+    Bench("wire/disagg_layer", ("--iters", "3", "--batches", "1,16"), ()),
+    Bench("wire/death_notice", ("--trials", "2", "--live", "0.2"), ()),
+    Bench("wire/kv_transfer", ("--quick",), (), png="--plot"),
+    Bench("ops/eplb", (), ()),
+    Bench("ops/vs_deepep", ("--quick",), ()),
+    Bench("ops/deepep_modes", ("--quick",), None),
+    Bench("serving/pipeline", ("--quick",), ("--stages", "2", "3")),
+    Bench("wire/cross_host", ("--quick",), (), png="--png"),
     # its figure lives in docs/ (README shows it)
-    Bench("failover", ("--duration", "4", "--kills", "2"), ("--png", "docs/failover.png")),
-    Bench("redundancy", ("--kills", "1"), ()),
-    Bench("replacement", ("--quick",), (), png="--png"),
-    Bench("chaos_reroute", ("--seeds", "1"), ("--seeds", "10")),
-    Bench("scale", ("--quick",), ()),
-    Bench("soak", ("--round-trips", "2000", "--clients", "2"), ("--round-trips", "100000"),
+    Bench("recovery/failover", ("--duration", "4", "--kills", "2"), ("--png", "docs/failover.png")),
+    Bench("recovery/redundancy", ("--kills", "1"), ()),
+    Bench("recovery/replacement", ("--quick",), (), png="--png"),
+    Bench("recovery/chaos_reroute", ("--seeds", "1"), ("--seeds", "10")),
+    Bench("scale/scale", ("--quick",), ()),
+    Bench("soak/soak", ("--round-trips", "2000", "--clients", "2"), ("--round-trips", "100000"),
           png="--plot"),
-    Bench("serving", ("--concurrency", "1", "--repeats", "1", "--prompts-per-level", "2"),
+    Bench("serving/serving", ("--concurrency", "1", "--repeats", "1", "--prompts-per-level", "2"),
           ("--repeats", "5", "--prompts-per-level", "6")),
-    Bench("prefix_cache", ("--requests", "3", "--prefix", "64", "--threads", "1"),
+    Bench("serving/prefix_cache", ("--requests", "3", "--prefix", "64", "--threads", "1"),
           ("--threads", "1", "--requests", "16")),
-    Bench("frontend_memory", ("--requests", "60", "--every", "30", "--baseline", "30"), ()),
-    Bench("stage_recovery", ("--quick",), ("--trials", "2")),
-    Bench("pd", ("--quick",), (), png="--plot"),
-    Bench("soak_frontend", ("--duration-s", "20", "--interval-s", "10", "--clients", "2"),
+    Bench("serving/frontend_memory", ("--requests", "60", "--every", "30", "--baseline", "30"), ()),
+    Bench("recovery/stage_recovery", ("--quick",), ("--trials", "2")),
+    Bench("serving/pd", ("--quick",), (), png="--plot"),
+    Bench("serving/soak_frontend", ("--duration-s", "20", "--interval-s", "10", "--clients", "2"),
           ("--duration-s", "1800", "--interval-s", "60"), png="--plot"),
 )
 # fmt: on
@@ -86,7 +90,7 @@ def command(b: Bench, full: bool, out: str) -> list[str]:
         args += [b.json, os.path.join(out, f"{b.name}.json")]
     if b.png:
         args += [b.png, os.path.join(out, f"{b.name}.png")]
-    return [sys.executable, os.path.join(BENCH, f"{b.name}.py"), *args]
+    return [sys.executable, os.path.join(BENCH, f"{b.path}.py"), *args]
 
 
 def run(b: Bench, full: bool, out: str, log_dir: str) -> dict:

@@ -12,7 +12,7 @@ library only: it runs before anything is installed.
     smoke      tests/gpu/test_smoke_loopback.py, CUDA_LAUNCH_BLOCKING=1
     regress    the gpu test files that passed on the last GPU run, rerun with their caps
     deepep     tests/compat/test_deep_ep_cuda.py, one pytest (each scenario reported on its own)
-    bench      bench/vs_deepep.py --gpu-only (the moecomm GPU row)
+    bench      bench/ops/vs_deepep.py --gpu-only (the moecomm GPU row)
     sanitizer  compute-sanitizer --tool memcheck on the smoke test, deadlines scaled by 20;
                skipped for the machine when the preflight found the tool cannot open the device
     racecheck  the same with --tool racecheck (optional: in no call, by name only)
@@ -704,9 +704,9 @@ def stage_bench(run: StageRun) -> None:
     ctx = run.ctx
     out = ctx.path("vs_deepep.json")
     out.unlink(missing_ok=True)
-    cmd = [ctx.python, "bench/vs_deepep.py", "--gpu-only", "--json", out]
-    r = run.command(cmd, label="bench/vs_deepep.py --gpu-only", env={"PYTHONUNBUFFERED": "1"})
-    if not step_ok(run, r, "bench/vs_deepep.py"):
+    cmd = [ctx.python, "bench/ops/vs_deepep.py", "--gpu-only", "--json", out]
+    r = run.command(cmd, label="bench/ops/vs_deepep.py --gpu-only", env={"PYTHONUNBUFFERED": "1"})
+    if not step_ok(run, r, "bench/ops/vs_deepep.py"):
         return
     if not out.exists():
         run.res.status, run.res.reason = FAILED, "the bench wrote no JSON"
@@ -857,7 +857,7 @@ def all_stages() -> dict[str, Stage]:
         Stage(
             "bench",
             stage_bench,
-            title="bench/vs_deepep.py --gpu-only (the moecomm GPU row)",
+            title="bench/ops/vs_deepep.py --gpu-only (the moecomm GPU row)",
             needs_device=True,
             requires=("build",),
         ),

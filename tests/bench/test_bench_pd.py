@@ -1,4 +1,4 @@
-"""bench/pd.py, short enough for CI: the real script (monitor, two expert servers, then one
+"""bench/serving/pd.py, short enough for CI: the real script (monitor, two expert servers, then one
 front end and then a prefill + decode front end behind `moecomm router`, all from the `moecomm`
 CLI) with --quick, and its JSON read back: both contenders and every field are there. Speed is
 not asserted: CI machines are shared and small."""

@@ -1,4 +1,4 @@
-"""bench/soak_frontend.py, short enough for CI: the real script as a user runs it (monitor, two
+"""bench/serving/soak_frontend.py, short enough for CI: the real script as a user runs it (monitor, two
 expert servers and a front end started from the `moecomm` CLI, concurrent OpenAI clients over
 HTTP, the reference run, the shutdown), for seconds instead of 30 minutes, and its JSON verdict
 read back. Speed is not asserted: CI machines are shared and small."""
@@ -67,7 +67,7 @@ def test_bad_config_is_refused():
 
 
 def test_rss_verdict_flags_growth_and_missing_samples():
-    """The drift check the soak's verdict rests on (shared with bench/soak.py) fails a process
+    """The drift check the soak's verdict rests on (shared with bench/soak/soak.py) fails a process
     that grows and one with too few samples, and passes a flat one."""
     if str(BENCH_DIR) not in sys.path:
         sys.path.insert(0, str(BENCH_DIR))

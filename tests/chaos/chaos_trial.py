@@ -432,7 +432,7 @@ def run_trial(
 ) -> TrialResult:
     """Runs the trial of `plan` and its checks; every process is gone when this returns,
     whether the trial passed, failed or was interrupted. `trial_cls`: a variant of Trial to
-    compare with (bench/chaos_reroute.py)."""
+    compare with (bench/recovery/chaos_reroute.py)."""
     start = time.monotonic()
     trial = trial_cls(plan, reference)
     try:

@@ -196,7 +196,7 @@ def test_benchmark_quick_runs(tmp_path):
     proc = subprocess.run(
         [
             sys.executable,
-            os.path.join(ROOT, "bench", "vs_deepep.py"),
+            os.path.join(ROOT, "bench", "ops", "vs_deepep.py"),
             "--quick",
             "--json",
             str(out),

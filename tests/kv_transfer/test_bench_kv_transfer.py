@@ -1,4 +1,4 @@
-"""bench/kv_transfer.py --quick runs end to end: two processes, every size and pattern timed
+"""bench/wire/kv_transfer.py --quick runs end to end: two processes, every size and pattern timed
 beside the memcpy floor and the staged path, the goals evaluated, JSON and PNG written (no
 figure is asserted)."""
 
@@ -17,7 +17,7 @@ BENCH_TIMEOUT_S = 240
 def test_quick_bench_writes_its_results(tmp_path):
     out, png = tmp_path / "kv.json", tmp_path / "kv.png"
     proc = subprocess.run(
-        [sys.executable, "bench/kv_transfer.py", "--quick", "--json", str(out), "--plot", str(png)],
+        [sys.executable, "bench/wire/kv_transfer.py", "--quick", "--json", str(out), "--plot", str(png)],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -1,4 +1,4 @@
-"""bench/scale.py --quick runs from a clean tree (real monitor, real etcd, member-host processes)
+"""bench/scale/scale.py --quick runs from a clean tree (real monitor, real etcd, member-host processes)
 and writes a JSON whose figures agree with each other and a plot. Speed is not asserted here:
 the bench reports it."""
 
@@ -43,7 +43,7 @@ ROW_KEYS = {
 def test_quick_scale_bench_writes_consistent_json(tmp_path, etcd_process):
     # etcd_process: installs etcd when it is missing (the bench starts its own).
     out, png = tmp_path / "scale.json", tmp_path / "scale.png"
-    cmd = [sys.executable, "bench/scale.py", "--quick", "--json", str(out), "--plot", str(png)]
+    cmd = [sys.executable, "bench/scale/scale.py", "--quick", "--json", str(out), "--plot", str(png)]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -96,8 +96,8 @@ SHORT_BENCH_TIMEOUT_S = 280
 def test_short_placement_watch_and_connect_benches_write_consistent_json(tmp_path):
     watch_json, connect_json = tmp_path / "watch.json", tmp_path / "connect.json"
     for cmd in (
-        ["bench/scale_placement.py", "--compare", "--sizes", "3", "--seconds", "1"],
-        ["bench/scale_connect.py", "--sizes", "1x2"],
+        ["bench/scale/scale_placement.py", "--compare", "--sizes", "3", "--seconds", "1"],
+        ["bench/scale/scale_connect.py", "--sizes", "1x2"],
     ):
         out = watch_json if "--compare" in cmd else connect_json
         r = subprocess.run(

@@ -18,7 +18,7 @@ from moecomm.pipeline.predictor import (
 SEED = 7
 PHI1, PHI2, EPS = 2.0e-5, 3.0e-8, 4.0e-5  # s/token, s/(token·context), s/request
 ALPHA, BETA = 1.5e-5, 2.0e-4  # s/sequence, s
-# The machine model's extra terms, of the magnitudes bench/pipeline.py measures: per chunk (s),
+# The machine model's extra terms, of the magnitudes bench/serving/pipeline.py measures: per chunk (s),
 # per context token of a request (s), a cold call's extra per chunk (s) and per request (s).
 CHUNK, LAM, COLD_CHUNK, COLD_REQ = 7.0e-4, 3.0e-7, 3.5e-4, 1.0e-5
 
@@ -87,7 +87,7 @@ def test_predictor_combined_and_prediction_cost():
     assert t_layer == pytest.approx(true_layer_time(nn, ll), rel=1e-9)
     assert t_sample == pytest.approx(ALPHA * 16 + BETA, rel=1e-9)
     # A prediction is pure arithmetic: microseconds, not milliseconds (a loose sanity bound,
-    # the measured cost is in bench/pipeline.py).
+    # the measured cost is in bench/serving/pipeline.py).
     t0 = time.perf_counter()
     for _ in range(1000):
         p.predict(nn, ll, 16)

@@ -26,7 +26,7 @@ K = 2
 HOSTED = [{layer: [(4 * i + j) % 12 for j in range(8)] for layer in (0, 1)} for i in range(3)]
 # The watch's period here: detection is a small part of the restore (loads dominate).
 WATCH_S = 0.05
-# A restore on this 2-core machine takes well under a second (bench/redundancy.py); the deadline
+# A restore on this 2-core machine takes well under a second (bench/recovery/redundancy.py); the deadline
 # leaves room for a loaded CI machine.
 RESTORE_DEADLINE_S = 30.0
 # No load-driven pass may run during the test: only the watch moves experts.

@@ -1,4 +1,4 @@
-"""The soak of bench/soak.py, short enough for CI: the same code (8 client processes with two
+"""The soak of bench/soak/soak.py, short enough for CI: the same code (8 client processes with two
 micro-batches in flight and batch sizes 0..max_tokens, 3 expert servers with every expert on
 two), a few thousand round trips instead of 10^5, and intervals of seconds instead of minutes.
 Speed is not asserted: CI machines are shared and small."""
@@ -23,7 +23,7 @@ RSS_EVERY_S = 0.25
 # and a short window cannot tell slow growth from noise anyway. 10 % (measured: < 0.5 %) catches
 # the gross failures (a buffer kept per request, a runaway allocation like the 8 GB of issue 13's
 # garbage bincount) without failing on warm-up; the 5 % claim is the long run's
-# (bench/soak.py --round-trips 100000).
+# (bench/soak/soak.py --round-trips 100000).
 CI_DRIFT_LIMIT = 0.10
 # Start-up (11 processes importing torch on 2 cores) plus the run itself, with a wide margin.
 WATCHDOG_S = 150.0

@@ -9,7 +9,7 @@ Checked both ways: every name in the code has a row; every row is used in the co
 README.md or docs/ mentions has a row. Each row's "read where" files exist and name the variable.
 Each variable is read (``os.environ.get``/``[...]``/``in``, ``os.getenv``) in at most one module
 of python/ and serving/ together — the first file of its row — and in at most one module of
-tests/; bench/, tools/ and engines/ set variables for the processes they start (bench/soak.py
+tests/; bench/, tools/ and engines/ set variables for the processes they start (bench/soak/soak.py
 also saves and restores one), so they are left out of that rule.
 """
 

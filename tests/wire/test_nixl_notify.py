@@ -79,7 +79,7 @@ def test_a_request_is_one_write_and_its_words_ride_on_notifications(reaper):
 def test_the_word_per_write_path_stays_bit_exact_and_costs_three_writes(reaper):
     (w0, _r0, n0, _h0), (w1, _r1, n1, _h1) = _round_trips(reaper, False, ROUND_TRIPS)
     # Payload, signal word, doorbell: three dependent WRITEs, no notification (the baseline the
-    # notification path is measured against in bench/cross_host.py).
+    # notification path is measured against in bench/wire/cross_host.py).
     assert w1 - w0 == 3 * ROUND_TRIPS
     assert n1 - n0 == 0
 

@@ -32,7 +32,7 @@
 //   fence:  writes the queue and waits.
 // A message costs one payload transfer (one round trip at the initiator) plus one notification
 // per word; the old path (`notify = false`: the word as its own WRITE, waited for) stays for
-// comparison (bench/cross_host.py, the row "moecomm-nixl (word per WRITE)").
+// comparison (bench/wire/cross_host.py, the row "moecomm-nixl (word per WRITE)").
 //
 // A peer's word cannot be added to (NIXL has no remote atomics), so SignalOp::kAdd on a peer's
 // word writes a value that word never held before (this transport's random tag and a counter).

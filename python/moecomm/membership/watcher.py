@@ -34,7 +34,7 @@ log = logging.getLogger("moecomm.membership")
 # fresh data dir) has not had a chance to register there yet: it gets this many of its own TTLs
 # before it is reported lost. Its lease promises one TTL (three heartbeats, any of which finds
 # the empty store and registers again), but a restarted monitor re-registers every member of the
-# deployment at once: the failure drill of bench/scale.py measured 2,700 survivors back 3.2 s
+# deployment at once: the failure drill of bench/scale/scale.py measured 2,700 survivors back 3.2 s
 # after the restart (TTL 2 s, a loaded machine), and one TTL evicted all of them from every
 # watcher. Two TTLs keep a member that died during the outage within the "death noticed in two
 # leases" bound (docs/scale.md).

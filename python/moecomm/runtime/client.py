@@ -62,7 +62,7 @@ _RESEND_STATUSES = (int(ResponseStatus.DRAINING), int(ResponseStatus.STALE_MAP))
 # When combine re-sends a failed server's share: "at_once" (default), the moment the failure is
 # seen, into the replica's spare slot, while the step's other answers are still awaited;
 # "after_step", once every server of the step answered or failed (no spare slot: retries reuse
-# the step's slot) — the behaviour before spare slots, kept for bench/chaos_reroute.py.
+# the step's slot) — the behaviour before spare slots, kept for bench/recovery/chaos_reroute.py.
 RESEND_ENV = "MOECOMM_RESEND"
 RESEND_MODES = ("at_once", "after_step")
 # With servers on several transports (shm and nixl) no single sleep covers every answer: each

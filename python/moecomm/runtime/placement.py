@@ -67,7 +67,7 @@ REDUNDANCY_WATCH_S = 0.1
 # `moecomm` command). Losses and joins do not wait for it.
 SAFETY_POLL_S = 10.0
 # ...and at most this many of its table reads a second over all servers (~1.4 ms of controller
-# CPU each, bench/scale_placement.py): from 1,000 servers on the safety poll stretches (80 s at
+# CPU each, bench/scale/scale_placement.py): from 1,000 servers on the safety poll stretches (80 s at
 # 8,000) so that it stays near 0.15 of a core, instead of growing with the servers.
 SAFETY_READS_PER_S = 100.0
 # A server the watch cannot connect to is tried again this often (a refused connect is cheap),

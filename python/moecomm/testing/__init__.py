@@ -1,7 +1,7 @@
 """What tests, benchmarks and demos of moecomm share, one module a role:
 
 - ``identity``: an identity expert server and self-checking payloads (the protocol demo, the
-  wire tests, `bench/rtt.py`);
+  wire tests, `bench/wire/rtt.py`);
 - ``procs``: moecomm processes started in groups of their own, waited for through their ready
   file (:mod:`moecomm.readiness`), always stopped with their shared memory reaped
   (:class:`Processes`);

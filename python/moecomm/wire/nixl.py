@@ -36,7 +36,7 @@ _NIXL_MODULES = ("nixl_cu12._api", "nixl_cu13._api", "nixl._api")
 # The NIXL progress thread's delay. NIXL 1.5's thread blocks in poll() on its UCX worker's event
 # fd with this as the timeout (rounded up to whole ms), so bytes and notifications that arrive
 # wake it at once and the delay only bounds how often an idle agent wakes for nothing: 100 µs
-# (a 1 ms timeout) cost an idle agent ~2 % of a core, 10 ms ~0.4 % (bench/cross_host.py, idle
+# (a 1 ms timeout) cost an idle agent ~2 % of a core, 10 ms ~0.4 % (bench/wire/cross_host.py, idle
 # waiter); NIXL's own default, 0, turns the poll into a busy loop that takes a core per process
 # (10-100x slower round trips on a 2-core host: bench/results/cross_host_ucx.json).
 DEFAULT_PROGRESS_US = 10_000
@@ -130,7 +130,7 @@ def interface_of(addr: str) -> str | None:
 # UCX settings moecomm gives its agent when the user has not set them (UCX reads its variables
 # when the agent's UCX context is made; a variable the user set is never overridden). Measured
 # on the lab's TCP link (veth -> bridge -> veth between namespaces) by
-# `bench/cross_host.py --ucx-sweep`: bench/results/cross_host_ucx.json; docs/transports.md.
+# `bench/wire/cross_host.py --ucx-sweep`: bench/results/cross_host_ucx.json; docs/transports.md.
 # Of the settings tried (transports, rendezvous threshold, TCP segment and socket buffer sizes,
 # Nagle, PUT zcopy, the progress thread), only these told apart under the load the sweep ran in:
 # with Nagle on (UCX_TCP_NODELAY=n) a decode-size round trip took ~12x longer, with PUT zcopy
@@ -179,7 +179,7 @@ def new_agent(name: str | None = None, host: str | None = None, progress_us: int
     """A NIXL agent with its UCX backend, set up as moecomm runs it: UCX's settings for this
     link (UCX_DEFAULTS, where unset), its bytes over the interface of `host`, the progress
     thread's delay (`progress_us`, else MOECOMM_NIXL_PROGRESS_US, else DEFAULT_PROGRESS_US),
-    strict thread sync. Returns (agent, its name). bench/cross_host.py times NIXL's own round
+    strict thread sync. Returns (agent, its name). bench/wire/cross_host.py times NIXL's own round
     trips on an agent made here, so both sides of that comparison run the same engine."""
     api = _load()
     if progress_us is None:
@@ -223,7 +223,7 @@ class NixlEngine:
         self.transfers_by_op = {"WRITE": 0, "READ": 0}  # what a message costs, by kind
         self.prepared_hits = 0
         # Time from posting to completion of every transfer, summed (the per-leg breakdown of
-        # bench/cross_host.py: how much of a send is the network transfer itself).
+        # bench/wire/cross_host.py: how much of a send is the network transfer itself).
         self.xfer_ns = 0
         self.notifications_sent = 0
         self.notifications_received = 0

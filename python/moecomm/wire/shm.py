@@ -5,7 +5,7 @@ A waiter notices its peer's death through the peer's life word (csrc/transport/s
 a robust futex the kernel marks and wakes as the peer dies, slept on together with the waited
 word, so a death ends a wait at once. ``MOECOMM_SHM_DEATH_WATCH=poll`` turns that off in this
 process (and the processes it starts): death is then seen by the 20 ms liveness poll alone,
-the detection before life words (bench/chaos_reroute.py measures the two side by side)."""
+the detection before life words (bench/recovery/chaos_reroute.py measures the two side by side)."""
 
 from __future__ import annotations
 

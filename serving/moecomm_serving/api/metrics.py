@@ -118,7 +118,7 @@ class ServingMetrics:
             self._recent.append((now, 1))
             # Pruned here too, not only at scrape time: a front end nobody scrapes kept every
             # token it ever generated (~90 B each, ~1.3 kB per request of the front-end soak's
-            # mix: its RSS growth, bench/frontend_memory.py).
+            # mix: its RSS growth, bench/serving/frontend_memory.py).
             self._prune(now)
             if request_gap_s is not None:
                 self.itl.observe(request_gap_s)

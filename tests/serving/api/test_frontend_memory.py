@@ -1,5 +1,5 @@
 """The front end's per-request state stays bounded when nobody scrapes /metrics (the soak's
-front end once grew ~0.8 kB per request; bench/frontend_memory.py finds the sites)."""
+front end once grew ~0.8 kB per request; bench/serving/frontend_memory.py finds the sites)."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def test_metrics_memory_is_flat_per_token_once_the_window_is_full():
     assert grown / tokens < 1.0, f"{grown} B for {tokens} tokens"
 
 
-# bench/frontend_memory.py end to end, a few dozen requests: the script keeps working (front end
+# bench/serving/frontend_memory.py end to end, a few dozen requests: the script keeps working (front end
 # in this test's child, its client in a grandchild, tracemalloc sites and their holders).
 SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "frontend_memory.py"
 # One torch import (the client imports httpx only) and 40 tiny requests with tracemalloc on
