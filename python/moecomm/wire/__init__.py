@@ -11,4 +11,5 @@
 - client.py    the client's end of a request channel (ClientChannel, Response)
 - server.py    the server's end of a request channel (ServerChannel, Request)
 - stage.py     stage-to-stage channels between pipeline stages (StageSender, StageReceiver, Inbox)
+- kv/          KV block transfers between registered pools (KvPool, KvPeer, KvSend, KvRecv)
 """

@@ -1,0 +1,339 @@
+"""One-sided KV block transfers between two pools: :class:`KvPeer` (a pool's connection to a
+peer pool), :class:`KvSend` (the sending side, layer by layer) and :class:`KvRecv` (the
+receiving side: wait, wait per layer, poll, release)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+
+from moecomm import _C
+from moecomm.errors import DeadlineExceededError, PeerLostError, ProtocolError, RemoteError
+from moecomm.wire.channel import DEFAULT_TIMEOUT_S, timeout_ns
+from moecomm.wire.kv.layout import BlockTransferError, block_runs, check_blocks
+from moecomm.wire.kv.metadata import KvPoolInfo, KvTransferRequest
+from moecomm.wire.kv.words import (
+    MAX_SEQ,
+    REASON_BYTES,
+    SEQ_MASK,
+    SEQ_SHIFT,
+    STATE_MASK,
+    Geometry,
+    KvState,
+    WordState,
+    make_word,
+)
+from moecomm.wire.shm import reap_stale_segments
+from moecomm.wire.transport import SignalOp, WaitOp
+
+if TYPE_CHECKING:
+    from moecomm.wire.kv.pool import KvPool
+
+# Longest single sleep of a wait before it re-checks its deadline and the sender's liveness
+# (a futex wait also ends at once when the sender dies; this bounds the poll-only mode).
+WAIT_SLICE_S = 0.5
+
+
+class KvPeer:
+    """A connection from a pool to a peer pool: :meth:`expect` blocks from it, :meth:`send`
+    blocks to it."""
+
+    def __init__(self, pool: KvPool, info: KvPoolInfo):
+        if info.transport != pool.transport.name:
+            raise BlockTransferError(
+                f"kv peer: it speaks {info.transport}, this pool {pool.transport.name}"
+            )
+        why = pool.layout.mismatch(info.layout)
+        if why is not None:
+            raise BlockTransferError(f"kv peer: layouts do not match: {why}")
+        self.pool = pool
+        self.info = info
+        self.geometry = Geometry(info.layout, info.max_transfers)
+        regions = []
+        try:
+            for handle, size in (
+                (info.data_handle, self.geometry.data_bytes),
+                (info.control_handle, self.geometry.control_bytes),
+                (info.doorbell_handle, _C.DOORBELL_BYTES),
+            ):
+                r = pool.transport.attach(handle)
+                regions.append(r)
+                if r.size < size:
+                    raise BlockTransferError(
+                        f"kv peer: its region {handle} holds {r.size} bytes, "
+                        f"its layout needs {size}"
+                    )
+        except BaseException:
+            for r in regions:
+                r.close()
+            raise
+        self.data, self.control, self.doorbell = regions
+
+    def alive(self) -> bool:
+        return self.pool.transport.peer_alive(self.control)
+
+    def expect(self, dst_blocks: Iterable[int]) -> KvRecv:
+        """Reserves `dst_blocks` of our pool for a transfer from this peer; hand
+        ``.request`` to the sender."""
+        dst = check_blocks(dst_blocks, self.pool.layout.num_blocks, "destination", unique=True)
+        slot, seq = self.pool._claim(dst)
+        g = self.pool.geometry
+        t = self.pool.transport
+        for word in [g.status(slot)] + [g.layer(slot, i) for i in range(g.num_layers)]:
+            t.signal(self.pool.control, word, 0, SignalOp.SET)
+        t.signal(self.pool.control, g.armed(slot), seq, SignalOp.SET)
+        return KvRecv(self, slot, seq, dst)
+
+    def send(self, request: KvTransferRequest | str, src_blocks: Iterable[int]) -> None:
+        """Writes every layer of `src_blocks` into the request's destination blocks."""
+        s = self.start(request, src_blocks)
+        for layer in range(self.pool.layout.num_layers):
+            s.layer(layer)
+        s.finish()
+
+    def start(self, request: KvTransferRequest | str, src_blocks: Iterable[int]) -> KvSend:
+        """Checks a request against both pools and returns the send, to write layer by layer.
+        A request that fails the checks is reported to the receiver too (its slot FAILED)
+        when it names a slot of the receiver's pool."""
+        req = KvTransferRequest.from_json(request) if isinstance(request, str) else request
+        return KvSend(self, req, src_blocks)
+
+    def close(self) -> None:
+        for r in (self.data, self.control, self.doorbell):
+            r.close()
+
+
+class KvSend:
+    """One transfer on the sending side: :meth:`layer` per layer (any order, each once), then
+    :meth:`finish`; :meth:`fail` reports an error to the receiver instead."""
+
+    def __init__(self, peer: KvPeer, req: KvTransferRequest, src_blocks: Iterable[int]):
+        self.peer = peer
+        self.req = req
+        self.done_layers: set[int] = set()
+        self.finished = False
+        try:
+            if req.pool != peer.info.control_handle:
+                raise BlockTransferError(
+                    f"kv send: the request is for pool {req.pool}, this peer "
+                    f"is {peer.info.control_handle}"
+                )
+            if not 0 <= req.slot < peer.info.max_transfers:
+                raise BlockTransferError(
+                    f"kv send: slot {req.slot} not in [0, {peer.info.max_transfers})"
+                )
+            if not 1 <= req.seq <= MAX_SEQ:
+                raise BlockTransferError(f"kv send: sequence number {req.seq} out of range")
+            src = check_blocks(src_blocks, peer.pool.layout.num_blocks, "source", unique=False)
+            dst = check_blocks(
+                req.dst_blocks, peer.info.layout.num_blocks, "destination", unique=True
+            )
+            if len(src) != len(dst):
+                raise BlockTransferError(
+                    f"kv send: {len(src)} source blocks for {len(dst)} destination blocks"
+                )
+        except BlockTransferError as exc:
+            # Reported into the slot only when the receiver armed it for this very transfer: a
+            # request naming another transfer's slot must not overwrite that transfer's words.
+            if (
+                req.pool == peer.info.control_handle
+                and 0 <= req.slot < peer.info.max_transfers
+                and self._armed()
+            ):
+                self._mark_failed(str(exc))
+            raise
+        self.runs = block_runs(src, dst)
+
+    def _armed(self) -> bool:
+        t = self.peer.pool.transport
+        return t.load(self.peer.control, self.peer.geometry.armed(self.req.slot)) == self.req.seq
+
+    def layer(self, layer: int) -> None:
+        """Writes `layer`'s blocks (every part) and signals that layer done."""
+        pool, peer, g = self.peer.pool, self.peer, self.peer.geometry
+        if self.finished:
+            raise BlockTransferError("kv send: already finished")
+        if not 0 <= layer < pool.layout.num_layers or layer in self.done_layers:
+            raise BlockTransferError(
+                f"kv send: layer {layer} not in [0, {pool.layout.num_layers}) or already sent"
+            )
+        if not self._armed():
+            self._check_alive()
+            raise BlockTransferError(
+                f"kv send: the receiver no longer expects transfer "
+                f"{self.req.seq} in slot {self.req.slot} (released or reused)"
+            )
+        t = pool.transport
+        for i in pool.layout.layer_parts(layer):
+            bb = pool.layout.parts[i].block_bytes
+            src_base = pool.part_address(i)
+            dst_base = g.part_offsets[i]
+            for s, d, n in self.runs:
+                t.put(peer.data, dst_base + d * bb, src_base + s * bb, n * bb)
+        t.signal(
+            peer.control,
+            g.layer(self.req.slot, layer),
+            make_word(self.req.seq, WordState.LAYER_DONE),
+            SignalOp.SET,
+        )
+        _C.ring_doorbell(t, peer.doorbell)
+        self.done_layers.add(layer)
+
+    def finish(self) -> None:
+        """Signals the whole transfer done (every layer must have been sent); raises
+        PeerLostError if the receiver died meanwhile."""
+        n = self.peer.pool.layout.num_layers
+        if len(self.done_layers) != n:
+            missing = sorted(set(range(n)) - self.done_layers)
+            raise BlockTransferError(f"kv send: finish before layers {missing} were sent")
+        t = self.peer.pool.transport
+        t.signal(
+            self.peer.control,
+            self.peer.geometry.status(self.req.slot),
+            make_word(self.req.seq, WordState.DONE),
+            SignalOp.SET,
+        )
+        _C.ring_doorbell(t, self.peer.doorbell)
+        self.finished = True
+        self._check_alive()
+
+    def fail(self, reason: str) -> None:
+        """Tells the receiver this transfer will not complete, with `reason`."""
+        self._mark_failed(reason)
+        self.finished = True
+
+    def _check_alive(self) -> None:
+        if not self.peer.alive():
+            reap_stale_segments()
+            raise PeerLostError(
+                f"kv send: the receiving process died ({self.peer.control.describe()})"
+            )
+
+    def _mark_failed(self, reason: str) -> None:
+        peer, g, req = self.peer, self.peer.geometry, self.req
+        t = peer.pool.transport
+        raw = reason.encode("utf-8", "replace")[: REASON_BYTES - 1] + b"\0"
+        buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        t.put(peer.control, g.reason(req.slot), buf.data_ptr(), len(raw))
+        word = make_word(req.seq & MAX_SEQ, WordState.FAILED)
+        for off in [g.layer(req.slot, i) for i in range(g.num_layers)] + [g.status(req.slot)]:
+            t.signal(peer.control, off, word, SignalOp.SET)
+        _C.ring_doorbell(t, peer.doorbell)
+
+
+class KvRecv:
+    """One transfer on the receiving side: its destination blocks stay reserved until
+    :meth:`release` (or the end of a ``with`` block)."""
+
+    def __init__(self, peer: KvPeer, slot: int, seq: int, dst: list[int]):
+        self.peer = peer
+        self.slot = slot
+        self.seq = seq
+        self.dst = dst
+        self.released = False
+        self.request = KvTransferRequest(peer.pool.control.handle, slot, seq, tuple(dst))
+
+    def _read(self, offset: int) -> int:
+        return self.peer.pool.transport.load(self.peer.pool.control, offset)
+
+    def _judge(self, value: int, what: str) -> bool:
+        """Whether `value` (a word of ours) says `what` arrived; raises on FAILED or on a word
+        of this transfer's sequence with a state that word cannot hold."""
+        if value >> SEQ_SHIFT != self.seq:
+            return False
+        state = value & STATE_MASK
+        expected = WordState.DONE if what == "transfer" else WordState.LAYER_DONE
+        if state == expected:
+            return True
+        if state == WordState.FAILED:
+            off = self.peer.pool.geometry.reason(self.slot)
+            raw = bytes(self.peer.pool._control_bytes[off : off + REASON_BYTES].tolist())
+            raise RemoteError(
+                int(WordState.FAILED),
+                raw.split(b"\0")[0].decode("utf-8", "replace"),
+                f"kv transfer {self.seq} (slot {self.slot}): ",
+            )
+        raise ProtocolError(
+            f"kv transfer {self.seq} (slot {self.slot}): {what} word holds "
+            f"state {state}, expected {int(expected)}"
+        )
+
+    def _wait(self, offset: int, what: str, timeout: float) -> None:
+        if self.released:
+            raise BlockTransferError("kv recv: released")
+        t = self.peer.pool.transport
+        deadline = time.monotonic() + timeout
+        while not self._judge(self._read(offset), what):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DeadlineExceededError(
+                    f"kv transfer {self.seq} (slot {self.slot}): {what} "
+                    f"did not arrive within {timeout:.3f} s"
+                )
+            try:
+                t.wait(
+                    self.peer.pool.control,
+                    offset,
+                    WaitOp.EQUAL,
+                    self.seq << SEQ_SHIFT,
+                    SEQ_MASK,
+                    timeout_ns(min(remaining, WAIT_SLICE_S)),
+                    self.peer.control,
+                )
+            except DeadlineExceededError:
+                # A slice ended: the word, the deadline and, as a safety net beside the wait's
+                # own death watch, the sender's liveness are checked again (the /proc read costs
+                # tens of µs, so only here, never on a wait that was answered).
+                lost = not self.peer.alive()
+            except PeerLostError:
+                lost = True
+            else:
+                lost = False
+            if lost and not self._judge(self._read(offset), what):
+                reap_stale_segments()
+                raise PeerLostError(
+                    f"kv transfer {self.seq} (slot {self.slot}): the sending "
+                    f"process died before {what} arrived"
+                )
+
+    def wait_layer(self, layer: int, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        """Waits until `layer`'s blocks are all written."""
+        g = self.peer.pool.geometry
+        if not 0 <= layer < g.num_layers:
+            raise BlockTransferError(f"kv recv: no layer {layer}")
+        self._wait(g.layer(self.slot, layer), f"layer {layer}", timeout)
+
+    def wait(self, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        """Waits until the whole transfer is written."""
+        self._wait(self.peer.pool.geometry.status(self.slot), "transfer", timeout)
+
+    def poll(self) -> KvState:
+        """Where the transfer stands, without waiting (FAILED: :meth:`wait` raises why)."""
+        g = self.peer.pool.geometry
+        try:
+            if self._judge(self._read(g.status(self.slot)), "transfer"):
+                return KvState.DONE
+            layers = sum(
+                self._judge(self._read(g.layer(self.slot, i)), f"layer {i}")
+                for i in range(g.num_layers)
+            )
+        except (RemoteError, ProtocolError):
+            return KvState.FAILED
+        if not self.peer.alive():
+            return KvState.FAILED
+        return KvState.TRANSFERRING if layers else KvState.WAITING
+
+    def release(self) -> None:
+        """Frees the slot and the destination blocks' reservation (the blocks' contents stay)."""
+        if not self.released:
+            self.released = True
+            self.peer.pool._release(self.slot, self.dst)
+
+    def __enter__(self) -> KvRecv:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
