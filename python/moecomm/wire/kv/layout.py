@@ -23,7 +23,7 @@ MAX_BLOCK_BYTES = 1 << 30
 MAX_DIMS = 8
 
 
-_DTYPES = {
+DTYPES = {
     str(d).removeprefix("torch."): d
     for d in (
         torch.float32,
@@ -53,7 +53,7 @@ class KvPart:
 
     @property
     def block_bytes(self) -> int:
-        return math.prod(self.block_shape) * _DTYPES[self.dtype].itemsize
+        return math.prod(self.block_shape) * DTYPES[self.dtype].itemsize
 
 
 @dataclass(frozen=True)
@@ -112,9 +112,9 @@ class KvLayout:
             if (p.layer, p.name) in seen:
                 raise BlockTransferError(f"kv layout: layer {p.layer} has two parts {p.name!r}")
             seen.add((p.layer, p.name))
-            if p.dtype not in _DTYPES:
+            if p.dtype not in DTYPES:
                 raise BlockTransferError(
-                    f"kv layout: unknown dtype {p.dtype!r} (known: {sorted(_DTYPES)})"
+                    f"kv layout: unknown dtype {p.dtype!r} (known: {sorted(DTYPES)})"
                 )
             if not 1 <= len(p.block_shape) <= MAX_DIMS or any(s < 1 for s in p.block_shape):
                 raise BlockTransferError(
@@ -166,13 +166,13 @@ class KvLayout:
             if not isinstance(parts, list) or len(parts) > MAX_LAYERS * MAX_PARTS_PER_LAYER:
                 raise BlockTransferError("kv layout: parts must be a bounded list")
             layout = KvLayout(
-                _int(d["num_layers"]),
-                _int(d["num_blocks"]),
+                json_int(d["num_layers"]),
+                json_int(d["num_blocks"]),
                 tuple(
                     KvPart(
-                        _int(layer),
+                        json_int(layer),
                         str(name)[:64],
-                        tuple(_int(s) for s in shape[: MAX_DIMS + 1]),
+                        tuple(json_int(s) for s in shape[: MAX_DIMS + 1]),
                         str(dtype)[:32],
                     )
                     for layer, name, shape, dtype in parts
@@ -186,7 +186,8 @@ class KvLayout:
         return layout
 
 
-def _int(x) -> int:
+def json_int(x) -> int:
+    """`x` if it is a JSON integer (not a bool, not a float); else BlockTransferError."""
     if isinstance(x, bool) or not isinstance(x, int):
         raise BlockTransferError(f"kv: expected an integer, got {x!r}")
     return x

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from moecomm.wire.kv.layout import MAX_BLOCKS, BlockTransferError, KvLayout, _int
+from moecomm.wire.kv.layout import MAX_BLOCKS, BlockTransferError, KvLayout, json_int
 
 KV_FORMAT_VERSION = 1
 
@@ -51,7 +51,7 @@ class KvPoolInfo:
                 str(d["data"]),
                 str(d["control"]),
                 str(d["doorbell"]),
-                _int(d["max_transfers"]),
+                json_int(d["max_transfers"]),
                 KvLayout.from_dict(d["layout"]),
             )
         except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as exc:
@@ -94,7 +94,10 @@ class KvTransferRequest:
             if not isinstance(dst, list) or len(dst) > MAX_BLOCKS:
                 raise BlockTransferError("kv request: dst must be a list of block indices")
             return KvTransferRequest(
-                str(d["pool"]), _int(d["slot"]), _int(d["seq"]), tuple(_int(b) for b in dst)
+                str(d["pool"]),
+                json_int(d["slot"]),
+                json_int(d["seq"]),
+                tuple(json_int(b) for b in dst),
             )
         except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as exc:
             raise BlockTransferError(f"kv request: malformed ({exc})") from None

@@ -13,7 +13,7 @@ import torch
 
 from moecomm import _C
 from moecomm.wire.channel import timeout_ns
-from moecomm.wire.kv.layout import _DTYPES, BlockTransferError, KvLayout
+from moecomm.wire.kv.layout import DTYPES, BlockTransferError, KvLayout
 from moecomm.wire.kv.metadata import KvPoolInfo
 from moecomm.wire.kv.words import MAX_SEQ, Geometry
 from moecomm.wire.transport import SignalOp, Transport
@@ -113,7 +113,7 @@ class KvPool:
             self._bytes,
             self.geometry.part_offsets[i],
             (self.layout.num_blocks, *p.block_shape),
-            _DTYPES[p.dtype],
+            DTYPES[p.dtype],
         )
 
     def part_address(self, i: int) -> int:
