@@ -21,13 +21,20 @@ from dataclasses import dataclass
 import torch
 
 from moecomm import _C
-from moecomm.errors import DeadlineExceededError, PeerLostError, ProtocolError, RemoteError
+from moecomm.errors import PeerLostError, ProtocolError, RemoteError
 from moecomm.wire.channel import (
     DEFAULT_TIMEOUT_S,
     Channel,
     raise_wait_failure,
     read_reason,
     timeout_ns,
+)
+from moecomm.wire.mailbox import (
+    MULTI_BELL_POLL_S,  # noqa: F401  (re-exported: the serving hand-off polls at this period)
+    WAIT_SLICE_S,
+    Doorbells,
+    peer_lost,
+    wait_for,
 )
 from moecomm.wire.protocol import (
     DTYPE_OF_CODE,
@@ -41,7 +48,6 @@ from moecomm.wire.protocol import (
     ValidateCode,
     validate_reason,
 )
-from moecomm.wire.shm import reap_stale_segments
 from moecomm.wire.transport import Region, Transport, WaitStatus
 
 # A stage ack carries no payload; its ring only needs room for a refusal's reason string, so it
@@ -291,68 +297,49 @@ class StageInbox:
     host and nixl to the others): then there is one doorbell per transport, each sender rings the
     one in the memory its transport writes (:meth:`doorbell_handle_of`), and the inbox sleeps on
     the single doorbell when there is one, else polls them all (a remote write cannot wake a
-    futex sleeper anyway)."""
+    futex sleeper anyway). Doorbells, deadlines and the liveness rule are the shared mailbox's
+    (:mod:`moecomm.wire.mailbox`)."""
 
     def __init__(self, transport: Transport | Sequence[Transport]):
-        transports = [transport] if isinstance(transport, Transport) else list(transport)
-        if not transports:
-            raise ValueError("stage inbox: needs at least one transport")
-        names = [t.name for t in transports]
-        if len(set(names)) != len(names):
-            raise ValueError(f"stage inbox: one doorbell per transport, got {names}")
-        self.transport = transports[0]
-        self._bells: dict[str, tuple[Transport, Region]] = {
-            t.name: (t, t.create_region(_C.DOORBELL_BYTES)) for t in transports
-        }
-        self.doorbell: Region = self._bells[self.transport.name][1]
+        self.bells = Doorbells(transport, "stage inbox")
+        self.transport = self.bells.transport
+        self.doorbell: Region = self.bells.region
         self.receivers: dict[object, StageReceiver] = {}
         self._parts: dict[tuple[object, int], list] = {}  # (source, tag) -> chunks so far
         self.ready: dict[tuple[object, int], tuple[Encoding, torch.Tensor]] = {}
 
     @property
     def doorbell_handle(self) -> str:
-        return self.doorbell.handle
+        return self.bells.handle
 
     def doorbell_handle_of(self, transport_name: str) -> str:
         """The handle of the doorbell a sender over `transport_name` rings."""
-        if transport_name not in self._bells:
-            raise ValueError(
-                f"stage inbox: no doorbell for transport {transport_name!r} "
-                f"(has {', '.join(self._bells)})"
-            )
-        return self._bells[transport_name][1].handle
-
-    def _bell_values(self) -> dict[str, int]:
-        return {n: t.load(b, 0) for n, (t, b) in self._bells.items()}
-
-    def _wait_bells(self, seen: dict[str, int], timeout: float) -> bool:
-        """Sleeps until a doorbell moves past `seen` or `timeout` passes; False on timeout."""
-        if len(self._bells) == 1:
-            ((name, (t, bell)),) = self._bells.items()
-            status, _ = _C.wait_doorbell(t, bell, seen[name], timeout_ns(timeout), None)
-            return status == WaitStatus.OK
-        deadline = time.monotonic() + timeout
-        while self._bell_values() == seen:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(MULTI_BELL_POLL_S)
-        return True
+        return self.bells.handle_of(transport_name)
 
     def add(self, source: object, receiver: StageReceiver) -> None:
         self.receivers[source] = receiver
 
+    def _check_senders(self) -> None:
+        for source, r in self.receivers.items():
+            if not r.peer_alive():
+                raise peer_lost(f"stage inbox: the sender {source!r} died")
+
+    def _sleep(self, timeout: float) -> tuple[bool, bool]:
+        """Takes what arrived, sleeping up to `timeout` on the doorbells when nothing did:
+        (a package completed, a doorbell moved)."""
+        seen = self.bells.values()
+        if self.take_arrived():
+            return True, True
+        moved = self.bells.wait(seen, timeout)
+        return self.take_arrived(), moved
+
     def pump(self, timeout: float) -> bool:
         """Takes every chunk that arrived, sleeping up to `timeout` for the first one; returns
         whether a package completed. Raises PeerLostError when a sender process died."""
-        seen = self._bell_values()
-        if self.take_arrived():
-            return True
-        if not self._wait_bells(seen, timeout):  # timed out: a peer that died never rings again
-            for source, r in self.receivers.items():
-                if not r.peer_alive():
-                    reap_stale_segments()
-                    raise PeerLostError(f"stage inbox: the sender {source!r} died")
-        return self.take_arrived()
+        completed, moved = self._sleep(timeout)
+        if not moved:  # a peer that died never rings again
+            self._check_senders()
+        return completed
 
     def take_arrived(self) -> bool:
         """Takes every chunk already there, without waiting; returns whether a package
@@ -376,30 +363,24 @@ class StageInbox:
 
     def take(self, source: object, tag: int, timeout: float) -> tuple[Encoding, torch.Tensor]:
         """Waits for package `tag` from `source`; returns (encoding, bytes)."""
-        deadline = time.monotonic() + timeout
-        while (source, tag) not in self.ready:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise DeadlineExceededError(
-                    f"stage inbox: package {tag} from {source!r} did not arrive within "
-                    f"{timeout:.3f} s"
-                )
-            self.pump(min(remaining, INBOX_SLICE_S))
+        wait_for(
+            lambda: (source, tag) in self.ready,
+            lambda s: self._sleep(min(s, INBOX_SLICE_S))[1],
+            self._check_senders,
+            timeout,
+            f"stage inbox: package {tag} from {source!r} did not arrive within {timeout:.3f} s",
+        )
         return self.ready.pop((source, tag))
 
     def close(self) -> None:
         for r in self.receivers.values():
             r.close()
-        for _, bell in self._bells.values():
-            bell.close()
+        self.bells.close()
 
 
 # Longest sleep on the shared doorbell before a caller re-checks its deadline and the senders'
-# liveness (a dead sender never rings).
-INBOX_SLICE_S = 0.5
-# With doorbells on several transports the inbox polls them at this period. Stage steps take
-# milliseconds, so 100 µs adds little latency while leaving the shared cores to the compute.
-MULTI_BELL_POLL_S = 100e-6
+# liveness (a dead sender never rings): the shared mailbox's slice.
+INBOX_SLICE_S = WAIT_SLICE_S
 
 
 def as_tensor(encoding: Encoding, data: torch.Tensor, hidden: int) -> torch.Tensor:

@@ -13,9 +13,23 @@ from moecomm.wire.kv.layout import MAX_BLOCKS, BlockTransferError, KvLayout, jso
 KV_FORMAT_VERSION = 1
 
 
+# Where a pool's KV bytes live, as its info says: in the transport region `data` (the pool
+# allocated them; peers attach and write) or in the owning process's own memory at `addresses`
+# (an engine's tensors; a peer on the same host writes them with process_vm_writev).
+MEMORY_REGION = "region"
+MEMORY_PROCESS = "process"
+MEMORY_KINDS = (MEMORY_REGION, MEMORY_PROCESS)
+# A pid or address read from a peer is a non-negative 64-bit value.
+MAX_U64 = (1 << 64) - 1
+MAX_HOST_ID = 256
+
+
 @dataclass(frozen=True)
 class KvPoolInfo:
-    """What a pool tells its peers (JSON): its transport, its regions' handles, its layout."""
+    """What a pool tells its peers (JSON): its transport, its regions' handles, its layout;
+    its process (`pid`, and `host`: boot id and PID namespace) and where its KV bytes live
+    (`memory`: "region", or "process" with per part the (address, block stride in bytes) of
+    the engine's tensor in `addresses`)."""
 
     transport: str
     data_handle: str
@@ -23,19 +37,59 @@ class KvPoolInfo:
     doorbell_handle: str
     max_transfers: int
     layout: KvLayout
+    pid: int = 0
+    host: str = ""
+    memory: str = MEMORY_REGION
+    addresses: tuple[tuple[int, int], ...] = ()
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "version": KV_FORMAT_VERSION,
-                "transport": self.transport,
-                "data": self.data_handle,
-                "control": self.control_handle,
-                "doorbell": self.doorbell_handle,
-                "max_transfers": self.max_transfers,
-                "layout": self.layout.to_dict(),
-            }
-        )
+        d = {
+            "version": KV_FORMAT_VERSION,
+            "transport": self.transport,
+            "data": self.data_handle,
+            "control": self.control_handle,
+            "doorbell": self.doorbell_handle,
+            "max_transfers": self.max_transfers,
+            "layout": self.layout.to_dict(),
+            "pid": self.pid,
+            "host": self.host,
+            "memory": self.memory,
+        }
+        if self.memory == MEMORY_PROCESS:
+            d["addresses"] = [list(a) for a in self.addresses]
+        return json.dumps(d)
+
+    def check(self) -> None:
+        """Raises BlockTransferError naming the first field out of bounds."""
+        if not 1 <= self.max_transfers <= 1 << 16:
+            raise BlockTransferError(
+                f"kv pool info: max_transfers {self.max_transfers} out of range"
+            )
+        if not 0 <= self.pid <= MAX_U64:
+            raise BlockTransferError(f"kv pool info: pid {self.pid} out of range")
+        if self.memory not in MEMORY_KINDS:
+            raise BlockTransferError(
+                f"kv pool info: memory {self.memory[:32]!r} is not one of {MEMORY_KINDS}"
+            )
+        if self.memory == MEMORY_REGION:
+            if self.addresses:
+                raise BlockTransferError("kv pool info: addresses given for region memory")
+            return
+        if self.pid < 1:
+            raise BlockTransferError("kv pool info: process memory without the process's pid")
+        parts = self.layout.parts
+        if len(self.addresses) != len(parts):
+            raise BlockTransferError(
+                f"kv pool info: {len(self.addresses)} addresses for {len(parts)} parts"
+            )
+        for p, (address, stride) in zip(parts, self.addresses, strict=True):
+            end = address + stride * (self.layout.num_blocks - 1) + p.block_bytes
+            if address < 1 or stride < p.block_bytes or end > MAX_U64:
+                raise BlockTransferError(
+                    f"kv pool info: layer {p.layer} part {p.name!r} at {address:#x} with "
+                    f"block stride {stride} cannot hold {self.layout.num_blocks} blocks of "
+                    f"{p.block_bytes} bytes"
+                )
 
     @staticmethod
     def from_json(text: str | bytes) -> KvPoolInfo:
@@ -46,6 +100,9 @@ class KvPoolInfo:
                     f"kv pool info: version {d.get('version')!r}, this side "
                     f"speaks {KV_FORMAT_VERSION}"
                 )
+            addresses = d.get("addresses", [])
+            if not isinstance(addresses, list) or len(addresses) > len(d["layout"]["parts"]):
+                raise BlockTransferError("kv pool info: addresses must be one pair per part")
             info = KvPoolInfo(
                 str(d["transport"]),
                 str(d["data"]),
@@ -53,13 +110,16 @@ class KvPoolInfo:
                 str(d["doorbell"]),
                 json_int(d["max_transfers"]),
                 KvLayout.from_dict(d["layout"]),
+                json_int(d.get("pid", 0)),
+                str(d.get("host", ""))[:MAX_HOST_ID],
+                str(d.get("memory", MEMORY_REGION))[:32],
+                tuple((json_int(a), json_int(s)) for a, s in addresses),
             )
-        except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            if isinstance(exc, BlockTransferError):
+                raise
             raise BlockTransferError(f"kv pool info: malformed ({exc})") from None
-        if not 1 <= info.max_transfers <= 1 << 16:
-            raise BlockTransferError(
-                f"kv pool info: max_transfers {info.max_transfers} out of range"
-            )
+        info.check()
         return info
 
 

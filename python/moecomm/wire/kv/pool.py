@@ -1,9 +1,11 @@
-"""A KV pool: an engine's paged KV cache in transport memory, which peers write blocks into,
-with the completion slots of the transfers it receives (claimed by :meth:`KvPeer.expect`,
-freed by :meth:`KvRecv.release`) and the doorbell its senders ring."""
+"""A KV pool: an engine's paged KV cache in transport memory (or the engine's own tensors,
+registered), which peers write blocks into, with the completion slots of the transfers it
+receives (claimed by :meth:`KvPeer.expect`, freed by :meth:`KvRecv.release`) and the doorbell
+its senders ring."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -11,12 +13,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moecomm import _C
-from moecomm.wire.channel import timeout_ns
+from moecomm.wire.kv.cma import host_id
 from moecomm.wire.kv.layout import DTYPES, BlockTransferError, KvLayout
-from moecomm.wire.kv.metadata import KvPoolInfo
+from moecomm.wire.kv.metadata import MEMORY_PROCESS, MEMORY_REGION, KvPoolInfo
 from moecomm.wire.kv.words import MAX_SEQ, Geometry
-from moecomm.wire.transport import SignalOp, Transport
+from moecomm.wire.mailbox import Doorbells
+from moecomm.wire.transport import Region, SignalOp, Transport
 from moecomm.wire.views import region_bytes_view, view
 
 if TYPE_CHECKING:
@@ -27,13 +29,54 @@ if TYPE_CHECKING:
 DEFAULT_MAX_TRANSFERS = 256
 
 
-class KvPool:
-    """An engine's KV cache in transport memory, which peers write blocks into.
+def check_tensors(layout: KvLayout, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The engine's tensors, one per part of `layout`, checked to hold its blocks: host memory,
+    the part's dtype and shape ``[num_blocks, *block_shape]``, each block contiguous and blocks
+    apart by at least a block (strided blocks are fine); BlockTransferError naming the first
+    that does not."""
+    tensors = list(tensors)
+    if len(tensors) != len(layout.parts):
+        raise BlockTransferError(
+            f"kv pool: {len(tensors)} tensors for {len(layout.parts)} parts (one tensor per "
+            "part, in layout order: every layer's parts, layer by layer)"
+        )
+    for t, p in zip(tensors, layout.parts, strict=True):
+        where = f"kv pool: the tensor of layer {p.layer} part {p.name!r}"
+        if not isinstance(t, torch.Tensor):
+            raise BlockTransferError(f"{where} is a {type(t).__name__}, not a torch.Tensor")
+        if t.device.type != "cpu":
+            raise BlockTransferError(
+                f"{where}: {t.device.type} tensors are not supported by the shm transport yet "
+                "(host pools only)"
+            )
+        want = (layout.num_blocks, *p.block_shape)
+        if t.dtype != DTYPES[p.dtype] or tuple(t.shape) != want:
+            raise BlockTransferError(
+                f"{where} is {list(t.shape)} {str(t.dtype).removeprefix('torch.')}, the layout "
+                f"says {list(want)} {p.dtype}"
+            )
+        if not t[0].is_contiguous() or t.stride(0) * t.element_size() < p.block_bytes:
+            raise BlockTransferError(
+                f"{where}: its blocks are not contiguous and disjoint (strides {list(t.stride())})"
+            )
+    return tensors
 
-    `transport`: the shm transport (its regions are what a peer maps). `tensors`: None (the
-    pool allocates; use :meth:`view` as the cache) or the engine's own tensors to register —
-    refused on shm, which can only expose memory it allocated (CUDA tensors: not supported by
-    this transport yet)."""
+
+class KvPool:
+    """An engine's KV cache, registered so that peers write blocks into it.
+
+    `transport`: the shm transport (its regions are what a peer maps). `tensors`:
+
+    - None: the pool allocates its KV in a shared-memory region; use :meth:`view` as the cache.
+    - the engine's own host tensors, one per part in layout order (``layout.parts``: layer by
+      layer, each layer's parts in order), each ``[num_blocks, *block_shape]`` of the part's
+      dtype with every block contiguous (blocks may be strided: vLLM's ``kv[0]`` / ``kv[1]``
+      of a ``[2, num_blocks, ...]`` layer tensor, or of ``[num_blocks, 2, ...]``, both work).
+      A peer on the same host writes them straight into this process's memory
+      (``process_vm_writev``, see :mod:`moecomm.wire.kv.cma`); completion words and liveness
+      stay in the pool's small shared-memory control region.
+
+    CUDA tensors and pools across hosts (nixl) are not supported yet: a clear error."""
 
     def __init__(
         self,
@@ -43,37 +86,40 @@ class KvPool:
         tensors: Sequence[torch.Tensor] | None = None,
     ):
         layout.check()
-        if tensors is not None:
-            devices = {t.device.type for t in tensors}
-            if devices - {"cpu"}:
-                raise BlockTransferError(
-                    f"kv pool: {'/'.join(sorted(devices - {'cpu'}))} tensors are not supported by "
-                    f"the {transport.name} transport yet (host pools only)"
-                )
-            raise BlockTransferError(
-                f"kv pool: the {transport.name} transport can only expose memory it allocated; "
-                "create the pool without tensors and use pool.view(layer, part) as the cache"
-            )
         if transport.name != "shm":
             raise BlockTransferError(
                 f"kv pool: the {transport.name} transport is not supported yet (shm only)"
             )
         if not 1 <= max_transfers <= 1 << 16:
             raise BlockTransferError(f"kv pool: max_transfers {max_transfers} not in [1, 65536]")
+        self.tensors = None if tensors is None else check_tensors(layout, tensors)
+        self.memory = MEMORY_REGION if tensors is None else MEMORY_PROCESS
         self.transport = transport
         self.layout = layout
         self.max_transfers = max_transfers
         self.geometry = Geometry(layout, max_transfers)
-        made = []
-        try:  # all three regions or none: a failure (say /dev/shm full) frees what was made
-            for size in (self.geometry.data_bytes, self.geometry.control_bytes, _C.DOORBELL_BYTES):
-                made.append(transport.create_region(size))
+        self.data: Region | None = None
+        self.control = None
+        self.bells = None
+        try:  # every region or none: a failure (say /dev/shm full) frees what was made
+            if self.tensors is None:
+                self.data = transport.create_region(self.geometry.data_bytes)
+            self.control = transport.create_region(self.geometry.control_bytes)
+            self.bells = Doorbells(transport, "kv pool")
         except BaseException:
-            for r in made:
-                r.close()
+            for r in (self.data, self.control, self.bells):
+                if r is not None:
+                    r.close()
             raise
-        self.data, self.control, self.doorbell = made
-        self._bytes = region_bytes_view(self.data)
+        self.doorbell: Region = self.bells.region
+        if self.tensors is None:
+            self._bytes = region_bytes_view(self.data)
+            self._parts = [
+                (self.data.address + off, p.block_bytes)
+                for off, p in zip(self.geometry.part_offsets, layout.parts, strict=True)
+            ]
+        else:
+            self._parts = [(t.data_ptr(), t.stride(0) * t.element_size()) for t in self.tensors]
         self._control_bytes = region_bytes_view(self.control)
         self._lock = threading.Lock()
         self._free_slots = list(range(max_transfers - 1, -1, -1))
@@ -86,16 +132,21 @@ class KvPool:
     def info(self) -> KvPoolInfo:
         return KvPoolInfo(
             self.transport.name,
-            self.data.handle,
+            "" if self.data is None else self.data.handle,
             self.control.handle,
             self.doorbell.handle,
             self.max_transfers,
             self.layout,
+            pid=os.getpid(),
+            host=host_id(),
+            memory=self.memory,
+            addresses=() if self.tensors is None else tuple(self._parts),
         )
 
     def view(self, layer: int, part: str | int = 0) -> torch.Tensor:
         """The cache tensor ``[num_blocks, *block_shape]`` of `layer`'s part (by name or
-        index within the layer), sharing the pool's memory."""
+        index within the layer), sharing the pool's memory (the engine's own tensor when the
+        pool registered the engine's tensors)."""
         idx = self.layout.layer_parts(layer)
         if not idx:
             raise BlockTransferError(f"kv pool: no layer {layer} (has {self.layout.num_layers})")
@@ -108,6 +159,8 @@ class KvPool:
             if not 0 <= part < len(idx):
                 raise BlockTransferError(f"kv pool: layer {layer} has {len(idx)} parts, not {part}")
             i = idx[part]
+        if self.tensors is not None:
+            return self.tensors[i]
         p = self.layout.parts[i]
         return view(
             self._bytes,
@@ -117,7 +170,12 @@ class KvPool:
         )
 
     def part_address(self, i: int) -> int:
-        return self.data.address + self.geometry.part_offsets[i]
+        """The address, in this process, of block 0 of part `i` (index into layout.parts)."""
+        return self._parts[i][0]
+
+    def block_stride(self, i: int) -> int:
+        """Bytes from one block of part `i` to the next (its block size unless strided)."""
+        return self._parts[i][1]
 
     def connect(self, peer: KvPoolInfo | str) -> KvPeer:
         """Attaches a peer pool (its info or that info's JSON) after checking the layouts
@@ -129,11 +187,10 @@ class KvPool:
     def wait_any(self, seen: int, timeout: float) -> int:
         """Sleeps until a sender rings this pool's doorbell past `seen` (or `timeout`);
         returns the doorbell's value (pass it as the next `seen`)."""
-        _, value = _C.wait_doorbell(self.transport, self.doorbell, seen, timeout_ns(timeout), None)
-        return value
+        return self.bells.wait_value(seen, timeout)
 
     def doorbell_value(self) -> int:
-        return self.transport.load(self.doorbell, 0)
+        return self.bells.value()
 
     def _claim(self, dst: list[int]) -> tuple[int, int]:
         with self._lock:
@@ -163,10 +220,12 @@ class KvPool:
             self._free_slots.append(slot)
 
     def close(self) -> None:
-        """Frees the pool's regions (their names; views taken keep their mapping)."""
+        """Frees the pool's regions (their names; views taken keep their mapping). Registered
+        engine tensors stay the engine's."""
         self.closed = True
-        for r in (self.data, self.control, self.doorbell):
-            r.close()
+        for r in (self.data, self.control, self.bells):
+            if r is not None:
+                r.close()
 
     def __enter__(self) -> KvPool:
         return self

@@ -4,7 +4,6 @@ receiving side: wait, wait per layer, poll, release)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -13,8 +12,10 @@ import torch
 from moecomm import _C
 from moecomm.errors import DeadlineExceededError, PeerLostError, ProtocolError, RemoteError
 from moecomm.wire.channel import DEFAULT_TIMEOUT_S, timeout_ns
+from moecomm.wire.kv import cma
+from moecomm.wire.kv.cma import host_id
 from moecomm.wire.kv.layout import BlockTransferError, block_runs, check_blocks
-from moecomm.wire.kv.metadata import KvPoolInfo, KvTransferRequest
+from moecomm.wire.kv.metadata import MEMORY_PROCESS, MEMORY_REGION, KvPoolInfo, KvTransferRequest
 from moecomm.wire.kv.words import (
     MAX_SEQ,
     REASON_BYTES,
@@ -26,15 +27,16 @@ from moecomm.wire.kv.words import (
     WordState,
     make_word,
 )
+from moecomm.wire.mailbox import WAIT_SLICE_S, peer_lost, ring, wait_for
 from moecomm.wire.shm import reap_stale_segments
-from moecomm.wire.transport import SignalOp, WaitOp
+from moecomm.wire.transport import Region, SignalOp, WaitOp
 
 if TYPE_CHECKING:
     from moecomm.wire.kv.pool import KvPool
 
-# Longest single sleep of a wait before it re-checks its deadline and the sender's liveness
-# (a futex wait also ends at once when the sender dies; this bounds the poll-only mode).
-WAIT_SLICE_S = 0.5
+# WAIT_SLICE_S (re-exported): the longest sleep of a wait before it re-checks its deadline and
+# the sender's liveness, the shared mailbox's.
+__all__ = ["WAIT_SLICE_S", "KvPeer", "KvRecv", "KvSend"]
 
 
 class KvPeer:
@@ -49,16 +51,27 @@ class KvPeer:
         why = pool.layout.mismatch(info.layout)
         if why is not None:
             raise BlockTransferError(f"kv peer: layouts do not match: {why}")
+        # Engine-owned memory on either side is reached with process_vm_writev: a pid means
+        # the same process only on the same host and in the same PID namespace.
+        if MEMORY_PROCESS in (pool.memory, info.memory) and info.host != host_id():
+            raise BlockTransferError(
+                "kv peer: engine-owned tensors are written with process_vm_writev, which needs "
+                f"both pools on one host (this one is {host_id()}, the peer says "
+                f"{info.host[:80]!r}); across hosts the pools need the nixl transport, which "
+                "KV pools do not support yet"
+            )
         self.pool = pool
         self.info = info
         self.geometry = Geometry(info.layout, info.max_transfers)
+        wanted = [
+            (info.control_handle, self.geometry.control_bytes),
+            (info.doorbell_handle, _C.DOORBELL_BYTES),
+        ]
+        if info.memory == MEMORY_REGION:
+            wanted.insert(0, (info.data_handle, self.geometry.data_bytes))
         regions = []
         try:
-            for handle, size in (
-                (info.data_handle, self.geometry.data_bytes),
-                (info.control_handle, self.geometry.control_bytes),
-                (info.doorbell_handle, _C.DOORBELL_BYTES),
-            ):
+            for handle, size in wanted:
                 r = pool.transport.attach(handle)
                 regions.append(r)
                 if r.size < size:
@@ -70,7 +83,19 @@ class KvPeer:
             for r in regions:
                 r.close()
             raise
-        self.data, self.control, self.doorbell = regions
+        self.data: Region | None = regions[0] if info.memory == MEMORY_REGION else None
+        self.control, self.doorbell = regions[-2:]
+        if info.memory == MEMORY_REGION:
+            self._parts = [
+                (off, p.block_bytes)
+                for off, p in zip(self.geometry.part_offsets, info.layout.parts, strict=True)
+            ]
+        else:
+            self._parts = list(info.addresses)
+        # The peer writes into our engine-owned tensors: under Yama ptrace_scope=1 it may do so
+        # only once we name it (renewed by every expect(): Yama keeps one pid per process).
+        if pool.memory == MEMORY_PROCESS:
+            cma.allow_writer(info.pid)
 
     def alive(self) -> bool:
         return self.pool.transport.peer_alive(self.control)
@@ -79,6 +104,8 @@ class KvPeer:
         """Reserves `dst_blocks` of our pool for a transfer from this peer; hand
         ``.request`` to the sender."""
         dst = check_blocks(dst_blocks, self.pool.layout.num_blocks, "destination", unique=True)
+        if self.pool.memory == MEMORY_PROCESS:
+            cma.allow_writer(self.info.pid)
         slot, seq = self.pool._claim(dst)
         g = self.pool.geometry
         t = self.pool.transport
@@ -103,7 +130,8 @@ class KvPeer:
 
     def close(self) -> None:
         for r in (self.data, self.control, self.doorbell):
-            r.close()
+            if r is not None:
+                r.close()
 
 
 class KvSend:
@@ -167,20 +195,49 @@ class KvSend:
                 f"{self.req.seq} in slot {self.req.slot} (released or reused)"
             )
         t = pool.transport
-        for i in pool.layout.layer_parts(layer):
-            bb = pool.layout.parts[i].block_bytes
-            src_base = pool.part_address(i)
-            dst_base = g.part_offsets[i]
-            for s, d, n in self.runs:
-                t.put(peer.data, dst_base + d * bb, src_base + s * bb, n * bb)
+        pieces = self._pieces(layer)
+        if peer.data is not None:
+            for src, dst, size in pieces:
+                t.put(peer.data, dst, src, size)
+        else:
+            try:
+                cma.write(peer.info.pid, pieces)
+            except PeerLostError:
+                reap_stale_segments()
+                raise PeerLostError(
+                    f"kv send: the receiving process died ({peer.control.describe()})"
+                ) from None
+            except cma.CmaError as exc:
+                # The receiver learns why at once (its slot FAILED), not at its deadline.
+                self.fail(str(exc))
+                raise
         t.signal(
             peer.control,
             g.layer(self.req.slot, layer),
             make_word(self.req.seq, WordState.LAYER_DONE),
             SignalOp.SET,
         )
-        _C.ring_doorbell(t, peer.doorbell)
+        ring(t, peer.doorbell)
         self.done_layers.add(layer)
+
+    def _pieces(self, layer: int) -> list[tuple[int, int, int]]:
+        """(source address, destination offset or address, bytes) of every copy of `layer`:
+        one per contiguous run and part, or one per block where a side's blocks are strided."""
+        pool, peer = self.peer.pool, self.peer
+        out = []
+        for i in pool.layout.layer_parts(layer):
+            bb = pool.layout.parts[i].block_bytes
+            src_base, src_stride = pool.part_address(i), pool.block_stride(i)
+            dst_base, dst_stride = peer._parts[i]
+            for s, d, n in self.runs:
+                if src_stride == bb and dst_stride == bb:
+                    out.append((src_base + s * bb, dst_base + d * bb, n * bb))
+                else:
+                    out.extend(
+                        (src_base + (s + k) * src_stride, dst_base + (d + k) * dst_stride, bb)
+                        for k in range(n)
+                    )
+        return out
 
     def finish(self) -> None:
         """Signals the whole transfer done (every layer must have been sent); raises
@@ -196,7 +253,7 @@ class KvSend:
             make_word(self.req.seq, WordState.DONE),
             SignalOp.SET,
         )
-        _C.ring_doorbell(t, self.peer.doorbell)
+        ring(t, self.peer.doorbell)
         self.finished = True
         self._check_alive()
 
@@ -207,10 +264,7 @@ class KvSend:
 
     def _check_alive(self) -> None:
         if not self.peer.alive():
-            reap_stale_segments()
-            raise PeerLostError(
-                f"kv send: the receiving process died ({self.peer.control.describe()})"
-            )
+            raise peer_lost(f"kv send: the receiving process died ({self.peer.control.describe()})")
 
     def _mark_failed(self, reason: str) -> None:
         peer, g, req = self.peer, self.peer.geometry, self.req
@@ -221,7 +275,7 @@ class KvSend:
         word = make_word(req.seq & MAX_SEQ, WordState.FAILED)
         for off in [g.layer(req.slot, i) for i in range(g.num_layers)] + [g.status(req.slot)]:
             t.signal(peer.control, off, word, SignalOp.SET)
-        _C.ring_doorbell(t, peer.doorbell)
+        ring(t, peer.doorbell)
 
 
 class KvRecv:
@@ -265,14 +319,8 @@ class KvRecv:
         if self.released:
             raise BlockTransferError("kv recv: released")
         t = self.peer.pool.transport
-        deadline = time.monotonic() + timeout
-        while not self._judge(self._read(offset), what):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise DeadlineExceededError(
-                    f"kv transfer {self.seq} (slot {self.slot}): {what} "
-                    f"did not arrive within {timeout:.3f} s"
-                )
+
+        def sleep(slice_s: float) -> bool:
             try:
                 t.wait(
                     self.peer.pool.control,
@@ -280,24 +328,31 @@ class KvRecv:
                     WaitOp.EQUAL,
                     self.seq << SEQ_SHIFT,
                     SEQ_MASK,
-                    timeout_ns(min(remaining, WAIT_SLICE_S)),
+                    timeout_ns(slice_s),
                     self.peer.control,
                 )
             except DeadlineExceededError:
-                # A slice ended: the word, the deadline and, as a safety net beside the wait's
-                # own death watch, the sender's liveness are checked again (the /proc read costs
-                # tens of µs, so only here, never on a wait that was answered).
-                lost = not self.peer.alive()
-            except PeerLostError:
-                lost = True
-            else:
-                lost = False
-            if lost and not self._judge(self._read(offset), what):
-                reap_stale_segments()
-                raise PeerLostError(
-                    f"kv transfer {self.seq} (slot {self.slot}): the sending "
-                    f"process died before {what} arrived"
+                # The slice ended: the shared wait checks the word, the deadline and, as a
+                # safety net beside this wait's own death watch, the sender's liveness (the
+                # /proc read costs tens of µs, so only here, never on a wait that was answered).
+                return False
+            return True
+
+        def check_peer() -> None:
+            if not self.peer.alive():
+                raise peer_lost(
+                    f"kv transfer {self.seq} (slot {self.slot}): the sending process died "
+                    f"before {what} arrived"
                 )
+
+        wait_for(
+            lambda: self._judge(self._read(offset), what),
+            sleep,
+            check_peer,
+            timeout,
+            f"kv transfer {self.seq} (slot {self.slot}): {what} did not arrive within "
+            f"{timeout:.3f} s",
+        )
 
     def wait_layer(self, layer: int, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         """Waits until `layer`'s blocks are all written."""
