@@ -24,6 +24,9 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "errors.md"
 # Top-level packages that exist only where CUDA does: a module importing one of them cannot be
 # imported on a host without a GPU stack, and is skipped (reported) rather than failed.
 GPU_ONLY_PACKAGES = {"cuda", "triton", "nvshmem"}
+# Engines an engine plug-in (moecomm.engines.*) imports at module level: present only in the
+# engine environment (tools/engines_env.sh), where tests/engines imports those modules.
+ENGINE_PACKAGES = {"vllm", "sglang"}
 
 
 def _module_names() -> list[str]:
@@ -51,6 +54,8 @@ def _import(name: str):
     except ImportError as exc:
         if (exc.name or "").split(".")[0] in GPU_ONLY_PACKAGES:
             pytest.skip(f"{name} needs {exc.name}, which exists only with CUDA")
+        if (exc.name or "").split(".")[0] in ENGINE_PACKAGES:
+            pytest.skip(f"{name} is an engine plug-in: it needs {exc.name} (tests/engines)")
         raise
 
 
