@@ -206,7 +206,8 @@ class Instance:
                 sampled[req_id] = SAMPLED_TOKEN
         return sampled
 
-    def step(self) -> None:
+    def step(self) -> int:
+        """One engine step; returns the tokens it scheduled."""
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         out = self.scheduler.schedule()
@@ -255,6 +256,7 @@ class Instance:
                         "blocks": self.block_ids(o.request_id) if request else None,
                     }
                     self.events.append(("finished", o.request_id))
+        return out.total_num_scheduled_tokens
 
     def busy(self) -> bool:
         return self.scheduler.has_requests()
@@ -274,8 +276,11 @@ def main(role: str, workdir: str, extra: dict, failure_policy: str, conn) -> Non
         conn.send(("error", traceback.format_exc()))
         return
     conn.send(("ready", os.getpid()))
+    worked = 0
     while True:
-        if conn.poll(0 if inst.busy() else IDLE_S):
+        # Back to back while tokens are being computed; otherwise a short sleep between steps
+        # (a prefill holding blocks for its decode keeps vLLM stepping with nothing to run).
+        if conn.poll(0 if worked else IDLE_S):
             cmd, args = conn.recv()
             try:
                 if cmd == "stop":
@@ -285,8 +290,7 @@ def main(role: str, workdir: str, extra: dict, failure_policy: str, conn) -> Non
                 conn.send(("ok", COMMANDS[cmd](inst, *args)))
             except BaseException:
                 conn.send(("error", traceback.format_exc()))
-        if inst.busy():
-            inst.step()
+        worked = inst.step() if inst.busy() else 0
 
 
 def _add(inst: Instance, req_id, prompt, max_tokens, params):

@@ -718,10 +718,12 @@ class MoecommConnectorWorker:
                     self._done_sending.add(req_id)
 
     def _send_one(self, req_id: str, msg: dict) -> None:
+        """Writes the blocks a pull names into the decode's pool, group by group. Each send is
+        started first (which checks the request against both pools and, when it fails, marks
+        the decode's slot FAILED): whatever goes wrong afterwards is told to the decode through
+        the slot too (``KvSend.fail``), so its load fails at once instead of at its timeout."""
         with self._lock:
             held = self._held.get(req_id)
-        if held is None:
-            raise BlockTransferError("its blocks were freed (lease expired)")
         pools = msg["pools"]
         if len(pools) != len(self.pools):
             raise BlockTransferError(
@@ -732,24 +734,26 @@ class MoecommConnectorWorker:
             if not 0 <= g < len(self.pools):
                 raise BlockTransferError(f"no KV cache group {g}")
             src = [int(b) for b in item["src"]]
-            if not set(src) <= set(held.blocks[g]):
-                raise BlockTransferError("the pull names blocks this request does not hold")
             handle = json.loads(pools[g])["control"]
             peer = self._peers.get(handle)
             if peer is None:
                 peer = self.pools[g].connect(pools[g])
                 self._peers[handle] = peer
             send = peer.start(item["request"], src)
-            if self.staged:
-                self._copy_out(g, src)
             try:
+                if held is None:
+                    raise BlockTransferError(f"the blocks of {req_id} were freed (lease expired)")
+                if not set(src) <= set(held.blocks[g]):
+                    raise BlockTransferError(f"the pull names blocks {req_id} does not hold")
+                if self.staged:
+                    self._copy_out(g, src)
                 for layer in range(self.pools[g].layout.num_layers):
                     send.layer(layer)
                 send.finish()
             except BaseException as exc:
                 with contextlib.suppress(Exception):
                     if not send.finished:
-                        send.fail(str(exc))
+                        send.fail(f"prefill: {exc}")
                 raise
 
     def _copy_out(self, g: int, src: list[int]) -> None:
@@ -767,7 +771,9 @@ class MoecommConnectorWorker:
                 self._orders.pop(req_id, None)
                 self._done_sending.add(req_id)
             for req_id in [r for r, (t, _) in self._orders.items() if now > t]:
-                del self._orders[req_id]
+                # A pull for blocks this side never held (or no longer holds): the sender
+                # thread fails it into the decode's slots, which ends the decode's wait.
+                self._work.put((req_id, self._orders.pop(req_id)[1]))
 
     # -- results
     def transfer_results(self) -> KVConnectorTransferResults:
