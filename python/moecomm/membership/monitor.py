@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hmac
 import ipaddress
 import logging
 import signal
@@ -27,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
+from moecomm.auth import SecretError, SharedSecret, read_secret_file
 from moecomm.http_thread import DEFAULT_HOST, START_TIMEOUT_S, STOP_TIMEOUT_S, HttpServer
 from moecomm.membership import member as m
 from moecomm.membership.base import TOKEN_ENV, monitor_token
@@ -168,6 +168,7 @@ def make_app(token: str = "") -> FastAPI:
             if registry.expire(now):
                 await notify()
 
+    guard = SharedSecret(token, "monitor token") if token else None
     app = FastAPI(title="moecomm monitor", lifespan=lifespan)
     app.state.registry = registry
     requests = dict.fromkeys((*COUNTED_ROUTES, "other"), 0)
@@ -190,11 +191,9 @@ def make_app(token: str = "") -> FastAPI:
             requests[path if path in requests else "other"] += 1
             headers = dict(scope["headers"])
             refusal = None
-            if token and path != "/health":
-                given = headers.get(b"authorization", b"").decode("latin-1")
-                given = given.removeprefix("Bearer ").strip()
-                if not hmac.compare_digest(given.encode(), token.encode()):
-                    refusal = JSONResponse({"detail": "bad or missing monitor token"}, 401)
+            bearer = headers.get(b"authorization")
+            if guard is not None and path != "/health" and not guard.matches_bearer(bearer):
+                refusal = JSONResponse({"detail": "bad or missing monitor token"}, 401)
             if refusal is None and scope["method"] == "POST":
                 length = headers.get(b"content-length", b"").decode("latin-1")
                 if not length.isdigit():
@@ -408,8 +407,10 @@ def run(args: argparse.Namespace) -> int:
     """Serves until SIGTERM or SIGINT; prints the URL alone on the first stdout line."""
     token = monitor_token()
     if args.token_file:
-        with open(args.token_file) as f:
-            token = f.read().strip()
+        try:
+            token = read_secret_file(args.token_file, "moecomm monitor --token-file")
+        except SecretError as exc:
+            raise SystemExit(str(exc)) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     server = MonitorServer(args.host, args.port, token)
     stop = threading.Event()

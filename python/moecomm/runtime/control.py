@@ -5,7 +5,6 @@ is allocated; nothing is unpickled. Binds 127.0.0.1 unless told otherwise."""
 from __future__ import annotations
 
 import contextlib
-import hmac
 import os
 import threading
 import time
@@ -15,6 +14,7 @@ from fastapi import FastAPI, HTTPException
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, Field
 
+from moecomm.auth import SharedSecret
 from moecomm.errors import MoecommError
 
 # Served from a thread of the expert server's process; the tests and benches that pair make_app
@@ -155,8 +155,10 @@ def make_app(server: ExpertServer, token: str = "") -> FastAPI:
     app = FastAPI(title=f"moecomm expert server {server.server_id}")
     table_reads = [0]  # GET /experts answered (a list: the handlers below add to it)
 
+    secret = SharedSecret(token, "control-plane token") if token else None
+
     def authorize(given: str) -> None:
-        if token and not hmac.compare_digest(given.encode(), token.encode()):
+        if secret is not None and not secret.matches(given):
             raise HTTPException(status_code=401, detail="bad or missing token")
 
     @app.post("/connect")
