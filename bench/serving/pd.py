@@ -1,5 +1,6 @@
-"""Prefill/decode split vs one front end (issue 31 item 5): decode ITL and TTFT under a mixed
-load, the KV hand-off's cost, and the prefix cache on a shared-prefix load.
+"""Prefill/decode split vs one front end: decode ITL and TTFT under a mixed load, the KV
+hand-off's cost, and the prefix cache on a shared-prefix load; the conditional router beside
+the always-split one.
 
 Processes (real `moecomm` processes on 127.0.0.1, the tiny random checkpoint of `moecomm tiny
 --arch ARCH`, every one with ``--threads 1``): the membership monitor and two expert servers
@@ -7,8 +8,12 @@ Processes (real `moecomm` processes on 127.0.0.1, the tiny random checkpoint of 
 
 - ``single``: one plain front end (no role);
 - ``split``: a prefill front end (``--role prefill``), a decode front end (``--role decode``)
-  and ``moecomm router`` in front of them; the prefill front end hands each prompt's KV blocks
-  to the decode front end over shm.
+  and ``moecomm router --max-local-prefill-tokens 0`` in front of them (always split); the
+  prefill front end hands each prompt's KV blocks to the decode front end over shm;
+- ``conditional``: the same processes, the router with ``--max-local-prefill-tokens
+  --local-tokens`` (default: the router's own default): a prompt with at most that many tokens
+  the decode front end's prefix cache does not hold is prefilled on the decode front end, with
+  no hand-off (the decode front end has a prefix cache of ``--cache-mib`` too).
 
 Every front end has ``--max-batch-tokens MAX_BATCH_TOKENS`` (a long prompt is prefilled in one
 engine step, a real stall for the decodes batched with it, not chunked away) and a prefix cache
@@ -32,9 +37,13 @@ misses: TTFT without the cache), then one that fills the cache with the shared p
 ``--prefix-requests`` that share it (TTFT with the cache). Hit rate and the cache's own
 TTFT-saved estimate are the moecomm_prefix_cache_* series over the shared requests.
 
-Ratios are split / single (> 1: the split is slower). Goal of the issue: decode ITL p99 under
-the mixed load <= 0.5x the single front end's, TTFT p50 <= 1.2x. Outputs are not compared here
-(tests/serving test the split's greedy outputs equal the single front end's).
+Ratios are split / single (> 1: the split is slower), then conditional / single and
+conditional / split. Goals: the split's decode ITL p99 under the mixed load <= 0.5x the single
+front end's, TTFT p50 <= 1.2x; the conditional router's short-request TTFT p99 <= 1.1x the
+single front end's and its decode ITL p99 no worse than the always-split router's. The router's
+moecomm_router_prefills_total{path} says where the conditional router prefilled. Outputs are
+not compared here (tests/serving test the split's greedy outputs equal the single front
+end's).
 
 Usage: python bench/serving/pd.py [--duration-s 90] [--arch mixtral] [--seed 0] [--quick]
        [--json bench/results/pd.json] [--plot bench/results/pd.png]
@@ -65,6 +74,7 @@ from _lib.soak_report import save_figure
 from moecomm.testing import MONITOR_CMD, Proc, Processes, wait_all
 from moecomm_serving.cli import loadgen
 from moecomm_serving.cli.demo import CLI, ONE_THREAD, SERVER_EXPERTS
+from moecomm_serving.disagg.router import DEFAULT_MAX_LOCAL_PREFILL_TOKENS
 from moecomm_serving.model.tiny import ARCHS
 from soak_frontend import GONE_TIMEOUT_S, START_TIMEOUT_S, STOP_TIMEOUT_S, alive, descendants
 
@@ -88,10 +98,15 @@ LONG_SEED, ARRIVAL_SEED, PREFIX_SEED = 1, 2, 3
 QUANTILES = tuple(range(101))
 # The load's sampling: greedy, every request runs to max_tokens (a fixed amount of decoding).
 SAMPLING = {"temperature": 0.0, "ignore_eos": True}
-# Goals of issue 31 (split / single).
+# Goals of the split (split / single).
 GOAL_ITL_P99 = 0.5
 GOAL_TTFT_P50 = 1.2
-CONTENDERS = ("single", "split")
+# Goals of the conditional router: short-request TTFT p99 / the single front end's, decode ITL
+# p99 / the always-split router's.
+GOAL_COND_TTFT_SHORT_P99 = 1.1
+GOAL_COND_ITL_P99 = 1.0
+CONTENDERS = ("single", "split", "conditional")
+ROUTED = ("split", "conditional")  # the contenders behind a router
 # Left edge of the ITL CDF plot (ms).
 CDF_LEFT_MS = 1.0
 # Set by Ctrl-C / SIGTERM: the clients send no new request (a cancellation alone can be lost in
@@ -115,6 +130,7 @@ class PdBenchConfig:
     prefix_requests: int = 8
     cache_mib: float = 64.0
     seed: int = 0
+    local_tokens: int = DEFAULT_MAX_LOCAL_PREFILL_TOKENS
 
     def check(self) -> None:
         if self.duration_s <= 0 or self.clients < 1 or self.long_every_s <= 0:
@@ -128,6 +144,8 @@ class PdBenchConfig:
             raise SystemExit("bench/serving/pd.py: output lengths must be >= 2")
         if self.prefix_requests < 1:
             raise SystemExit("bench/serving/pd.py: need --prefix-requests >= 1")
+        if self.local_tokens < 0:
+            raise SystemExit("bench/serving/pd.py: need --local-tokens >= 0")
         if self.long_input > MAX_BATCH_TOKENS or self.prefix + self.tail > MAX_BATCH_TOKENS:
             raise SystemExit(
                 f"bench/serving/pd.py: prompts must fit one engine step ({MAX_BATCH_TOKENS} tokens)"
@@ -225,7 +243,7 @@ def frontend_args(ckpt: str, monitor: str, extra: list[str]) -> list[str]:
 
 
 def start_contender(
-    dep: Deployment, name: str, ckpt: str, monitor: str, cache_bytes: int
+    dep: Deployment, name: str, ckpt: str, monitor: str, cache_bytes: int, local_tokens: int = 0
 ) -> tuple[list[Proc], str, str]:
     """The contender's processes; (them, the URL the clients use, the URL whose /metrics has
     the prefix cache and the KV hand-offs)."""
@@ -235,10 +253,14 @@ def start_contender(
         url = url_of(fe)
         return [fe], url, url
     pre = dep.start("prefill", frontend_args(ckpt, monitor, ["--role", "prefill", *cache]))
-    dec = dep.start("decode", frontend_args(ckpt, monitor, ["--role", "decode"]))
+    # the conditional router prefills on the decode front end too: it gets a prefix cache
+    dec_cache = cache if name == "conditional" else []
+    dec = dep.start("decode", frontend_args(ckpt, monitor, ["--role", "decode", *dec_cache]))
     wait_all([pre, dec], START_TIMEOUT_S)  # started together
     pre_url, dec_url = pre.url, dec.url
     args = ["router", "--checkpoint", ckpt, "--model-name", MODEL, "--port", "0"]
+    local = str(local_tokens if name == "conditional" else 0)
+    args += ["--max-local-prefill-tokens", local]
     router = dep.start("router", [*args, "--prefill", pre_url, "--decode", dec_url])
     return [pre, dec, router], url_of(router), pre_url
 
@@ -352,7 +374,7 @@ def ms(xs: list[float], q: float) -> float | None:
     return percentile(xs, q) * 1e3 if xs else None
 
 
-def mixed_row(name: str, run: dict, before: dict, after: dict) -> dict:
+def mixed_row(name: str, run: dict, before: dict, after: dict, rbefore: dict, rafter: dict) -> dict:
     short = [r for r in run["short"] if r.ok]
     long = [r for r in run["long"] if r.ok]
     gaps = [x for r in short for x in r.itls_s]
@@ -380,7 +402,12 @@ def mixed_row(name: str, run: dict, before: dict, after: dict) -> dict:
         "ttft_long_p50_ms": ms(ttft_long, 50),
         "ttft_long_p99_ms": ms(ttft_long, 99),
     }
-    if name == "split":
+    if name in ROUTED:
+        row["prefills"] = {
+            path: delta(rafter, rbefore, f'moecomm_router_prefills_total{{path="{path}"}}')
+            for path in ("local_short", "local_cached", "split")
+        }
+        row["cached_questions"] = delta(rafter, rbefore, "moecomm_router_cached_questions_total")
         k = "moecomm_kv_handoff_"
         sent = '{direction="sent"}'
         handoffs = delta(after, before, f"{k}handoffs_total{sent}")
@@ -421,9 +448,12 @@ def prefix_row(name: str, run: dict) -> dict:
     }
 
 
-def ratios(rows: list[dict], keys: list[str]) -> dict:
-    """split / single for every key both have."""
-    a, b = rows
+def ratios(rows: list[dict], keys: list[str], num: str = "split", den: str = "single") -> dict:
+    """`num` / `den` (contender names) for every key both have."""
+    by = {r["contender"]: r for r in rows}
+    if num not in by or den not in by:
+        return {}
+    a, b = by[den], by[num]
     return {k: b[k] / a[k] for k in keys if a.get(k) and b.get(k) is not None}
 
 
@@ -444,13 +474,15 @@ def run_bench(cfg: PdBenchConfig) -> dict:
             cache_bytes = int(cfg.cache_mib * 2**20)
             for name in CONTENDERS:
                 t = time.monotonic()
-                procs, url, cache_url = start_contender(dep, name, ckpt, monitor, cache_bytes)
+                procs, url, cache_url = start_contender(
+                    dep, name, ckpt, monitor, cache_bytes, cfg.local_tokens
+                )
                 print(f"{name}: up in {time.monotonic() - t:.1f} s at {url}", flush=True)
                 try:
-                    before = scrape(cache_url)
+                    before, rbefore = scrape(cache_url), scrape(url)
                     run = asyncio.run(mixed(url, cfg))
-                    after = scrape(cache_url)
-                    mixed_rows.append(mixed_row(name, run, before, after))
+                    after, rafter = scrape(cache_url), scrape(url)
+                    mixed_rows.append(mixed_row(name, run, before, after, rbefore, rafter))
                     print(f"{name}: mixed load done", flush=True)
                     run = asyncio.run(shared_prefix(url, cfg, cache_url))
                     prefix_rows.append(prefix_row(name, run))
@@ -472,7 +504,7 @@ def run_bench(cfg: PdBenchConfig) -> dict:
         "config": asdict(cfg),
         "max_batch_tokens": MAX_BATCH_TOKENS,
         "server_experts": list(SERVER_EXPERTS),
-        "processes": {"single": 4, "split": 6},
+        "processes": {"single": 4, "split": 6, "conditional": 6},
         "loadavg_before": load_before,
         "loadavg_after": os.getloadavg(),
         "wall_s": time.monotonic() - began,
@@ -482,7 +514,7 @@ def run_bench(cfg: PdBenchConfig) -> dict:
         "interrupted": interrupted,
         "ok": not failures,
     }
-    if len(mixed_rows) == 2:
+    if len(mixed_rows) >= 2:
         keys = [
             "itl_p50_ms",
             "itl_p99_ms",
@@ -506,7 +538,21 @@ def run_bench(cfg: PdBenchConfig) -> dict:
             "ttft_p50_goal": GOAL_TTFT_P50,
             "ttft_p50_met": r.get("ttft_p50_ms", math.inf) <= GOAL_TTFT_P50,
         }
-    if len(prefix_rows) == 2:
+        over_single = ratios(mixed_rows, keys, "conditional", "single")
+        over_split = ratios(mixed_rows, keys, "conditional", "split")
+        if over_single and over_split:
+            result["conditional_ratios"] = {"over_single": over_single, "over_split": over_split}
+            ttft = over_single.get("ttft_short_p99_ms", math.inf)
+            itl = over_split.get("decode_itl_p99_ms", math.inf)
+            result["goals"] |= {
+                "conditional_ttft_short_p99_ratio": ttft,
+                "conditional_ttft_short_p99_goal": GOAL_COND_TTFT_SHORT_P99,
+                "conditional_ttft_short_p99_met": ttft <= GOAL_COND_TTFT_SHORT_P99,
+                "conditional_decode_itl_p99_over_split": itl,
+                "conditional_decode_itl_p99_goal": GOAL_COND_ITL_P99,
+                "conditional_decode_itl_p99_met": itl <= GOAL_COND_ITL_P99,
+            }
+    if len(prefix_rows) >= 2:
         result["shared_prefix_ratios"] = ratios(
             prefix_rows, ["ttft_miss_p50_ms", "ttft_hit_p50_ms"]
         )
@@ -528,7 +574,10 @@ def print_report(r: dict) -> None:
     )
     rows = list(r["mixed"])
     if "mixed_ratios" in r:
-        rows.append({"contender": "ratio", **r["mixed_ratios"]})
+        rows.append({"contender": "split/single", **r["mixed_ratios"]})
+    if "conditional_ratios" in r:
+        rows.append({"contender": "cond/single", **r["conditional_ratios"]["over_single"]})
+        rows.append({"contender": "cond/split", **r["conditional_ratios"]["over_split"]})
     cols = [
         ("contender", "contender", ""),
         ("itl_p50_ms", "ITL p50", ".2f"),
@@ -550,11 +599,17 @@ def print_report(r: dict) -> None:
             f"  {row['contender']}: {row['short_requests']} short + {row['long_requests']} long "
             f"requests in {row['wall_s']:.1f} s, {row['failed']} failed"
         )
+        if "prefills" in row:
+            print(
+                f"  {row['contender']} prefills by path: "
+                + ", ".join(f"{k} {v:.0f}" for k, v in row["prefills"].items())
+                + f"; {row['cached_questions']:.0f} prefix-cache questions"
+            )
         kv = row.get("kv")
         if kv and kv["handoffs"]:
             print(
-                f"  split KV hand-off: {kv['handoffs']:.0f} hand-offs for {kv['requests']} "
-                f"requests, {kv['bytes_per_request'] / 1024:.1f} KiB per request "
+                f"  {row['contender']} KV hand-off: {kv['handoffs']:.0f} hand-offs for "
+                f"{kv['requests']} requests, {kv['bytes_per_request'] / 1024:.1f} KiB per request "
                 f"({kv['bytes_per_token']:.0f} B per token of context), "
                 f"{kv['transfer_ms_per_request']:.2f} ms per request, "
                 f"{kv['transfer_s_per_token'] * 1e6:.2f} us per token of context, "
@@ -569,6 +624,16 @@ def print_report(r: dict) -> None:
             f"{g['ttft_p50_ratio'] or nan:.2f} (goal <= {GOAL_TTFT_P50}: "
             f"{'met' if g['ttft_p50_met'] else 'not met'})"
         )
+        if "conditional_ttft_short_p99_ratio" in g:
+            print(
+                f"conditional (--max-local-prefill-tokens {c['local_tokens']}): short TTFT p99 / "
+                f"single {g['conditional_ttft_short_p99_ratio']:.2f} (goal <= "
+                f"{GOAL_COND_TTFT_SHORT_P99}: "
+                f"{'met' if g['conditional_ttft_short_p99_met'] else 'not met'}), decode ITL "
+                f"p99 / split {g['conditional_decode_itl_p99_over_split']:.2f} (goal <= "
+                f"{GOAL_COND_ITL_P99}: "
+                f"{'met' if g['conditional_decode_itl_p99_met'] else 'not met'})"
+            )
     print(
         f"\nshared prefix: {c['prefix']}-token prefix + {c['tail']}-token tail, "
         f"{c['prefix_output']} generated, one request at a time; {c['prefix_requests']} with a "
@@ -648,6 +713,7 @@ HELP = {
     "prefix_requests": "shared-prefix workload: requests that miss, and as many that hit",
     "cache_mib": "prefix cache budget of the (prefill) front end, MiB",
     "seed": "seed of every prompt and arrival time",
+    "local_tokens": "the conditional router's --max-local-prefill-tokens",
 }
 
 

@@ -1,7 +1,8 @@
 """bench/serving/pd.py, short enough for CI: the real script (monitor, two expert servers, then one
-front end and then a prefill + decode front end behind `moecomm router`, all from the `moecomm`
-CLI) with --quick, and its JSON read back: both contenders and every field are there. Speed is
-not asserted: CI machines are shared and small."""
+front end, then a prefill + decode front end behind `moecomm router` always splitting, then
+behind a conditional router, all from the `moecomm` CLI) with --quick, and its JSON read back:
+every contender and every field are there. Speed is not asserted: CI machines are shared and
+small."""
 
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ from pathlib import Path
 import pytest
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
-SCRIPT = BENCH_DIR / "pd.py"
-# ~50 s on a quiet 2-core machine (seven torch imports, 2 x 4 s of load); the margin is for a
+SCRIPT = BENCH_DIR / "serving" / "pd.py"
+# ~75 s on a quiet 2-core machine (ten torch imports, 3 x 4 s of load); the margin is for a
 # loaded one.
-RUN_TIMEOUT_S = 180
+RUN_TIMEOUT_S = 240
 MIXED_FIELDS = (
     "short_requests",
     "long_requests",
@@ -53,8 +54,8 @@ PREFIX_FIELDS = (
 
 
 def pd_bench():
-    if str(BENCH_DIR) not in sys.path:
-        sys.path.insert(0, str(BENCH_DIR))
+    if str(SCRIPT.parent) not in sys.path:
+        sys.path.insert(0, str(SCRIPT.parent))
     import pd
 
     return pd
@@ -91,13 +92,19 @@ def test_quick_run_writes_both_contenders(tmp_path):
     assert run.returncode == 0, log
     r = json.loads(out.read_text())["pd"]
     assert r["ok"] and r["failures"] == [], r["failures"]
-    assert [m["contender"] for m in r["mixed"]] == ["single", "split"]
-    assert [m["contender"] for m in r["shared_prefix"]] == ["single", "split"]
+    contenders = ["single", "split", "conditional"]
+    assert [m["contender"] for m in r["mixed"]] == contenders
+    assert [m["contender"] for m in r["shared_prefix"]] == contenders
     for m in r["mixed"]:
         assert set(MIXED_FIELDS) <= set(m), m.keys()
         assert m["short_requests"] > 0 and m["long_requests"] > 0 and m["failed"] == 0
     assert set(KV_FIELDS) <= set(r["mixed"][1]["kv"])
     assert r["mixed"][1]["kv"]["handoffs"] > 0  # the split did hand KV off
+    # the always-split router prefilled nothing on the decode side; the conditional one did
+    # (the quick load's short prompts are under its default --max-local-prefill-tokens)
+    assert r["mixed"][1]["prefills"]["local_short"] == 0
+    assert r["mixed"][2]["prefills"]["local_short"] > 0
+    assert set(r["conditional_ratios"]) == {"over_single", "over_split"}
     for p in r["shared_prefix"]:
         assert set(PREFIX_FIELDS) <= set(p), p.keys()
     assert {"itl_p99_ratio", "ttft_p50_ratio", "itl_p99_met", "ttft_p50_met"} <= set(r["goals"])

@@ -10,23 +10,27 @@ is not retried here: the client has seen tokens).
 
 Higher layers add routes through :class:`AppExtension`: with a role (``--role prefill|decode``,
 docs/router.md) the command adds the prefill/decode split's internal routes
-(:class:`moecomm_serving.disagg.routes.PdRoutes`).
+(:class:`moecomm_serving.disagg.routes.PdRoutes`) and the router's question about the prefix
+cache (:class:`CachedPrefixRoute`). Who may call which route (an API key, the deployment's
+shared secret) is :mod:`moecomm_serving.api.auth`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from moecomm.http_thread import DEFAULT_HOST, HttpServer
 
 from moecomm_serving.api import openai as oa
+from moecomm_serving.api.auth import Access, install_access
 from moecomm_serving.api.metrics import ServingMetrics
 from moecomm_serving.api.routes import DEFAULT_MAX_BODY_BYTES, ApiFront, install_openai_routes
 from moecomm_serving.engine.scheduler import Engine, EngineBusyError, EngineRequest
@@ -99,6 +103,10 @@ class Frontend(ApiFront):
         # Series other parts add (the prefill/decode hand-offs' counters): rows of
         # (kind, name, help, value), rendered after the rest.
         self.extra_metrics: list = []
+        # Headers of this front end's own calls to the deployment's other front ends (a
+        # prefill front end's KV reservation at a decode front end): the deployment secret,
+        # when it has one (make_frontend_app sets it from its Access).
+        self.peer_headers: dict[str, str] = {}
         metrics = ServingMetrics(
             queue_depth=lambda: self.engine.queue_depth,
             running=lambda: self.engine.num_running,
@@ -168,20 +176,61 @@ class Frontend(ApiFront):
         return JSONResponse({"status": "unhealthy", "error": error}, 503)
 
 
+class CachedPrefixRoute:
+    """``POST /pd/cached`` on a front end, an :class:`AppExtension`: how many tokens of a
+    prompt its prefix cache holds now (``{"cached_tokens": n, "prefix_cache": bool}``; body
+    ``{"prompt": [token ids]}``). The router asks a decode front end before it sends it a long
+    prompt: one the decode side mostly holds is prefilled there, with no hand-off. An internal
+    route (under ``/pd``, behind the deployment secret): answering anyone would let them probe
+    for other users' prompts."""
+
+    def install(self, app: FastAPI, fe: Frontend) -> None:
+        async def cached(request: Request):
+            raw = await oa.read_body(request, fe.max_body_bytes)
+            ids = _prompt_ids(raw, fe.vocab_size)
+            cache = fe.engine.prefix_cache
+            if cache is None:
+                return {"cached_tokens": 0, "prefix_cache": False}
+            # hashing a long prompt's blocks takes a while: off the event loop
+            n = await asyncio.to_thread(cache.cached_tokens, ids)
+            return {"cached_tokens": n, "prefix_cache": True}
+
+        app.add_api_route("/pd/cached", cached, methods=["POST"])
+
+    def close(self) -> None:
+        pass
+
+
+def _prompt_ids(raw: bytes, vocab_size: int) -> list[int]:
+    """The ``prompt`` token ids of a /pd/cached body; ApiError 400 naming what is wrong."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise oa.ApiError(400, "the body is not JSON") from None
+    ids = body.get("prompt") if isinstance(body, dict) else None
+    if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < vocab_size for t in ids):
+        raise oa.ApiError(400, f"prompt must be a list of token ids in [0, {vocab_size})", "prompt")
+    return ids
+
+
 def make_frontend_app(
     model: MoETransformer,
     tokenizer,
     settings: FrontendSettings,
     extensions: Sequence[AppExtension] = (),
+    access: Access | None = None,
 ) -> FastAPI:
     """The FastAPI app; its engine thread starts and stops with the app's lifespan.
 
     ``app.state.frontend`` holds the :class:`Frontend` (``.engine.stats``, ``.metrics``).
     Requests stop on every id of ``tokenizer.eos_ids``. Each of `extensions` adds its routes
     (the prefill/decode split's: :class:`moecomm_serving.disagg.routes.PdRoutes`) and is closed
-    after the engine stopped.
+    after the engine stopped. `access`: the API key and the deployment secret its routes take
+    (:mod:`moecomm_serving.api.auth`; None: every route open).
     """
     fe = Frontend(model, tokenizer, settings)
+    if access is not None and access.deployment is not None:
+        fe.peer_headers = access.deployment.headers()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -193,6 +242,7 @@ def make_frontend_app(
 
     app = FastAPI(title="moecomm", lifespan=lifespan)
     app.state.frontend = fe
+    install_access(app, access)
     install_openai_routes(app, fe)
     for ext in extensions:
         ext.install(app, fe)

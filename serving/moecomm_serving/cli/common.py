@@ -18,6 +18,8 @@ from moecomm.wire.choose import TRANSPORT_CHOICES
 __all__ = [
     "DEFAULT_MIN_REPLICAS",
     "WAKE_S",
+    "access_from_args",
+    "add_access_arguments",
     "add_kv_cache_arguments",
     "add_min_replicas_argument",
     "add_servers_arguments",
@@ -128,6 +130,46 @@ def check_min_replicas(args: argparse.Namespace, command: str) -> None:
 def add_token_argument(p: argparse.ArgumentParser, help: str = CLIENT_TOKEN_HELP) -> None:
     """--token: the shared secret of the expert servers' control planes ("" : none)."""
     p.add_argument("--token", default="", help=help)
+
+
+def add_access_arguments(p: argparse.ArgumentParser) -> None:
+    """--api-key and --pd-secret-file, in a group of their own; read by
+    :func:`access_from_args` (docs/frontend.md, "Access")."""
+    from moecomm_serving.api.auth import API_KEY_ENV, PD_SECRET_ENV
+
+    g = p.add_argument_group(
+        "access", "who may call this server (Authorization: Bearer; /health and /metrics stay open)"
+    )
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help=f"key the OpenAI routes require, as vLLM's and SGLang's (or ${API_KEY_ENV}; "
+        "default: none, open)",
+    )
+    g.add_argument(
+        "--pd-secret-file",
+        default=None,
+        help="file holding the deployment's shared secret, which the prefill/decode routes "
+        f"(/pd/...) require and the router sends (or ${PD_SECRET_ENV}; not argv: it moves KV "
+        "and starts decodes)",
+    )
+
+
+def access_from_args(args: argparse.Namespace, command: str):
+    """The :class:`~moecomm_serving.api.auth.Access` the options give (flag, then file, then
+    environment); SystemExit naming the problem (an unreadable or empty secret file)."""
+    from moecomm.auth import SecretError, SharedSecret
+
+    from moecomm_serving.api.auth import API_KEY_ENV, PD_SECRET_ENV, Access
+
+    try:
+        key = SharedSecret.resolve(args.api_key, env=API_KEY_ENV, what="--api-key")
+        secret = SharedSecret.resolve(
+            file=args.pd_secret_file, env=PD_SECRET_ENV, what="--pd-secret-file"
+        )
+    except SecretError as exc:
+        raise SystemExit(f"moecomm {command}: {exc}") from None
+    return Access(api_key=key, deployment=secret)
 
 
 def add_servers_arguments(

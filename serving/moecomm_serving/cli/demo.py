@@ -8,7 +8,9 @@ the expert servers host their experts in GPU memory and the front end reaches th
 DeviceClient over CUDA IPC: the GPU path end to end. With ``--pd`` the prompts run split: a
 prefill front end (``--role prefill``) and a decode front end (``--role decode``), both clients
 of the expert servers, behind ``moecomm router``, which hands each prompt's KV blocks from the
-first to the second."""
+first to the second; the processes share a deployment secret the demo generates (the split's
+internal routes refuse callers without it), and every prompt takes the split (the router's
+``--max-local-prefill-tokens 0``) to show the hand-off."""
 
 from __future__ import annotations
 
@@ -22,7 +24,10 @@ import tempfile
 import time
 
 import httpx
+from moecomm.auth import generate
 from moecomm.testing.procs import MONITOR_CMD, Proc, Processes, wait_all
+
+from moecomm_serving.api.auth import PD_SECRET_ENV
 
 CLI = [sys.executable, "-m", "moecomm_serving.cli"]
 # Start-up of a child `moecomm` process (it imports torch and loads the checkpoint) on a busy
@@ -185,7 +190,9 @@ def start_pd(procs: Processes, ckpt: str, monitor: str) -> tuple[str, dict[str, 
     say("4.2 starting the decode front end (takes the KV blocks, generates the rest)")
     decode = start_frontend(procs, "decode-frontend", ckpt, monitor, ["--role", "decode"])
     say("5. starting the router (the OpenAI API in front of both)")
+    # every prompt through the split: the demo shows the hand-off (docs/router.md)
     args = ["router", "--checkpoint", ckpt, "--model-name", "tiny", "--port", "0"]
+    args += ["--max-local-prefill-tokens", "0"]
     router = start(procs, "router", [*args, "--prefill", prefill, "--decode", decode])
     say(f"   router {router.ready['name']} at {router.url}")
     return router.url, {"prefill": prefill, "decode": decode}
@@ -223,7 +230,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="moecomm-demo-") as tmp:
             # the children's logs and ready files
-            procs = Processes(os.path.join(tmp, "procs"), cli=CLI)
+            # with --pd, every child holds the deployment's secret (in its environment, not
+            # argv): the front ends' /pd routes take it, the router sends it
+            env = {**os.environ, PD_SECRET_ENV: generate()} if pd else None
+            procs = Processes(os.path.join(tmp, "procs"), env=env, cli=CLI)
             ckpt = os.path.join(tmp, "tiny")
             arch = getattr(args, "arch", "mixtral")
             say(f"1. writing the tiny {arch} checkpoint (4 layers, 16 experts, hidden 256)")

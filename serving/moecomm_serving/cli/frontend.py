@@ -12,8 +12,16 @@ from moecomm.readiness import announce_ready
 from moecomm.runtime.launch import SERVING_TTL_S
 from moecomm.runtime.registry import ClientIdInUseError
 
-from moecomm_serving.api.app import FrontendSettings, make_frontend_app, start_frontend
+from moecomm_serving.api.app import (
+    CachedPrefixRoute,
+    FrontendSettings,
+    make_frontend_app,
+    start_frontend,
+)
+from moecomm_serving.api.auth import check_exposure
 from moecomm_serving.cli.common import (
+    access_from_args,
+    add_access_arguments,
     add_kv_cache_arguments,
     add_servers_arguments,
     add_threads_argument,
@@ -129,6 +137,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "does either (default: none, a plain front end; the OpenAI routes stay on in every "
         "role)",
     )
+    add_access_arguments(p)
     add_device_arguments(p, server=False)
 
 
@@ -171,6 +180,9 @@ def run(args: argparse.Namespace) -> int:
         )
     if is_cuda(args):
         require_gpu("moecomm frontend")
+    # before anything starts: a bad secret file, or the split's routes open beyond loopback
+    access = access_from_args(args, "frontend")
+    check_exposure(args.role, args.host, access, "frontend")
     if args.stages > 1:
         return run_pipelined(args)
     set_threads(args)
@@ -187,8 +199,13 @@ def run(args: argparse.Namespace) -> int:
     name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
     settings = FrontendSettings(name, args.max_batch_tokens, **kv_cache_kwargs(args, "frontend"))
     # with a role, the prefill/decode split's routes (and its KV inbox or outbox)
-    split = [] if args.role is None else [PdRoutes(args.role, args.transport, args.host)]
-    app = make_frontend_app(model, tokenizer, settings, split)
+    # (and the router's question about this front end's prefix cache)
+    split = (
+        []
+        if args.role is None
+        else [PdRoutes(args.role, args.transport, args.host), CachedPrefixRoute()]
+    )
+    app = make_frontend_app(model, tokenizer, settings, split, access)
     stop = stop_on_signals()
     http = start_frontend(app, args.host, args.port)
     role = f" (role {args.role})" if args.role else ""

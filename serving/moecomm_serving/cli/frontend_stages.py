@@ -14,7 +14,7 @@ from moecomm.pipeline.remote import parse_address, read_token
 from moecomm.readiness import announce_ready
 
 from moecomm_serving.api.app import FrontendSettings, make_frontend_app, start_frontend
-from moecomm_serving.cli.common import set_threads, stop_on_signals, wait_for_stop
+from moecomm_serving.cli.common import access_from_args, set_threads, stop_on_signals, wait_for_stop
 from moecomm_serving.cli.rebalance import server_list, start_placement
 from moecomm_serving.engine.pipeline import PipelinedModel
 from moecomm_serving.engine.stages import model_pipeline
@@ -128,7 +128,8 @@ def run_pipelined(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(args.checkpoint, config)
         name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
         settings = FrontendSettings(name, args.max_batch_tokens)
-        app = make_frontend_app(model, tokenizer, settings)
+        access = access_from_args(args, "frontend")  # the API key (no role with stages)
+        app = make_frontend_app(model, tokenizer, settings, access=access)
         stop = stop_on_signals()
         http = start_frontend(app, args.host, args.port)
         ranges = " | ".join(f"{r.start}-{r.stop - 1}" for r in pipe.ranges)

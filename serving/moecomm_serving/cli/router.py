@@ -10,11 +10,17 @@ import httpx
 from moecomm.http_thread import DEFAULT_HOST, HttpServer
 from moecomm.readiness import announce_ready
 
-from moecomm_serving.cli.common import stop_on_signals, wait_for_stop
+from moecomm_serving.cli.common import (
+    access_from_args,
+    add_access_arguments,
+    stop_on_signals,
+    wait_for_stop,
+)
 from moecomm_serving.disagg.router import (
     DECODE,
     DEFAULT_AFFINITY_TOKENS,
     DEFAULT_BACKEND_TIMEOUT_S,
+    DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
     PREFILL,
     Router,
     make_router_app,
@@ -75,6 +81,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "end (while it is not much busier than the others), so its --prefix-cache-bytes cache "
         "sees their shared prefix (default %(default)s; 0: least loaded only)",
     )
+    p.add_argument(
+        "--max-local-prefill-tokens",
+        type=int,
+        default=DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
+        help="conditional disaggregation: a prompt with at most this many tokens that the decode "
+        "front end's prefix cache does not hold yet is prefilled on the decode front end, with "
+        "no KV hand-off (default %(default)s, measured by bench/serving/pd.py; 0: split every "
+        "request)",
+    )
+    add_access_arguments(p)
 
 
 def parse_urls(text: str, flag: str) -> list[str]:
@@ -102,16 +118,21 @@ def parse_urls(text: str, flag: str) -> list[str]:
     return urls
 
 
-def check_front_end(url: str, role: str, model_name: str) -> None:
-    """SystemExit unless `url` answers /pd/info with a role that can serve `role` and the same
-    model name."""
+def check_front_end(url: str, role: str, model_name: str, headers: dict | None = None) -> None:
+    """SystemExit unless `url` answers /pd/info (asked with `headers`: the deployment secret)
+    with a role that can serve `role` and the same model name."""
     flag = f"--{role}"
     try:
-        r = httpx.get(f"{url}/pd/info", timeout=INFO_TIMEOUT_S)
+        r = httpx.get(f"{url}/pd/info", timeout=INFO_TIMEOUT_S, headers=headers)
     except httpx.HTTPError as exc:
         raise SystemExit(
             f"moecomm router: {flag} {url} does not answer ({type(exc).__name__}: {exc})"
         ) from None
+    if r.status_code in (401, 403):
+        raise SystemExit(
+            f"moecomm router: {flag} {url} refused the deployment secret ({r.status_code}): give "
+            "the router and every front end the same --pd-secret-file or $MOECOMM_PD_SECRET"
+        )
     if r.status_code == 404:
         raise SystemExit(
             f"moecomm router: {flag} {url} is not a prefill/decode front end (no /pd/info): "
@@ -145,12 +166,17 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("moecomm router: --request-timeout and --backend-timeout must be > 0")
     if args.prefix_affinity_tokens < 0:
         raise SystemExit("moecomm router: --prefix-affinity-tokens must be >= 0")
+    if args.max_local_prefill_tokens < 0:
+        raise SystemExit("moecomm router: --max-local-prefill-tokens must be >= 0")
+    access = access_from_args(args, "router")
+    secret = access.deployment
+    headers = None if secret is None else secret.headers()
     config = MoEConfig.from_file(args.checkpoint)
     tokenizer = load_tokenizer(args.checkpoint, config)
     name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
     for role, urls in ((PREFILL, prefill), (DECODE, decode)):
         for url in urls:
-            check_front_end(url, role, name)
+            check_front_end(url, role, name, headers)
     router = Router(
         tokenizer,
         name,
@@ -161,9 +187,12 @@ def run(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout,
         backend_timeout_s=args.backend_timeout,
         affinity_tokens=args.prefix_affinity_tokens,
+        max_local_prefill_tokens=args.max_local_prefill_tokens,
+        secret=secret,
     )
     stop = stop_on_signals()
-    http = HttpServer(make_router_app(router), args.host, args.port, what="the router")
+    app = make_router_app(router, api_key=access.api_key)
+    http = HttpServer(app, args.host, args.port, what="the router")
     http.start()
     print(f"router {name} listening on {http.url}", flush=True)
     announce_ready("router", url=http.url, name=name)

@@ -20,6 +20,12 @@ own fault: it reaches the client as is, without a retry.
 A front end that failed is *suspect* for :data:`SUSPECT_S` (left out of the picks) and then
 probed with ``GET /health`` in the background until it answers; picks prefer the healthy front
 end with the fewest requests in flight (ties: round robin).
+
+Not every request is split (conditional disaggregation): one whose prompt, less what the decode
+front end's prefix cache holds (``POST /pd/cached``, asked only for prompts too long to be
+short), has at most ``max_local_prefill_tokens`` tokens runs on the decode front end alone, as
+its own streamed ``/v1/completions``: no hand-off. Every call to a front end carries the
+deployment's shared secret, never the client's API key.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import contextlib
 import dataclasses
 import hashlib
 import itertools
+import json
 import secrets
 import time
 from collections.abc import Sequence
@@ -36,8 +43,10 @@ from collections.abc import Sequence
 import httpx
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
+from moecomm.auth import SharedSecret
 
 from moecomm_serving.api import openai as oa
+from moecomm_serving.api.auth import Access, install_access
 from moecomm_serving.api.metrics import PREFIX, ServingMetrics
 from moecomm_serving.api.routes import DEFAULT_MAX_BODY_BYTES, ApiFront, install_openai_routes
 from moecomm_serving.disagg.schema import (
@@ -94,6 +103,20 @@ MAX_CONNECTIONS = 1024
 MAX_KEEPALIVE = 64
 # How much of a front end's error body goes into the client's message.
 MAX_ERROR_CHARS = 300
+# Conditional disaggregation: a request whose prompt, less what the decode front end's prefix
+# cache already holds, has at most this many tokens is prefilled on the decode front end (a
+# plain generate there, no hand-off). 0: every request is split. The default comes from
+# bench/serving/pd.py (the conditional router beside single and always-split; docs/router.md,
+# "Where a prompt is prefilled"): below it a hand-off costs a short request more TTFT than its
+# prefill on the decode side costs the decodes there.
+DEFAULT_MAX_LOCAL_PREFILL_TOKENS = 256
+# The question "how much of this prompt do you hold?" (POST /pd/cached) is answered from
+# memory; a decode front end slower than this is busy, and the request is split (as if nothing
+# were cached) rather than waiting for the answer.
+CACHED_QUESTION_TIMEOUT_S = 1.0
+# Where a try prefills its prompt (the moecomm_router_prefills_total label).
+LOCAL_SHORT, LOCAL_CACHED, SPLIT = "local_short", "local_cached", "split"
+PATHS = (LOCAL_SHORT, LOCAL_CACHED, SPLIT)
 
 
 @dataclasses.dataclass
@@ -107,6 +130,8 @@ class Backend:
     failures: int = 0  # consecutive
     suspect_until: float = 0.0
     last_error: str = ""
+    # whether its engine has a prefix cache, as its /pd/cached said (None: not asked yet)
+    prefix_cache: bool | None = None
 
     def describe(self) -> dict:
         out = {"url": self.url, "healthy": self.healthy, "in_flight": self.in_flight}
@@ -164,6 +189,7 @@ class Backends:
 
     def failed(self, b: Backend, why: str) -> None:
         b.healthy = False
+        b.prefix_cache = None  # a restarted front end may have other settings
         b.failures += 1
         b.last_error = why
         b.suspect_until = time.monotonic() + SUSPECT_S
@@ -214,6 +240,12 @@ class RouterRequest:
     def new_try(self) -> None:
         self._seen = 0
 
+    def finish(self, reason: str) -> None:
+        """The request ended without a further token (a finish reported on its own)."""
+        if not self.finished:
+            self.finished = True
+            self.queue.put_nowait(FinishEvent(reason, time.monotonic()))
+
     def take(self, token: int, finish: str | None) -> ErrorEvent | None:
         """One token of the current try: a replayed one must equal what the client got (then it
         is skipped); a new one is sent. An ErrorEvent when the replay diverged."""
@@ -249,6 +281,19 @@ def _error_message(r: httpx.Response) -> str:
     return r.text[:MAX_ERROR_CHARS] or r.reason_phrase
 
 
+def _refused_secret(r: httpx.Response, where: str) -> _End:
+    """A front end refused the router's deployment secret: a misconfigured deployment, not the
+    request's fault and not fixed by another try."""
+    return _End(
+        ErrorEvent(
+            f"{where} refused the router's deployment secret ({r.status_code}: "
+            f"{_error_message(r)}); give the router and every front end the same secret",
+            502,
+            time.monotonic(),
+        )
+    )
+
+
 def _describe(exc: Exception) -> str:
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
@@ -262,6 +307,8 @@ class RouterMetrics:
         self.handoffs = 0
         self.kv_bytes = 0
         self.kv_transfer_s = 0.0
+        self.prefills = dict.fromkeys(PATHS, 0)  # tries, by where the prompt was prefilled
+        self.cached_questions = 0  # POST /pd/cached asked
 
     def rows(self, pools: dict[str, Backends]) -> list[tuple]:
         """Rows for :class:`ServingMetrics`' ``extra``: (kind, name, help, value[, labels])."""
@@ -298,6 +345,25 @@ class RouterMetrics:
                 ("gauge", f"{p}_backends_healthy", healthy, pools[r].num_healthy, f'{{role="{r}"}}')
                 for r in ROLES
             ),
+            *(
+                (
+                    "counter",
+                    f"{p}_prefills_total",
+                    "Tries by where the prompt was prefilled: on the decode front end because "
+                    "it is short (local_short) or its decode front end held most of it "
+                    "(local_cached), or on a prefill front end with a KV hand-off (split).",
+                    self.prefills[path],
+                    f'{{path="{path}"}}',
+                )
+                for path in PATHS
+            ),
+            (
+                "counter",
+                f"{p}_cached_questions_total",
+                "Questions to decode front ends about how much of a prompt their prefix cache "
+                "holds (POST /pd/cached).",
+                self.cached_questions,
+            ),
         ]
 
 
@@ -306,7 +372,10 @@ class Router(ApiFront):
     into FastAPI (whose lifespan calls :meth:`start` and :meth:`close`).
 
     `backend_timeout_s` bounds every silence of a front end (see
-    :data:`DEFAULT_BACKEND_TIMEOUT_S`); `request_timeout_s` is each request's deadline."""
+    :data:`DEFAULT_BACKEND_TIMEOUT_S`); `request_timeout_s` is each request's deadline.
+    `max_local_prefill_tokens`: a prompt with at most this many tokens the decode front end
+    does not hold yet is prefilled there (0: always split). `secret`: the deployment's shared
+    secret, sent to every front end."""
 
     def __init__(
         self,
@@ -321,6 +390,8 @@ class Router(ApiFront):
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         backend_timeout_s: float = DEFAULT_BACKEND_TIMEOUT_S,
         affinity_tokens: int = DEFAULT_AFFINITY_TOKENS,
+        max_local_prefill_tokens: int = DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
+        secret: SharedSecret | None = None,
     ):
         if backend_timeout_s <= 0 or request_timeout_s <= 0:
             raise ValueError(
@@ -335,6 +406,12 @@ class Router(ApiFront):
         if affinity_tokens < 0:
             raise ValueError(f"affinity_tokens must be >= 0, got {affinity_tokens}")
         self.affinity_tokens = affinity_tokens
+        if max_local_prefill_tokens < 0:
+            raise ValueError(
+                f"max_local_prefill_tokens must be >= 0, got {max_local_prefill_tokens}"
+            )
+        self.max_local_prefill_tokens = max_local_prefill_tokens
+        self.secret = secret
         self.requests: dict[str, RouterRequest] = {}
         self.router_metrics = RouterMetrics()
         super().__init__(
@@ -364,6 +441,9 @@ class Router(ApiFront):
                 max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_KEEPALIVE
             ),
             timeout=httpx.Timeout(self.backend_timeout_s, connect=CONNECT_TIMEOUT_S),
+            # every call to a front end is the deployment's (/pd/*, a local prefill's OpenAI
+            # route): never the client's key
+            headers=None if self.secret is None else self.secret.headers(),
         )
         self._prober = asyncio.create_task(self._probe_loop())
 
@@ -412,12 +492,20 @@ class Router(ApiFront):
                     )
                     return
                 key = affinity_key(req.ids, self.affinity_tokens)
-                p = self.pools[PREFILL].pick(tried[PREFILL], key)
-                d = self.pools[DECODE].pick(tried[DECODE])
+                # with local prefills, prompts that share a start meet the same decode front
+                # end's prefix cache too
+                local = self.max_local_prefill_tokens > 0
+                d = self.pools[DECODE].pick(tried[DECODE], key if local else None)
                 req.new_try()
                 try:
                     async with asyncio.timeout(left):
-                        out = await self._try(req, f"{req.id}-{attempt}", p, d)
+                        path = await self._where(req, d)
+                        self.router_metrics.prefills[path] += 1
+                        if path == SPLIT:
+                            p = self.pools[PREFILL].pick(tried[PREFILL], key)
+                            out = await self._try(req, f"{req.id}-{attempt}", p, d)
+                        else:
+                            out = await self._local(req, d)
                 except TimeoutError:
                     out = _End(ErrorEvent(f"deadline exceeded ({last})", 504, time.monotonic()))
                 if isinstance(out, _End):
@@ -462,6 +550,8 @@ class Router(ApiFront):
             return _Failure(PREFILL, why, blame=((PREFILL, p),))
         finally:
             p.in_flight -= 1
+        if r.status_code in (401, 403):
+            return _refused_secret(r, where)
         if r.status_code == 502:  # the KV did not reach `d`
             why = f"{where} could not hand the KV to {d.url}: {_error_message(r)}"
             return _Failure(PREFILL, why, blame=((DECODE, d),))
@@ -524,12 +614,128 @@ class Router(ApiFront):
 
     def _decode_refused(self, r: httpx.Response, where: str, p: Backend, d: Backend):
         """The decode front end answered an error before its stream started."""
+        if r.status_code in (401, 403):
+            return _refused_secret(r, where)
         why = f"{where} answered {r.status_code}: {_error_message(r)}"
         if r.status_code == 502:  # the prefill's sender died before the KV package completed
             return _Failure(DECODE, why, blame=((PREFILL, p),))
         if r.status_code == 504:  # the package did not arrive in time: either side
             return _Failure(DECODE, why, avoid=((PREFILL, p), (DECODE, d)))
         if r.status_code == 503:  # busy: alive, not for this request
+            return _Failure(DECODE, why, avoid=((DECODE, d),))
+        if r.status_code >= 500:
+            return _Failure(DECODE, why, blame=((DECODE, d),))
+        return _End(ErrorEvent(_error_message(r), r.status_code, time.monotonic()))
+
+    # ------------------------------------------------------------------ local prefills
+    async def _where(self, req: RouterRequest, d: Backend) -> str:
+        """Where this try prefills: on `d` when the prompt is short, or when `d`'s prefix
+        cache holds all of it but a short tail (asked with POST /pd/cached, only for a prompt
+        too long to be short and only of a front end not known to have no prefix cache);
+        else on a prefill front end, with a hand-off."""
+        limit = self.max_local_prefill_tokens
+        if limit == 0:
+            return SPLIT
+        if len(req.ids) <= limit:
+            return LOCAL_SHORT
+        if d.prefix_cache is False:
+            return SPLIT
+        self.router_metrics.cached_questions += 1
+        try:
+            r = await self.client.post(
+                f"{d.url}/pd/cached", json={"prompt": req.ids}, timeout=CACHED_QUESTION_TIMEOUT_S
+            )
+            answer = r.json() if r.status_code == 200 else None
+            cached = answer["cached_tokens"]
+            has_cache = answer["prefix_cache"]
+            if type(cached) is not int or type(has_cache) is not bool:
+                raise TypeError("cached_tokens must be an int and prefix_cache a bool")
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            # a busy, old or failing decode front end: split, as if nothing were cached (the
+            # decode call itself finds out whether it is alive)
+            return SPLIT
+        d.prefix_cache = has_cache
+        return LOCAL_CACHED if len(req.ids) - cached <= limit else SPLIT
+
+    def _local_body(self, req: RouterRequest) -> dict:
+        """The request as a decode front end's own OpenAI completion: token ids in, token ids
+        out, streamed; the router applies stop strings and counts usage itself."""
+        sp = req.params
+        return {
+            "model": self.model_name,
+            "prompt": req.ids,
+            "max_tokens": sp.max_new_tokens,
+            "temperature": sp.temperature,
+            "top_p": sp.top_p,
+            "seed": sp.seed,
+            "stop_token_ids": list(sp.stop_token_ids),
+            "ignore_eos": sp.ignore_eos,
+            "stream": True,
+            "return_token_ids": True,
+        }
+
+    async def _local(self, req: RouterRequest, d: Backend):
+        """One try prefilled and decoded on `d` alone (its /v1/completions, streamed): the same
+        engine path as the split's two halves, so the same tokens (greedy, and seeded: the
+        router gave every sampled request its seed)."""
+        where = f"decode front end {d.url}"
+        d.in_flight += 1
+        try:
+            body = self._local_body(req)
+            async with self.client.stream("POST", f"{d.url}/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    await r.aread()
+                    return self._local_refused(r, where, d)
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[len("data:") :].strip()
+                    if data == "[DONE]":
+                        break
+                    out = self._local_chunk(req, json.loads(data), where, d)
+                    if out is not None:
+                        return out
+            why = f"{where}: the stream ended before the request finished"
+            return _Failure(DECODE, why, blame=((DECODE, d),))
+        except httpx.HTTPError as exc:
+            return _Failure(DECODE, f"{where}: {_describe(exc)}", blame=((DECODE, d),))
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            why = f"{where} sent a malformed stream chunk: {_describe(exc)}"
+            return _Failure(DECODE, why, blame=((DECODE, d),))
+        finally:
+            d.in_flight -= 1
+
+    def _local_chunk(self, req: RouterRequest, msg: dict, where: str, d: Backend):
+        """One SSE chunk of a local try: its tokens go to the client (a replay's checked), an
+        error ends the try. None while the request goes on."""
+        if "error" in msg:
+            err = msg["error"]
+            status = err.get("code") if isinstance(err.get("code"), int) else 500
+            if status < 500:
+                return _End(ErrorEvent(str(err.get("message")), status, time.monotonic()))
+            why = f"{where} failed the request: {err.get('message')}"
+            return _Failure(DECODE, why, blame=((DECODE, d),))
+        choice = msg["choices"][0]
+        ids, finish = choice["token_ids"], choice.get("finish_reason")
+        if not isinstance(ids, list) or any(type(t) is not int for t in ids):
+            raise TypeError("token_ids must be a list of ints")
+        for k, token in enumerate(ids):
+            error = req.take(token, finish if k == len(ids) - 1 else None)
+            if error is not None:
+                return _End(error)
+        if finish is not None and not ids:
+            req.finish(str(finish))
+        if req.finished:
+            self.pools[DECODE].succeeded(d)
+            return _End()
+        return None
+
+    def _local_refused(self, r: httpx.Response, where: str, d: Backend):
+        """The decode front end refused a local try before its stream started."""
+        if r.status_code in (401, 403):
+            return _refused_secret(r, where)
+        why = f"{where} answered {r.status_code}: {_error_message(r)}"
+        if r.status_code in (503, 504):  # busy: alive, not for this request
             return _Failure(DECODE, why, avoid=((DECODE, d),))
         if r.status_code >= 500:
             return _Failure(DECODE, why, blame=((DECODE, d),))
@@ -578,9 +784,10 @@ class Router(ApiFront):
         return JSONResponse({"status": "ok", **body})
 
 
-def make_router_app(router: Router) -> FastAPI:
+def make_router_app(router: Router, api_key: SharedSecret | None = None) -> FastAPI:
     """The router's FastAPI app: the OpenAI routes, /health and /metrics.
-    ``app.state.router`` holds the :class:`Router`."""
+    ``app.state.router`` holds the :class:`Router`. With `api_key`, every route but /health
+    and /metrics needs it (:mod:`moecomm_serving.api.auth`)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -590,5 +797,6 @@ def make_router_app(router: Router) -> FastAPI:
 
     app = FastAPI(title="moecomm router", lifespan=lifespan)
     app.state.router = router
+    install_access(app, Access(api_key=api_key))
     install_openai_routes(app, router)
     return app

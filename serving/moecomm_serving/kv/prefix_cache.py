@@ -113,6 +113,21 @@ class PrefixCache:
         s.hit_tokens += len(found) * b
         return [e.block for _, e in found], len(found) * b
 
+    def cached_tokens(self, prompt: Sequence[int]) -> int:
+        """How many tokens of `prompt` :meth:`match` would serve now, asked from outside the
+        engine (a router choosing where to prefill): no block is taken, nothing is counted or
+        reordered, so it may be read from another thread; the answer may be stale by the time
+        the prompt arrives (a hint, never a promise)."""
+        b = self.pool.block_tokens
+        usable = (len(prompt) - 1) // b * b if prompt else 0
+        n = 0
+        for j, key in enumerate(block_keys(prompt[:usable], b)):
+            entry = self._entries.get(key)
+            if entry is None or entry.tokens != tuple(prompt[j * b : (j + 1) * b]):
+                break
+            n += b
+        return n
+
     def insert(self, tokens: Sequence[int], seq: PagedSequence) -> int:
         """Keeps the full blocks of `seq`, whose cache holds `tokens` (at least its first
         ``seq.length``). Returns how many blocks were added; stops when the budget is full of

@@ -57,6 +57,10 @@ json.dump({"answers": answers, "metrics": metrics}, open(out, "w"))
 @pytest.mark.timeout(420)
 def test_split_across_namespaces_hands_kv_over_nixl(tiny_mixtral_dir, tmp_path: Path):
     ckpt = str(tiny_mixtral_dir)
+    # the split's routes listen beyond loopback here: the deployment's secret guards them
+    secret = tmp_path / "pd-secret"
+    secret.write_text("cross-namespace-deployment-secret")
+    guard = ["--pd-secret-file", str(secret)]
     with netns.Lab() as lab:
         hp, hd, hr = lab.add_host("p"), lab.add_host("d"), lab.add_host("r")
         started = []
@@ -64,7 +68,7 @@ def test_split_across_namespaces_hands_kv_over_nixl(tiny_mixtral_dir, tmp_path: 
             argv = [
                 *CLI, "frontend", "--checkpoint", ckpt, "--model-name", "tiny", "--local-experts",
                 "--role", role, "--transport", "auto", "--host", host.addr, "--port", str(PORT),
-                "--threads", "1",
+                "--threads", "1", *guard,
             ]  # fmt: skip
             log = tmp_path / f"{role}.log"
             started.append((start_logged(lab, host, argv, log), log))
@@ -74,6 +78,7 @@ def test_split_across_namespaces_hands_kv_over_nixl(tiny_mixtral_dir, tmp_path: 
         argv = [
             *CLI, "router", "--checkpoint", ckpt, "--model-name", "tiny",
             "--prefill", urls["p"], "--decode", urls["d"], "--host", hr.addr, "--port", str(PORT),
+            "--max-local-prefill-tokens", "0", *guard,  # every prompt handed off
         ]  # fmt: skip
         rlog = tmp_path / "router.log"
         router = start_logged(lab, hr, argv, rlog)

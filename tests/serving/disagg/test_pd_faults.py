@@ -78,6 +78,7 @@ def split(tmp_path_factory):
         ]
         timeouts = ("--backend-timeout", str(BACKEND_TIMEOUT_S))
         timeouts += ("--request-timeout", str(REQUEST_TIMEOUT_S))
+        timeouts += ("--max-local-prefill-tokens", "0")  # every request split: its faults
         cluster = start_local_cluster(
             ckpt, frontends=specs, router=timeouts, model_name=MODEL_NAME, procs=dep.processes
         )

@@ -1,14 +1,19 @@
 """`moecomm router` over prefill and decode front ends: for every model family the split answers
 exactly what one front end answers (greedy and seeded sampling, streaming or not, prompts of
 one to several KV blocks); malformed requests get a 4xx and the router keeps serving; the CLI
-refuses a front end of the wrong role, an unreachable one and a malformed list. The retry and
-replay rules themselves are pinned on scripted front ends (in-process fakes speaking the
-protocol), where every failure can be placed exactly."""
+refuses a front end of the wrong role, an unreachable one and a malformed list. Conditional
+disaggregation (--max-local-prefill-tokens): short prompts and prompts the decode front end's
+prefix cache holds are prefilled there, with the same tokens, counted by path; in that
+deployment every process holds the deployment secret and the router an API key, and each is
+required where it should be. The retry and replay rules themselves are pinned on scripted
+front ends (in-process fakes speaking the protocol), where every failure can be placed
+exactly."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import re
 import socket
@@ -20,8 +25,10 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from moecomm.auth import generate
 from moecomm.http_thread import HttpServer
 from moecomm.testing import FrontendSpec, Processes, start_local_cluster
+from moecomm_serving.api.auth import PD_SECRET_ENV
 from moecomm_serving.cli import main as cli
 from moecomm_serving.disagg.router import MAX_ATTEMPTS, Router, make_router_app
 from moecomm_serving.disagg.schema import DecodeToken, KvReceipt, PrefillAnswer
@@ -56,7 +63,8 @@ def deployed(request, tmp_path_factory):
         ckpt,
         servers=["all"] if arch in WITH_EXPERT_SERVERS else [],
         frontends=[FrontendSpec("prefill"), FrontendSpec("decode")],
-        router=True,
+        # every request split: these tests pin the hand-off (conditional routing: below)
+        router=["--max-local-prefill-tokens", "0"],
         model_name=MODEL_NAME,
         procs=Processes(tmp / "procs"),
         id_prefix="pd-test",
@@ -199,8 +207,9 @@ class Fake:
     (status, JSON); `decode` is a list of token lines and then "drop" (the connection is cut
     before the request finished) or nothing (the last line carries finish)."""
 
-    def __init__(self, prefill=None, decode=(), token_gap_s=0.0):
+    def __init__(self, prefill=None, decode=(), token_gap_s=0.0, local=(), cached=None):
         self.prefill_calls, self.decode_calls = [], []
+        self.local_calls, self.cached_calls = [], []
         self.script_prefill, self.script_decode = prefill, list(decode)
         self.stream_gone = threading.Event()  # a decode stream's connection ended
         self._watchers: set[asyncio.Task] = set()
@@ -236,6 +245,26 @@ class Fake:
 
             return StreamingResponse(lines(), media_type="application/x-ndjson")
 
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            # a local prefill: `local` is a list of SSE chunks, and then "drop" or nothing
+            self.local_calls.append(await request.json())
+
+            async def events():
+                for item in local:
+                    if item == "drop":
+                        raise RuntimeError("scripted drop")
+                    yield f"data: {json.dumps(item)}\n\n".encode()
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        @app.post("/pd/cached")
+        async def pd_cached(request: Request):
+            # `cached`: tokens its prefix cache holds of any prompt; None: it has no cache
+            self.cached_calls.append(await request.json())
+            return {"cached_tokens": cached or 0, "prefix_cache": cached is not None}
+
         @app.get("/health")
         async def health():
             return {"status": "ok"}
@@ -253,11 +282,17 @@ def _tok(t, finish=None):
     return DecodeToken(t, finish).to_json()
 
 
+def _chunk(ids, finish=None):
+    """One SSE chunk of a front end's streamed /v1/completions with return_token_ids."""
+    return {"choices": [{"index": 0, "text": "", "token_ids": ids, "finish_reason": finish}]}
+
+
 @pytest.fixture
 def fakes():
     made, servers = [], []
 
     def start(prefill_urls, decode_urls, **kwargs):
+        kwargs.setdefault("max_local_prefill_tokens", 0)  # the split's rules, unless asked
         r = Router(
             ByteTokenizer(),
             MODEL_NAME,
@@ -448,3 +483,206 @@ def test_prompts_sharing_a_prefix_go_to_one_prefill_front_end(fakes):
     for f, h in zip(families[1:], homes[1:], strict=True):
         if lost not in h:
             assert home_of(f) == h
+
+
+# ---------------------------------------------------------------------------------------------
+# Conditional disaggregation on scripted front ends.
+
+
+def _complete_prompt(url: str, ids: list[int], max_tokens=8) -> httpx.Response:
+    body = {"model": MODEL_NAME, "prompt": ids, "max_tokens": max_tokens, "temperature": 0}
+    body |= {"return_token_ids": True}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=HTTP_TIMEOUT_S)
+
+
+def _paths(router) -> dict:
+    return dict(router.router_metrics.prefills)
+
+
+@pytest.mark.timeout(60)
+def test_short_prompts_are_prefilled_on_the_decode_front_end(fakes):
+    start, fake = fakes
+    p = fake(prefill=lambda n, b: _first(0))
+    d = fake(
+        decode=[_tok(1), _tok(2, "length")],
+        local=[_chunk([5]), _chunk([6, 7]), _chunk([], "stop")],  # a finish on its own
+    )
+    router, url = start([p.url], [d.url], max_local_prefill_tokens=8)
+    r = _complete_prompt(url, [1, 2, 3, 4, 5, 6, 7, 8])  # 8 tokens: short
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["token_ids"] == [5, 6, 7] and choice["finish_reason"] == "stop"
+    assert not p.prefill_calls and not d.decode_calls and not d.cached_calls
+    (body,) = d.local_calls
+    assert body["prompt"] == list(range(1, 9)) and body["max_tokens"] == 8
+    assert body["stream"] and body["return_token_ids"] and body["temperature"] == 0
+    # 9 tokens: too long to be short, and the decode front end holds nothing: split
+    r = _complete_prompt(url, list(range(1, 10)), max_tokens=3)
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == [0, 1, 2]
+    assert len(p.prefill_calls) == 1 and len(d.cached_calls) == 1
+    # it said it has no prefix cache: not asked again
+    assert _complete_prompt(url, list(range(1, 10)), max_tokens=3).status_code == 200
+    assert len(d.cached_calls) == 1
+    assert _paths(router) == {"local_short": 1, "local_cached": 0, "split": 2}
+    assert metric(url, 'moecomm_router_prefills_total{path="local_short"}') == 1
+    assert metric(url, 'moecomm_router_prefills_total{path="split"}') == 2
+    assert metric(url, "moecomm_router_cached_questions_total") == 1
+    assert metric(url, "moecomm_router_handoffs_total") == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_prompt_the_decode_side_mostly_holds_is_prefilled_there(fakes):
+    start, fake = fakes
+    p = fake(prefill=lambda n, b: _first(0))
+    holds16 = fake(decode=[_tok(1), _tok(2, "length")], local=[_chunk([9], "length")], cached=16)
+    router, url = start([p.url], [holds16.url], max_local_prefill_tokens=8)
+    long = list(range(1, 25))  # 24 tokens, 16 held: 8 left to prefill
+    r = _complete_prompt(url, long, max_tokens=1)
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == [9]
+    assert holds16.cached_calls == [{"prompt": long}] and not p.prefill_calls
+    r = _complete_prompt(url, list(range(1, 26)), max_tokens=3)  # 9 left: split
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == [0, 1, 2]
+    assert _paths(router) == {"local_short": 0, "local_cached": 1, "split": 1}
+
+
+@pytest.mark.timeout(60)
+def test_a_lost_local_prefill_is_replayed_and_never_sends_a_token_twice(fakes):
+    start, fake = fakes
+    lost = fake(local=[_chunk([5]), _chunk([6]), "drop"])
+    good = fake(local=[_chunk([5, 6]), _chunk([7], "length")])
+    router, url = start([good.url], [lost.url, good.url], max_local_prefill_tokens=8)
+    r = _complete_prompt(url, [1, 2, 3], max_tokens=3)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == [5, 6, 7]
+    assert len(lost.local_calls) == 1 and len(good.local_calls) == 1
+    assert router.router_metrics.retries == {"prefill": 0, "decode": 1}
+    assert _paths(router)["local_short"] == 2
+    health = httpx.get(f"{url}/health", timeout=HTTP_TIMEOUT_S).json()
+    assert [b["healthy"] for b in health["decode"]] == [True, True]  # /health probed it back
+
+
+# ---------------------------------------------------------------------------------------------
+# Conditional disaggregation on real processes, with the deployment secret and an API key.
+
+LOCAL_LIMIT = 24  # --max-local-prefill-tokens of the conditional router
+API_KEY = "router-api-key-0123456789"
+DECODE_CACHE_BYTES = 1 << 20
+
+
+def _ids_completion(url: str, ids: list[int], n: int, headers=None) -> httpx.Response:
+    body = {"model": MODEL_NAME, "prompt": ids, "max_tokens": n, "temperature": 0}
+    body |= {"ignore_eos": True, "return_token_ids": True}
+    return httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=HTTP_TIMEOUT_S)
+
+
+def _streamed_tokens(url: str, ids: list[int], n: int, headers) -> list[int]:
+    body = {"model": MODEL_NAME, "prompt": ids, "max_tokens": n, "temperature": 0}
+    body |= {"ignore_eos": True, "return_token_ids": True, "stream": True}
+    out, done = [], False
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json=body, headers=headers, timeout=HTTP_TIMEOUT_S
+    ) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                out += json.loads(line[len("data: ") :])["choices"][0].get("token_ids", [])
+    assert done
+    return out
+
+
+def _tokens(url: str, ids: list[int], n: int, headers=None) -> list[int]:
+    r = _ids_completion(url, ids, n, headers)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+@pytest.fixture(scope="module")
+def conditional(tmp_path_factory):
+    """A prefill and a decode front end (with a prefix cache) and a conditional router, every
+    process holding one deployment secret (in its environment), the router an API key. Yields
+    (router URL, prefill URL, decode URL, secret, checkpoint)."""
+    tmp = tmp_path_factory.mktemp("pd-conditional")
+    ckpt = tmp / "tiny"
+    write_tiny(str(ckpt), "mixtral", seed=0)
+    secret = generate()
+    with start_local_cluster(
+        ckpt,
+        frontends=[
+            FrontendSpec("prefill"),
+            FrontendSpec("decode", ("--prefix-cache-bytes", str(DECODE_CACHE_BYTES))),
+        ],
+        router=["--max-local-prefill-tokens", str(LOCAL_LIMIT), "--api-key", API_KEY],
+        model_name=MODEL_NAME,
+        procs=Processes(tmp / "procs", env={**os.environ, PD_SECRET_ENV: secret}),
+        id_prefix="pd-cond",
+    ) as cluster:
+        prefill, decode = cluster.frontend_urls
+        yield cluster.router_url, prefill, decode, secret, ckpt
+
+
+def _series(url: str, path: str) -> float:
+    return metric(url, f'moecomm_router_prefills_total{{path="{path}"}}')
+
+
+@pytest.mark.timeout(240)
+def test_conditional_router_prefills_short_and_held_prompts_on_the_decode_side(conditional):
+    router, single, _decode, _, _ = conditional
+    key = {"Authorization": f"Bearer {API_KEY}"}
+    rnd = random.Random(3)
+    short = [rnd.randrange(3, 250) for _ in range(LOCAL_LIMIT)]
+    n = LOCAL_LIMIT
+    first = _tokens(router, short, n, key)
+    assert first == _tokens(single, short, n)
+    assert (_series(router, "local_short"), _series(router, "split")) == (1, 0)
+    # the next turn: the first one's prompt and answer, and a few new tokens. The decode front
+    # end kept the first turn's full blocks (32 of its 47 tokens), so 24 are left: prefilled
+    # there, after one question
+    turn = short + first + [rnd.randrange(3, 250) for _ in range(8)]
+    assert _tokens(router, turn, 8, key) == _tokens(single, turn, 8)
+    assert _series(router, "local_cached") == 1
+    assert metric(router, "moecomm_router_cached_questions_total") == 1
+    # a long prompt nobody holds: split, with a hand-off
+    fresh = [rnd.randrange(3, 250) for _ in range(2 * LOCAL_LIMIT)]
+    assert _tokens(router, fresh, 8, key) == _tokens(single, fresh, 8)
+    assert _series(router, "split") == 1
+    assert metric(router, "moecomm_router_handoffs_total") == 1
+    # streaming takes the same paths
+    assert _streamed_tokens(router, short, n, key) == first
+    assert _series(router, "local_short") == 2
+
+
+@pytest.mark.timeout(240)
+def test_the_router_takes_its_api_key_and_the_front_ends_the_deployment_secret(conditional):
+    router, prefill, decode, secret, _ = conditional
+    ids = [5, 6, 7]
+    assert _ids_completion(router, ids, 2).status_code == 401
+    assert _ids_completion(router, ids, 2, {"Authorization": "Bearer wrong"}).status_code == 403
+    # the deployment secret is the front ends' credential, not a client's key at the router
+    assert _ids_completion(router, ids, 2, {"Authorization": f"Bearer {secret}"}).status_code == 403
+    for path in ("/health", "/metrics"):
+        assert httpx.get(router + path, timeout=HTTP_TIMEOUT_S).status_code == 200
+    bearer = {"Authorization": f"Bearer {secret}"}
+    for url, path in ((prefill, "/pd/prefill"), (decode, "/pd/decode"), (decode, "/pd/cached")):
+        r = httpx.post(url + path, json={}, timeout=HTTP_TIMEOUT_S)
+        assert r.status_code == 401, (path, r.text)
+        r = httpx.post(url + path, json={}, headers={"Authorization": f"Bearer {API_KEY}"})
+        assert r.status_code == 403, (path, r.text)
+        r = httpx.post(url + path, json={}, headers=bearer, timeout=HTTP_TIMEOUT_S)
+        assert r.status_code == 400, (path, r.text)  # past the guard: the body is checked
+    r = httpx.get(f"{decode}/pd/info", headers=bearer, timeout=HTTP_TIMEOUT_S)
+    assert r.status_code == 200 and r.json()["role"] == "decode"
+
+
+@pytest.mark.timeout(240)
+def test_a_router_with_another_secret_is_refused_at_start(conditional, monkeypatch):
+    _, prefill, decode, secret, ckpt = conditional
+    argv = ["router", "--checkpoint", str(ckpt), "--model-name", MODEL_NAME]
+    argv += ["--prefill", prefill, "--decode", decode]
+    monkeypatch.setenv(PD_SECRET_ENV, "another-" + secret)
+    with pytest.raises(SystemExit, match="refused the deployment secret"):
+        cli.main(argv)
+    monkeypatch.delenv(PD_SECRET_ENV)
+    with pytest.raises(SystemExit, match="refused the deployment secret"):
+        cli.main(argv)
