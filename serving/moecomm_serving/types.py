@@ -1,19 +1,16 @@
 """The serving layer's plain data, below every other layer: what a request asks for
 (:class:`SamplingParams`), what the engine answers (:class:`TokenEvent`, :class:`FinishEvent`,
 :class:`ErrorEvent`, and for the prefill/decode split :class:`HandoffEvent` and
-:class:`Resume`), and the KV package a request's cache travels in (:class:`KvPackage`).
+:class:`Resume`), and what a handed-off KV cache is (:class:`KvPackage`, its metadata).
 
 Nothing here needs torch to import (the router, which forwards HTTP, imports these and no model
-code); tensors appear only as the values of fields.
+code); tensors and pools appear only as the values of fields.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    import torch
+from typing import Any
 
 # A request with no deadline of its own gets this one (queueing included): nothing waits
 # forever.
@@ -52,15 +49,15 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class KvPackage:
-    """A request's KV cache as plain data another front end can import
-    (:meth:`PagedSequence.export_blocks <moecomm_serving.kv.blocks.PagedSequence.export_blocks>`
-    makes one, :meth:`~moecomm_serving.kv.blocks.PagedSequence.import_blocks` takes one).
+    """What a handed-off KV cache is, without its bytes: the metadata a decode front end checks
+    once, before it reserves blocks for it (:func:`~moecomm_serving.kv.blocks.check_package`),
+    and that travels in the hand-off's reservation call
+    (:class:`~moecomm_serving.disagg.schema.ReserveCall`). The bytes themselves move block to
+    block between the two front ends' KV pools (:mod:`moecomm.wire.kv`), never in a package.
 
-    Keys and values travel per block, ``[layers, blocks, heads, block_tokens, width]`` on the
-    CPU, with the block table's order as the block axis; the receiver allocates its own block
-    ids. ``dtype`` is the element type's name (``"float32"``); ``kv_shape`` is
-    ``(heads, key width, value width)``. Whether a package fits a pool is
-    :func:`~moecomm_serving.kv.blocks.check_package`'s question, asked once per package.
+    ``length`` tokens in ``ceil(length / block_tokens)`` blocks, every layer of ``layers``;
+    ``dtype`` is the element type's name (``"float32"``); ``kv_shape`` is
+    ``(heads, key width, value width)``.
     """
 
     version: int
@@ -69,11 +66,13 @@ class KvPackage:
     layers: tuple[int, ...]
     kv_shape: tuple[int, int, int]
     dtype: str
-    k: torch.Tensor
-    v: torch.Tensor
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.length // self.block_tokens)
 
     def meta(self) -> dict[str, Any]:
-        """Every field but the tensors, as JSON-ready values (the package format's header)."""
+        """Every field as JSON-ready values."""
         return {
             "version": self.version,
             "length": self.length,
@@ -107,12 +106,14 @@ class ErrorEvent:
 @dataclass(frozen=True)
 class HandoffEvent:
     """A prefill-only request (``EngineRequest.handoff``) ends here: its first token, its KV
-    cache as a :class:`KvPackage`, the sampler's state after the draw (a torch generator state;
-    None for greedy) and the prompt tokens the prefix cache supplied. Sent instead of that
-    token's TokenEvent (the decode side continues)."""
+    cache's blocks held for the hand-off (a :class:`~moecomm_serving.kv.blocks.HeldBlocks`
+    whose ``.package`` is the :class:`KvPackage`; whoever takes the event releases them), the
+    sampler's state after the draw (a torch generator state; None for greedy) and the prompt
+    tokens the prefix cache supplied. Sent instead of that token's TokenEvent (the decode side
+    continues)."""
 
     token: int
-    package: KvPackage
+    package: Any  # kv.blocks.HeldBlocks (a layer above this module)
     rng_state: object
     cached_tokens: int
     time: float
@@ -120,12 +121,13 @@ class HandoffEvent:
 
 @dataclass(frozen=True)
 class Resume:
-    """What a decode-side request starts from (``EngineRequest.resume``): the KV package, the
-    tokens generated so far (at least the prefill's first) and the sampler's state. The
-    package is a :class:`KvPackage`, checked when the engine imports it, or one that a route
-    checked already (:class:`~moecomm_serving.kv.blocks.CheckedKvPackage`, not checked again)."""
+    """What a decode-side request starts from (``EngineRequest.resume``): the blocks of this
+    engine's pool the handed-off KV was written into (a
+    :class:`~moecomm_serving.kv.blocks.HeldBlocks`, its package checked when the blocks were
+    reserved; the engine's sequence adopts them), the tokens generated so far (at least the
+    prefill's first) and the sampler's state."""
 
-    package: Any  # KvPackage | kv.blocks.CheckedKvPackage (a layer above this module)
+    package: Any  # kv.blocks.HeldBlocks (a layer above this module)
     tokens: list[int]
     rng_state: object = None
 

@@ -30,9 +30,10 @@ def pattern(seed: int, index: int, n: int) -> torch.Tensor:
 
 def empty_kv_package():
     from moecomm_serving.kv.blocks import BlockPool, PagedSequence
+    from moecomm_serving.kv.package import pack
 
     pool = BlockPool([0, 1], kv_heads=2, k_dim=4, v_dim=4, dtype=torch.float16, device="cpu")
-    return PagedSequence(pool).export_blocks()
+    return pack(PagedSequence(pool).export_blocks())
 
 
 def make(seed: int, index: int, spec) -> torch.Tensor:
@@ -46,7 +47,7 @@ def make(seed: int, index: int, spec) -> torch.Tensor:
 def sender_main(conn, url: str, seed: int, specs: list, transport: str = "shm") -> None:
     """Sends every package of `specs` to `url`, reporting ("sent", index, client_id, tag) after
     each; then ("done",) and waits for the parent's "exit"."""
-    from moecomm_serving.disagg.transfer import KvOutbox
+    from moecomm_serving.disagg.staged import KvOutbox
 
     out = KvOutbox(transport)
     try:
@@ -64,7 +65,7 @@ def inbox_main(conn, slot_bytes: int, num_slots: int) -> None:
     """A decode side: a KvInbox behind an HTTP server; sends its URL, serves until "stop"."""
     from fastapi import FastAPI
     from moecomm.http_thread import HttpServer
-    from moecomm_serving.disagg.transfer import KvInbox, install_kv_routes
+    from moecomm_serving.disagg.staged import KvInbox, install_kv_routes
 
     inbox = KvInbox("shm", slot_bytes=slot_bytes, num_slots=num_slots).start()
     app = FastAPI()
@@ -86,7 +87,7 @@ def ns_inbox(cfg: dict) -> None:
     file, writes their hashes and the inbox's stats, then exits."""
     from fastapi import FastAPI
     from moecomm.http_thread import HttpServer
-    from moecomm_serving.disagg.transfer import KvInbox, install_kv_routes
+    from moecomm_serving.disagg.staged import KvInbox, install_kv_routes
 
     inbox = KvInbox("auto", host=cfg["host"], slot_bytes=cfg["slot_bytes"], num_slots=2).start()
     app = FastAPI()
@@ -107,7 +108,7 @@ def ns_inbox(cfg: dict) -> None:
 
 
 def ns_sender(cfg: dict) -> None:
-    from moecomm_serving.disagg.transfer import KvOutbox
+    from moecomm_serving.disagg.staged import KvOutbox
 
     out = KvOutbox("auto", host=cfg["host"])
     keys = [out.send(cfg["url"], pattern(cfg["seed"], i, n)) for i, n in enumerate(cfg["sizes"])]

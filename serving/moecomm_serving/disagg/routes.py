@@ -4,18 +4,26 @@ A router (:mod:`moecomm_serving.disagg.router`) runs each request in two places:
 
 - ``POST /pd/prefill`` on a prefill front end: the engine prefills the prompt (sharing the
   step with other requests, using the prefix cache as any request does), samples the first
-  token and ends the request there (``EngineRequest.handoff``); its KV blocks are encoded
-  (:func:`~moecomm_serving.kv.package.encode_package`) and sent over moecomm's transports to the
-  decode front end the router named — shm when the two share this host's memory, nixl
-  otherwise, the per-peer choice the runtime makes — and the answer says where they are.
-- ``POST /pd/decode`` on a decode front end: takes that package from its inbox, imports it into
-  its own block pool and generates the rest, streaming one NDJSON line per token.
+  token and ends the request there (``EngineRequest.handoff``), holding its KV blocks; the
+  front end asks the decode front end the router named to reserve blocks for them
+  (``POST /pd/reserve`` there), writes its blocks straight into the decode's KV pool
+  (:mod:`moecomm_serving.disagg.transfer`, over :mod:`moecomm.wire.kv`) and answers where they
+  are (the transfer's slot and sequence number).
+- ``POST /pd/reserve`` on a decode front end: checks the cache's metadata against its pool,
+  once, and reserves destination blocks and a completion slot for the prefill's write.
+- ``POST /pd/decode`` on a decode front end: waits for that transfer's completion word, hands
+  the blocks to the engine (its sequence adopts them, no copy) and generates the rest,
+  streaming one NDJSON line per token.
 
-``GET /pd/info`` says the role; ``GET /pd/kv/offer`` and ``POST /pd/kv/connect`` (decode side)
-set up a prefill front end's channel. A front end of role ``both`` serves every route. The
-bodies are checked by :mod:`moecomm_serving.disagg.schema`; the KV package by
-:func:`~moecomm_serving.kv.package.decode_package` and the pool's own check, so a malformed
-hand-off is a 400 before anything is imported.
+``GET /pd/info`` says the role. A front end of role ``both`` serves every route (a hand-off to
+itself goes through its own pool). The bodies are checked by
+:mod:`moecomm_serving.disagg.schema`, so a malformed call is a 400 before anything is reserved.
+
+Across hosts the pools cannot map each other (:mod:`moecomm.wire.kv` pools speak shm only):
+``/pd/reserve`` answers 409 and the prefill front end hands that request off the staged way
+(:mod:`moecomm_serving.disagg.staged`: a byte package over a nixl stage channel, set up by
+``/pd/kv/offer``, ``/pd/kv/connect`` and ``/pd/kv/disconnect``), when NIXL is installed and the
+transport is not ``shm``; the receipt's ``transport`` tells ``/pd/decode`` where to look.
 """
 
 from __future__ import annotations
@@ -25,10 +33,11 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
+import httpx
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
-from moecomm.errors import DeadlineExceededError, PeerLostError
+from moecomm.errors import DeadlineExceededError, MoecommError, PeerLostError
 
 from moecomm_serving.api import openai as oa
 from moecomm_serving.api.routes import cancel_on_disconnect
@@ -40,36 +49,53 @@ from moecomm_serving.disagg.schema import (
     PdRequestError,
     PrefillAnswer,
     PrefillCall,
+    ReserveCall,
     to_line,
 )
-from moecomm_serving.disagg.transfer import KvInbox, KvOutbox, KvTransferError, install_kv_routes
-from moecomm_serving.kv.blocks import check_package
-from moecomm_serving.kv.package import KvHandoffError, decode_package, encode_package
+from moecomm_serving.disagg.staged import KvInbox, KvOutbox, install_kv_routes
+from moecomm_serving.disagg.transfer import (
+    DEFAULT_KV_POOL_BYTES,
+    KvBusyError,
+    KvEndpoint,
+    KvReservationError,
+    KvTransferError,
+    KvUnreachableError,
+)
+from moecomm_serving.kv.package import KvHandoffError, decode_package, encode_package, pack, unpack
 from moecomm_serving.types import ErrorEvent, FinishEvent, HandoffEvent, Resume, TokenEvent
 
 ROLES = ("both", "prefill", "decode")
 PREFILL_ROLES, DECODE_ROLES = ("both", "prefill"), ("both", "decode")
-# The prefill front end answers the router only once the decode side acknowledged every chunk,
-# so the package is normally there already; this bounds a wait for one that never comes (the
-# router then retries elsewhere).
+# The prefill front end answers the router only once the transfer's completion word is set, so
+# the blocks are normally there already; this bounds a wait for a transfer still under way.
 KV_ARRIVAL_TIMEOUT_S = 30.0
-# How long a prefill front end waits for a decode front end to take a package's chunks.
+# The transport the KV pools are written over (the only one moecomm.wire.kv pools speak yet).
+KV_TRANSPORT = "shm"
+# How long a prefill front end waits for a decode front end on another host to take a staged
+# package's chunks.
 KV_SEND_TIMEOUT_S = 30.0
 NDJSON = "application/x-ndjson"
 
 
 class PdState:
-    """A front end's side of the split: the KV inbox (decode), the outbox (prefill) and their
-    counters, which /metrics renders."""
+    """A front end's side of the split: its KV endpoint (the pool hand-offs are written from
+    and into) and the counters /metrics renders."""
 
-    def __init__(self, role: str, transport="auto", host: str | None = None):
+    def __init__(
+        self, role: str, endpoint: KvEndpoint, staged: str | None = None, host: str | None = None
+    ):
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         self.role = role
-        self.inbox = KvInbox(transport, host).start() if role in DECODE_ROLES else None
-        self.outbox = (
-            KvOutbox(transport, host, KV_SEND_TIMEOUT_S) if role in PREFILL_ROLES else None
-        )
+        self.endpoint = endpoint
+        # the staged hand-off across hosts (`staged`: its transport spec; None: none)
+        self.inbox = self.outbox = None
+        if staged is not None and role in DECODE_ROLES:
+            self.inbox = KvInbox(staged, host).start()
+        if staged is not None and role in PREFILL_ROLES:
+            self.outbox = KvOutbox(staged, host, KV_SEND_TIMEOUT_S)
+        # the reservation calls to decode front ends (prefill roles), made on worker threads
+        self.http = httpx.Client(trust_env=False) if role in PREFILL_ROLES else None
         self._lock = threading.Lock()
         self.counts = {
             ("sent", "handoffs"): 0,
@@ -82,12 +108,20 @@ class PdState:
         self.transfer_s = 0.0
         self.sent_by_transport: dict[str, int] = {}
 
+    @property
+    def sends(self) -> bool:
+        return self.role in PREFILL_ROLES
+
+    @property
+    def receives(self) -> bool:
+        return self.role in DECODE_ROLES
+
     def count(self, direction: str, what: str, n: int = 1) -> None:
         with self._lock:
             self.counts[(direction, what)] += n
 
     def sent(self, transport: str, seconds: float, nbytes: int) -> None:
-        """Counts one package handed off over `transport` in `seconds`."""
+        """Counts one hand-off written over `transport` in `seconds`."""
         with self._lock:
             self.transfer_s += seconds
             if transport:
@@ -101,8 +135,11 @@ class PdState:
         rows = []
         for what, help_text in (
             ("handoffs", "KV hand-offs of the prefill/decode split, by direction."),
-            ("bytes", "KV package bytes handed off, by direction."),
-            ("failures", "KV hand-offs that failed (transfer lost, package refused)."),
+            ("bytes", "KV bytes handed off (whole blocks, every layer), by direction."),
+            (
+                "failures",
+                "KV hand-offs that failed (transfer lost or refused, reservation refused).",
+            ),
         ):
             name = f"moecomm_kv_handoff_{what}_total"
             for direction in ("sent", "received"):
@@ -113,8 +150,8 @@ class PdState:
                 (
                     "counter",
                     "moecomm_kv_handoff_sent_by_transport_total",
-                    "KV packages sent, by the transport the decode front end was reached over "
-                    "(shm on this host, nixl across hosts).",
+                    "KV hand-offs sent, by the transport the decode front end's pool was "
+                    "written over.",
                     self.sent_by_transport[name],
                     f'{{transport="{name}"}}',
                 )
@@ -123,44 +160,84 @@ class PdState:
             (
                 "counter",
                 "moecomm_kv_handoff_send_seconds_total",
-                "Seconds spent sending KV packages to decode front ends (until acknowledged).",
+                "Seconds spent handing KV to decode front ends (reservation and write).",
                 seconds,
             )
         )
         return rows
 
     def close(self) -> None:
+        if self.http is not None:
+            self.http.close()
         if self.inbox is not None:
             self.inbox.close()
         if self.outbox is not None:
             self.outbox.close()
+        self.endpoint.close()
 
 
 class PdRoutes:
     """The split's routes on one front end, an
     :class:`~moecomm_serving.api.app.AppExtension` (``make_frontend_app(..., extensions=[...])``):
-    ``/pd/info``, ``/pd/prefill`` (prefill roles), ``/pd/decode`` (decode roles) and the KV
-    inbox's routes. Its :class:`PdState` is ``.state`` once installed."""
+    ``/pd/info``, ``/pd/prefill`` (prefill roles), ``/pd/reserve`` and ``/pd/decode`` (decode
+    roles). Its :class:`PdState` is ``.state`` once installed.
 
-    def __init__(self, role: str, transport="auto", host: str | None = None):
+    `transport`: "shm" (pool to pool only), "auto" or "nixl" (pool to pool on one host, and the
+    staged hand-off over nixl with front ends on other hosts, when NIXL is installed); `host`:
+    the address nixl carries bytes over. `kv_pool_bytes`: the size of the front end's KV pool
+    (:data:`~moecomm_serving.disagg.transfer.DEFAULT_KV_POOL_BYTES`)."""
+
+    def __init__(
+        self,
+        role: str,
+        transport="auto",
+        host: str | None = None,
+        kv_pool_bytes: int = DEFAULT_KV_POOL_BYTES,
+    ):
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-        self.role, self.transport, self.host = role, transport, host
+        name = getattr(transport, "name", transport)
+        if name not in ("auto", "shm", "nixl"):
+            raise ValueError(f"transport must be auto, shm or nixl, got {name!r}")
+        self.staged = None
+        if name != "shm":
+            from moecomm.wire.nixl import available
+
+            ok, _ = available()
+            if ok:
+                self.staged = name
+            elif name == "nixl":
+                raise ValueError(
+                    "transport nixl: NIXL is not installed (pip install 'moecomm[nixl]')"
+                )
+        self.role, self.host, self.kv_pool_bytes = role, host, kv_pool_bytes
         self.state: PdState | None = None  # opened by install()
         self.fe = None
 
     # ------------------------------------------------------------------ AppExtension
     def install(self, app: FastAPI, fe) -> None:
         """Adds the routes to `fe`'s app (`fe`: its :class:`~moecomm_serving.api.app.Frontend`)
-        and opens the KV inbox or outbox the role needs."""
-        if self.role in DECODE_ROLES and fe.engine.pool is None:
-            raise ValueError(f"role {self.role!r} takes KV hand-offs: it needs the paged KV cache")
+        and places its engine's KV cache in a KV pool (before the engine starts serving)."""
+        if fe.engine.pool is None:
+            raise ValueError(f"role {self.role!r} hands KV off: it needs the paged KV cache")
         self.fe = fe
-        self.state = PdState(self.role, self.transport, self.host)
+        endpoint = KvEndpoint(fe.engine.pool, self.kv_pool_bytes)
+        try:
+            self.state = PdState(self.role, endpoint, self.staged, self.host)
+        except BaseException:
+            endpoint.close()
+            raise
+        # its calls to decode front ends carry the deployment's secret, when it has one
+        peer_headers = getattr(fe, "peer_headers", None) or {}
+        if self.state.http is not None:
+            self.state.http.headers.update(peer_headers)
+        if self.state.outbox is not None:  # the staged channel's set-up calls too
+            self.state.outbox._http.headers.update(peer_headers)
         fe.extra_metrics.append(self.state.metric_rows)
         install_kv_routes(app, lambda: self.state.inbox)
         app.add_api_route("/pd/info", self.info, methods=["GET"])
         app.add_api_route("/pd/prefill", self.prefill, methods=["POST"])
+        app.add_api_route("/pd/reserve", self.reserve, methods=["POST"])
         app.add_api_route("/pd/decode", self.decode, methods=["POST"])
 
     def close(self) -> None:
@@ -178,38 +255,64 @@ class PdRoutes:
 
     async def prefill(self, request: Request):
         state, fe = self.state, self.fe
-        call = await self._read_call(request, state.outbox, "/pd/prefill", PrefillCall)
+        call = await self._read_call(request, state.sends, "/pd/prefill", PrefillCall)
         t0 = time.monotonic()
         req, queue = fe.submit(call.prompt, call.params, handoff=True)
         token, finish, handed = None, None, None
         try:
-            async for ev in fe.events(req, queue, request):
-                if isinstance(ev, HandoffEvent):
-                    token, handed = ev.token, ev
-                elif isinstance(ev, TokenEvent):
-                    token, finish = ev.token, ev.finish
-                elif isinstance(ev, FinishEvent):
-                    finish = ev.reason
-                elif isinstance(ev, ErrorEvent):
-                    raise oa.ApiError(ev.status, ev.message)
+            try:
+                async for ev in fe.events(req, queue, request):
+                    if isinstance(ev, HandoffEvent):
+                        token, handed = ev.token, ev
+                    elif isinstance(ev, TokenEvent):
+                        token, finish = ev.token, ev.finish
+                    elif isinstance(ev, FinishEvent):
+                        finish = ev.reason
+                    elif isinstance(ev, ErrorEvent):
+                        raise oa.ApiError(ev.status, ev.message)
+            finally:
+                req.cancel()
+            if token is None:  # the router hung up
+                raise oa.ApiError(499, "request cancelled")
+            prefill_s = time.monotonic() - t0
+            if handed is None:  # the first token ended it: nothing to hand off
+                return PrefillAnswer(token, finish, None, None, prefill_s, 0).to_json()
+            receipt = await self._send(call, handed)
         finally:
-            req.cancel()
-        if token is None:  # the router hung up
-            raise oa.ApiError(499, "request cancelled")
-        prefill_s = time.monotonic() - t0
-        if handed is None:  # the first token ended it: nothing to hand off
-            return PrefillAnswer(token, finish, None, None, prefill_s, 0).to_json()
-        receipt = await self._send(call, handed)
+            if handed is not None:
+                handed.package.release()  # sent or not, this front end's blocks go back
         rng = None if handed.rng_state is None else bytes(handed.rng_state.numpy())
         answer = PrefillAnswer(token, None, receipt, rng, prefill_s, handed.cached_tokens)
         return answer.to_json()
 
     async def _send(self, call: PrefillCall, handed: HandoffEvent) -> KvReceipt:
-        """Hands `handed`'s KV package to the decode front end `call` names."""
+        """Writes `handed`'s blocks into the decode front end `call` names."""
         state = self.state
-        data = await asyncio.to_thread(encode_package, handed.package, call.handoff_id)
+        held = handed.package
         t1 = time.monotonic()
         try:
+            slot, seq = await asyncio.to_thread(
+                state.endpoint.send, state.http, call.decode_url, call.handoff_id, held
+            )
+        except KvUnreachableError as exc:
+            if state.outbox is None:
+                state.count("sent", "failures")
+                raise oa.ApiError(502, f"KV hand-off to {call.decode_url}: {exc}") from None
+            return await self._send_staged(call, held, t1)
+        except KvTransferError as exc:
+            state.count("sent", "failures")
+            raise oa.ApiError(502, f"KV hand-off to {call.decode_url} failed: {exc}") from None
+        transfer_s = time.monotonic() - t1
+        nbytes = len(held.blocks) * self.fe.engine.pool.block_bytes
+        state.sent(KV_TRANSPORT, transfer_s, nbytes)
+        return KvReceipt(slot, seq, nbytes, transfer_s, KV_TRANSPORT)
+
+    async def _send_staged(self, call: PrefillCall, held, t1: float) -> KvReceipt:
+        """The hand-off to a decode front end on another host: the blocks as a byte package
+        over the outbox's stage channel (nixl)."""
+        state = self.state
+        try:
+            data = await asyncio.to_thread(lambda: encode_package(pack(held), call.handoff_id))
             client_id, tag = await asyncio.to_thread(
                 state.outbox.send, call.decode_url, data, KV_SEND_TIMEOUT_S
             )
@@ -217,16 +320,18 @@ class PdRoutes:
             state.count("sent", "failures")
             raise oa.ApiError(502, f"KV hand-off to {call.decode_url} failed: {exc}") from None
         transfer_s = time.monotonic() - t1
-        transport = state.outbox.connected().get(call.decode_url, "")
+        transport = state.outbox.connected().get(call.decode_url.rstrip("/"), "") or "nixl"
         state.sent(transport, transfer_s, data.numel())
         return KvReceipt(client_id, tag, data.numel(), transfer_s, transport)
 
-    async def decode(self, request: Request):
-        state, fe = self.state, self.fe
-        call = await self._read_call(request, state.inbox, "/pd/decode", DecodeCall)
-        if any(t >= fe.vocab_size for t in call.tokens):
-            raise oa.ApiError(400, f"tokens must be ids in [0, {fe.vocab_size})")
-        rng = None if call.params.greedy else _rng_state(call.rng)
+    async def _take_staged(self, call: DecodeCall):
+        """The blocks of a staged hand-off (another host's prefill): the package taken from the
+        inbox, checked, and written into blocks reserved in this pool."""
+        state = self.state
+        if state.inbox is None:
+            raise oa.ApiError(
+                400, f"kv.transport {call.transport!r}: this front end takes no staged hand-offs"
+            )
         try:
             data = await asyncio.to_thread(
                 state.inbox.take, call.client_id, call.tag, KV_ARRIVAL_TIMEOUT_S
@@ -237,32 +342,100 @@ class PdRoutes:
         except PeerLostError as exc:
             state.count("received", "failures")
             raise oa.ApiError(502, f"the prefill side was lost mid-package: {exc}") from None
+        except MoecommError as exc:  # KvTransferError: refused chunk, closed inbox
+            state.count("received", "failures")
+            raise oa.ApiError(502, f"the KV package will not come: {exc}") from None
+
+        def place():
+            return unpack(self.fe.engine.pool, decode_package(data, call.handoff_id))
+
         try:
-            package = await asyncio.to_thread(decode_package, data, call.handoff_id)
-            # checked here, once: the engine imports the checked package without asking again
-            package = check_package(fe.engine.pool, package)
-        except (KvHandoffError, ValueError) as exc:
+            return await asyncio.to_thread(place)
+        except KvHandoffError as exc:
             state.count("received", "failures")
             raise oa.ApiError(400, f"KV package refused: {exc}") from None
-        want = len(call.prompt) + len(call.tokens) - 1
-        if package.length != want:
+        except MoecommError as exc:  # KvPoolFullError
             state.count("received", "failures")
-            raise oa.ApiError(
-                400,
-                f"KV package refused: it holds {package.length} tokens; the prompt and the "
-                f"tokens given need {want}",
-            )
+            raise oa.ApiError(503, f"no room for the KV package: {exc}") from None
+        except ValueError as exc:
+            state.count("received", "failures")
+            raise oa.ApiError(400, f"KV package refused: {exc}") from None
+
+    async def reserve(self, request: Request):
+        state = self.state
+        if not state.receives:
+            raise oa.ApiError(404, f"/pd/reserve: this front end's role is {state.role!r}")
+        raw = await oa.read_body(request, self.fe.max_body_bytes)
+        try:
+            call = ReserveCall.from_json(raw)
+        except PdRequestError as exc:
+            raise oa.ApiError(400, str(exc)) from None
+        try:
+            answer = await asyncio.to_thread(state.endpoint.reserve, call)
+        except KvReservationError as exc:
+            state.count("received", "failures")
+            raise oa.ApiError(400, str(exc)) from None
+        except KvUnreachableError as exc:
+            state.count("received", "failures")
+            raise oa.ApiError(409, str(exc)) from None
+        except KvBusyError as exc:
+            state.count("received", "failures")
+            raise oa.ApiError(503, str(exc)) from None
+        return answer.to_json()
+
+    async def decode(self, request: Request):
+        state, fe = self.state, self.fe
+        call = await self._read_call(request, state.receives, "/pd/decode", DecodeCall)
+        if any(t >= fe.vocab_size for t in call.tokens):
+            raise oa.ApiError(400, f"tokens must be ids in [0, {fe.vocab_size})")
+        try:
+            if call.transport != KV_TRANSPORT:
+                held = await self._take_staged(call)
+            else:
+                held = await asyncio.to_thread(
+                    state.endpoint.take,
+                    call.handoff_id,
+                    call.client_id,
+                    call.tag,
+                    KV_ARRIVAL_TIMEOUT_S,
+                )
+        except DeadlineExceededError as exc:
+            state.count("received", "failures")
+            raise oa.ApiError(504, f"the KV transfer did not arrive: {exc}") from None
+        except PeerLostError as exc:
+            state.count("received", "failures")
+            raise oa.ApiError(502, f"the prefill side was lost mid-transfer: {exc}") from None
+        except KvReservationError as exc:
+            state.count("received", "failures")
+            raise oa.ApiError(400, f"KV transfer refused: {exc}") from None
+        except KvTransferError as exc:
+            state.count("received", "failures")
+            raise oa.ApiError(502, str(exc)) from None
+        try:
+            rng = None if call.params.greedy else _rng_state(call.rng)
+            want = len(call.prompt) + len(call.tokens) - 1
+            if held.package.length != want:
+                raise oa.ApiError(
+                    400,
+                    f"KV transfer refused: it holds {held.package.length} tokens; the prompt "
+                    f"and the tokens given need {want}",
+                )
+            resume = Resume(held, list(call.tokens), rng)
+            req, queue = fe.submit(call.prompt, call.params, resume=resume)
+        except BaseException as exc:
+            held.release()
+            if isinstance(exc, oa.ApiError) and exc.status < 500:
+                state.count("received", "failures")
+            raise
         state.count("received", "handoffs")
-        state.count("received", "bytes", data.numel())
-        resume = Resume(package, list(call.tokens), rng)
-        req, queue = fe.submit(call.prompt, call.params, resume=resume)
-        body = cancel_on_disconnect(_ndjson(fe, req, queue), request, req)
+        state.count("received", "bytes", len(held.blocks) * fe.engine.pool.block_bytes)
+        body = cancel_on_disconnect(_ndjson(fe, req, queue, held), request, req)
         return StreamingResponse(body, media_type=NDJSON)
 
-    async def _read_call(self, request: Request, side, route: str, message):
-        """The route's checked body: 404 when this front end has no `side` for it (its role),
+    async def _read_call(self, request: Request, serves: bool, route: str, message):
+        """The route's checked body: 404 when this front end's role does not serve `route`,
         400 for a malformed body or a prompt the model cannot take."""
-        if side is None:
+        if not serves:
             raise oa.ApiError(404, f"{route}: this front end's role is {self.state.role!r}")
         raw = await oa.read_body(request, self.fe.max_body_bytes)
         try:
@@ -289,9 +462,10 @@ def _rng_state(raw: bytes | None) -> torch.Tensor:
     return state
 
 
-async def _ndjson(fe, req, queue) -> AsyncIterator[bytes]:
+async def _ndjson(fe, req, queue, held) -> AsyncIterator[bytes]:
     """One line per token; an error line ends a failed request. The request is cancelled
-    whenever the stream stops early (the router hung up)."""
+    whenever the stream stops early (the router hung up), and the handed-off blocks are
+    released if the engine never adopted them (a request cancelled while queued)."""
     try:
         async for ev in fe.events(req, queue, None):
             if isinstance(ev, TokenEvent):
@@ -301,3 +475,4 @@ async def _ndjson(fe, req, queue) -> AsyncIterator[bytes]:
             # a FinishEvent repeats the last token's finish: nothing to add
     finally:
         req.cancel()
+        held.release()

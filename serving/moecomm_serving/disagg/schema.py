@@ -1,8 +1,12 @@
 """The messages of the prefill/decode split's internal routes (docs/router.md), each defined
 once and used by both of its ends: what a router sends a prefill front end
 (:class:`PrefillCall`, ``POST /pd/prefill``) and what it answers (:class:`PrefillAnswer`), what
-the router then sends a decode front end (:class:`DecodeCall`, ``POST /pd/decode``) and the
-lines that stream back (:class:`DecodeToken`, :class:`DecodeError`).
+the prefill front end asks the decode front end before it writes the KV there
+(:class:`ReserveCall`, ``POST /pd/reserve``: the cache's metadata and the sender's KV pool) and
+what it answers (:class:`ReserveAnswer`: the receiver's pool and the transfer's destination
+blocks), what the router then sends the decode front end (:class:`DecodeCall`,
+``POST /pd/decode``) and the lines that stream back (:class:`DecodeToken`,
+:class:`DecodeError`).
 
 Every message has ``to_json`` (what the sender writes) and ``from_json`` (what the receiver
 reads), and ``from_json`` checks every field once: a malformed message is a
@@ -23,13 +27,23 @@ from typing import Any
 
 from moecomm.errors import MoecommError
 
-from moecomm_serving.types import SamplingParams
+from moecomm_serving.types import KvPackage, SamplingParams
 
 # A router's id of one attempt; bounded so a hostile body cannot make every log line huge.
 MAX_HANDOFF_ID_CHARS = 64
 # The sampler state of torch's CPU generator (mt19937) is 5,056 bytes; base64 of a state
 # beyond this is not one.
 MAX_RNG_STATE_B64_CHARS = 16384
+# A KV pool's description (moecomm.wire.kv.KvPoolInfo JSON: handles and a layout of a few parts
+# per layer) and a transfer request (a list of block ids): far below this for any real model;
+# the pool code checks their contents, this only bounds what a body may make us parse.
+MAX_KV_JSON_CHARS = 8 << 20
+# A cache's metadata lists its layers; no model has more (moecomm.wire.kv.MAX_LAYERS).
+MAX_KV_LAYERS = 1024
+MAX_DTYPE_CHARS = 32
+# How the KV of a hand-off moves when both front ends share a host: pool to pool over shm.
+POOL_TRANSPORT = "shm"
+MAX_TRANSPORT_CHARS = 16
 # Fields of a sampling params object, with their JSON types.
 _PARAM_TYPES = {
     "max_new_tokens": int,
@@ -144,6 +158,43 @@ def rng_from_json(value) -> bytes | None:
         raise PdRequestError("rng is not valid base64") from None
 
 
+def package_to_json(p: KvPackage) -> dict[str, Any]:
+    return p.meta()
+
+
+def package_from_json(d) -> KvPackage:
+    """A cache's metadata, with every field's type checked (whether it fits a pool is
+    :func:`moecomm_serving.kv.blocks.check_package`'s question, asked once by the receiver)."""
+    if not isinstance(d, dict):
+        raise PdRequestError("kv must be an object (the cache's metadata)")
+    _fields(d, "kv", {"version", "length", "block_tokens", "layers", "kv_shape", "dtype"})
+    layers = d["layers"]
+    if not isinstance(layers, list) or not 0 < len(layers) <= MAX_KV_LAYERS:
+        raise PdRequestError(f"kv.layers must be a list of 1..{MAX_KV_LAYERS} layer ids")
+    shape = d["kv_shape"]
+    if not isinstance(shape, list) or len(shape) != 3:
+        raise PdRequestError("kv.kv_shape must be [heads, key width, value width]")
+    dtype = d["dtype"]
+    if not isinstance(dtype, str) or not 0 < len(dtype) <= MAX_DTYPE_CHARS:
+        raise PdRequestError("kv.dtype must be an element type's name")
+    return KvPackage(
+        version=_int(d["version"], "kv.version"),
+        length=_int(d["length"], "kv.length", 1),
+        block_tokens=_int(d["block_tokens"], "kv.block_tokens", 1),
+        layers=tuple(_int(x, "kv.layers") for x in layers),
+        kv_shape=tuple(_int(x, "kv.kv_shape", 1) for x in shape),
+        dtype=dtype,
+    )
+
+
+def _kv_json(value, name: str) -> str:
+    """A JSON document of moecomm.wire.kv (a pool's info, a transfer request), as the string
+    its own parser reads."""
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_KV_JSON_CHARS:
+        raise PdRequestError(f"{name} must be a JSON string of at most {MAX_KV_JSON_CHARS} chars")
+    return value
+
+
 # --------------------------------------------------------------------------------- messages
 
 
@@ -181,15 +232,62 @@ class PrefillCall:
 
 
 @dataclass(frozen=True)
+class ReserveCall:
+    """Prefill front end -> decode front end, before any KV byte moves: reserve blocks for a
+    cache described by `kv` (checked once, there), to be written from the KV pool `pool` (its
+    :class:`moecomm.wire.kv.KvPoolInfo` JSON), for the router's hand-off `handoff_id`."""
+
+    handoff_id: str
+    kv: KvPackage
+    pool: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"handoff_id": self.handoff_id, "kv": package_to_json(self.kv), "pool": self.pool}
+
+    @classmethod
+    def from_json(cls, raw: bytes | str | dict) -> ReserveCall:
+        d = _object(raw, "reserve call")
+        _fields(d, "reserve call", {"handoff_id", "kv", "pool"})
+        return cls(
+            _handoff_id(d["handoff_id"]), package_from_json(d["kv"]), _kv_json(d["pool"], "pool")
+        )
+
+
+@dataclass(frozen=True)
+class ReserveAnswer:
+    """Decode front end -> prefill front end: its KV pool (`pool`, KvPoolInfo JSON) and the
+    transfer to write (`request`, :class:`moecomm.wire.kv.KvTransferRequest` JSON: the
+    destination blocks, the completion slot and the transfer's sequence number)."""
+
+    pool: str
+    request: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"pool": self.pool, "request": self.request}
+
+    @classmethod
+    def from_json(cls, raw: bytes | str | dict) -> ReserveAnswer:
+        d = _object(raw, "reserve answer")
+        _fields(d, "reserve answer", {"pool", "request"})
+        return cls(_kv_json(d["pool"], "pool"), _kv_json(d["request"], "request"))
+
+
+@dataclass(frozen=True)
 class KvReceipt:
-    """Where a handed-off KV package waits in the decode front end's inbox (the sending
-    client's id and the package's tag), and what sending it took."""
+    """Where the handed-off KV waits on the decode front end, and what sending it took. The
+    field names are the wire's since the byte mailbox it replaced (kept so that routers of
+    either age read it): `client_id` is the transfer's completion slot in the decode front
+    end's KV pool, `tag` the transfer's sequence number (what the decode front end finds its
+    reservation by)."""
 
     client_id: int
     tag: int
     bytes: int
     transfer_s: float
-    transport: str  # the transport the decode front end was reached over: "shm" or "nixl"
+    # how the KV went: "shm" pool to pool (:mod:`moecomm_serving.disagg.transfer`), or the
+    # transport of the staged hand-off across hosts ("nixl", :mod:`~.staged`: `client_id` and
+    # `tag` are then the sender's id and the package's tag in the decode front end's inbox)
+    transport: str
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -253,8 +351,11 @@ class PrefillAnswer:
 
 @dataclass(frozen=True)
 class DecodeCall:
-    """Router -> decode front end: take the KV package (`client_id`, `tag`) from the inbox and
-    generate the rest of the request after `tokens` (at least the prefill's first)."""
+    """Router -> decode front end: continue from the KV transfer (`client_id`: its slot,
+    `tag`: its sequence number, :class:`KvReceipt`) written into its pool, and generate the
+    rest of the request after `tokens` (at least the prefill's first). `transport` is the
+    receipt's: "shm" unless the KV came the staged way (then it is in the inbox, and the wire's
+    ``kv`` object carries ``transport`` too)."""
 
     handoff_id: str
     prompt: list[int]
@@ -263,6 +364,7 @@ class DecodeCall:
     rng: bytes | None
     client_id: int
     tag: int
+    transport: str = POOL_TRANSPORT
 
     @classmethod
     def after_prefill(cls, call: PrefillCall, answer: PrefillAnswer) -> DecodeCall:
@@ -277,6 +379,7 @@ class DecodeCall:
             answer.rng,
             answer.kv.client_id,
             answer.kv.tag,
+            answer.kv.transport or POOL_TRANSPORT,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -286,7 +389,8 @@ class DecodeCall:
             "tokens": self.tokens,
             "params": params_to_json(self.params),
             "rng": rng_to_json(self.rng),
-            "kv": {"client_id": self.client_id, "tag": self.tag},
+            "kv": {"client_id": self.client_id, "tag": self.tag}
+            | ({} if self.transport == POOL_TRANSPORT else {"transport": self.transport}),
         }
 
     @classmethod
@@ -294,8 +398,11 @@ class DecodeCall:
         d = _object(raw, "decode call")
         _fields(d, "decode call", {"handoff_id", "prompt", "tokens", "params", "rng", "kv"})
         kv = d["kv"]
-        if not isinstance(kv, dict) or set(kv) != {"client_id", "tag"}:
-            raise PdRequestError('kv must be {"client_id": int, "tag": int}')
+        if not isinstance(kv, dict) or set(kv) - {"transport"} != {"client_id", "tag"}:
+            raise PdRequestError('kv must be {"client_id": int, "tag": int[, "transport": str]}')
+        transport = kv.get("transport", POOL_TRANSPORT)
+        if not isinstance(transport, str) or not 0 < len(transport) <= MAX_TRANSPORT_CHARS:
+            raise PdRequestError("kv.transport must be a transport's name")
         return cls(
             _handoff_id(d["handoff_id"]),
             _ints(d["prompt"], "prompt"),
@@ -304,6 +411,7 @@ class DecodeCall:
             rng_from_json(d["rng"]),
             _int(kv["client_id"], "kv.client_id"),
             _int(kv["tag"], "kv.tag"),
+            transport,
         )
 
 

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 
 import torch
 
-from moecomm_serving.kv.blocks import BlockPool, CheckedKvPackage, PagedSequence
+from moecomm_serving.kv.blocks import BlockPool, HeldBlocks, PagedSequence
 from moecomm_serving.kv.prefix_cache import PrefixCache
 from moecomm_serving.model.transformer import MoETransformer
-from moecomm_serving.types import KvPackage, SamplingParams
+from moecomm_serving.types import SamplingParams
 
 FINISH_STOP = "stop"  # produced a stop token (end of sequence)
 FINISH_LENGTH = "length"  # reached max_new_tokens
@@ -103,12 +103,13 @@ class Generation:
         params: SamplingParams,
         eos_token_id: int | Sequence[int] | None,
         pool: BlockPool,
-        package: KvPackage | CheckedKvPackage,
+        package: HeldBlocks,
         tokens: Sequence[int],
         rng_state: torch.Tensor | None,
     ) -> Generation:
         """A generation handed over by a prefill front end: the KV cache of `prompt` and of
-        every token of `tokens` but the last (a :class:`~moecomm_serving.types.KvPackage`),
+        every token of `tokens` but the last (blocks of `pool` it was written into, a
+        :class:`~moecomm_serving.kv.blocks.HeldBlocks` the cache adopts),
         the tokens generated so far, and the sampler's state after drawing them. Its next
         forward feeds ``tokens[-1]``, as if it had run here from the start. Raises ValueError
         for a hand-off that does not fit (other model or block size, wrong length, a sampled

@@ -2,9 +2,9 @@
 
 - :mod:`~moecomm_serving.kv.cache`: a growable buffer per (sequence, layer) and the batch a
   forward runs over (:class:`~moecomm_serving.kv.cache.ForwardBatch`);
-- :mod:`~moecomm_serving.kv.blocks`: the paged cache (a block pool, a block table per sequence);
-- :mod:`~moecomm_serving.kv.prefix_cache`: full blocks kept after their request, found by tokens;
-- :mod:`~moecomm_serving.kv.package`: a request's cache as bytes one front end hands another.
+- :mod:`~moecomm_serving.kv.blocks`: the paged cache (a block pool, a block table per sequence,
+  blocks held for a hand-off between front ends and the metadata checked before one);
+- :mod:`~moecomm_serving.kv.prefix_cache`: full blocks kept after their request, found by tokens.
 
 Plain tensors and bookkeeping: no model code.
 """

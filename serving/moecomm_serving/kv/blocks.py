@@ -5,8 +5,12 @@ A :class:`BlockPool` holds, for every layer the model owns, a key tensor
 value width (DeepSeek's MLA: the latent in the key slot, the rotated key in the value slot, one
 "head", as :class:`~moecomm_serving.kv.cache.LayerKV` lays them out). One block id names the same
 token range in every layer, so a block is the unit the prefix cache shares
-(:mod:`moecomm_serving.kv.prefix_cache`) and the unit a request's cache is exported in
-(:meth:`PagedSequence.export_blocks`, for a later prefill -> decode hand-off).
+(:mod:`moecomm_serving.kv.prefix_cache`) and the unit a request's cache is handed off in: a
+prefill front end holds its request's blocks (:meth:`PagedSequence.export_blocks`, a
+:class:`HeldBlocks`), a decode front end reserves blocks for them (:meth:`HeldBlocks.reserve`),
+the bytes move block to block between the two pools (:mod:`moecomm.wire.kv`, when the pools'
+tensors live in a :class:`moecomm.wire.kv.KvPool`, :meth:`BlockPool.place`), and the decode's
+sequence adopts the reserved blocks (:meth:`PagedSequence.import_blocks`): no copy here.
 
 A :class:`PagedSequence` is a drop-in for :class:`~moecomm_serving.kv.cache.SequenceKV` in
 :meth:`MoETransformer.forward <moecomm_serving.model.transformer.MoETransformer.forward>`:
@@ -15,16 +19,21 @@ returns the whole cache gathered in token order, ``[heads, length, width]``, the
 growable cache returns, so the attention arithmetic (and so every output) is bit-identical.
 
 Blocks are reference counted: a sequence holds one reference per block of its table, the prefix
-cache one per block it keeps. A block with more than one reference is never written: a sequence
-about to write into one copies it first (copy on write), so sharing is invisible to the math.
+cache one per block it keeps, a hand-off one per block it holds. A block with more than one
+reference is never written: a sequence about to write into one copies it first (copy on write),
+so sharing is invisible to the math, and a block being sent is never overwritten. The engine
+thread runs the model; the counts are also changed by the threads that hand KV off (a reserve,
+a release), so they are kept under the pool's lock.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 import torch
+from moecomm.errors import MoecommError
 
 from moecomm_serving.types import KvPackage
 
@@ -36,8 +45,13 @@ DEFAULT_BLOCK_TOKENS = 16
 # runs out, so a pool that ends up with n blocks was copied O(log n) times. It never shrinks:
 # its high-water mark stays allocated, as a preallocated serving cache would be.
 INITIAL_POOL_BLOCKS = 16
-# Format tag of an exported sequence (a bump means a receiver must refuse older packages).
-EXPORT_VERSION = 1
+# Format tag of a handed-off cache's metadata (a bump means a receiver must refuse older ones).
+# 2: the blocks move pool to pool (1 was a byte package with the tensors inside).
+EXPORT_VERSION = 2
+
+
+class KvPoolFullError(MoecommError, RuntimeError):
+    """A pool of fixed capacity (:meth:`BlockPool.place`) has no free block left."""
 
 
 class BlockPool:
@@ -47,7 +61,8 @@ class BlockPool:
         layers: global ids of the layers cached (a pipeline stage's range, or all).
         kv_heads, k_dim, v_dim: per token per layer: heads, key width, value width.
         block_tokens: tokens per block.
-        initial_blocks: blocks allocated up front (the pool grows by doubling).
+        initial_blocks: blocks allocated up front (the pool grows by doubling, until it is
+            placed in memory of a fixed size: :meth:`place`).
     """
 
     def __init__(
@@ -88,6 +103,9 @@ class BlockPool:
         self.refs = [0] * initial_blocks
         # Lowest ids first: a fresh pool hands out 0, 1, 2... (deterministic block tables).
         self._free = list(range(initial_blocks - 1, -1, -1))
+        self.growable = True
+        # Reentrant: allocate() grows under it.
+        self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -112,21 +130,35 @@ class BlockPool:
     # ------------------------------------------------------------------ allocation
     def allocate(self) -> int:
         """A free block with one reference (the caller's)."""
-        if not self._free:
-            self._grow()
-        block = self._free.pop()
-        self.refs[block] = 1
-        return block
+        with self._lock:
+            if not self._free:
+                self._grow()
+            block = self._free.pop()
+            self.refs[block] = 1
+            return block
+
+    def allocate_many(self, n: int) -> list[int]:
+        """`n` free blocks, one reference each, all or none (KvPoolFullError)."""
+        with self._lock:
+            while self.growable and len(self._free) < n:
+                self._grow()
+            if len(self._free) < n:
+                raise KvPoolFullError(
+                    f"KV pool full: {n} blocks wanted, {len(self._free)} of {self.capacity} free"
+                )
+            return [self.allocate() for _ in range(n)]
 
     def ref(self, block: int) -> None:
-        self._check_live(block)
-        self.refs[block] += 1
+        with self._lock:
+            self._check_live(block)
+            self.refs[block] += 1
 
     def unref(self, block: int) -> None:
-        self._check_live(block)
-        self.refs[block] -= 1
-        if self.refs[block] == 0:
-            self._free.append(block)
+        with self._lock:
+            self._check_live(block)
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                self._free.append(block)
 
     def refcount(self, block: int) -> int:
         if not 0 <= block < self.capacity:
@@ -137,7 +169,37 @@ class BlockPool:
         if self.refcount(block) < 1:
             raise RuntimeError(f"block {block} is free: a reference was dropped twice")
 
+    def place(self, k: dict[int, torch.Tensor], v: dict[int, torch.Tensor]) -> None:
+        """Moves the pool's storage into `k` and `v` (per layer, ``[capacity, heads,
+        block_tokens, width]``: the views of a :class:`moecomm.wire.kv.KvPool`, which peers
+        write blocks into). The pool keeps that capacity from then on (a full pool raises
+        KvPoolFullError instead of growing: a peer's writes must land where it was told).
+        Only a pool with no block in use can be placed (a front end does it before it serves)."""
+        with self._lock:
+            if self.num_used:
+                raise RuntimeError(f"a pool with {self.num_used} blocks in use cannot be placed")
+            if set(k) != set(self.layers) or set(v) != set(self.layers):
+                raise ValueError(
+                    f"place: tensors for layers {sorted(k)}, the pool has {self.layers}"
+                )
+            capacity = k[self.layers[0]].shape[0]
+            heads, kd, vd = self.kv_shape
+            b = self.block_tokens
+            for store, width in ((k, kd), (v, vd)):
+                for t in store.values():
+                    if tuple(t.shape) != (capacity, heads, b, width) or t.dtype != self.dtype:
+                        raise ValueError(
+                            f"place: a layer's tensor is {t.dtype} {list(t.shape)}, the pool "
+                            f"needs {self.dtype} {[capacity, heads, b, width]}"
+                        )
+            self.k, self.v = dict(k), dict(v)
+            self.refs = [0] * capacity
+            self._free = list(range(capacity - 1, -1, -1))
+            self.growable = False
+
     def _grow(self) -> None:
+        if not self.growable:
+            raise KvPoolFullError(f"KV pool full: all {self.capacity} blocks in use")
         old = self.capacity
         for store in (self.k, self.v):
             for i, t in store.items():
@@ -313,44 +375,32 @@ class PagedSequence:
         self.released = True
 
     # ------------------------------------------------------------------ hand-off
-    def export_blocks(self) -> KvPackage:
-        """The cache as plain data another front end can import (:meth:`import_blocks`); a
-        router hands it (as bytes over a moecomm transport,
-        :func:`~moecomm_serving.kv.package.encode_package`) from a prefill front end to a decode
-        front end."""
+    def export_blocks(self) -> HeldBlocks:
+        """The sequence's blocks held for a hand-off (one more reference each, so releasing the
+        sequence does not free them; nobody writes them while they are held), with their
+        metadata; the caller sends them (:mod:`moecomm.wire.kv`) and releases them."""
+        self._check_open()
         length = self.length
-        nb = self.pool.blocks_for(length)
-        idx = torch.tensor(self.table[:nb], dtype=torch.int64, device=self.pool.device)
-        layers = self.pool.layers
-        return KvPackage(
-            version=EXPORT_VERSION,
-            length=length,
-            block_tokens=self.pool.block_tokens,
-            layers=tuple(layers),
-            kv_shape=tuple(self.pool.kv_shape),
-            dtype=dtype_name(self.pool.dtype),
-            k=torch.stack([self.pool.k[i].index_select(0, idx) for i in layers]).cpu(),
-            v=torch.stack([self.pool.v[i].index_select(0, idx) for i in layers]).cpu(),
-        )
+        blocks = self.table[: self.pool.blocks_for(length)]
+        with self.pool._lock:
+            for b in blocks:
+                self.pool.ref(b)
+        return HeldBlocks(self.pool, blocks, package_of(self.pool, length))
 
     @classmethod
-    def import_blocks(cls, pool: BlockPool, package: KvPackage | CheckedKvPackage) -> PagedSequence:
-        """A new sequence in `pool` holding an :meth:`export_blocks` package; a package that
-        does not fit this pool (other model, block size, dtype, layers) is refused. A
-        :class:`CheckedKvPackage` of this pool was checked already and is not checked again."""
-        if not (isinstance(package, CheckedKvPackage) and package.pool is pool):
-            package = check_package(pool, package)
-        package = package.package
+    def import_blocks(cls, pool: BlockPool, held: HeldBlocks) -> PagedSequence:
+        """A new sequence in `pool` that adopts the blocks `held` reserved in it (their
+        references pass to the sequence; the package was checked when they were reserved).
+        Raises ValueError for anything else: blocks of another pool, blocks already released
+        or adopted."""
+        if not isinstance(held, HeldBlocks):
+            raise ValueError(f"a KV hand-off is HeldBlocks, got {type(held).__name__}")
+        if held.pool is not pool:
+            raise ValueError("the hand-off's blocks belong to another KV pool")
         seq = cls(pool)
-        k, v = package.k, package.v
-        for j in range(k.shape[1]):
-            block = pool.allocate()
-            seq.table.append(block)
-            for li, layer in enumerate(pool.layers):
-                pool.k[layer][block] = k[li, j].to(pool.device)
-                pool.v[layer][block] = v[li, j].to(pool.device)
+        seq.table = held.take()
         for i in seq.lengths:
-            seq.lengths[i] = package.length
+            seq.lengths[i] = held.package.length
         return seq
 
 
@@ -359,67 +409,93 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-# Only check_package makes a CheckedKvPackage: the token it passes says the check ran.
-_BY_THE_CHECK = object()
+def package_of(pool: BlockPool, length: int) -> KvPackage:
+    """The metadata of `length` tokens of `pool`'s cache."""
+    return KvPackage(
+        version=EXPORT_VERSION,
+        length=int(length),
+        block_tokens=pool.block_tokens,
+        layers=tuple(pool.layers),
+        kv_shape=tuple(pool.kv_shape),
+        dtype=dtype_name(pool.dtype),
+    )
 
 
-@dataclass(frozen=True, eq=False)
-class CheckedKvPackage:
-    """A :class:`~moecomm_serving.types.KvPackage` that :func:`check_package` found to fit
-    `pool`: :meth:`PagedSequence.import_blocks` into that pool takes it without checking it
-    again, so a package handed from a route to the engine is checked exactly once."""
-
-    package: KvPackage
-    pool: BlockPool
-    by: object = field(default=None, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.by is not _BY_THE_CHECK:
-            raise TypeError("a CheckedKvPackage is made by check_package only")
-
-    @property
-    def length(self) -> int:
-        return self.package.length
-
-
-def check_package(pool: BlockPool, p: KvPackage | CheckedKvPackage) -> CheckedKvPackage:
-    """`p` as a :class:`CheckedKvPackage` of `pool`; raises ValueError unless `p` is a
-    :class:`~moecomm_serving.types.KvPackage` that fits `pool` (version, block size, layers, KV
-    shape, dtype, tensor shapes for its length). A package already checked for `pool` is
-    returned as it is."""
-    if isinstance(p, CheckedKvPackage):
-        if p.pool is pool:
-            return p
-        p = p.package  # checked against another pool: this one asks its own question
+def check_package(pool: BlockPool, p: KvPackage) -> KvPackage:
+    """`p` when its cache fits `pool` (version, block size, layers, KV shape, dtype, a length
+    of at least one token); else ValueError naming the first field that does not."""
     if not isinstance(p, KvPackage):
         raise ValueError(f"a KV package is a KvPackage, got {type(p).__name__}")
     if p.version != EXPORT_VERSION:
         raise ValueError(f"KV package version {p.version!r}, this build reads {EXPORT_VERSION}")
-    mine = {
-        "block_tokens": pool.block_tokens,
-        "layers": tuple(pool.layers),
-        "kv_shape": tuple(pool.kv_shape),
-        "dtype": dtype_name(pool.dtype),
-    }
-    for key, want in mine.items():
-        got = getattr(p, key)
+    mine = package_of(pool, p.length)
+    for key in ("block_tokens", "layers", "kv_shape", "dtype"):
+        got, want = getattr(p, key), getattr(mine, key)
         if (tuple(got) if isinstance(got, list) else got) != want:
             raise ValueError(f"KV package {key} is {got!r}, this pool's is {want!r}")
     length = p.length
-    if not isinstance(length, int) or isinstance(length, bool) or length < 0:
-        raise ValueError(f"KV package length must be an int >= 0, got {length!r}")
-    nb = pool.blocks_for(length)
-    heads, kd, vd = pool.kv_shape
-    shapes = {
-        "k": (len(pool.layers), nb, heads, pool.block_tokens, kd),
-        "v": (len(pool.layers), nb, heads, pool.block_tokens, vd),
-    }
-    for key, shape in shapes.items():
-        t = getattr(p, key)
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != pool.dtype:
-            got = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
+    if not isinstance(length, int) or isinstance(length, bool) or length < 1:
+        raise ValueError(f"KV package length must be an int >= 1, got {length!r}")
+    return p
+
+
+# The states of a HeldBlocks (a list cell, shared with its finalizer).
+_HELD, _TAKEN, _RELEASED = "held", "taken", "released"
+
+
+def _drop(pool: BlockPool, blocks: tuple[int, ...], state: list[str]) -> None:
+    with pool._lock:
+        if state[0] != _HELD:
+            return
+        state[0] = _RELEASED
+        for b in blocks:
+            pool.unref(b)
+
+
+class HeldBlocks:
+    """Blocks of a pool held for one hand-off, with their metadata (`package`): on a prefill
+    front end the request's blocks it sends from, on a decode front end the blocks it reserved
+    for the sender to write into. One reference per block is held until a sequence adopts them
+    (:meth:`take`, by :meth:`PagedSequence.import_blocks`) or :meth:`release` (idempotent; it
+    also runs when the object is collected, so a hand-off dropped on any path leaks nothing)."""
+
+    def __init__(self, pool: BlockPool, blocks: Iterable[int], package: KvPackage):
+        self.pool = pool
+        self.blocks = tuple(int(b) for b in blocks)
+        self.package = package
+        if len(self.blocks) != package.num_blocks:
             raise ValueError(
-                f"KV package {key} must be a {pool.dtype} tensor of shape {shape} for "
-                f"{length} tokens, got {got}"
+                f"{len(self.blocks)} blocks held for {package.length} tokens of "
+                f"{package.block_tokens} per block"
             )
-    return CheckedKvPackage(p, pool, _BY_THE_CHECK)
+        self._state = [_HELD]
+        self._finalizer = weakref.finalize(self, _drop, pool, self.blocks, self._state)
+
+    @classmethod
+    def reserve(cls, pool: BlockPool, package: KvPackage) -> HeldBlocks:
+        """Fresh blocks of `pool` for a cache described by `package` (checked here, once:
+        ValueError when it does not fit, KvPoolFullError when the pool has no room)."""
+        check_package(pool, package)
+        return cls(pool, pool.allocate_many(package.num_blocks), package)
+
+    @property
+    def held(self) -> bool:
+        return self._state[0] == _HELD
+
+    def take(self) -> list[int]:
+        """The blocks, their references passing to the caller (once)."""
+        with self.pool._lock:
+            if self._state[0] != _HELD:
+                raise ValueError(f"the hand-off's blocks were {self._state[0]} already")
+            self._state[0] = _TAKEN
+            self._finalizer.detach()
+            return list(self.blocks)
+
+    def release(self) -> None:
+        """Drops the references (nothing once taken or released)."""
+        self._finalizer()
+
+    def __repr__(self) -> str:
+        return (
+            f"HeldBlocks({len(self.blocks)} blocks, {self.package.length} tokens, {self._state[0]})"
+        )

@@ -1,14 +1,18 @@
-"""The KV package format: a request's KV cache (a :class:`~moecomm_serving.types.KvPackage`,
-as :meth:`PagedSequence.export_blocks <moecomm_serving.kv.blocks.PagedSequence.export_blocks>`
-makes it) as bytes that one front end hands to another
-(:mod:`moecomm_serving.disagg.transfer` moves them), and back.
+"""The KV byte package: a request's KV cache as one flat byte buffer, for the one hand-off that
+cannot go pool to pool yet — a prefill and a decode front end on different hosts, whose KV
+pools cannot map each other (:mod:`moecomm.wire.kv` pools speak shm only);
+:mod:`moecomm_serving.disagg.staged` moves the bytes over a stage channel (nixl). On one host
+the blocks move pool to pool (:mod:`moecomm_serving.disagg.transfer`) and no package is made.
+
+:func:`pack` gathers a hand-off's held blocks into a :class:`PackedKv` (keys and values as
+tensors), :func:`unpack` reserves blocks in the receiving pool and writes them back.
 
 The format is ours and carries data only (no pickle): an 8-byte magic, a u32 little-endian
 header length, a UTF-8 JSON header (the export's metadata, the tensors' shapes and the hand-off
 id), then the keys' raw bytes and the values' raw bytes. :func:`decode_package` checks every
 field and size before it reads a byte of the tensors (never past the buffer) and refuses
 anything else with :class:`KvHandoffError`; whether the package fits the receiving pool is
-:func:`~moecomm_serving.kv.blocks.check_package`'s question.
+:func:`~moecomm_serving.kv.blocks.check_package`'s question (asked by :func:`unpack`).
 """
 
 from __future__ import annotations
@@ -18,11 +22,12 @@ import json
 import math
 import struct
 import warnings
+from dataclasses import dataclass
 
 import torch
 from moecomm.errors import MoecommError
 
-from moecomm_serving.kv.blocks import EXPORT_VERSION
+from moecomm_serving.kv.blocks import EXPORT_VERSION, BlockPool, HeldBlocks
 from moecomm_serving.types import KvPackage
 
 # The package format: the magic names it and its revision (a new layout gets a new magic).
@@ -34,8 +39,7 @@ MAX_HEADER_BYTES = 1 << 20
 # The header's keys: the package's metadata (KvPackage.meta), the tensors' shapes, and the
 # hand-off's id.
 HEADER_KEYS = frozenset(
-    {f.name for f in dataclasses.fields(KvPackage)} - {"k", "v"}
-    | {"handoff_id", "k_shape", "v_shape"}
+    {f.name for f in dataclasses.fields(KvPackage)} | {"handoff_id", "k_shape", "v_shape"}
 )
 # Element types a KV pool may hold (the names KvPackage.dtype takes).
 KV_DTYPES = {
@@ -43,6 +47,83 @@ KV_DTYPES = {
     for name in ("float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2")
     if hasattr(torch, name)
 }
+
+
+@dataclass(frozen=True)
+class PackedKv:
+    """A cache's metadata (:class:`~moecomm_serving.types.KvPackage`'s fields) with its keys and
+    values on the CPU, ``[layers, blocks, heads, block_tokens, width]``, blocks in the block
+    table's order."""
+
+    version: int
+    length: int
+    block_tokens: int
+    layers: tuple[int, ...]
+    kv_shape: tuple[int, int, int]
+    dtype: str
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def package(self) -> KvPackage:
+        return KvPackage(**self.meta())
+
+    def meta(self) -> dict:
+        return {
+            "version": self.version,
+            "length": self.length,
+            "block_tokens": self.block_tokens,
+            "layers": list(self.layers),
+            "kv_shape": list(self.kv_shape),
+            "dtype": self.dtype,
+        }
+
+
+def pack(held: HeldBlocks) -> PackedKv:
+    """`held`'s blocks gathered into a :class:`PackedKv` (copies: the blocks stay held)."""
+    pool, p = held.pool, held.package
+    idx = torch.tensor(held.blocks, dtype=torch.int64, device=pool.device)
+    layers = pool.layers
+    return PackedKv(
+        p.version,
+        p.length,
+        p.block_tokens,
+        tuple(p.layers),
+        tuple(p.kv_shape),
+        p.dtype,
+        torch.stack([pool.k[i].index_select(0, idx) for i in layers]).cpu(),
+        torch.stack([pool.v[i].index_select(0, idx) for i in layers]).cpu(),
+    )
+
+
+def unpack(pool: BlockPool, packed: PackedKv) -> HeldBlocks:
+    """Blocks of `pool` reserved for `packed` (its metadata checked against the pool:
+    ValueError when it does not fit) and written with its keys and values."""
+    if not isinstance(packed, PackedKv):
+        raise ValueError(f"a packed KV cache is a PackedKv, got {type(packed).__name__}")
+    heads, kd, vd = pool.kv_shape
+    nb = pool.blocks_for(packed.length)
+    want = {
+        "k": (len(pool.layers), nb, heads, pool.block_tokens, kd),
+        "v": (len(pool.layers), nb, heads, pool.block_tokens, vd),
+    }
+    held = HeldBlocks.reserve(pool, packed.package)
+    try:
+        for name, shape in want.items():
+            t = getattr(packed, name)
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != pool.dtype:
+                got = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t)
+                raise ValueError(
+                    f"KV package {name} must be a {pool.dtype} tensor of shape {shape}, got {got}"
+                )
+        idx = torch.tensor(held.blocks, dtype=torch.int64, device=pool.device)
+        for li, layer in enumerate(pool.layers):
+            pool.k[layer].index_copy_(0, idx, packed.k[li].to(pool.device))
+            pool.v[layer].index_copy_(0, idx, packed.v[li].to(pool.device))
+    except BaseException:
+        held.release()
+        raise
+    return held
 
 
 class KvHandoffError(MoecommError, ValueError):
@@ -86,12 +167,12 @@ def _check_meta(meta: dict) -> tuple[torch.dtype, tuple[int, ...], tuple[int, ..
     return KV_DTYPES[dtype_name], k_shape, v_shape
 
 
-def encode_package(package: KvPackage, handoff_id: str) -> torch.Tensor:
+def encode_package(package: PackedKv, handoff_id: str) -> torch.Tensor:
     """`package` as one uint8 CPU tensor in our format."""
     if not isinstance(handoff_id, str):
         raise KvHandoffError(f"handoff_id must be a str, got {type(handoff_id).__name__}")
-    if not isinstance(package, KvPackage):
-        raise KvHandoffError(f"a KV package is a KvPackage, got {type(package).__name__}")
+    if not isinstance(package, PackedKv):
+        raise KvHandoffError(f"a KV package is a PackedKv, got {type(package).__name__}")
     meta = package.meta()
     dtype, k_shape, v_shape = _check_meta(meta)
     tensors = []
@@ -133,10 +214,10 @@ def _as_bytes_tensor(data) -> torch.Tensor:
     raise TypeError(f"a KV package is a uint8 tensor or bytes, got {type(data).__name__}")
 
 
-def decode_package(data: torch.Tensor | bytes, handoff_id: str | None = None) -> KvPackage:
-    """The :class:`KvPackage` held by `data` (k and v in their own memory). Raises
+def decode_package(data: torch.Tensor | bytes, handoff_id: str | None = None) -> PackedKv:
+    """The :class:`PackedKv` held by `data` (k and v in their own memory). Raises
     KvHandoffError for anything malformed, and for another hand-off's package when `handoff_id`
-    is given. Whether it fits a pool is :meth:`PagedSequence.import_blocks`' check."""
+    is given. Whether it fits a pool is :func:`unpack`'s check."""
     buf = _as_bytes_tensor(data)
     n = buf.numel()
     if n < _PREFIX.size:
@@ -184,7 +265,7 @@ def decode_package(data: torch.Tensor | bytes, handoff_id: str | None = None) ->
         )
     k = buf[start : start + k_bytes].clone().view(dtype).view(k_shape)
     v = buf[start + k_bytes :].clone().view(dtype).view(v_shape)
-    return KvPackage(
+    return PackedKv(
         version=header["version"],
         length=header["length"],
         block_tokens=header["block_tokens"],
@@ -194,6 +275,3 @@ def decode_package(data: torch.Tensor | bytes, handoff_id: str | None = None) ->
         k=k,
         v=v,
     )
-
-
-# ---------------------------------------------------------------------------------- the inbox

@@ -1,4 +1,5 @@
-"""KV hand-off (moecomm_serving.disagg.transfer): the package format round-trips bit-exactly and
+"""The staged KV hand-off across hosts (moecomm_serving.disagg.staged, the byte package of
+moecomm_serving.kv.package): the package format round-trips bit-exactly and
 refuses every malformed package with a clear KvHandoffError; packages travel between real
 processes over shm (several sizes, two senders at once, slots reused back to back, slot poisoning
 on) and over nixl between network namespaces; a sender killed mid-package fails only its own
@@ -33,16 +34,18 @@ from moecomm.wire.channel import POISON_SLOTS
 from moecomm.wire.protocol import PAYLOAD_OFFSET, SlotLayout
 from moecomm.wire.shm import ShmTransport, reap_stale_segments
 from moecomm.wire.stage import StageSender
-from moecomm_serving.disagg.transfer import (
-    KvInbox,
-    KvOutbox,
-    KvTransferError,
-    install_kv_routes,
-    kv_layout,
-)
+from moecomm_serving.disagg.staged import KvInbox, KvOutbox, install_kv_routes, kv_layout
+from moecomm_serving.disagg.transfer import KvTransferError
 from moecomm_serving.kv.blocks import BlockPool, PagedSequence
-from moecomm_serving.kv.package import PACKAGE_MAGIC, KvHandoffError, decode_package, encode_package
-from moecomm_serving.types import KvPackage
+from moecomm_serving.kv.package import (
+    PACKAGE_MAGIC,
+    KvHandoffError,
+    PackedKv,
+    decode_package,
+    encode_package,
+    pack,
+    unpack,
+)
 
 # Small slots so that modest packages span many chunks (4 KiB of payload + the header's slack).
 SLOT_BYTES, SLOTS = 4096, 2
@@ -58,7 +61,7 @@ REFUSAL_S = 3.0
 
 # ---------------------------------------------------------------------------------- helpers
 def paged_package(dtype, heads=2, k_dim=8, v_dim=8, length=37, block_tokens=16, seed=0):
-    """A real export_blocks() of a sequence of `length` tokens with seeded values."""
+    """A real export_blocks() of a sequence of `length` tokens with seeded values, packed."""
     g = torch.Generator().manual_seed(seed)
     pool = BlockPool([3, 4, 5], heads, k_dim, v_dim, dtype, "cpu", block_tokens=block_tokens)
     seq = PagedSequence(pool)
@@ -66,10 +69,10 @@ def paged_package(dtype, heads=2, k_dim=8, v_dim=8, length=37, block_tokens=16, 
         k = torch.randn(heads, length, k_dim, generator=g).to(dtype)
         v = torch.randn(heads, length, v_dim, generator=g).to(dtype)
         seq.append(layer, k, v)
-    return pool, seq, seq.export_blocks()
+    return pool, seq, pack(seq.export_blocks())
 
 
-def same_package(a: KvPackage, b: KvPackage) -> bool:
+def same_package(a: PackedKv, b: PackedKv) -> bool:
     ta, tb = (a.k, a.v), (b.k, b.v)
     return a.meta() == b.meta() and all(
         x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
@@ -155,7 +158,7 @@ def test_a_real_export_round_trips_bit_exactly(dtype, shape):
     assert same_package(decode_package(bytes(data.numpy())), package)  # from bytes too
     # And the package imports into another pool as the same cache.
     pool2 = BlockPool(pool.layers, heads, kd, vd, dtype, "cpu", block_tokens=pool.block_tokens)
-    seq2 = PagedSequence.import_blocks(pool2, back)
+    seq2 = PagedSequence.import_blocks(pool2, unpack(pool2, back))
     for layer in pool.layers:
         for a, b in zip(seq.gather(layer), seq2.gather(layer), strict=True):
             assert torch.equal(a, b)
@@ -262,7 +265,7 @@ def test_encode_refuses_a_package_that_does_not_add_up():
     _, _, package = paged_package(torch.float32, length=5, block_tokens=4)
     with pytest.raises(KvHandoffError, match="shape"):
         encode_package(dataclasses.replace(package, k=package.k[:, :1]), "id")
-    with pytest.raises(KvHandoffError, match="KvPackage"):
+    with pytest.raises(KvHandoffError, match="PackedKv"):
         encode_package(package.meta(), "id")  # a dict is not a package
     with pytest.raises(TypeError):
         decode_package(torch.zeros(4, dtype=torch.float32))

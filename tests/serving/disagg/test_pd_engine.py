@@ -1,8 +1,11 @@
 """The engine's two halves of the prefill/decode split, in one process: a prefill engine ends a
-request after its first token with its KV package (HandoffEvent), a second engine resumes it
-from that package (EngineRequest.resume), and the tokens equal one engine running the request
-whole — greedy and seeded sampling, every family, the package through the wire format of
-kv_handoff; a hand-off that does not fit is refused with a clear error and the engine goes on."""
+request after its first token holding its KV blocks (HandoffEvent), the decode side reserves
+blocks in its own pool (KvEndpoint.reserve, the metadata checked there), the prefill writes its
+blocks into them through the real shm KV pools (moecomm.wire.kv), a second engine resumes from
+the written blocks (EngineRequest.resume, its sequence adopts them), and the tokens equal one
+engine running the request whole — greedy and seeded sampling, every family. A hand-off that
+does not fit is refused with a clear error, at the reservation or in the engine, and the
+engines go on with no block left behind."""
 
 from __future__ import annotations
 
@@ -11,8 +14,10 @@ from dataclasses import replace
 
 import pytest
 import torch
+from moecomm.wire.kv import KvTransferRequest
+from moecomm_serving.disagg.schema import ReserveCall
+from moecomm_serving.disagg.transfer import KvEndpoint, KvReservationError
 from moecomm_serving.engine.scheduler import Engine, EngineRequest, run_to_completion
-from moecomm_serving.kv.package import decode_package, encode_package
 from moecomm_serving.model.tiny import write_tiny
 from moecomm_serving.model.transformer import load_model
 from moecomm_serving.types import (
@@ -33,6 +38,8 @@ GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
 SAMPLED = SamplingParams(
     max_new_tokens=NEW_TOKENS, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True
 )
+# Each engine's KV pool (the tiny models' blocks are a few KiB).
+POOL_BYTES = 32 << 20
 
 
 def prompt(n, seed, vocab=256):
@@ -68,26 +75,52 @@ def submit(engine, ids, params, **fields):
     return sink
 
 
+def hand_off(prefill, decode, ev, handoff_id="h", package=None):
+    """`ev`'s blocks written into blocks the decode side reserved (the reservation's call and
+    answer through their JSON, as between two front ends); returns the decode side's blocks.
+    The prefill's blocks are released, as its route does."""
+    held = ev.package
+    try:
+        call = ReserveCall(handoff_id, package or held.package, prefill.kv.info)
+        answer = decode.kv.reserve(ReserveCall.from_json(call.to_json()))
+        slot, seq = prefill.kv.write(answer, held)
+    finally:
+        held.release()
+    req = KvTransferRequest.from_json(answer.request)
+    assert (req.slot, req.seq) == (slot, seq)
+    return decode.kv.take(handoff_id, slot, seq, TIMEOUT_S)
+
+
 def split_run(prefill, decode, ids, params, handoff_id="h"):
     """The request's tokens through a prefill engine and a decode engine."""
     (ev,) = submit(prefill, ids, params, handoff=True).wait()
     assert isinstance(ev, HandoffEvent)
-    assert ev.package.length == len(ids)
-    # through the wire format, as a decode front end receives it
-    package = decode_package(encode_package(ev.package, handoff_id), handoff_id)
-    events = submit(decode, ids, params, resume=Resume(package, [ev.token], ev.rng_state)).wait()
+    assert ev.package.package.length == len(ids)
+    got = hand_off(prefill, decode, ev, handoff_id)
+    events = submit(decode, ids, params, resume=Resume(got, [ev.token], ev.rng_state)).wait()
     assert isinstance(events[-1], FinishEvent), events[-1]
     return [ev.token] + [e.token for e in events if isinstance(e, TokenEvent)]
 
 
 @pytest.fixture()
 def engines(family):
-    pair = [Engine(family, 64, kv_block_tokens=BLOCK).start() for _ in range(2)]
-    yield pair
-    for e in pair:
-        e.stop()
-    for e in pair:
-        assert e.pool.num_used == 0  # every block of every request given back
+    pair = []
+    try:
+        for _ in range(2):
+            engine = Engine(family, 64, kv_block_tokens=BLOCK)
+            # the pool placed in shared memory before the engine serves, as a front end does
+            engine.kv = KvEndpoint(engine.pool, POOL_BYTES)
+            pair.append(engine.start())
+        yield pair
+        for e in pair:
+            e.stop()
+        for e in pair:
+            assert e.pool.num_used == 0  # every block of every request given back
+            assert e.kv.num_reserved == 0
+    finally:
+        for e in pair:
+            e.stop()
+            e.kv.close()
 
 
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
@@ -133,26 +166,59 @@ def handed(prefill, ids, params=GREEDY):
 
 
 @pytest.mark.parametrize(
-    "bad, message",
+    "change, message",
     [
-        (lambda ev, ids: ([*ids, 1], [ev.token], ev.package), "holds"),  # prompt longer than KV
-        (lambda ev, ids: (ids, [], ev.package), "at least the prefill's first token"),
-        (lambda ev, ids: (ids, [ev.token], replace(ev.package, block_tokens=4)), "block_tokens"),
-        (lambda ev, ids: (ids, [ev.token], replace(ev.package, k=ev.package.k[:, :1])), "shape"),
-        (lambda ev, ids: (ids, [ev.token], replace(ev.package, version=99)), "version"),
+        ({"block_tokens": 4}, "block_tokens"),
+        ({"version": 99}, "version"),
+        ({"layers": (0,)}, "layers"),
+        ({"kv_shape": (1, 2, 3)}, "kv_shape"),
+        ({"dtype": "float16"}, "dtype"),
     ],
-    ids=["length", "no-token", "block-size", "truncated-k", "version"],
 )
-def test_a_handoff_that_does_not_fit_is_refused(family, engines, bad, message):
+def test_metadata_that_does_not_fit_is_refused_at_the_reservation(family, engines, change, message):
     prefill, decode = engines
     ids = prompt(10, seed=2)
     ev = handed(prefill, ids)
-    p, tokens, package = bad(ev, ids)
+    with pytest.raises(KvReservationError, match=message):
+        hand_off(prefill, decode, ev, package=replace(ev.package.package, **change))
+    assert decode.pool.num_used == 0 and decode.kv.num_reserved == 0  # nothing reserved
+    assert split_run(prefill, decode, ids, GREEDY)[0] == ev.token  # both go on
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (lambda ids, got, tok: ([*ids, 1], [tok], got), "holds"),  # prompt longer than KV
+        (lambda ids, got, tok: (ids, [], got), "at least the prefill's first token"),
+        (lambda ids, got, tok: (ids, [tok], "a package"), "HeldBlocks"),
+    ],
+    ids=["length", "no-token", "not-blocks"],
+)
+def test_a_handoff_that_does_not_fit_is_refused_by_the_engine(family, engines, bad, message):
+    prefill, decode = engines
+    ids = prompt(10, seed=2)
+    ev = handed(prefill, ids)
+    got = hand_off(prefill, decode, ev)
+    p, tokens, package = bad(ids, got, ev.token)
     (err,) = submit(decode, p, GREEDY, resume=Resume(package, tokens)).wait()
     assert isinstance(err, ErrorEvent) and err.status == 400 and message in err.message
+    got.release()  # what the decode route does when the engine did not adopt them
     # the engine goes on: a good hand-off right after is served
     assert split_run(prefill, decode, ids, GREEDY)[0] == ev.token
     assert decode.pool.num_used == 0
+
+
+def test_blocks_of_another_pool_or_taken_twice_are_refused(family, engines):
+    prefill, decode = engines
+    ids = prompt(9, seed=4)
+    ev = handed(prefill, ids)
+    (err,) = submit(decode, ids, GREEDY, resume=Resume(ev.package, [ev.token])).wait()
+    assert isinstance(err, ErrorEvent) and "another KV pool" in err.message
+    got = hand_off(prefill, decode, ev)  # releases the prefill's blocks
+    events = submit(decode, ids, GREEDY, resume=Resume(got, [ev.token])).wait()
+    assert isinstance(events[-1], FinishEvent)
+    (err,) = submit(decode, ids, GREEDY, resume=Resume(got, [ev.token])).wait()
+    assert isinstance(err, ErrorEvent) and "taken already" in err.message
 
 
 def test_sampled_handoff_needs_its_sampler_state(family, engines):
@@ -160,8 +226,12 @@ def test_sampled_handoff_needs_its_sampler_state(family, engines):
     ids = prompt(6, seed=3)
     ev = handed(prefill, ids, SAMPLED)
     assert ev.rng_state is not None
-    (err,) = submit(decode, ids, SAMPLED, resume=Resume(ev.package, [ev.token], None)).wait()
-    assert isinstance(err, ErrorEvent) and "sampler state" in err.message
-    junk = torch.zeros(7, dtype=torch.uint8)
-    (err,) = submit(decode, ids, SAMPLED, resume=Resume(ev.package, [ev.token], junk)).wait()
-    assert isinstance(err, ErrorEvent) and "sampler state" in err.message
+    got = hand_off(prefill, decode, ev)
+    try:
+        (err,) = submit(decode, ids, SAMPLED, resume=Resume(got, [ev.token], None)).wait()
+        assert isinstance(err, ErrorEvent) and "sampler state" in err.message
+        junk = torch.zeros(7, dtype=torch.uint8)
+        (err,) = submit(decode, ids, SAMPLED, resume=Resume(got, [ev.token], junk)).wait()
+        assert isinstance(err, ErrorEvent) and "sampler state" in err.message
+    finally:
+        got.release()

@@ -18,12 +18,14 @@ from moecomm_serving.disagg.schema import (
     PdRequestError,
     PrefillAnswer,
     PrefillCall,
+    ReserveAnswer,
+    ReserveCall,
     params_from_json,
     params_to_json,
     parse_line,
     to_line,
 )
-from moecomm_serving.types import SamplingParams
+from moecomm_serving.types import KvPackage, SamplingParams
 
 SEED = 31
 FUZZ_CASES = 300
@@ -47,6 +49,13 @@ def good_answer() -> dict:
     return PrefillAnswer(5, None, kv, rng_state(), 0.2, 16).to_json()
 
 
+PACKAGE = KvPackage(2, 21, 8, (0, 1, 2), (2, 16, 16), "float32")
+
+
+def good_reserve() -> dict:
+    return ReserveCall("h-1", PACKAGE, '{"version": 1}').to_json()
+
+
 parse_prefill, parse_decode = PrefillCall.from_json, DecodeCall.from_json
 
 
@@ -67,6 +76,43 @@ def test_round_trips():
     assert PrefillAnswer.from_json(finished.to_json()) == finished
     for line in (DecodeToken(3), DecodeToken(4, "length"), DecodeError("engine failed", 500)):
         assert parse_line(to_line(line)) == line
+    reserve = ReserveCall.from_json(json.dumps(good_reserve()).encode())
+    assert reserve == ReserveCall("h-1", PACKAGE, '{"version": 1}')
+    assert reserve.kv.num_blocks == 3
+    ans = ReserveAnswer('{"pool": 1}', '{"dst": [4]}')
+    assert ReserveAnswer.from_json(json.dumps(ans.to_json())) == ans
+    # a staged hand-off (another host) says so in the decode call's kv; a pool-to-pool one
+    # keeps the kv object of before
+    staged = PrefillAnswer(5, None, KvReceipt(7, 1, 4096, 0.01, "nixl"), None, 0.2, 0)
+    decode = DecodeCall.after_prefill(call, staged)
+    assert decode.transport == "nixl" and decode.to_json()["kv"]["transport"] == "nixl"
+    assert parse_decode(json.dumps(decode.to_json())) == decode
+    assert set(good_decode()["kv"]) == {"client_id", "tag"}
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"kv": None}, "kv"),
+        ({"kv": {**PACKAGE.meta(), "length": 0}}, "kv.length"),
+        ({"kv": {**PACKAGE.meta(), "block_tokens": True}}, "kv.block_tokens"),
+        ({"kv": {**PACKAGE.meta(), "layers": []}}, "kv.layers"),
+        ({"kv": {**PACKAGE.meta(), "layers": list(range(2000))}}, "kv.layers"),
+        ({"kv": {**PACKAGE.meta(), "kv_shape": [1, 2]}}, "kv.kv_shape"),
+        ({"kv": {**PACKAGE.meta(), "kv_shape": [1, 0, 2]}}, "kv.kv_shape"),
+        ({"kv": {**PACKAGE.meta(), "dtype": 3}}, "kv.dtype"),
+        ({"kv": {**PACKAGE.meta(), "k": [1]}}, "k"),
+        ({"pool": {"version": 1}}, "pool"),
+        ({"pool": ""}, "pool"),
+        ({"handoff_id": ""}, "handoff_id"),
+        ({"extra": 1}, "extra"),
+    ],
+)
+def test_reserve_refusals_name_the_field(change, field):
+    with pytest.raises(PdRequestError, match=field):
+        ReserveCall.from_json({**good_reserve(), **change})
+    with pytest.raises(PdRequestError, match="request"):
+        ReserveAnswer.from_json({"pool": "{}", "request": 5})
 
 
 @pytest.mark.parametrize(
@@ -140,6 +186,9 @@ def test_prefill_refusals_name_the_field(change, field):
         ({"rng": "!!!"}, "rng"),
         ({"rng": 5}, "rng"),
         ({"rng": "A" * 20000}, "rng"),
+        ({"kv": {"client_id": 1, "tag": 1, "transport": 3}}, "kv.transport"),
+        ({"kv": {"client_id": 1, "tag": 1, "transport": ""}}, "kv.transport"),
+        ({"kv": {"client_id": 1, "tag": 1, "other": "x"}}, "kv"),
     ],
 )
 def test_decode_refusals_name_the_field(change, field):
@@ -157,7 +206,7 @@ def test_not_an_object_is_refused(raw):
 
 def test_fuzzed_bodies_are_parsed_or_refused_cleanly():
     rnd = random.Random(SEED)
-    seeds = [json.dumps(good_prefill()).encode(), json.dumps(good_decode()).encode()]
+    seeds = [json.dumps(m).encode() for m in (good_prefill(), good_decode(), good_reserve())]
     for _ in range(FUZZ_CASES):
         raw = bytearray(rnd.choice(seeds))
         for _ in range(rnd.randint(1, 4)):
@@ -169,6 +218,6 @@ def test_fuzzed_bodies_are_parsed_or_refused_cleanly():
                 del raw[i : i + rnd.randint(1, 8)]
             else:
                 raw[i:i] = bytes(rnd.randrange(32, 127) for _ in range(rnd.randint(1, 4)))
-        for parse in (parse_prefill, parse_decode):
+        for parse in (parse_prefill, parse_decode, ReserveCall.from_json):
             with contextlib.suppress(PdRequestError):
                 parse(bytes(raw))

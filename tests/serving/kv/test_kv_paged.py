@@ -1,9 +1,11 @@
 """The paged KV cache (kv_blocks): bit-identical to the growable cache for every family, block
-bookkeeping (growth, truncation, copy on write, release), the export / import of a sequence's
-blocks, and refusals of bad input."""
+bookkeeping (growth, truncation, copy on write, release, a fixed-size placed pool), blocks held
+for a hand-off (export holds, a reservation checks the metadata once, import adopts, a dropped
+hold frees), and refusals of bad input."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from dataclasses import replace
@@ -12,8 +14,7 @@ import pytest
 import torch
 from moecomm_serving.engine.generate import generate
 from moecomm_serving.engine.scheduler import Engine, EngineRequest, run_to_completion
-from moecomm_serving.kv import blocks
-from moecomm_serving.kv.blocks import BlockPool, CheckedKvPackage, PagedSequence
+from moecomm_serving.kv.blocks import BlockPool, HeldBlocks, KvPoolFullError, PagedSequence
 from moecomm_serving.model.tiny import write_tiny
 from moecomm_serving.model.transformer import load_model
 from moecomm_serving.types import SamplingParams, TokenEvent
@@ -153,18 +154,52 @@ def test_copy_on_write_keeps_a_shared_block_intact():
     assert pool.num_used == 0
 
 
-def test_export_import_round_trip_continues_bit_identically(mixtral):
+def move(held: HeldBlocks, dst: HeldBlocks) -> None:
+    """What the KV transfer does between two pools' memory (moecomm.wire.kv), here by torch."""
+    src_pool, dst_pool = held.pool, dst.pool
+    for layer in src_pool.layers:
+        for a, b in ((src_pool.k, dst_pool.k), (src_pool.v, dst_pool.v)):
+            b[layer][list(dst.blocks)] = a[layer][list(held.blocks)]
+
+
+def test_export_holds_and_import_adopts_bit_identically(mixtral):
     ids = prompt(13, seed=8)
     src_pool, dst_pool = mixtral.new_block_pool(BLOCK), mixtral.new_block_pool(BLOCK)
     src = mixtral.new_sequence(src_pool)
     mixtral.forward([ids], [src])
-    package = src.export_blocks()
-    assert package.k.shape[:2] == (len(mixtral.layers), 2) and package.length == 13
-    dst = PagedSequence.import_blocks(dst_pool, package)
-    assert dst.length == 13 and dst_pool.num_used == 2
+    held = src.export_blocks()
+    assert held.package.length == 13 and len(held.blocks) == 2
+    assert all(src_pool.refcount(b) == 2 for b in held.blocks)  # the sequence's and the hold's
+    dst = HeldBlocks.reserve(dst_pool, held.package)
+    assert dst_pool.num_used == 2
+    move(held, dst)
+    seq = PagedSequence.import_blocks(dst_pool, dst)
+    assert seq.length == 13 and seq.table == list(dst.blocks) and dst_pool.num_used == 2
+    dst.release()  # adopted: releasing the hold frees nothing
+    assert dst_pool.num_used == 2
     want = mixtral.forward([[42]], [src])
-    got = mixtral.forward([[42]], [dst])
+    got = mixtral.forward([[42]], [seq])
     assert torch.equal(got, want)
+    src.release()
+    assert src_pool.num_used == 2  # still held for the hand-off
+    held.release()
+    held.release()  # idempotent
+    assert src_pool.num_used == 0
+
+
+def test_held_blocks_are_written_by_nobody_else():
+    """A block held for a hand-off is shared: a sequence writing into it copies it first."""
+    pool = small_pool()
+    seq = PagedSequence(pool)
+    fill(seq, 3, seed=3)  # one block, not full
+    held = seq.export_blocks()
+    before = pool.k[0][held.blocks[0]].clone()
+    fill(seq, 1, seed=4)  # appends into the held block: copy on write
+    assert seq.table[0] != held.blocks[0]
+    assert torch.equal(pool.k[0][held.blocks[0]], before)
+    held.release()
+    seq.release()
+    assert pool.num_used == 0
 
 
 @pytest.mark.parametrize(
@@ -174,51 +209,76 @@ def test_export_import_round_trip_continues_bit_identically(mixtral):
         (lambda p: replace(p, version=99), "version"),
         (lambda p: replace(p, block_tokens=16), "block_tokens"),
         (lambda p: replace(p, layers=(0,)), "layers"),
+        (lambda p: replace(p, kv_shape=(1, 2, 3)), "kv_shape"),
         (lambda p: replace(p, dtype="bfloat16"), "dtype"),
+        (lambda p: replace(p, length=0), "length"),
         (lambda p: replace(p, length=-1), "length"),
-        (lambda p: replace(p, length=9), "shape"),  # 9 tokens need 3 blocks of 4, not 2
-        (lambda p: replace(p, k=p.k[:, :1]), "shape"),
-        (lambda p: replace(p, v=p.v.double()), "tensor"),
-        (lambda p: replace(p, k="bytes"), "tensor"),
     ],
 )
-def test_malformed_kv_package_refused(change, match):
+def test_a_reservation_checks_the_metadata(change, match):
     src = PagedSequence(small_pool())
     fill(src, 7, seed=9)
-    package = change(src.export_blocks())
+    held = src.export_blocks()
     dst_pool = small_pool()
     with pytest.raises(ValueError, match=match):
-        PagedSequence.import_blocks(dst_pool, package)
+        HeldBlocks.reserve(dst_pool, change(held.package))
     assert dst_pool.num_used == 0  # nothing allocated for a refused package
-    with pytest.raises(ValueError, match="KvPackage"):
-        PagedSequence.import_blocks(dst_pool, [1, 2])
+    held.release()
 
 
-def test_a_package_is_checked_once_and_a_check_counts_for_its_pool_only(monkeypatch):
-    calls = []
-    real = blocks.check_package
-
-    def counted(pool, package):
-        calls.append(package)
-        return real(pool, package)
-
-    monkeypatch.setattr(blocks, "check_package", counted)
+def test_import_takes_only_held_blocks_of_its_pool_once():
     src = PagedSequence(small_pool())
     fill(src, 7, seed=10)
-    package = src.export_blocks()
+    held = src.export_blocks()
     pool = small_pool()
-    checked = real(pool, package)  # the route's check
-    assert isinstance(checked, CheckedKvPackage) and checked.package is package
-    dst = PagedSequence.import_blocks(pool, checked)
-    assert calls == [] and dst.length == 7  # the engine's import asks nothing again
-    # a raw package, or one checked for another pool, is checked on import
-    PagedSequence.import_blocks(small_pool(), package)
-    PagedSequence.import_blocks(small_pool(), checked)
-    assert calls == [package, checked]
-    with pytest.raises(ValueError, match="block_tokens"):
-        PagedSequence.import_blocks(small_pool(block=8), checked)
-    with pytest.raises(TypeError, match="check_package only"):
-        CheckedKvPackage(package, pool)  # only the check makes one
+    with pytest.raises(ValueError, match="HeldBlocks"):
+        PagedSequence.import_blocks(pool, held.package)  # metadata alone is no cache
+    with pytest.raises(ValueError, match="another KV pool"):
+        PagedSequence.import_blocks(pool, held)
+    dst = HeldBlocks.reserve(pool, held.package)
+    assert PagedSequence.import_blocks(pool, dst).length == 7
+    with pytest.raises(ValueError, match="taken already"):
+        PagedSequence.import_blocks(pool, dst)
+    held.release()
+    with pytest.raises(ValueError, match="released already"):
+        held.take()
+
+
+def test_a_dropped_hold_frees_its_blocks():
+    """A hand-off lost on any path (an event nobody read) gives its blocks back when it is
+    collected."""
+    pool = small_pool()
+    seq = PagedSequence(pool)
+    fill(seq, 9, seed=11)
+    held = seq.export_blocks()
+    seq.release()
+    assert pool.num_used == 3
+    del held
+    gc.collect()
+    assert pool.num_used == 0
+
+
+def test_a_placed_pool_has_a_fixed_capacity():
+    pool = small_pool(block=4, initial=2)
+    cap = 3
+    k = {i: torch.zeros(cap, HEADS, 4, KD) for i in pool.layers}
+    v = {i: torch.zeros(cap, HEADS, 4, VD) for i in pool.layers}
+    with pytest.raises(ValueError, match="needs"):
+        pool.place(k, {i: torch.zeros(cap, HEADS, 4, KD + 1) for i in pool.layers})
+    pool.place(k, v)
+    assert pool.capacity == cap and not pool.growable and pool.k[0] is k[0]
+    seq = PagedSequence(pool)
+    fill(seq, 8, seed=12)  # two blocks, written into the placed tensors
+    assert torch.count_nonzero(k[0]) > 0
+    with pytest.raises(KvPoolFullError, match="2 blocks wanted, 1 of 3 free"):
+        pool.allocate_many(2)
+    assert pool.num_used == 2  # all or none
+    with pytest.raises(KvPoolFullError):
+        fill(seq, 8, seed=13)  # would need a fourth block
+    with pytest.raises(RuntimeError, match="in use"):
+        pool.place(k, v)
+    seq.release()
+    assert pool.num_used == 0
 
 
 def test_bad_input_refused(mixtral):
