@@ -138,6 +138,9 @@ class RecvSpec:
     remote_ports: dict[int, int]
     remote_block_ids: list[list[int]]  # per KV cache group
     local_block_ids: list[list[int]]  # per KV cache group
+    # Nothing to load (the decode's prefix cache holds the prompt): only tell the prefill to
+    # free its blocks now rather than at its lease's end.
+    release_only: bool = False
 
 
 @dataclass
@@ -386,8 +389,7 @@ class MoecommConnectorScheduler:
             return
         # Once: a re-entry (the second call after the load, a preemption) must not ask again.
         params["do_remote_prefill"] = False
-        if num_external_tokens <= 0:
-            return
+        release_only = num_external_tokens <= 0
         try:
             spec = RecvSpec(
                 remote_request_id=str(params["remote_request_id"]),
@@ -396,8 +398,11 @@ class MoecommConnectorScheduler:
                 remote_ports={int(k): int(v) for k, v in dict(params["remote_ports"]).items()},
                 remote_block_ids=[[int(b) for b in g] for g in params["remote_block_ids"]],
                 local_block_ids=[list(g) for g in blocks.get_unhashed_block_ids_all_groups()],
+                release_only=release_only,
             )
         except (KeyError, TypeError, ValueError) as exc:
+            if release_only:
+                return
             # Malformed parameters: the worker reports the load failed (vLLM's error path).
             logger.error(
                 "moecomm connector: request %s: bad kv_transfer_params (%s)",
@@ -578,6 +583,9 @@ class MoecommConnectorWorker:
     # -- the decode side
     def start_load(self, meta: MoecommConnectorMetadata) -> None:
         for req_id, spec in meta.reqs_to_recv.items():
+            if spec.release_only:
+                self._release_remote(spec)
+                continue
             try:
                 self._start_recv(req_id, spec)
             except (OSError, MoecommError, KeyError, TypeError, ValueError) as exc:
@@ -589,6 +597,26 @@ class MoecommConnectorWorker:
                 order = self._orders.pop(req_id, None)
             if order is not None:
                 self._work.put((req_id, order[1]))
+
+    def _release_remote(self, spec: RecvSpec) -> None:
+        """An empty pull: the prefill reports its request sent, and vLLM frees its blocks."""
+        try:
+            port = spec.remote_ports[self.tp_rank]
+            ask(spec.remote_host, port, self._pull(spec.remote_request_id, []))
+        except (OSError, MoecommError, KeyError) as exc:
+            # The prefill's lease frees them anyway.
+            logger.warning(
+                "moecomm connector: could not release %s: %s", spec.remote_request_id, exc
+            )
+
+    def _pull(self, remote_request_id: str, groups: list[dict]) -> dict:
+        return {
+            "op": "pull",
+            "token": self.opts.token,
+            "request_id": remote_request_id,
+            "pools": [p.info().to_json() for p in self.pools],
+            "groups": groups,
+        }
 
     def _connect(self, host: str, port: int, group: int):
         key = (host, port)
@@ -634,17 +662,7 @@ class MoecommConnectorWorker:
                 recv = peer.expect(dst)
                 rec.moves.append((recv, src, dst))
                 groups.append({"group": g, "request": recv.request.to_json(), "src": src})
-            ask(
-                spec.remote_host,
-                port,
-                {
-                    "op": "pull",
-                    "token": self.opts.token,
-                    "request_id": spec.remote_request_id,
-                    "pools": [p.info().to_json() for p in self.pools],
-                    "groups": groups,
-                },
-            )
+            ask(spec.remote_host, port, self._pull(spec.remote_request_id, groups))
         except BaseException:
             for recv, _, _ in rec.moves:
                 recv.release()
