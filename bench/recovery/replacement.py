@@ -42,12 +42,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this group's scripts
 
 from _lib.common import format_table, write_json
-from moecomm.runtime import AttentionClient
 from moecomm.runtime.control import HttpServer, make_app
 from moecomm.runtime.experts import ExpertWeights, random_experts
 from moecomm.runtime.launch import start_server_process, wait_for_stop
 from moecomm.runtime.placement import PlacementController
 from moecomm.runtime.server import ExpertServer
+from moecomm.testing.clients import connect_client
 
 LAYERS, EXPERTS, HIDDEN, INTER, TOPK = 2, 16, 1024, 512, 2
 # 6 experts per server, the windows overlapping so experts 0 and 8 start with two replicas.
@@ -102,10 +102,7 @@ def hot_set(phase: int) -> list[int]:
 
 
 def run_trace(urls, duration, interval, seed, name):
-    client = AttentionClient(
-        urls, None, HIDDEN, TOPK, 64, encoding="bf16", out_dtype=torch.float32, token=TOKEN
-    )
-    client.connect()
+    client = connect_client(urls, HIDDEN, TOPK, 64, encoding="bf16", token=TOKEN)
     controller = None
     if name != "static":
         controller = PlacementController(
@@ -171,15 +168,21 @@ def phase_stats(runs, lo, hi):
 
 
 def time_loads(urls, reps):
-    """Loads, on the first server, layer-0 experts it lacks that another server hosts: one from
-    the checkpoint and pulled from that peer (a request each), then BATCH_LOADS in one batch
+    """Loads, on the first server, layer-0 experts it lacks that other servers host: one from
+    the checkpoint and pulled from a peer hosting it (a request each), then BATCH_LOADS in one batch
     request from each source, dropping them in between. Seconds per expert."""
     tables = [httpx.get(f"{u}/experts", timeout=10).json()["layers"]["0"] for u in urls]
     target = urls[0]
-    peer = urls[1]
-    lacking = [e for e in range(EXPERTS) if e not in tables[0] and e in tables[1]]
+    # The trace before this moved experts: take each lacking expert from any server hosting it.
+    peer_of = {}
+    for u, table in zip(urls[1:], tables[1:], strict=True):
+        for e in range(EXPERTS):
+            if e not in tables[0] and e in table:
+                peer_of.setdefault(e, u)
+    lacking = sorted(peer_of)
     if len(lacking) < BATCH_LOADS:
-        raise RuntimeError(f"the first server lacks only {lacking} of the second's experts")
+        raise RuntimeError(f"the first server lacks only {lacking} of the others' experts")
+    peer = peer_of[lacking[0]]
     out = {"checkpoint": [], "peer": [], "batch checkpoint": [], "batch peer": []}
     for _ in range(reps):
         for source in ("checkpoint", "peer"):
@@ -192,7 +195,7 @@ def time_loads(urls, reps):
             out[source].append(r.json()["seconds"])
             drop_and_wait(target, [lacking[0]])
             batch = [
-                {"layer": 0, "expert": e, "source": source, "peer": peer}
+                {"layer": 0, "expert": e, "source": source, "peer": peer_of[e]}
                 for e in lacking[:BATCH_LOADS]
             ]
             r = httpx.post(
