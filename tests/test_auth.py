@@ -17,7 +17,7 @@ from moecomm.auth import (
     read_secret_file,
 )
 
-ENV = "MOECOMM_TEST_SECRET"
+ENV = "TEST_AUTH_SECRET"  # not MOECOMM_*: docs/env.md lists only real variables
 
 
 def test_resolve_takes_the_value_then_the_file_then_the_environment(tmp_path, monkeypatch):
