@@ -126,7 +126,9 @@ def test_the_ipc_region_defers_and_the_probe_and_put_free_in_stream_order():
     release = probe[probe.index("void DeviceWaitProbe::release()") :]
     release = release[: release.index("\n}\n")]
     assert "stream_free(result_dev_" in release
-    assert "StreamBuffer" in probe[probe.index("void device_put_signal(") :]
+    put = probe[probe.index("void device_put_signal(") :]
+    # The staging buffer is the stream-ordered DeviceBuffer (bytes, stream, device).
+    assert re.search(r"DeviceBuffer>\([^;]*,\s*s,\s*table\.device\(\)\)", put)
 
 
 # --- preloading -----------------------------------------------------------------------------

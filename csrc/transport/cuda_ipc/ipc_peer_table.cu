@@ -39,8 +39,8 @@ IpcPeerTable::IpcPeerTable(std::shared_ptr<IpcTransport> transport, std::shared_
   cudaStream_t s = nullptr;
   MC_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   try {
-    StreamBuffer base(sizeof(uint8_t*) * max_peers, s, device_);
-    StreamBuffer alive(sizeof(uint32_t) * max_peers, s, device_);
+    DeviceBuffer base(sizeof(uint8_t*) * max_peers, s, device_);
+    DeviceBuffer alive(sizeof(uint32_t) * max_peers, s, device_);
     MC_CUDA_CHECK(cudaMemsetAsync(base.get(), 0, sizeof(uint8_t*) * max_peers, s));
     MC_CUDA_CHECK(cudaMemsetAsync(alive.get(), 0, sizeof(uint32_t) * max_peers, s));
     // Zeroed before any kernel on any stream reads them.

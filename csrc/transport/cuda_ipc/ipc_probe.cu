@@ -105,9 +105,9 @@ void device_put_signal(const IpcPeerTable& table, uint32_t peer, uint64_t offset
   {
     // The staging copy lives on this stream: allocated and freed in its order, so the put
     // never synchronises the device (a put while another kernel spins must not wait for it).
-    std::unique_ptr<StreamBuffer> staged;
+    std::unique_ptr<DeviceBuffer> staged;
     try {
-      staged = std::make_unique<StreamBuffer>(bytes > 0 ? bytes : 1, s, table.device());
+      staged = std::make_unique<DeviceBuffer>(bytes > 0 ? bytes : 1, s, table.device());
     } catch (...) {
       cudaStreamDestroy(s);
       throw;

@@ -48,26 +48,6 @@ class DeviceGuard {
   bool changed_ = false;
 };
 
-// cudaMalloc'd bytes, freed on scope exit unless release()d.
-class DeviceBuffer {
- public:
-  explicit DeviceBuffer(uint64_t bytes) { MC_CUDA_CHECK(cudaMalloc(&ptr_, bytes)); }
-  ~DeviceBuffer() {
-    if (ptr_ != nullptr) cudaFree(ptr_);
-  }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  void* get() const { return ptr_; }
-  void* release() {
-    void* p = ptr_;
-    ptr_ = nullptr;
-    return p;
-  }
-
- private:
-  void* ptr_ = nullptr;
-};
-
 // Whether `device` has the stream-ordered allocator (cudaMallocAsync); asked once per device.
 // Without it (an old driver, some virtualised devices) the stream-ordered helpers below fall
 // back to cudaMalloc/cudaFree, device synchronisation included.
@@ -112,14 +92,28 @@ inline void stream_free(void* p, cudaStream_t stream, int device) noexcept {
   cudaGetLastError();
 }
 
-// stream_alloc'd bytes, freed in stream order on scope exit unless released.
-class StreamBuffer {
+// Device bytes freed on scope exit unless release()d, from one of two allocators:
+// DeviceBuffer(bytes) takes cudaMalloc memory (what a CUDA IPC export needs) and frees it with
+// cudaFree; DeviceBuffer(bytes, stream, device) allocates and frees in stream order (stream_alloc,
+// stream_free: no device synchronisation).
+class DeviceBuffer {
  public:
-  StreamBuffer(uint64_t bytes, cudaStream_t stream, int device)
-      : ptr_(stream_alloc(bytes, stream, device)), stream_(stream), device_(device) {}
-  ~StreamBuffer() { stream_free(ptr_, stream_, device_); }
-  StreamBuffer(const StreamBuffer&) = delete;
-  StreamBuffer& operator=(const StreamBuffer&) = delete;
+  explicit DeviceBuffer(uint64_t bytes) { MC_CUDA_CHECK(cudaMalloc(&ptr_, bytes)); }
+  DeviceBuffer(uint64_t bytes, cudaStream_t stream, int device)
+      : ptr_(stream_alloc(bytes, stream, device)),
+        stream_(stream),
+        device_(device),
+        stream_ordered_(true) {}
+  ~DeviceBuffer() {
+    if (ptr_ == nullptr) return;
+    if (stream_ordered_) {
+      stream_free(ptr_, stream_, device_);
+    } else {
+      cudaFree(ptr_);
+    }
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
   void* get() const { return ptr_; }
   void* release() {
     void* p = ptr_;
@@ -131,6 +125,7 @@ class StreamBuffer {
   void* ptr_ = nullptr;
   cudaStream_t stream_ = nullptr;
   int device_ = 0;
+  bool stream_ordered_ = false;
 };
 
 // The process's deferred cudaFree calls: memory that must come from cudaMalloc (a CUDA IPC
