@@ -160,7 +160,7 @@ def call_of(stage: str) -> int | None:
 
 
 def unplanned(discovered: list[str]) -> list[str]:
-    """The gpu-marked files (gpu_check_stages.discover_gpu_files) that are in no stage."""
+    """The gpu-marked files (gpu_check_files.discover_gpu_files) that are in no stage."""
     return [f for f in discovered if stage_of(f) is None]
 
 

@@ -1,6 +1,6 @@
 """The preflight probe of tools/gpu_check.py, run with the Python that is to build moecomm (the
 GPU image's, or .venv's without a device): what the machine and that Python have, as one JSON
-line ``GPU-CHECK-PREFLIGHT {...}``. It judges nothing (tools/gpu_check_stages.py does); every
+line ``GPU-CHECK-PREFLIGHT {...}``. It judges nothing (tools/gpu_check_machine.py does); every
 outside command has a short timeout. Standard library only, plus what it probes for.
 
     python tools/gpu_check_probe.py [--wheels DIR] [--venv DIR] [--requirements FILE]

@@ -9,7 +9,7 @@ Needs the engine environment on the GPU machine too (tools/engines_env.sh there:
 too large to carry) and a CUDA torch. Without it the tests are a machine skip (skip_for_machine:
 they stay skipped under MOECOMM_REQUIRE_GPU=1, which no build can change), unless
 MOECOMM_REQUIRE_ENGINES=1 asks for the environment (then they fail); the gpu-check leaves the
-file out on such a machine and names it (tools/gpu_check_stages.py, UNCARRIED)."""
+file out on such a machine and names it (tools/gpu_check_machine.py, UNCARRIED)."""
 
 from __future__ import annotations
 

@@ -26,6 +26,8 @@ _spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gp
 gc = importlib.util.module_from_spec(_spec)
 sys.modules["gpu_check"] = gc  # dataclasses look their module up by name
 _spec.loader.exec_module(gc)
+import gpu_check_files as gf  # noqa: E402
+import gpu_check_machine as gm  # noqa: E402
 import gpu_check_plan as gp  # noqa: E402
 import gpu_check_reports as rp  # noqa: E402  (importable once gpu_check put tools/ on the path)
 import gpu_check_run as gr  # noqa: E402
@@ -170,7 +172,7 @@ def test_every_gpu_test_file_is_in_a_stage_with_a_cap_that_fits_it():
     """The files the check discovers (the gpu marker, as the core stage finds them) are each in
     one stage of one call, with a cap; a stage's caps add up to no more than its budget, so
     every file gets its cap; the passed files run after the never-verdicted ones."""
-    found = gs.discover_gpu_files(ROOT)
+    found = gf.discover_gpu_files(ROOT)
     assert found, "no gpu-marked test file found"
     assert gp.plan_problems(found) == []
     for f in found:
@@ -191,7 +193,7 @@ def test_every_gpu_test_file_is_in_a_stage_with_a_cap_that_fits_it():
         assert order.index(gp.stage_of(f)) > order.index("core"), f
     # The engine tests run only where their environment is (a machine skip otherwise).
     assert gp.ENGINES_TEST in gp.CONDITIONAL_FILES
-    assert gp.ENGINES_TEST in {path for path, _, _ in gs.UNCARRIED}
+    assert gp.ENGINES_TEST in {path for path, _, _ in gm.UNCARRIED}
 
 
 def _constants(path: Path) -> dict:
@@ -222,7 +224,7 @@ def test_the_deepep_scenarios_fit_their_stage_core_ones_first():
 
 
 def test_a_new_gpu_file_in_no_stage_fails_the_plan_and_still_runs(tmp_path, capsys):
-    found = [*gs.discover_gpu_files(ROOT), "tests/gpu/test_brand_new_gpu.py"]
+    found = [*gf.discover_gpu_files(ROOT), "tests/gpu/test_brand_new_gpu.py"]
     problems = gp.plan_problems(found)
     assert problems == [
         "tests/gpu/test_brand_new_gpu.py: a gpu test file in no stage (gpu_check_plan.STAGE_FILES)"
@@ -232,7 +234,7 @@ def test_a_new_gpu_file_in_no_stage_fails_the_plan_and_still_runs(tmp_path, caps
     (tmp_path / "tests" / "test_new_gpu.py").write_text(
         "import pytest\npytestmark = pytest.mark.gpu\n"
     )
-    assert gs.stage_files(tmp_path, "core") == [("tests/test_new_gpu.py", gp.UNPLANNED_CAP_S)]
+    assert gf.stage_files(tmp_path, "core") == [("tests/test_new_gpu.py", gp.UNPLANNED_CAP_S)]
     # A planned file that is gone is named too.
     gone = [f for f in found if f != "tests/ops/test_reorg.py"]
     assert any("tests/ops/test_reorg.py: planned" in p for p in gp.plan_problems(gone))
@@ -260,7 +262,7 @@ def test_the_plan_prints_each_call_with_its_total_and_every_file_with_its_cap(ca
     out = capsys.readouterr().out
     assert "call 1: make gpu-check CALL=1" in out and "call 2: make gpu-check CALL=2" in out
     assert out.count("fits (<= ") == 4  # two calls, both together, the plain run
-    for f in gs.discover_gpu_files(ROOT):
+    for f in gf.discover_gpu_files(ROOT):
         (line,) = [ln for ln in out.splitlines() if ln.strip().startswith(f + " ")]
         assert "cap" in line, line
     assert "machine skip" in next(ln for ln in out.splitlines() if gp.ENGINES_TEST in ln)
@@ -601,34 +603,34 @@ def _tree(root: Path, python: str) -> None:
     }.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(text)
-    venv_py = root / gs.GPU_VENV / "bin" / "python"
+    venv_py = root / gm.GPU_VENV / "bin" / "python"
     venv_py.parent.mkdir(parents=True)
     venv_py.symlink_to(python)
 
 
 def test_the_build_stamp_follows_the_inputs_and_the_python(tmp_path):
     _tree(tmp_path, PY)
-    assert gs.build_current(tmp_path, PY) == (
+    assert gm.build_current(tmp_path, PY) == (
         False,
         "no build stamp (the last build did not finish)",
     )
-    gs.write_stamp(tmp_path, PY)
-    assert gs.build_current(tmp_path, PY)[0]
-    assert not gs.build_current(tmp_path, "/usr/bin/false")[0]  # another Python
+    gm.write_stamp(tmp_path, PY)
+    assert gm.build_current(tmp_path, PY)[0]
+    assert not gm.build_current(tmp_path, "/usr/bin/false")[0]  # another Python
     (tmp_path / "csrc" / "a.cc").write_text("int a = 1;")
-    assert gs.build_current(tmp_path, PY) == (False, "the build's inputs or its Python changed")
+    assert gm.build_current(tmp_path, PY) == (False, "the build's inputs or its Python changed")
 
 
 def test_the_build_runs_once_and_is_reused_on_a_warm_machine(tmp_path, fake_python, fast):
     _tree(tmp_path, fake_python)
-    ctx = make_ctx(tmp_path, True, python=str(tmp_path / gs.GPU_VENV / "bin" / "python"))
+    ctx = make_ctx(tmp_path, True, python=str(tmp_path / gm.GPU_VENV / "bin" / "python"))
     ctx.base_python = PY
     stage = gs.all_stages()["build"]
     first = gr.run_stage(stage, 15.0, ctx)  # call 2's budget, but nothing to reuse
     assert first.status == rp.PASSED, first.reason
     assert first.figures["reused"] is False and first.reason.startswith("built in")
     assert first.budget_s == gs.BUILD_FULL_S and "not reused" in first.figures["budget_extended"]
-    assert gs.stamp_path(tmp_path).exists()
+    assert gm.stamp_path(tmp_path).exists()
     log = ctx.path("build.log").read_text()
     assert "MOECOMM_WITH_CUDA=ON" in log and "-e ." in log
     again = gr.run_stage(stage, 15.0, ctx)
@@ -666,10 +668,10 @@ def _probe_info(**changes) -> dict:
 
 
 def test_preflight_fails_fast_in_one_line_naming_what_is_missing():
-    status, reason, _ = gs.judge_preflight(_probe_info(), device=True)
+    status, reason, _ = gm.judge_preflight(_probe_info(), device=True)
     assert status == rp.PASSED and reason.startswith("nothing missing; 1× NVIDIA H100")
     assert "MPS off" in reason and "pip: ensurepip" in reason
-    status, reason, _ = gs.judge_preflight(
+    status, reason, _ = gm.judge_preflight(
         _probe_info(nvcc={"path": None}, nvshmem=None, compute_sanitizer=None, venv_pip=None),
         device=True,
     )
@@ -678,14 +680,14 @@ def test_preflight_fails_fast_in_one_line_naming_what_is_missing():
         "missing: pip (no ensurepip and no pip in this Python), nvidia.nvshmem"
     )
     assert "nvcc" in reason and "compute-sanitizer" in reason and "not building" in reason
-    status, reason, _ = gs.judge_preflight(_probe_info(torch_cuda=None), device=True)
+    status, reason, _ = gm.judge_preflight(_probe_info(torch_cuda=None), device=True)
     assert status == rp.FAILED and "torch with CUDA" in reason
-    status, reason, _ = gs.judge_preflight(
+    status, reason, _ = gm.judge_preflight(
         _probe_info(test_requirements_uncarried=["fastapi"]), device=True
     )
     assert status == rp.FAILED and "make gpu-wheels" in reason
     # Without a device nothing is missing enough to stop: make build installs .venv's.
-    status, reason, _ = gs.judge_preflight(_probe_info(nvcc={"path": None}), device=False)
+    status, reason, _ = gm.judge_preflight(_probe_info(nvcc={"path": None}), device=False)
     assert status == rp.PASSED and reason.startswith("missing: nvcc")
 
 
@@ -696,7 +698,7 @@ def test_preflight_records_the_kernel_and_whether_the_sanitizer_opens_the_device
         sanitizer_device=False,
         sanitizer_device_why="exit 1: ========= Error: Target application terminated",
     )
-    status, reason, figures = gs.judge_preflight(info, device=True)
+    status, reason, figures = gm.judge_preflight(info, device=True)
     assert status == rp.PASSED  # the sanitizer is not a build requirement
     assert "kernel 4.4.0" in reason and "compute-sanitizer cannot open the device" in reason
     assert figures["uname_r"] == "4.4.0" and figures["sanitizer_device"] is False
@@ -768,33 +770,33 @@ def test_the_join_leave_diagnostic_formats_what_the_test_lost():
 
 def test_the_probe_runs_with_the_standard_library_alone(tmp_path):
     """-I -S: no site-packages at all, as on a machine where nothing is installed yet."""
-    args = ["--requirements", str(ROOT / gs.REQUIREMENTS), "--wheels", str(tmp_path)]
+    args = ["--requirements", str(ROOT / gm.REQUIREMENTS), "--wheels", str(tmp_path)]
     out = subprocess.run(
         [PY, "-I", "-S", str(ROOT / "tools" / "gpu_check_probe.py"), *args],
         capture_output=True,
         text=True,
         timeout=120,
     ).stdout
-    info = gs.json_line(out, "GPU-CHECK-PREFLIGHT")
+    info = gm.json_line(out, "GPU-CHECK-PREFLIGHT")
     assert info is not None and info["python"] == sys.version.split()[0]
     assert info["torch"].startswith("not importable")
     assert "pytest" in info["test_requirements_uncarried"]
-    status, reason, _ = gs.judge_preflight(info, device=True)
+    status, reason, _ = gm.judge_preflight(info, device=True)
     assert status == rp.FAILED and "torch" in reason and "\n" not in reason
 
 
 def test_core_finds_its_files_by_the_gpu_marker():
-    assert gs.uses_gpu_marker("import pytest\npytestmark = [pytest.mark.gpu]\n")
-    assert gs.uses_gpu_marker("from pytest import mark\n@mark.gpu\ndef test_x(): pass\n")
-    assert not gs.uses_gpu_marker("TEXT = 'pytestmark = pytest.mark.gpu'  # mark.gpu\n")
-    found = gs.discover_gpu_files(ROOT)
+    assert gf.uses_gpu_marker("import pytest\npytestmark = [pytest.mark.gpu]\n")
+    assert gf.uses_gpu_marker("from pytest import mark\n@mark.gpu\ndef test_x(): pass\n")
+    assert not gf.uses_gpu_marker("TEXT = 'pytestmark = pytest.mark.gpu'  # mark.gpu\n")
+    found = gf.discover_gpu_files(ROOT)
     assert "tests/tools/test_gpu_check.py" not in found  # it only writes the marker into strings
     assert "tests/gpu/test_device_roundtrip.py" in found and gs.DEEPEP_TEST in found
     assert "tests/gpu/test_gpu_host.py" not in found  # no gpu marker in it
-    core = gs.core_files(ROOT)
+    core = gf.core_files(ROOT)
     assert gs.DEEPEP_TEST not in core and gs.SMOKE_TEST not in core
-    assert "tests/wire/test_nixl_tensors.py" in core and gs.ENGINES_TEST in core
-    assert "tests/ops/test_reorg.py" in [f for f, _ in gs.stage_files(ROOT, "regress")]
+    assert "tests/wire/test_nixl_tensors.py" in core and gp.ENGINES_TEST in core
+    assert "tests/ops/test_reorg.py" in [f for f, _ in gf.stage_files(ROOT, "regress")]
 
 
 def test_a_file_whose_module_cannot_be_carried_is_left_out_and_said(
@@ -805,11 +807,11 @@ def test_a_file_whose_module_cannot_be_carried_is_left_out_and_said(
         (tmp_path / "tests" / f"test_{name}.py").write_text(
             "import pytest\npytestmark = pytest.mark.gpu\n"
         )
-    monkeypatch.setattr(gs, "UNCARRIED", [("tests/test_x_gpu.py", "no_such_module_4711", "big")])
+    monkeypatch.setattr(gm, "UNCARRIED", [("tests/test_x_gpu.py", "no_such_module_4711", "big")])
     ctx = make_ctx(tmp_path, True, python=PY)
-    assert gs.left_out(ctx) == {"tests/test_x_gpu.py": "no_such_module_4711 not importable (big)"}
+    assert gm.left_out(ctx) == {"tests/test_x_gpu.py": "no_such_module_4711 not importable (big)"}
     ctx.python = fake_python  # runs the files; the probe above needed a real Python
-    monkeypatch.setattr(gs, "left_out", lambda c: {"tests/test_x_gpu.py": "nixl-like (big)"})
+    monkeypatch.setattr(gm, "left_out", lambda c: {"tests/test_x_gpu.py": "nixl-like (big)"})
     res = gr.run_stage(gs.all_stages()["core"], 20.0, ctx)
     rows = {f.name: f for f in res.files}
     assert rows["tests/test_x_gpu.py"].status == rp.SKIPPED
@@ -820,12 +822,12 @@ def test_a_file_whose_module_cannot_be_carried_is_left_out_and_said(
         "tests/test_x_gpu.py: nixl-like (big)"
     ]
     monkeypatch.undo()
-    monkeypatch.setattr(gs, "UNCARRIED", [("tests/test_y_gpu.py", "json", "")])
-    assert gs.left_out(make_ctx(tmp_path, True)) == {}
+    monkeypatch.setattr(gm, "UNCARRIED", [("tests/test_y_gpu.py", "json", "")])
+    assert gm.left_out(make_ctx(tmp_path, True)) == {}
     # A check that is a snippet: what it printed last is the reason.
     snippet = "import sys; print('the env is absent: run make-env'); sys.exit(1)"
-    monkeypatch.setattr(gs, "UNCARRIED", [("tests/test_y_gpu.py", snippet, "1 GB")])
-    assert gs.left_out(make_ctx(tmp_path, True)) == {
+    monkeypatch.setattr(gm, "UNCARRIED", [("tests/test_y_gpu.py", snippet, "1 GB")])
+    assert gm.left_out(make_ctx(tmp_path, True)) == {
         "tests/test_y_gpu.py": "the env is absent: run make-env (1 GB)"
     }
 
@@ -837,8 +839,8 @@ def test_the_engine_tests_are_a_machine_skip_where_their_environment_is_absent(
     root: with MOECOMM_ENGINES_DIR at an empty folder it is absent, and said so."""
     monkeypatch.setenv("MOECOMM_ENGINES_DIR", str(tmp_path / "no-engines"))
     ctx = make_ctx(tmp_path, True, python=PY, root=ROOT)
-    out = gs.left_out(ctx)
-    assert "the engine environment is absent" in out[gs.ENGINES_TEST]
+    out = gm.left_out(ctx)
+    assert "the engine environment is absent" in out[gp.ENGINES_TEST]
 
 
 def test_deepep_runs_the_scenario_file_once_with_the_stage_budget(tmp_path, fake_python, fast):
