@@ -1,4 +1,5 @@
-"""KV hand-off time vs KV size over shm (moecomm.wire.kv), beside memcpy of the same bytes.
+"""KV hand-off time vs KV size over shm (moecomm.wire.kv), beside memcpy of the same bytes, into
+the library's shm pool and into an engine's own tensors (cross-memory attach).
 
 Two processes: this one owns the sending pool, a spawned child the receiving pool. For each size
 and each block pattern, the child reserves destination blocks (``expect``) and passes the request
@@ -14,6 +15,13 @@ the same run:
   layer and part;
 - ``kv scattered``: random source and destination blocks (a fragmented pool): one copy per block,
   layer and part;
+- ``cma contiguous`` / ``cma scattered``: the same two patterns into the receiver's *engine-owned*
+  tensors (``KvPool(..., tensors=...)``, vLLM's ``[2, num_blocks, ...]`` per layer): one
+  ``process_vm_writev`` per layer, one iovec per run and part, each byte copied once;
+- ``shm+copy contiguous`` / ``shm+copy scattered``: the alternative for engine-owned tensors:
+  the blocks land in the library's shm pool, then the receiver copies them into its engine
+  tensors (one ``memmove`` per run and part, from Python) before its wait returns: one extra
+  copy of every byte;
 - ``staged``: today's reference-serving shape, random blocks: gather every part's blocks
   (``index_select``), one flat buffer (``cat``), 2 MiB chunks through a stage channel into the
   receiver's slots, copied out and joined there, scattered into its pool: about five copies of
@@ -43,7 +51,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: _lib
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this group's scripts
 from _lib.common import format_table, percentile, write_json
-from moecomm.wire.kv import KvLayout, KvPool
+from moecomm.wire.kv import KvLayout, KvPool, block_runs
 from moecomm.wire.shm import ShmTransport
 from moecomm.wire.stage import StageInbox, StageReceiver, StageSender, stage_layout
 
@@ -65,6 +73,8 @@ GOAL_MIN_KIB = 1024
 # Each pipe exchange with the receiver gets this long (a loaded host can stall a process).
 PIPE_TIMEOUT_S = 120.0
 PATTERNS = ("contiguous", "scattered")
+# Into engine-owned tensors: written there directly (cma), or into the shm pool and copied.
+ENGINE_CONTENDERS = ("cma", "shm_copy")
 # The staged contender: the reference serving's KV channel (serving/.../disagg/transfer.py:
 # 2 MiB chunks, 4 slots) rebuilt from the library's stage channel, without its HTTP handshake.
 STAGED_SLOT_BYTES = 2 << 20
@@ -79,19 +89,31 @@ def layout(num_blocks: int) -> KvLayout:
 def receiver(conn, num_blocks: int) -> None:
     """The receiving end: reserve, hand over the request, wait, report when the wait returned."""
     pool = KvPool(ShmTransport(), layout(num_blocks))
-    for p in pool.layout.parts:  # touch every page once: the timed runs measure copies only
-        pool.view(p.layer, p.name).zero_()
+    engine = KvPool(pool.transport, layout(num_blocks), tensors=engine_tensors(num_blocks))
+    for kv in (pool, engine):  # touch every page once: the timed runs measure copies only
+        for p in kv.layout.parts:
+            kv.view(p.layer, p.name).zero_()
     inbox = StageInbox(pool.transport)
     stage = StageReceiver(pool.transport, staged_layout(), STAGED_CLIENT_ID, STAGED_SLOTS)
-    conn.send((pool.info().to_json(), stage.handle, inbox.doorbell_handle))
+    conn.send((pool.info().to_json(), engine.info().to_json(), stage.handle, inbox.doorbell_handle))
     pool_info, stage_sender = conn.recv()
     link = pool.connect(pool_info)
+    engine_link = engine.connect(pool_info)
     stage.connect(stage_sender)
     inbox.add("bench", stage)
     while True:
         msg = conn.recv()
         if msg is None:
             break
+        if isinstance(msg, tuple) and msg[0] in ENGINE_CONTENDERS:  # (contender, dst)
+            kind, dst = msg
+            with (engine_link if kind == "cma" else link).expect(dst) as recv:
+                conn.send(recv.request.to_json())
+                recv.wait(PIPE_TIMEOUT_S)
+                if kind == "shm_copy":
+                    copy_into(engine, pool, dst)
+                conn.send(time.perf_counter_ns())
+            continue
         if isinstance(msg, tuple):  # ("staged", tag, dst): the reference serving's shape
             _, tag, dst = msg
             conn.send("ready")
@@ -104,8 +126,32 @@ def receiver(conn, num_blocks: int) -> None:
             recv.wait(PIPE_TIMEOUT_S)
             conn.send(time.perf_counter_ns())
     link.close()
+    engine_link.close()
     inbox.close()
+    engine.close()
     pool.close()
+
+
+def engine_tensors(num_blocks: int) -> list[torch.Tensor]:
+    """An engine's own KV tensors, vLLM's shape: one ``[2, num_blocks, *block]`` per layer,
+    registered as its K and V parts."""
+    out = []
+    for _ in range(LAYERS):
+        kv = torch.empty(len(PARTS), num_blocks, *PARTS["k"], dtype=DTYPE)
+        out += [kv[j] for j in range(len(PARTS))]
+    return out
+
+
+def copy_into(engine: KvPool, pool: KvPool, dst: list[int]) -> None:
+    """The shm+copy contender's extra step: `dst` blocks from the shm pool into the engine's
+    tensors, one memmove per run of consecutive blocks and part."""
+    runs = block_runs(dst, dst)
+    for i, p in enumerate(pool.layout.parts):
+        bb = p.block_bytes
+        src, to, stride = pool.part_address(i), engine.part_address(i), engine.block_stride(i)
+        assert stride == bb  # engine_tensors() keeps each part's blocks contiguous
+        for d, _, n in runs:
+            ctypes.memmove(to + d * bb, src + d * bb, n * bb)
 
 
 def staged_layout():
@@ -149,7 +195,9 @@ def memcpy_once(src: torch.Tensor, dst: torch.Tensor, nbytes: int) -> int:
     return time.perf_counter_ns() - t0
 
 
-def run(sizes_kib: list[int], iters: int, seed: int, staged: bool = True) -> dict:
+def run(
+    sizes_kib: list[int], iters: int, seed: int, staged: bool = True, engine: bool = True
+) -> dict:
     block_bytes = layout(1).block_bytes
     num_blocks = max(sizes_kib) * 1024 // block_bytes
     transport = ShmTransport()
@@ -169,8 +217,9 @@ def run(sizes_kib: list[int], iters: int, seed: int, staged: bool = True) -> dic
     try:
         if not conn.poll(PIPE_TIMEOUT_S):
             raise TimeoutError("the receiving process did not start")
-        info, stage_handle, doorbell = conn.recv()
+        info, engine_info, stage_handle, doorbell = conn.recv()
         link = pool.connect(info)
+        engine_link = pool.connect(engine_info)
         stage = StageSender(transport, staged_layout(), STAGED_CLIENT_ID, STAGED_SLOTS)
         stage.connect(stage_handle, doorbell)
         conn.send((pool.info().to_json(), stage.handle))
@@ -180,13 +229,22 @@ def run(sizes_kib: list[int], iters: int, seed: int, staged: bool = True) -> dic
         if not conn.poll(PIPE_TIMEOUT_S):
             raise TimeoutError("the receiver's wait did not return")
         conn.recv()
+        request = ask(conn, ("cma", list(range(num_blocks))))  # touches the engine's pages too
+        engine_link.send(request, list(range(num_blocks)))
+        if not conn.poll(PIPE_TIMEOUT_S):
+            raise TimeoutError("the receiver's wait did not return")
+        conn.recv()
         for kib in sizes_kib:
             n = kib * 1024 // block_bytes
             nbytes = n * block_bytes
             reps = BIG_ITERS if kib >= BIG_KIB and iters > BIG_ITERS else iters
             row = {"kib": kib, "blocks": n, "bytes": nbytes}
             mc = []
-            for pattern in PATTERNS:
+            for contender, pattern in [(None, p) for p in PATTERNS] + [
+                (c, p) for c in (ENGINE_CONTENDERS if engine else ()) for p in PATTERNS
+            ]:
+                name = pattern if contender is None else f"{contender}_{pattern}"
+                target = engine_link if contender == "cma" else link
                 samples, send_samples = [], []
                 for i in range(WARMUP + reps):
                     if pattern == "contiguous":
@@ -198,9 +256,9 @@ def run(sizes_kib: list[int], iters: int, seed: int, staged: bool = True) -> dic
                         )
                     # The floor is sampled beside each hand-off, so both see the same load.
                     copy_ns = memcpy_once(floor_src, floor_dst, nbytes)
-                    request = ask(conn, dst)
+                    request = ask(conn, dst if contender is None else (contender, dst))
                     t0 = time.perf_counter_ns()
-                    link.send(request, src)
+                    target.send(request, src)
                     t_sent = time.perf_counter_ns()
                     if not conn.poll(PIPE_TIMEOUT_S):
                         raise TimeoutError("the receiver's wait did not return")
@@ -213,14 +271,16 @@ def run(sizes_kib: list[int], iters: int, seed: int, staged: bool = True) -> dic
                     row["memcpy_us"] = percentile(mc, 50) / 1e3
                     row["memcpy_gbps"] = nbytes / (row["memcpy_us"] * 1e3)
                 med = percentile(samples, 50)
-                row[f"{pattern}_us"] = med / 1e3
-                row[f"{pattern}_p99_us"] = percentile(samples, 99) / 1e3
-                row[f"{pattern}_send_us"] = percentile(send_samples, 50) / 1e3
-                row[f"{pattern}_gbps"] = nbytes / med
-                row[f"{pattern}_x_memcpy"] = row[f"{pattern}_gbps"] / row["memcpy_gbps"]
+                row[f"{name}_us"] = med / 1e3
+                row[f"{name}_p99_us"] = percentile(samples, 99) / 1e3
+                row[f"{name}_send_us"] = percentile(send_samples, 50) / 1e3
+                row[f"{name}_gbps"] = nbytes / med
+                row[f"{name}_x_memcpy"] = row[f"{name}_gbps"] / row["memcpy_gbps"]
                 # The sender's writes and signals alone (no wake-up of the receiver).
-                row[f"{pattern}_send_x_memcpy"] = row["memcpy_us"] / row[f"{pattern}_send_us"]
-                row[f"{pattern}_samples_us"] = [s / 1e3 for s in samples]
+                row[f"{name}_send_x_memcpy"] = row["memcpy_us"] / row[f"{name}_send_us"]
+                row[f"{name}_samples_us"] = [s / 1e3 for s in samples]
+                if contender is not None:  # into engine tensors, beside the shm pool's figure
+                    row[f"{name}_over_shm"] = row[f"{name}_us"] / row[f"{pattern}_us"]
             if staged:
                 samples = []
                 for i in range(WARMUP + reps):
@@ -252,6 +312,7 @@ def run(sizes_kib: list[int], iters: int, seed: int, staged: bool = True) -> dic
         conn.send(None)
         child.join(PIPE_TIMEOUT_S)
         link.close()
+        engine_link.close()
         stage.close()
     finally:
         if child.is_alive():
@@ -263,10 +324,12 @@ def run(sizes_kib: list[int], iters: int, seed: int, staged: bool = True) -> dic
 
 def goals(rows: list[dict]) -> dict:
     big = [r for r in rows if r["kib"] >= GOAL_MIN_KIB]
+    names = [*PATTERNS, *(f"cma_{p}" for p in PATTERNS)]
     return {
         f"{p}_ge_{GOAL_RATIO}x_memcpy_from_{GOAL_MIN_KIB}_kib": bool(big)
         and all(r[f"{p}_x_memcpy"] >= GOAL_RATIO for r in big)
-        for p in PATTERNS
+        for p in names
+        if all(f"{p}_x_memcpy" in r for r in rows)
     }
 
 
@@ -281,6 +344,13 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     ax.plot(x, [r["memcpy_gbps"] for r in rows], "k--o", label="memcpy (same bytes, one process)")
     for p in PATTERNS:
         ax.plot(x, [r[f"{p}_gbps"] for r in rows], "-o", label=f"KV hand-off, {p} blocks")
+    for c, mark, what in (
+        ("cma", "-^", "into engine tensors (CMA)"),
+        ("shm_copy", "-.v", "shm + copy into engine tensors"),
+    ):
+        for p in PATTERNS:
+            if all(f"{c}_{p}_gbps" in r for r in rows):
+                ax.plot(x, [r[f"{c}_{p}_gbps"] for r in rows], mark, label=f"{what}, {p}")
     if all("staged_us" in r for r in rows):
         staged = [r["bytes"] / (r["staged_us"] * 1e3) for r in rows]
         ax.plot(x, staged, ":s", label="staged (gather, flat buffer, stage channel, scatter)")
@@ -318,6 +388,11 @@ def main(argv=None) -> int:
         ("scattered_us", "scatter us", ".1f"),
         ("scattered_x_memcpy", "scatter x memcpy", ".2f"),
         ("contiguous_gbps", "contig GB/s", ".2f"),
+        ("cma_contiguous_x_memcpy", "cma contig x memcpy", ".2f"),
+        ("cma_scattered_x_memcpy", "cma scatter x memcpy", ".2f"),
+        ("shm_copy_contiguous_x_memcpy", "shm+copy contig x memcpy", ".2f"),
+        ("shm_copy_scattered_x_memcpy", "shm+copy scatter x memcpy", ".2f"),
+        ("cma_scattered_over_shm", "cma/shm scatter", ".2f"),
         ("staged_us", "staged us", ".1f"),
         ("staged_over_scattered", "staged/scatter", ".2f"),
         ("contiguous_send_us", "contig send us", ".1f"),
@@ -329,6 +404,8 @@ def main(argv=None) -> int:
     payload = {
         "bench": "kv_transfer",
         "transport": "shm",
+        "engine_tensors": "vLLM [2, num_blocks, ...] per layer; cma = process_vm_writev into them, "
+        "shm_copy = into the shm pool, then one memmove per run and part into them",
         "quick": a.quick,
         "layout": {"layers": LAYERS, "parts": PARTS, "dtype": str(DTYPE)},
         "loadavg_before": load_before,

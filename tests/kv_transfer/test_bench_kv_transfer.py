@@ -1,5 +1,6 @@
 """bench/wire/kv_transfer.py --quick runs end to end: two processes, every size and pattern timed
-beside the memcpy floor and the staged path, the goals evaluated, JSON and PNG written (no
+beside the memcpy floor and the staged path, into the shm pool and into engine tensors (CMA,
+shm + copy), the goals evaluated, JSON and PNG written (no
 figure is asserted)."""
 
 from __future__ import annotations
@@ -17,7 +18,15 @@ BENCH_TIMEOUT_S = 240
 def test_quick_bench_writes_its_results(tmp_path):
     out, png = tmp_path / "kv.json", tmp_path / "kv.png"
     proc = subprocess.run(
-        [sys.executable, "bench/wire/kv_transfer.py", "--quick", "--json", str(out), "--plot", str(png)],
+        [
+            sys.executable,
+            "bench/wire/kv_transfer.py",
+            "--quick",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -34,12 +43,19 @@ def test_quick_bench_writes_its_results(tmp_path):
             "scattered_us",
             "contiguous_send_us",
             "staged_us",
+            "cma_contiguous_us",
+            "cma_scattered_us",
+            "shm_copy_contiguous_us",
+            "shm_copy_scattered_us",
         ):
             assert r[key] > 0, key
         assert len(r["contiguous_samples_us"]) == 4
+        assert len(r["cma_scattered_samples_us"]) == 4
     assert set(result["goals"]) == {
         "contiguous_ge_0.5x_memcpy_from_1024_kib",
         "scattered_ge_0.5x_memcpy_from_1024_kib",
+        "cma_contiguous_ge_0.5x_memcpy_from_1024_kib",
+        "cma_scattered_ge_0.5x_memcpy_from_1024_kib",
     }
     assert len(result["loadavg_before"]) == 3
     assert png.stat().st_size > 0

@@ -7,15 +7,26 @@ from __future__ import annotations
 
 import contextlib
 import json
-import multiprocessing as mp
 import os
 import random
-import signal
 import time
 
 import pytest
 import torch
-from kv_peer_proc import fill, serve
+from kv_helpers import (
+    DEATH_NOTICE_S,
+    LAYERS,
+    PARTS,
+    RECEIVER_BLOCKS,
+    SEED,
+    SENDER_BLOCKS,
+    WAIT_S,
+    Peer,
+    assert_blocks_equal,
+    layout,
+    reference,
+)
+from kv_peer_proc import fill
 from moecomm.errors import DeadlineExceededError, PeerLostError, ProtocolError, RemoteError
 from moecomm.wire.kv import (
     SEQ_SHIFT,
@@ -27,58 +38,6 @@ from moecomm.wire.kv import (
     block_runs,
 )
 from moecomm.wire.shm import ShmTransport, list_segments
-
-# Two layers of K and V, 3 KiB per part and block; a prefill pool smaller than the decode pool
-# (the layouts agree on everything but the block count).
-LAYERS = 2
-PARTS = {"k": (2, 4, 96), "v": (2, 4, 96)}
-SENDER_BLOCKS = 24
-RECEIVER_BLOCKS = 40
-SEED = 1234
-# Generous for a loaded 2-core machine; a dead peer must end a wait far sooner (checked).
-START_TIMEOUT_S = 120.0
-WAIT_S = 20.0
-# A killed peer is noticed through its life word at once; this bounds "at once" on a busy host.
-DEATH_NOTICE_S = 5.0
-
-
-def layout(num_blocks: int) -> KvLayout:
-    return KvLayout.paged(LAYERS, num_blocks, torch.bfloat16, PARTS)
-
-
-class Peer:
-    """A pool in a spawned process (kv_peer_proc.serve), killed at teardown if still there."""
-
-    def __init__(self, num_blocks: int, seed: int):
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=serve, args=(child, layout(num_blocks).to_dict(), seed))
-        self.proc.start()
-        if not self.conn.poll(START_TIMEOUT_S):
-            raise AssertionError("the peer process did not start in time")
-        tag, self.info = self.conn.recv()
-        assert tag == "ready"
-
-    def call(self, *cmd, timeout: float = WAIT_S):
-        self.conn.send(cmd)
-        if not self.conn.poll(timeout):
-            raise AssertionError(f"the peer did not answer {cmd[0]} within {timeout} s")
-        tag, value = self.conn.recv()
-        if tag != "ok":
-            raise RuntimeError(value)
-        return value
-
-    def kill(self) -> None:
-        if self.proc.is_alive():
-            os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.join(10)
-
-    def close(self) -> None:
-        if self.proc.is_alive():
-            with contextlib.suppress(OSError):
-                self.conn.send(("exit",))
-            self.proc.join(10)
-        self.kill()
 
 
 @pytest.fixture
@@ -106,21 +65,6 @@ def pool(transport):
         p.close()
         left = set(list_segments(os.getpid())) & set(names)
         assert not left, f"the pool's segments outlived close(): {left}"
-
-
-def reference(seed: int, num_blocks: int) -> KvPool:
-    """The sender's KV rebuilt locally (same seed), to compare against."""
-    p = KvPool(ShmTransport(), layout(num_blocks))
-    fill(p, seed)
-    return p
-
-
-def assert_blocks_equal(dst_pool, dst, src_pool, src, layers=range(LAYERS)) -> None:
-    for layer in layers:
-        for part in PARTS:
-            got = dst_pool.view(layer, part)[dst].view(torch.int16)
-            want = src_pool.view(layer, part)[src].view(torch.int16)
-            assert torch.equal(got, want), f"layer {layer} part {part} differs"
 
 
 def random_blocks(rng: random.Random, n: int):
@@ -254,15 +198,6 @@ def test_sender_refusals_reach_the_receiver(transport, pool):
         recv_link.close()
     finally:
         other.close()
-
-
-def test_registering_engine_tensors_is_refused_on_shm(transport):
-    lay = layout(4)
-    with pytest.raises(BlockTransferError, match="can only expose memory it allocated"):
-        KvPool(transport, lay, tensors=[torch.zeros(4, 2, 4, 96, dtype=torch.bfloat16)])
-    meta = torch.zeros(4, 2, 4, 96, dtype=torch.bfloat16, device="meta")
-    with pytest.raises(BlockTransferError, match="meta tensors are not supported by the shm"):
-        KvPool(transport, lay, tensors=[meta])
 
 
 def test_fuzzed_metadata_is_refused_cleanly(transport, pool):

@@ -14,11 +14,15 @@ KV_FORMAT_VERSION = 1
 
 
 # Where a pool's KV bytes live, as its info says: in the transport region `data` (the pool
-# allocated them; peers attach and write) or in the owning process's own memory at `addresses`
-# (an engine's tensors; a peer on the same host writes them with process_vm_writev).
+# allocated them; peers attach and write), in the owning process's own memory at `addresses`
+# (an engine's tensors on shm: a peer on the same host writes them with process_vm_writev), or
+# in one registered region per part, `part_handles` (an engine's tensors registered with a
+# network transport, nixl).
 MEMORY_REGION = "region"
 MEMORY_PROCESS = "process"
-MEMORY_KINDS = (MEMORY_REGION, MEMORY_PROCESS)
+MEMORY_PARTS = "parts"
+MEMORY_KINDS = (MEMORY_REGION, MEMORY_PROCESS, MEMORY_PARTS)
+MAX_HANDLE = 4096
 # A pid or address read from a peer is a non-negative 64-bit value.
 MAX_U64 = (1 << 64) - 1
 MAX_HOST_ID = 256
@@ -28,8 +32,9 @@ MAX_HOST_ID = 256
 class KvPoolInfo:
     """What a pool tells its peers (JSON): its transport, its regions' handles, its layout;
     its process (`pid`, and `host`: boot id and PID namespace) and where its KV bytes live
-    (`memory`: "region", or "process" with per part the (address, block stride in bytes) of
-    the engine's tensor in `addresses`)."""
+    (`memory`: "region"; "process" with per part the (address, block stride in bytes) of
+    the engine's tensor in `addresses`; "parts": those, and per part the handle of the
+    registered region holding the tensor in `part_handles`)."""
 
     transport: str
     data_handle: str
@@ -41,6 +46,7 @@ class KvPoolInfo:
     host: str = ""
     memory: str = MEMORY_REGION
     addresses: tuple[tuple[int, int], ...] = ()
+    part_handles: tuple[str, ...] = ()
 
     def to_json(self) -> str:
         d = {
@@ -55,8 +61,10 @@ class KvPoolInfo:
             "host": self.host,
             "memory": self.memory,
         }
-        if self.memory == MEMORY_PROCESS:
+        if self.memory != MEMORY_REGION:
             d["addresses"] = [list(a) for a in self.addresses]
+        if self.memory == MEMORY_PARTS:
+            d["part_handles"] = list(self.part_handles)
         return json.dumps(d)
 
     def check(self) -> None:
@@ -72,12 +80,17 @@ class KvPoolInfo:
                 f"kv pool info: memory {self.memory[:32]!r} is not one of {MEMORY_KINDS}"
             )
         if self.memory == MEMORY_REGION:
-            if self.addresses:
+            if self.addresses or self.part_handles:
                 raise BlockTransferError("kv pool info: addresses given for region memory")
             return
-        if self.pid < 1:
+        if self.memory == MEMORY_PROCESS and self.pid < 1:
             raise BlockTransferError("kv pool info: process memory without the process's pid")
         parts = self.layout.parts
+        if len(self.part_handles) != (len(parts) if self.memory == MEMORY_PARTS else 0):
+            raise BlockTransferError(
+                f"kv pool info: {len(self.part_handles)} part handles for {len(parts)} parts "
+                f"of {self.memory} memory"
+            )
         if len(self.addresses) != len(parts):
             raise BlockTransferError(
                 f"kv pool info: {len(self.addresses)} addresses for {len(parts)} parts"
@@ -101,8 +114,11 @@ class KvPoolInfo:
                     f"speaks {KV_FORMAT_VERSION}"
                 )
             addresses = d.get("addresses", [])
-            if not isinstance(addresses, list) or len(addresses) > len(d["layout"]["parts"]):
-                raise BlockTransferError("kv pool info: addresses must be one pair per part")
+            handles = d.get("part_handles", [])
+            bound = len(d["layout"]["parts"])
+            for what, v in (("addresses", addresses), ("part_handles", handles)):
+                if not isinstance(v, list) or len(v) > bound:
+                    raise BlockTransferError(f"kv pool info: {what} must be a list, one per part")
             info = KvPoolInfo(
                 str(d["transport"]),
                 str(d["data"]),
@@ -114,6 +130,7 @@ class KvPoolInfo:
                 str(d.get("host", ""))[:MAX_HOST_ID],
                 str(d.get("memory", MEMORY_REGION))[:32],
                 tuple((json_int(a), json_int(s)) for a, s in addresses),
+                tuple(str(h)[:MAX_HANDLE] for h in handles),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             if isinstance(exc, BlockTransferError):

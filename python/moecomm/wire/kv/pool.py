@@ -15,7 +15,7 @@ import torch
 
 from moecomm.wire.kv.cma import host_id
 from moecomm.wire.kv.layout import DTYPES, BlockTransferError, KvLayout
-from moecomm.wire.kv.metadata import MEMORY_PROCESS, MEMORY_REGION, KvPoolInfo
+from moecomm.wire.kv.metadata import MEMORY_PARTS, MEMORY_PROCESS, MEMORY_REGION, KvPoolInfo
 from moecomm.wire.kv.words import MAX_SEQ, Geometry
 from moecomm.wire.mailbox import Doorbells
 from moecomm.wire.transport import Region, SignalOp, Transport
@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 # Transfers a pool can receive at once (each holds one completion slot). An engine keeps a few
 # requests in flight per peer; 256 is far above that and costs 256 small slots.
 DEFAULT_MAX_TRANSFERS = 256
+# The transports a pool can live on: shm (one host) and nixl (across hosts).
+TRANSPORTS = ("shm", "nixl")
 
 
 def check_tensors(layout: KvLayout, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -46,7 +48,7 @@ def check_tensors(layout: KvLayout, tensors: Sequence[torch.Tensor]) -> list[tor
             raise BlockTransferError(f"{where} is a {type(t).__name__}, not a torch.Tensor")
         if t.device.type != "cpu":
             raise BlockTransferError(
-                f"{where}: {t.device.type} tensors are not supported by the shm transport yet "
+                f"{where}: {t.device.type} tensors are not supported by KV pools yet "
                 "(host pools only)"
             )
         want = (layout.num_blocks, *p.block_shape)
@@ -65,18 +67,21 @@ def check_tensors(layout: KvLayout, tensors: Sequence[torch.Tensor]) -> list[tor
 class KvPool:
     """An engine's KV cache, registered so that peers write blocks into it.
 
-    `transport`: the shm transport (its regions are what a peer maps). `tensors`:
+    `transport`: shm (processes of one host: its regions are what a peer maps) or nixl
+    (across hosts: its regions are registered with the process's NIXL agent). `tensors`:
 
-    - None: the pool allocates its KV in a shared-memory region; use :meth:`view` as the cache.
+    - None: the pool allocates its KV in a region of the transport; use :meth:`view` as the
+      cache.
     - the engine's own host tensors, one per part in layout order (``layout.parts``: layer by
       layer, each layer's parts in order), each ``[num_blocks, *block_shape]`` of the part's
       dtype with every block contiguous (blocks may be strided: vLLM's ``kv[0]`` / ``kv[1]``
       of a ``[2, num_blocks, ...]`` layer tensor, or of ``[num_blocks, 2, ...]``, both work).
-      A peer on the same host writes them straight into this process's memory
-      (``process_vm_writev``, see :mod:`moecomm.wire.kv.cma`); completion words and liveness
-      stay in the pool's small shared-memory control region.
+      On shm a peer on the same host writes them straight into this process's memory
+      (``process_vm_writev``, see :mod:`moecomm.wire.kv.cma`); on nixl each is registered
+      with the agent and peers WRITE into it. Completion words and liveness stay in the
+      pool's small control region either way.
 
-    CUDA tensors and pools across hosts (nixl) are not supported yet: a clear error."""
+    CUDA tensors are not supported yet: a clear error."""
 
     def __init__(
         self,
@@ -86,14 +91,20 @@ class KvPool:
         tensors: Sequence[torch.Tensor] | None = None,
     ):
         layout.check()
-        if transport.name != "shm":
+        if transport.name not in TRANSPORTS:
             raise BlockTransferError(
-                f"kv pool: the {transport.name} transport is not supported yet (shm only)"
+                f"kv pool: the {transport.name} transport is not supported yet "
+                f"({', '.join(TRANSPORTS)} only)"
             )
         if not 1 <= max_transfers <= 1 << 16:
             raise BlockTransferError(f"kv pool: max_transfers {max_transfers} not in [1, 65536]")
         self.tensors = None if tensors is None else check_tensors(layout, tensors)
-        self.memory = MEMORY_REGION if tensors is None else MEMORY_PROCESS
+        # Engine tensors: written by cross-memory attach on shm (same host), registered with
+        # the transport (one region per part) where the transport reaches other hosts.
+        if tensors is None:
+            self.memory = MEMORY_REGION
+        else:
+            self.memory = MEMORY_PROCESS if transport.name == "shm" else MEMORY_PARTS
         self.transport = transport
         self.layout = layout
         self.max_transfers = max_transfers
@@ -101,13 +112,22 @@ class KvPool:
         self.data: Region | None = None
         self.control = None
         self.bells = None
+        # nixl: each part of engine tensors as a registered region (peers WRITE into it, and it
+        # is the zero-copy source of our own sends).
+        self.part_regions: list[Region] = []
         try:  # every region or none: a failure (say /dev/shm full) frees what was made
             if self.tensors is None:
                 self.data = transport.create_region(self.geometry.data_bytes)
+            elif self.memory == MEMORY_PARTS:
+                for t, p in zip(self.tensors, layout.parts, strict=True):
+                    span = t.stride(0) * t.element_size() * (layout.num_blocks - 1)
+                    self.part_regions.append(
+                        transport.register_external(t.data_ptr(), span + p.block_bytes, "host", 0)
+                    )
             self.control = transport.create_region(self.geometry.control_bytes)
             self.bells = Doorbells(transport, "kv pool")
         except BaseException:
-            for r in (self.data, self.control, self.bells):
+            for r in (self.data, self.control, self.bells, *self.part_regions):
                 if r is not None:
                     r.close()
             raise
@@ -141,6 +161,7 @@ class KvPool:
             host=host_id(),
             memory=self.memory,
             addresses=() if self.tensors is None else tuple(self._parts),
+            part_handles=tuple(r.handle for r in self.part_regions),
         )
 
     def view(self, layer: int, part: str | int = 0) -> torch.Tensor:
@@ -176,6 +197,16 @@ class KvPool:
     def block_stride(self, i: int) -> int:
         """Bytes from one block of part `i` to the next (its block size unless strided)."""
         return self._parts[i][1]
+
+    def source(self, i: int) -> tuple[Region | None, int]:
+        """Where a send reads part `i` from: (a region of ours and the offset of block 0 in it)
+        for a network transport, which writes only from registered memory without a copy;
+        (None, the address of block 0) for shm, which copies from any address."""
+        if self.transport.name == "shm":
+            return None, self.part_address(i)
+        if self.data is not None:
+            return self.data, self.geometry.part_offsets[i]
+        return self.part_regions[i], 0
 
     def connect(self, peer: KvPoolInfo | str) -> KvPeer:
         """Attaches a peer pool (its info or that info's JSON) after checking the layouts
@@ -223,7 +254,7 @@ class KvPool:
         """Frees the pool's regions (their names; views taken keep their mapping). Registered
         engine tensors stay the engine's."""
         self.closed = True
-        for r in (self.data, self.control, self.bells):
+        for r in (self.data, self.control, self.bells, *self.part_regions):
             if r is not None:
                 r.close()
 

@@ -15,7 +15,13 @@ from moecomm.wire.channel import DEFAULT_TIMEOUT_S, timeout_ns
 from moecomm.wire.kv import cma
 from moecomm.wire.kv.cma import host_id
 from moecomm.wire.kv.layout import BlockTransferError, block_runs, check_blocks
-from moecomm.wire.kv.metadata import MEMORY_PROCESS, MEMORY_REGION, KvPoolInfo, KvTransferRequest
+from moecomm.wire.kv.metadata import (
+    MEMORY_PARTS,
+    MEMORY_PROCESS,
+    MEMORY_REGION,
+    KvPoolInfo,
+    KvTransferRequest,
+)
 from moecomm.wire.kv.words import (
     MAX_SEQ,
     REASON_BYTES,
@@ -57,9 +63,12 @@ class KvPeer:
             raise BlockTransferError(
                 "kv peer: engine-owned tensors are written with process_vm_writev, which needs "
                 f"both pools on one host (this one is {host_id()}, the peer says "
-                f"{info.host[:80]!r}); across hosts the pools need the nixl transport, which "
-                "KV pools do not support yet"
+                f"{info.host[:80]!r}); across hosts both pools need the nixl transport"
             )
+        # The peer writes into our engine-owned tensors: under Yama ptrace_scope=1 it may do so
+        # only once we name it (renewed by every expect(): Yama keeps one pid per process).
+        if pool.memory == MEMORY_PROCESS:
+            cma.allow_writer(info.pid)
         self.pool = pool
         self.info = info
         self.geometry = Geometry(info.layout, info.max_transfers)
@@ -69,6 +78,21 @@ class KvPeer:
         ]
         if info.memory == MEMORY_REGION:
             wanted.insert(0, (info.data_handle, self.geometry.data_bytes))
+        elif info.memory == MEMORY_PARTS:
+            if pool.transport.name == "shm":
+                raise BlockTransferError(
+                    "kv peer: its pool is registered part by part with a network transport, "
+                    "this one speaks shm"
+                )
+            for h, (_, stride), p in zip(
+                info.part_handles, info.addresses, info.layout.parts, strict=True
+            ):
+                wanted.append((h, stride * (info.layout.num_blocks - 1) + p.block_bytes))
+        elif pool.transport.name != "shm":
+            raise BlockTransferError(
+                f"kv peer: its engine tensors are reachable by cross-memory attach only, "
+                f"not over {pool.transport.name}"
+            )
         regions = []
         try:
             for handle, size in wanted:
@@ -76,26 +100,31 @@ class KvPeer:
                 regions.append(r)
                 if r.size < size:
                     raise BlockTransferError(
-                        f"kv peer: its region {handle} holds {r.size} bytes, "
+                        f"kv peer: its region {handle[:80]} holds {r.size} bytes, "
                         f"its layout needs {size}"
                     )
         except BaseException:
             for r in regions:
                 r.close()
             raise
+        first = 1 if info.memory == MEMORY_REGION else 0
         self.data: Region | None = regions[0] if info.memory == MEMORY_REGION else None
-        self.control, self.doorbell = regions[-2:]
+        self.control, self.doorbell = regions[first : first + 2]
+        self.part_regions: list[Region] = regions[first + 2 :]
+        # Per part: (destination region or None for cross-memory attach, offset or address of
+        # block 0, block stride).
         if info.memory == MEMORY_REGION:
-            self._parts = [
-                (off, p.block_bytes)
+            self._dest = [
+                (self.data, off, p.block_bytes)
                 for off, p in zip(self.geometry.part_offsets, info.layout.parts, strict=True)
             ]
+        elif info.memory == MEMORY_PARTS:
+            self._dest = [
+                (r, 0, stride)
+                for r, (_, stride) in zip(self.part_regions, info.addresses, strict=True)
+            ]
         else:
-            self._parts = list(info.addresses)
-        # The peer writes into our engine-owned tensors: under Yama ptrace_scope=1 it may do so
-        # only once we name it (renewed by every expect(): Yama keeps one pid per process).
-        if pool.memory == MEMORY_PROCESS:
-            cma.allow_writer(info.pid)
+            self._dest = [(None, address, stride) for address, stride in info.addresses]
 
     def alive(self) -> bool:
         return self.pool.transport.peer_alive(self.control)
@@ -129,7 +158,7 @@ class KvPeer:
         return KvSend(self, req, src_blocks)
 
     def close(self) -> None:
-        for r in (self.data, self.control, self.doorbell):
+        for r in (self.data, self.control, self.doorbell, *self.part_regions):
             if r is not None:
                 r.close()
 
@@ -196,12 +225,20 @@ class KvSend:
             )
         t = pool.transport
         pieces = self._pieces(layer)
-        if peer.data is not None:
-            for src, dst, size in pieces:
-                t.put(peer.data, dst, src, size)
+        if peer.info.memory != MEMORY_PROCESS:
+            # Into a region of the peer: shm copies from our address; nixl queues a WRITE per
+            # piece from our registered memory, and the layer word's signal below sends them
+            # as one transfer that carries the word (nixl_transport.h, "Ordering").
+            for i, src, dst, size in pieces:
+                src_region = pool.source(i)[0]
+                dst_region = peer._dest[i][0]
+                if src_region is None:
+                    t.put(dst_region, dst, src, size)
+                else:
+                    t.put_region(dst_region, dst, src_region, src, size)
         else:
             try:
-                cma.write(peer.info.pid, pieces)
+                cma.write(peer.info.pid, [(src, dst, size) for _, src, dst, size in pieces])
             except PeerLostError:
                 reap_stale_segments()
                 raise PeerLostError(
@@ -220,21 +257,23 @@ class KvSend:
         ring(t, peer.doorbell)
         self.done_layers.add(layer)
 
-    def _pieces(self, layer: int) -> list[tuple[int, int, int]]:
-        """(source address, destination offset or address, bytes) of every copy of `layer`:
-        one per contiguous run and part, or one per block where a side's blocks are strided."""
+    def _pieces(self, layer: int) -> list[tuple[int, int, int, int]]:
+        """(part, source offset or address, destination offset or address, bytes) of every
+        copy of `layer`: one per contiguous run and part, or one per block where a side's
+        blocks are strided (see KvPool.source and KvPeer._dest for what the numbers are)."""
         pool, peer = self.peer.pool, self.peer
         out = []
         for i in pool.layout.layer_parts(layer):
             bb = pool.layout.parts[i].block_bytes
-            src_base, src_stride = pool.part_address(i), pool.block_stride(i)
-            dst_base, dst_stride = peer._parts[i]
+            _, src_base = pool.source(i)
+            src_stride = pool.block_stride(i)
+            _, dst_base, dst_stride = peer._dest[i]
             for s, d, n in self.runs:
                 if src_stride == bb and dst_stride == bb:
-                    out.append((src_base + s * bb, dst_base + d * bb, n * bb))
+                    out.append((i, src_base + s * bb, dst_base + d * bb, n * bb))
                 else:
                     out.extend(
-                        (src_base + (s + k) * src_stride, dst_base + (d + k) * dst_stride, bb)
+                        (i, src_base + (s + k) * src_stride, dst_base + (d + k) * dst_stride, bb)
                         for k in range(n)
                     )
         return out
