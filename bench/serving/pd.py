@@ -593,7 +593,8 @@ def print_report(r: dict) -> None:
         ("output_tokens_per_s", "tok/s", ".2f"),
     ]
     print("(ms; TTFT = short and long requests together, then apart)")
-    print(format_table(rows, cols))
+    if rows:  # none when no contender started (the failures below say why)
+        print(format_table(rows, cols))
     for row in r["mixed"]:
         print(
             f"  {row['contender']}: {row['short_requests']} short + {row['long_requests']} long "
@@ -649,7 +650,8 @@ def print_report(r: dict) -> None:
         ("cache_hit_rate", "hit rate", ".2f"),
         ("cache_estimated_saved_s", "est. saved s", ".3f"),
     ]
-    print(format_table(r["shared_prefix"], cols))
+    if r["shared_prefix"]:
+        print(format_table(r["shared_prefix"], cols))
     print("PASS" if r["ok"] else "FAIL:\n  " + "\n  ".join(r["failures"]))
 
 
