@@ -8,10 +8,10 @@ import time
 import httpx
 import pytest
 import torch
-from moecomm.runtime import AttentionClient
 from moecomm.runtime.experts import LayerExperts
 from moecomm.runtime.launch import ModelSpec, spawn_expert_server
 from moecomm.runtime.placement import PlacementController
+from moecomm.testing.clients import connect_client
 
 SPEC = ModelSpec(num_layers=2, num_experts=8, hidden=64, intermediate=32, seed=11)
 TOKEN = "t0ken"
@@ -43,19 +43,7 @@ def table(url: str) -> dict:
 
 
 def make_client(urls):
-    c = AttentionClient(
-        urls,
-        None,
-        SPEC.hidden,
-        TOPK,
-        MAX_TOKENS,
-        encoding="f32",
-        out_dtype=torch.float32,
-        token=TOKEN,
-        timeout=20.0,
-    )
-    c.connect()
-    return c
+    return connect_client(urls, SPEC.hidden, TOPK, MAX_TOKENS, token=TOKEN, timeout=20.0)
 
 
 def check_outputs(c, layer: int, experts: list[int], seed: int) -> None:
