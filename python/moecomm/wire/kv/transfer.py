@@ -145,10 +145,7 @@ class KvPeer:
 
     def send(self, request: KvTransferRequest | str, src_blocks: Iterable[int]) -> None:
         """Writes every layer of `src_blocks` into the request's destination blocks."""
-        s = self.start(request, src_blocks)
-        for layer in range(self.pool.layout.num_layers):
-            s.layer(layer)
-        s.finish()
+        self.start(request, src_blocks).all_layers()
 
     def start(self, request: KvTransferRequest | str, src_blocks: Iterable[int]) -> KvSend:
         """Checks a request against both pools and returns the send, to write layer by layer.
@@ -210,25 +207,62 @@ class KvSend:
 
     def layer(self, layer: int) -> None:
         """Writes `layer`'s blocks (every part) and signals that layer done."""
-        pool, peer, g = self.peer.pool, self.peer, self.peer.geometry
+        self._check_layer(layer)
+        # On shm the armed word is a load of mapped memory: checked before every layer. Over a
+        # network it is a READ (a round trip): checked before the first layer only.
+        if self.peer.pool.transport.name == "shm" or not self.done_layers:
+            self._check_armed()
+        self._write(layer)
+        self._signal_layer(layer)
+        ring(self.peer.pool.transport, self.peer.doorbell)
+        self.done_layers.add(layer)
+
+    def all_layers(self) -> None:
+        """Every layer, then :meth:`finish`. Over a network transport every layer's WRITEs are
+        queued first and leave as ONE transfer with the first layer word (the others and the
+        status word follow as notifications), instead of one transfer per layer."""
+        n = self.peer.pool.layout.num_layers
+        if self.peer.pool.transport.name == "shm":
+            for layer in range(n):
+                self.layer(layer)
+            self.finish()
+            return
+        for layer in range(n):
+            self._check_layer(layer)
+        self._check_armed()
+        for layer in range(n):
+            self._write(layer)
+        for layer in range(n):
+            self._signal_layer(layer)
+            self.done_layers.add(layer)
+        self.finish()
+
+    def _check_layer(self, layer: int) -> None:
+        pool = self.peer.pool
         if self.finished:
             raise BlockTransferError("kv send: already finished")
         if not 0 <= layer < pool.layout.num_layers or layer in self.done_layers:
             raise BlockTransferError(
                 f"kv send: layer {layer} not in [0, {pool.layout.num_layers}) or already sent"
             )
+
+    def _check_armed(self) -> None:
         if not self._armed():
             self._check_alive()
             raise BlockTransferError(
                 f"kv send: the receiver no longer expects transfer "
                 f"{self.req.seq} in slot {self.req.slot} (released or reused)"
             )
+
+    def _write(self, layer: int) -> None:
+        """Writes (or, over a network, queues the WRITEs of) `layer`'s blocks."""
+        pool, peer = self.peer.pool, self.peer
         t = pool.transport
         pieces = self._pieces(layer)
         if peer.info.memory != MEMORY_PROCESS:
             # Into a region of the peer: shm copies from our address; nixl queues a WRITE per
-            # piece from our registered memory, and the layer word's signal below sends them
-            # as one transfer that carries the word (nixl_transport.h, "Ordering").
+            # piece from our registered memory, and the next word's signal sends them as one
+            # transfer that carries the word (nixl_transport.h, "Ordering").
             for i, src, dst, size in pieces:
                 src_region = pool.source(i)[0]
                 dst_region = peer._dest[i][0]
@@ -248,14 +282,14 @@ class KvSend:
                 # The receiver learns why at once (its slot FAILED), not at its deadline.
                 self.fail(str(exc))
                 raise
-        t.signal(
-            peer.control,
-            g.layer(self.req.slot, layer),
+
+    def _signal_layer(self, layer: int) -> None:
+        self.peer.pool.transport.signal(
+            self.peer.control,
+            self.peer.geometry.layer(self.req.slot, layer),
             make_word(self.req.seq, WordState.LAYER_DONE),
             SignalOp.SET,
         )
-        ring(t, peer.doorbell)
-        self.done_layers.add(layer)
 
     def _pieces(self, layer: int) -> list[tuple[int, int, int, int]]:
         """(part, source offset or address, destination offset or address, bytes) of every
