@@ -129,15 +129,15 @@ void register_nixl(py::module_& m) {
   py::class_<nixl::NixlTransport, Transport, std::shared_ptr<nixl::NixlTransport>>(
       m, "NixlTransport", py::dynamic_attr())
       .def(py::init([](py::object engine, int64_t spin_ns, int64_t poll_ns, int64_t xfer_timeout_ns,
-                       bool notify, int64_t max_poll_ns) {
+                       bool notify, int64_t max_poll_ns, bool borrow) {
              return std::make_shared<nixl::NixlTransport>(
                  std::make_shared<PyEngine>(std::move(engine)),
-                 nixl::NixlOptions{spin_ns, poll_ns, xfer_timeout_ns, notify, max_poll_ns});
+                 nixl::NixlOptions{spin_ns, poll_ns, xfer_timeout_ns, notify, max_poll_ns, borrow});
            }),
            py::arg("engine"), py::arg("spin_ns") = nixl::kDefaultSpinNs,
            py::arg("poll_ns") = nixl::kDefaultPollNs,
            py::arg("xfer_timeout_ns") = nixl::kDefaultXferTimeoutNs, py::arg("notify") = true,
-           py::arg("max_poll_ns") = nixl::kDefaultMaxPollNs)
+           py::arg("max_poll_ns") = nixl::kDefaultMaxPollNs, py::arg("borrow") = true)
       .def("drain", &nixl::NixlTransport::drain, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("notify",
                              [](const nixl::NixlTransport& t) { return t.options().notify; })
@@ -160,7 +160,14 @@ void register_nixl(py::module_& m) {
       .def_property_readonly("spin_ns",
                              [](const nixl::NixlTransport& t) { return t.options().spin_ns; })
       .def_property_readonly("max_poll_ns",
-                             [](const nixl::NixlTransport& t) { return t.options().max_poll_ns; });
+                             [](const nixl::NixlTransport& t) { return t.options().max_poll_ns; })
+      .def_property_readonly("borrow",
+                             [](const nixl::NixlTransport& t) { return t.options().borrow; })
+      // (puts, bytes) sent in place from our own registered memory, with no staging copy.
+      .def_property_readonly("zero_copy_stats", [](const nixl::NixlTransport& t) {
+        const nixl::ZeroCopyStats z = t.zero_copy_stats();
+        return py::make_tuple(z.puts, z.bytes);
+      });
   m.attr("NIXL_XFER_DONE") = static_cast<int>(XferStatus::kDone);
   m.attr("NIXL_XFER_PEER_LOST") = static_cast<int>(XferStatus::kPeerLost);
   m.attr("NIXL_XFER_TIMEOUT") = static_cast<int>(XferStatus::kTimeout);

@@ -14,10 +14,16 @@ protocols it picks; the run reports the transport that carried the bytes (and th
 shared-memory transport reached the peer). moecomm-shm (same host) is a reference row: both ends
 in ONE spawned program in host A (the client starts the server as its child), over ShmTransport.
 moecomm-nixl sends each message as one transfer whose NIXL notification carries the signal word
-(and the doorbell as a notification of its own); the row "moecomm-nixl (word per WRITE)" is the
-same transport with each word its own WRITE, waited for (the earlier path), in the same run.
-Per-leg breakdown of both nixl rows: the client's send, its wait, the server's answer inside that
-wait, and the WRITEs and notifications each side spent per round trip.
+(and the doorbell as a notification of its own), and sends a payload that lies in its own
+registered memory in place: the client's request tensors live in a registered buffer
+(TensorRegion), as NIXL itself sends from one, and the server answers from the request slot the
+bytes landed in. The row "moecomm-nixl (staged copy)" is the same transport with every put
+copied into staging first (borrow=False; the client sends from plain tensors): the path before
+zero copy. The row "moecomm-nixl (word per WRITE)" also sends each word as its own WRITE, waited
+for (the earliest path). All in the same run.
+Per-leg breakdown of the nixl rows (NIXL itself timed the same way): the client's send, its
+wait, the server's answer inside that wait, the median time of one transfer (posted -> complete
+at the target), and the WRITEs, notifications and in-place puts each side spent per round trip.
 "NIXL itself" is NIXL's own round trip between the same namespaces, on an agent made as moecomm
 makes its own (same UCX settings, same progress thread): signal-only is a notification answered
 by a notification, decode-size a WRITE of the request bytes carrying a notification, answered by
@@ -184,7 +190,7 @@ def legs_rows() -> list[dict]:
     send is staging copies and the calls into NIXL)."""
     out = []
     for (label, size), legs in sorted(LEGS.items()):
-        if label not in (NIXL, NIXL_WORDS):
+        if label not in LEG_ROWS:
             continue
         send = percentile(legs["client_send_ns"], 50) / 1e3
         wait = percentile(legs["client_wait_ns"], 50) / 1e3
@@ -202,8 +208,13 @@ def legs_rows() -> list[dict]:
                 row[f"{side}_writes_per_rt"] = c["writes"] / trips
                 row[f"{side}_notifs_per_rt"] = c["notifications_sent"] / trips
                 row[f"{side}_reads_per_rt"] = c["reads"] / trips
+                # Puts sent in place from registered memory (no staging copy).
+                row[f"{side}_zero_copy_puts_per_rt"] = c.get("zero_copy_puts", 0) / trips
                 # Mean time its transfers were in flight (posted -> complete at the target).
                 row[f"{side}_xfer_us_per_rt"] = c.get("xfer_ns", 0) / trips / 1e3
+                # The median transfer: what one WRITE costs, free of wire-up and stalls.
+                xs = c.get("xfer_samples_ns") or []
+                row[f"{side}_xfer_median_us"] = percentile(xs, 50) / 1e3 if xs else None
         out.append(row)
     return out
 
@@ -268,9 +279,14 @@ NIXL = "moecomm-nixl"
 # The same transport with each signal word its own WRITE, waited for (the path before one
 # transfer per message): the difference between the two rows is what the notification saves.
 NIXL_WORDS = "moecomm-nixl (word per WRITE)"
+# The notification path with every put copied into staging (the path before zero copy): the
+# client sends from plain tensors, the server stages its answer.
+NIXL_STAGED = "moecomm-nixl (staged copy)"
 # NIXL's own round trips on the same engine (bench/wire/cross_host_contenders.py, "NIXL itself").
 NIXL_OWN = "NIXL itself"
 SHM_SAME_HOST = "moecomm-shm (same host)"
+# The rows taken apart by leg: both nixl paths, and NIXL's own round trip timed the same way.
+LEG_ROWS = (NIXL_OWN, NIXL, NIXL_STAGED, NIXL_WORDS)
 UCX_ENV = {"UCX_PROTO_INFO": "y"}
 CONTENDERS: dict[str, dict[str, Contender]] = {
     name: {size: remote_pair(role, size, name, **kw) for size in SIZES}
@@ -280,6 +296,7 @@ CONTENDERS: dict[str, dict[str, Contender]] = {
         ("torch.distributed gloo", "gloo", {}),
         (NIXL_OWN, "nixl-own", {"env_extra": UCX_ENV}),
         (NIXL, "nixl", {"env_extra": UCX_ENV}),
+        (NIXL_STAGED, "nixl-staged", {"env_extra": UCX_ENV}),
         (NIXL_WORDS, "nixl-words", {"env_extra": UCX_ENV}),
         (SHM_SAME_HOST, "shm", {"same_host": True}),
     )
@@ -557,7 +574,7 @@ def main(argv=None) -> int:
     r_sig, r_dec = rows(results["signal"]), rows(results["decode"])
     ucx = (
         nixl_ucx_report()
-        if any(s.name in (NIXL, NIXL_WORDS) for s in results["signal"] + results["decode"])
+        if any(s.name in LEG_ROWS[1:] for s in results["signal"] + results["decode"])
         else {}
     )
     where = (
@@ -581,7 +598,11 @@ def main(argv=None) -> int:
         print(f"WARNING: UCX reached the peer through shared-memory transports: {shm}")
     legs = legs_rows()
     if legs:
-        print("\nnixl round trip by leg (medians, µs; transfers per round trip by side):")
+        print(
+            "\nnixl round trip by leg (medians, µs; xfer: one transfer, posted -> complete at"
+            " the target; xfer/rt: the client's transfer time per round trip, mean; transfers"
+            " per round trip by side):"
+        )
         print(
             format_table(
                 legs,
@@ -592,12 +613,15 @@ def main(argv=None) -> int:
                     ("client_wait_us", "client wait", ".1f"),
                     ("server_answer_us", "server answer", ".1f"),
                     ("network_and_wakeups_us", "net+wake", ".1f"),
-                    ("client_xfer_us_per_rt", "cli xfer", ".1f"),
-                    ("server_xfer_us_per_rt", "srv xfer", ".1f"),
+                    ("client_xfer_median_us", "cli xfer", ".1f"),
+                    ("server_xfer_median_us", "srv xfer", ".1f"),
+                    ("client_xfer_us_per_rt", "cli xfer/rt", ".1f"),
                     ("client_writes_per_rt", "cli WRITEs", ".2f"),
                     ("client_notifs_per_rt", "cli notifs", ".2f"),
                     ("server_writes_per_rt", "srv WRITEs", ".2f"),
                     ("server_notifs_per_rt", "srv notifs", ".2f"),
+                    ("client_zero_copy_puts_per_rt", "cli in place", ".2f"),
+                    ("server_zero_copy_puts_per_rt", "srv in place", ".2f"),
                 ],
             )
         )

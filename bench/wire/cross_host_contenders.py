@@ -214,7 +214,7 @@ def gloo_client(a: argparse.Namespace) -> list[int]:
 
 # ---------------------------------------------------------------------------- moecomm
 # The roles that run moecomm over nixl (see _transport).
-NIXL_ROLES = ("nixl", "nixl-words")
+NIXL_ROLES = ("nixl", "nixl-staged", "nixl-words")
 # Both ends exchange region handles through files in the run's temporary directory under /tmp
 # (shared by every namespace of the lab): a file appears whole (written, then renamed).
 CLIENT_ID = 1
@@ -247,8 +247,13 @@ def _transport(a: argparse.Namespace):
         from moecomm.wire.nixl import open_nixl_transport
 
         # "nixl": the signal word rides on the payload's notification (one transfer per
-        # message); "nixl-words": each word its own WRITE, waited for (the earlier path).
-        return open_nixl_transport(host=a.self_addr, notify=a.contender == "nixl")
+        # message), and a payload in our own registered memory is sent in place (the client's
+        # request buffer, the server's request slot it answers from); "nixl-staged": the same,
+        # every put copied into staging first (the path before zero copy); "nixl-words": each
+        # word its own WRITE, waited for, every put staged (the earliest path).
+        return open_nixl_transport(
+            host=a.self_addr, notify=a.contender != "nixl-words", borrow=a.contender == "nixl"
+        )
     import moecomm
 
     return moecomm.ShmTransport()
@@ -258,6 +263,23 @@ def _layout():
     import moecomm
 
     return moecomm.SlotLayout(TOKENS, HIDDEN, TOPK)
+
+
+def _registered_request(t, x, ids, sc):
+    """The request's tensors moved into one host buffer registered with nixl transport `t`
+    (TensorRegion), as NIXL itself sends from a registered buffer: ClientChannel.send then
+    reads them in place. Returns views of x, ids and scores in it, and the region (kept alive
+    by the caller)."""
+    from moecomm.wire.nixl import TensorRegion
+
+    parts = [p.contiguous().view(torch.uint8).flatten() for p in (x, ids, sc)]
+    buf = torch.cat(parts)
+    reg = TensorRegion(t, buf)
+    views, at = [], 0
+    for p, src in zip(parts, (x, ids, sc), strict=True):
+        views.append(buf[at : at + p.numel()].view(src.dtype).view(src.shape))
+        at += p.numel()
+    return (*views, reg)
 
 
 def moecomm_server(a: argparse.Namespace) -> None:
@@ -327,6 +349,9 @@ def moecomm_client(a: argparse.Namespace) -> list[int]:
         _put_handle(a, "client", client.handle)
         client.connect(server)
         x, ids, sc = make_request(1)
+        registered = a.contender == "nixl"  # sends from registered memory, as NIXL itself does
+        if registered:
+            x, ids, sc, _reg = _registered_request(t, x, ids, sc)
         last = [None]
 
         def once():
@@ -337,7 +362,11 @@ def moecomm_client(a: argparse.Namespace) -> list[int]:
             legs.append((t1 - t0, clock() - t1))
 
         samples = time_calls(once, a.iters, a.warmup)
-        x, ids, sc = make_request(2)
+        if registered:  # the check's fresh request goes through the registered buffer too
+            for dst, fresh in zip((x, ids, sc), make_request(2), strict=True):
+                dst.copy_(fresh)
+        else:
+            x, ids, sc = make_request(2)
         last[0].zero_()  # the response slot: the check must read freshly written bytes
         once()
         assert torch.equal(last[0], x), "moecomm decode response differs from the request"
@@ -359,13 +388,18 @@ def _engine_counters(t) -> dict:
     e = getattr(t, "engine", None)
     if e is None:
         return {}
+    zc_puts, zc_bytes = t.zero_copy_stats
     return {
+        "zero_copy_puts": zc_puts,
+        "zero_copy_bytes": zc_bytes,
         "writes": e.transfers_by_op["WRITE"],
         "reads": e.transfers_by_op["READ"],
         "notifications_sent": e.notifications_sent,
         "notifications_received": e.notifications_received,
         "prepared_reposts": e.prepared_hits,
         "xfer_ns": e.xfer_ns,
+        # Each transfer's own time (the latest ones): the legs table shows their median.
+        "xfer_samples_ns": list(e.xfer_samples_ns),
     }
 
 
@@ -447,7 +481,22 @@ def _nixl_wait_notif(agent, peer: str, want: bytes) -> None:
         raise RuntimeError(f"NIXL notifications {got!r}, expected [{want!r}]")
 
 
-def _nixl_write(agent, h, notif: bytes) -> None:
+class _OwnCounters:
+    """NIXL itself's WRITEs and notifications, counted and timed as moecomm's engine counts its
+    own (moecomm.wire.nixl.NixlEngine): the legs table sets both side by side."""
+
+    def __init__(self) -> None:
+        self.writes = self.notifs = 0
+        self.xfer_ns: list[int] = []  # each WRITE: posted -> complete at the target
+
+    def as_dict(self) -> dict:
+        return {"writes": self.writes, "reads": 0, "notifications_sent": self.notifs,
+                "notifications_received": 0, "prepared_reposts": self.writes,
+                "xfer_ns": sum(self.xfer_ns), "xfer_samples_ns": self.xfer_ns}  # fmt: skip
+
+
+def _nixl_write(agent, h, notif: bytes, counters: _OwnCounters | None = None) -> None:
+    t0 = time.perf_counter_ns()
     state = [agent.transfer(h, notif)]
 
     def done() -> bool:
@@ -458,6 +507,10 @@ def _nixl_write(agent, h, notif: bytes) -> None:
     _nixl_poll(done, "a NIXL WRITE still in flight")
     if state[0] != "DONE":
         raise RuntimeError(f"a NIXL WRITE ended {state[0]}")
+    if counters is not None:
+        counters.xfer_ns.append(time.perf_counter_ns() - t0)
+        counters.writes += 1
+        counters.notifs += 1
 
 
 def _nixl_handle(agent, peer: str, local: int, remote: int, nbytes: int):
@@ -472,12 +525,18 @@ def nixl_own_server(a: argparse.Namespace) -> None:
     buf = _nixl_buffer(agent, req) if a.size == "decode" else None
     peer, remote = _nixl_peer(a, agent, "server", "client", buf)
     h = _nixl_handle(agent, peer, buf.data_ptr(), remote, resp) if buf is not None else None
+    counters = _OwnCounters()
+    answer_ns = []  # the server's own leg, as moecomm_server times its answer
     for _ in range(a.iters):
         _nixl_wait_notif(agent, peer, NIXL_REQ)
+        t0 = time.perf_counter_ns()
         if h is None:
             agent.send_notif(peer, NIXL_RESP)
+            counters.notifs += 1
         else:  # the activations go back as they came, from where they landed
-            _nixl_write(agent, h, NIXL_RESP)
+            _nixl_write(agent, h, NIXL_RESP, counters)
+        answer_ns.append(time.perf_counter_ns() - t0)
+    _put_handle(a, "server_legs", json.dumps({"answer_ns": answer_ns, **counters.as_dict()}))
     _put_handle(a, "served", "served")
     _get_handle(a, "done")
 
@@ -495,18 +554,27 @@ def nixl_own_client(a: argparse.Namespace) -> list[int]:
         whole = torch.cat([t.contiguous().view(torch.uint8).flatten() for t in (x, ids, sc)])
         src.copy_(whole)
 
+    counters = _OwnCounters()
+    clock = time.perf_counter_ns
+    legs: list[tuple[int, int]] = []  # per round trip: (send, wait) in ns, as moecomm_client
     if decode:
         fill(1)
         h = _nixl_handle(agent, peer, src.data_ptr(), remote, req)
 
-        def once():
-            _nixl_write(agent, h, NIXL_REQ)
-            _nixl_wait_notif(agent, peer, NIXL_RESP)
+        def send():
+            _nixl_write(agent, h, NIXL_REQ, counters)
     else:
 
-        def once():
+        def send():
             agent.send_notif(peer, NIXL_REQ)
-            _nixl_wait_notif(agent, peer, NIXL_RESP)
+            counters.notifs += 1
+
+    def once():
+        t0 = clock()
+        send()
+        t1 = clock()
+        _nixl_wait_notif(agent, peer, NIXL_RESP)
+        legs.append((t1 - t0, clock() - t1))
 
     samples = time_calls(once, a.iters, a.warmup)
     if decode:
@@ -517,6 +585,13 @@ def nixl_own_client(a: argparse.Namespace) -> list[int]:
     else:
         once()  # the answer is a notification of its own: checked to be exactly NIXL_RESP
     _get_handle(a, "served")
+    timed = legs[a.warmup : a.warmup + a.iters]
+    a.legs = {
+        "client_send_ns": [s for s, _ in timed],
+        "client_wait_ns": [w for _, w in timed],
+        "client": counters.as_dict(),
+        "server": json.loads(_get_handle(a, "server_legs")),
+    }
     _put_handle(a, "done", "done")
     return samples
 
@@ -528,6 +603,7 @@ ROLES: dict[str, tuple[Callable, Callable]] = {
     "zmq": (zmq_server, zmq_client),
     "gloo": (gloo_server, gloo_client),
     "nixl": (moecomm_server, moecomm_client),
+    "nixl-staged": (moecomm_server, moecomm_client),
     "nixl-words": (moecomm_server, moecomm_client),
     "nixl-own": (nixl_own_server, nixl_own_client),
     "shm": (moecomm_server, shm_client),

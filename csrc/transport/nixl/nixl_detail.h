@@ -9,6 +9,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <sstream>
@@ -74,12 +75,16 @@ struct Pending {
 };
 
 // Registered host memory a thread stages its puts in (see the header: the caller's memory may
-// be reused as soon as put returns).
+// be reused as soon as put returns), and the span of the queued puts that read our own
+// registered memory in place instead (the header, "Zero copy").
 struct Staging {
   uint8_t* base = nullptr;
   uint64_t capacity = 0;
   uint64_t used = kScratchBytes;
   std::vector<Pending> pending;
+  uint64_t borrowed_lo = UINT64_MAX;  // [lo, hi): every queued in-place source lies inside
+  uint64_t borrowed_hi = 0;
+  bool borrowing() const { return borrowed_lo < borrowed_hi; }
 };
 
 // Gives a region's pages back but keeps its address range mapped, for good. Over UCX's TCP
@@ -102,7 +107,13 @@ struct Shared {
   std::unordered_map<std::thread::id, std::unique_ptr<Staging>> staging;
   std::unordered_set<std::string> lost;
   std::unordered_map<uint64_t, std::weak_ptr<Region>> owned;  // by address: attaching to oneself
-  std::unordered_map<std::string, uint32_t> peer_refs;        // for peers(); the engine counts too
+  // Our registered host memory, base -> bytes: a put from inside it is sent in place.
+  std::map<uint64_t, uint64_t> host_ranges;
+  // Threads whose queue holds an in-place source: a local write checks for overlap only then.
+  std::atomic<int> borrowing_threads{0};
+  // Puts sent in place and their bytes (NixlTransport::zero_copy_stats).
+  std::atomic<uint64_t> borrowed_puts{0}, borrowed_bytes{0};
+  std::unordered_map<std::string, uint32_t> peer_refs;  // for peers(); the engine counts too
   // Held by the one thread draining notifications, across the engine call, so words are stored
   // in the order they came; others only try it (a waiter holding the GIL must never block on a
   // thread that needs the GIL).
@@ -124,6 +135,23 @@ struct Shared {
     auto& s = staging[std::this_thread::get_id()];
     if (!s) s = std::make_unique<Staging>();
     return *s;
+  }
+
+  // Whether [addr, addr + bytes) lies inside one of our registered host regions.
+  bool owned_host(uint64_t addr, uint64_t bytes) {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = host_ranges.upper_bound(addr);
+    if (it == host_ranges.begin()) return false;
+    --it;
+    return addr - it->first <= it->second && bytes <= it->second - (addr - it->first);
+  }
+
+  // Forgets this thread's in-place sources (its queue was taken for a transfer).
+  void end_borrow(Staging& s) {
+    if (!s.borrowing()) return;
+    s.borrowed_lo = UINT64_MAX;
+    s.borrowed_hi = 0;
+    borrowing_threads.fetch_sub(1, std::memory_order_relaxed);
   }
 
   bool is_lost(const std::string& peer) {
@@ -176,6 +204,7 @@ struct Shared {
     std::vector<Pending> queued;
     queued.swap(s.pending);
     s.used = kScratchBytes;  // the caller's transfer is complete before this thread puts again
+    end_borrow(s);           // likewise: in-place sources are read by then
     std::vector<std::string> order;
     std::unordered_map<std::string, std::vector<Segment>> by_peer;
     for (const Pending& p : queued) {
@@ -265,6 +294,7 @@ class OwnedRegion final : public NixlRegion {
     {
       std::lock_guard<std::mutex> lock(shared_->mu);
       shared_->owned.erase(addr());
+      shared_->host_ranges.erase(addr());
     }
     try {
       shared_->engine->deregister_memory(addr(), mapped_);

@@ -64,6 +64,7 @@ std::shared_ptr<Region> NixlTransport::publish(uint8_t* base, uint64_t bytes, ui
       std::make_shared<OwnedRegion>(shared_, base, bytes, mapped, handle, kind, device, external);
   std::lock_guard<std::mutex> lock(shared_->mu);
   shared_->owned[reinterpret_cast<uint64_t>(base)] = region;
+  if (kind == MemKind::kHost) shared_->host_ranges[reinterpret_cast<uint64_t>(base)] = bytes;
   return region;
 }
 
@@ -122,15 +123,42 @@ std::shared_ptr<Region> NixlTransport::attach(const std::string& handle) {
   return std::make_shared<PeerRegion>(shared_, f[1], addr, bytes, handle, nullptr, kind, device);
 }
 
+ZeroCopyStats NixlTransport::zero_copy_stats() const {
+  return {shared_->borrowed_puts.load(std::memory_order_relaxed),
+          shared_->borrowed_bytes.load(std::memory_order_relaxed)};
+}
+
+void NixlTransport::before_local_write(const uint8_t* addr, uint64_t bytes) {
+  if (shared_->borrowing_threads.load(std::memory_order_relaxed) == 0) return;
+  Staging& s = shared_->mine();
+  const auto lo = reinterpret_cast<uint64_t>(addr);
+  if (!s.borrowing() || lo >= s.borrowed_hi || lo + bytes <= s.borrowed_lo) return;
+  shared_->flush(s, options_.xfer_timeout_ns);  // the peer gets the bytes as they were at put
+}
+
 void NixlTransport::put(Region& dst, uint64_t offset, const void* src, uint64_t bytes) {
   check_range(dst, offset, bytes);
   if (bytes == 0) return;
   if (uint8_t* local = local_of(dst)) {
+    before_local_write(local + offset, bytes);
     std::memcpy(local + offset, src, bytes);
     return;
   }
   PeerRegion& peer = remote_of(dst);
   Staging& s = shared_->mine();
+  const auto from = reinterpret_cast<uint64_t>(src);
+  if (options_.borrow && bytes >= kBorrowMinBytes && shared_->owned_host(from, bytes)) {
+    // Our registered memory: the transfer reads it in place (the header, "Zero copy").
+    s.pending.push_back(
+        {peer.agent(),
+         {from, peer.addr() + offset, bytes, MemKind::kHost, 0, peer.kind(), peer.device()}});
+    if (!s.borrowing()) shared_->borrowing_threads.fetch_add(1, std::memory_order_relaxed);
+    s.borrowed_lo = std::min(s.borrowed_lo, from);
+    s.borrowed_hi = std::max(s.borrowed_hi, from + bytes);
+    shared_->borrowed_puts.fetch_add(1, std::memory_order_relaxed);
+    shared_->borrowed_bytes.fetch_add(bytes, std::memory_order_relaxed);
+    return;
+  }
   const uint64_t slot = (bytes + kStageAlign - 1) / kStageAlign * kStageAlign;
   if (s.used + slot > s.capacity) {
     shared_->flush(s, options_.xfer_timeout_ns);
@@ -154,6 +182,7 @@ void NixlTransport::put_region(Region& dst, uint64_t offset, Region& src, uint64
   if (uint8_t* local = local_of(dst)) {
     MC_CHECK(from->kind() == MemKind::kHost,
              "a GPU region into our own memory is a local copy: ", "use the tensors");
+    before_local_write(local + offset, bytes);
     std::memmove(local + offset, from->data() + src_offset, bytes);
     return;
   }
@@ -166,6 +195,7 @@ void NixlTransport::put_region(Region& dst, uint64_t offset, Region& src, uint64
 void NixlTransport::signal(Region& dst, uint64_t offset, uint64_t value, SignalOp op) {
   check_word(dst, offset);
   if (uint8_t* local = local_of(dst)) {
+    before_local_write(local + offset, sizeof(uint64_t));
     auto w = word_at(local, offset);
     if (op == SignalOp::kAdd) {
       w.fetch_add(value, std::memory_order_acq_rel);
@@ -298,6 +328,7 @@ bool NixlTransport::compare_exchange(Region& local, uint64_t offset, uint64_t ex
   uint8_t* base = local_of(local);
   MC_CHECK(base != nullptr, "compare-exchange on ", local.describe(),
            ": only our own memory can be changed atomically");
+  before_local_write(base + offset, sizeof(uint64_t));
   return word_at(base, offset)
       .compare_exchange_strong(expected, desired, std::memory_order_acq_rel);
 }

@@ -14,7 +14,8 @@
 // send after transfer is done"). So the notification is the signal word and the doorbell: the
 // receiver learns of the arrival without a second transfer. The transport therefore:
 //   put:    copies the bytes into a per-thread registered staging buffer and queues them (the
-//           caller may reuse its memory at once, as with shm);
+//           caller may reuse its memory at once, as with shm), unless they are our own
+//           registered memory (see "Zero copy" below);
 //   signal: writes this thread's queued puts to that peer as ONE transfer that carries the word
 //           (address, value) as its notification; the receiver's transport stores the word into
 //           its own memory when it drains its notifications (every wait drains them, and a
@@ -30,6 +31,18 @@
 //           arrived (liveness comes from the waiter's probes, as before). Queued puts to other
 //           peers are written (and waited for) first.
 //   fence:  writes the queue and waits.
+// Zero copy: a put whose source lies inside our own registered host memory (a region of this
+// transport: create_region, register_external) and is at least kBorrowMinBytes long is not
+// staged: the transfer reads it in place, as put_region does, and as NIXL's own WRITE of a
+// registered buffer does (bench/wire/cross_host.py, "NIXL itself"). A server answering from the
+// request slot the bytes landed in, or a client sending from a registered tensor (TensorRegion),
+// so sends every byte once, with no copy on the way. The bytes are read when this thread's
+// next signal (or fence) writes its queue: they must not change before that returns. A write
+// through this transport into our own memory overlapping such a source (a local put, signal or
+// compare-exchange on the same thread: the slot protocol's poison mode overwrites the request
+// slot before it signals the answer) writes the queue first, so the peer still gets the bytes
+// as they were at put. `borrow = false` stages every put (the earlier path, kept to measure
+// the difference).
 // A message costs one payload transfer (one round trip at the initiator) plus one notification
 // per word; the old path (`notify = false`: the word as its own WRITE, waited for) stays for
 // comparison (bench/wire/cross_host.py, the row "moecomm-nixl (word per WRITE)").
@@ -140,6 +153,10 @@ constexpr int64_t kPeerCheckIntervalNs = 50'000'000;
 constexpr int64_t kDefaultXferTimeoutNs = 10'000'000'000;
 // A liveness probe still unanswered after this long counts as a lost peer.
 constexpr int64_t kProbeTimeoutNs = 2'000'000'000;
+// A put from our own registered memory is sent in place from this size on; a smaller one is
+// copied: a copy of 64 KiB (a few µs) costs less than one more descriptor in the transfer, and
+// a header or an expert-id list stays in the staged run beside its neighbours.
+constexpr uint64_t kBorrowMinBytes = 64ull << 10;
 // Initial per-thread staging: a decode-size request (128 x 7168 bf16) fits with room to spare.
 constexpr uint64_t kInitialStagingBytes = 4ull << 20;
 // Region handles: "nixl|<agent>|<address hex>|<bytes>|<memory: host or cuda:N>|<blob>".
@@ -155,6 +172,15 @@ struct NixlOptions {
   bool notify = true;
   // The longest sleep of an idle waiter (the back-off's bound: see kBackoffAfterNs).
   int64_t max_poll_ns = kDefaultMaxPollNs;
+  // A large put from our own registered memory is sent in place (the header, "Zero copy");
+  // false: every put is staged (copied), as before.
+  bool borrow = true;
+};
+
+// Puts sent in place from our own registered memory (no staging copy) and their bytes.
+struct ZeroCopyStats {
+  uint64_t puts = 0;
+  uint64_t bytes = 0;
 };
 
 namespace detail {
@@ -194,6 +220,7 @@ class NixlTransport final : public Transport {
   void put_region(Region& dst, uint64_t offset, Region& src, uint64_t src_offset, uint64_t bytes);
 
   const NixlOptions& options() const { return options_; }
+  ZeroCopyStats zero_copy_stats() const;
   std::string agent_name() const;
   // Peers this transport holds regions of (their agents are loaded in the NIXL agent).
   std::vector<std::string> peers() const;
@@ -202,6 +229,9 @@ class NixlTransport final : public Transport {
   // Whether `peer` is alive, as far as a read within `timeout_ns` can tell: false only when
   // its connection is known to be gone.
   bool probe(const Region& peer, int64_t timeout_ns);
+  // Before a write into our own memory at [addr, addr + bytes): writes this thread's queue
+  // first when one of its in-place sources overlaps it (the header, "Zero copy").
+  void before_local_write(const uint8_t* addr, uint64_t bytes);
   std::shared_ptr<Region> publish(uint8_t* base, uint64_t bytes, uint64_t mapped, MemKind kind,
                                   int32_t device, bool external);
 

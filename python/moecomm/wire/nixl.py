@@ -15,6 +15,7 @@ a MoecommError that names the extra.
 from __future__ import annotations
 
 import base64
+import collections
 import fcntl
 import logging
 import os
@@ -59,6 +60,10 @@ _NOTIF_WORD = struct.Struct("<QQ")
 # same descriptors every message, so the handle is made once. Bounded, since a stream of changing
 # sizes would otherwise keep one per size; the oldest is released first.
 MAX_PREPARED_XFERS = 256
+# Durations of the latest transfers kept per engine (posted -> complete at the target), for the
+# medians of bench/wire/cross_host.py's legs: a mean over every transfer is led by the first ones
+# (endpoint wire-up) and the odd stall.
+XFER_SAMPLES = 4096
 # NIXL's memory segment types by our memory kinds.
 _SEGMENT = {"host": "DRAM", "cuda": "VRAM"}
 # SIOCGIFADDR: the IPv4 address of an interface (linux/sockios.h).
@@ -225,6 +230,7 @@ class NixlEngine:
         # Time from posting to completion of every transfer, summed (the per-leg breakdown of
         # bench/wire/cross_host.py: how much of a send is the network transfer itself).
         self.xfer_ns = 0
+        self.xfer_samples_ns: collections.deque[int] = collections.deque(maxlen=XFER_SAMPLES)
         self.notifications_sent = 0
         self.notifications_received = 0
 
@@ -393,7 +399,9 @@ class NixlEngine:
                         p[2] = a.check_xfer_state(p[1])
             self.transfers += len(posted)
             self.transfers_by_op[op] += len(posted)
-            self.xfer_ns += time.monotonic_ns() - posted_at
+            took = time.monotonic_ns() - posted_at
+            self.xfer_ns += took
+            self.xfer_samples_ns.append(took)
             if not all(p[2] == "DONE" for p in posted):
                 return _C.NIXL_XFER_PEER_LOST
             if notif and not attach:
@@ -425,13 +433,17 @@ def open_nixl_transport(
     progress_us: int | None = None,
     notify: bool = True,
     max_poll_ns: int | None = None,
+    borrow: bool = True,
 ) -> _C.NixlTransport:
     """A nixl transport with its own NIXL agent. `host`: the address this process serves on;
     UCX carries bytes over that interface (unless UCX_NET_DEVICES says otherwise). `notify`:
     a signal word rides on its payload's NIXL notification, one transfer per message (False:
     each word is its own WRITE, waited for; kept to measure the difference). `max_poll_ns`: the
     longest sleep of a waiter that has been idle a while (the bound its back-off adds to a wake;
-    nixl_transport.h, kBackoffAfterNs)."""
+    nixl_transport.h, kBackoffAfterNs). `borrow`: a large put from this transport's own
+    registered memory (its regions, a TensorRegion) is sent in place, with no staging copy; its
+    bytes are read at the next signal (nixl_transport.h, "Zero copy"). False: every put is
+    copied at once (kept to measure the difference)."""
     engine = NixlEngine(name=name, host=host, progress_us=progress_us)
     kwargs = {}
     if spin_ns is not None:
@@ -442,7 +454,7 @@ def open_nixl_transport(
         kwargs["xfer_timeout_ns"] = int(xfer_timeout_s * 1e9)
     if max_poll_ns is not None:
         kwargs["max_poll_ns"] = int(max_poll_ns)
-    t = _C.NixlTransport(engine, notify=bool(notify), **kwargs)
+    t = _C.NixlTransport(engine, notify=bool(notify), borrow=bool(borrow), **kwargs)
     t.engine = engine  # for callers that want the agent (counters, UCX queries)
     return t
 
@@ -460,8 +472,9 @@ def NixlTransport(*args, **kwargs) -> _C.NixlTransport:
 class TensorRegion:
     """`tensor`'s memory (CPU or CUDA: NIXL registers DRAM and VRAM alike) as a region of a nixl
     transport: peers attach to `handle`, and `transport.put_region(dst, offset, self.region, 0,
-    nbytes)` sends from it without a copy. Holds the tensor, which must stay in place while
-    peers may use the region; `close()` deregisters it."""
+    nbytes)` sends from it without a copy; so does any large put from inside it (a host tensor
+    of it passed to ClientChannel.send, say: nixl_transport.h, "Zero copy"). Holds the tensor,
+    which must stay in place while peers may use the region; `close()` deregisters it."""
 
     def __init__(self, transport, tensor):
         if not tensor.is_contiguous():
