@@ -105,11 +105,13 @@ MAX_KEEPALIVE = 64
 MAX_ERROR_CHARS = 300
 # Conditional disaggregation: a request whose prompt, less what the decode front end's prefix
 # cache already holds, has at most this many tokens is prefilled on the decode front end (a
-# plain generate there, no hand-off). 0: every request is split. The default comes from
-# bench/serving/pd.py (the conditional router beside single and always-split; docs/router.md,
-# "Where a prompt is prefilled"): below it a hand-off costs a short request more TTFT than its
-# prefill on the decode side costs the decodes there.
-DEFAULT_MAX_LOCAL_PREFILL_TOKENS = 256
+# plain generate there, no hand-off). 0: every request is split. From bench/serving/pd.py (the
+# conditional router beside single and always-split; docs/router.md, "Where a prompt is
+# prefilled"): with every 64-token prompt of the mixed load prefilled on the decode front end,
+# its decode ITL p99 stayed the always-split router's (1.00x) and the short requests' TTFT p99
+# fell to 0.71x the single front end's (bench/results/pd_local_edge.json); a 768-token prefill
+# takes 13-15 decode steps, so 64 tokens add about one step to the decodes batched with them.
+DEFAULT_MAX_LOCAL_PREFILL_TOKENS = 64
 # The question "how much of this prompt do you hold?" (POST /pd/cached) is answered from
 # memory; a decode front end slower than this is busy, and the request is split (as if nothing
 # were cached) rather than waiting for the answer.
