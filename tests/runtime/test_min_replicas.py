@@ -11,11 +11,12 @@ import time
 import httpx
 import pytest
 import torch
-from moecomm.runtime import AttentionClient, ExpertServer
+from moecomm.runtime import ExpertServer
 from moecomm.runtime.control import HttpServer, make_app
 from moecomm.runtime.experts import LayerExperts
 from moecomm.runtime.launch import ModelSpec, spawn_expert_server
 from moecomm.runtime.placement import PlacementController
+from moecomm.testing.clients import connect_client
 
 SPEC = ModelSpec(num_layers=2, num_experts=12, hidden=64, intermediate=32, seed=11)
 TOKEN = "t0ken"
@@ -26,8 +27,8 @@ K = 2
 HOSTED = [{layer: [(4 * i + j) % 12 for j in range(8)] for layer in (0, 1)} for i in range(3)]
 # The watch's period here: detection is a small part of the restore (loads dominate).
 WATCH_S = 0.05
-# A restore on this 2-core machine takes well under a second (bench/recovery/redundancy.py); the deadline
-# leaves room for a loaded CI machine.
+# A restore on this 2-core machine takes well under a second (bench/recovery/redundancy.py);
+# the deadline leaves room for a loaded CI machine.
 RESTORE_DEADLINE_S = 30.0
 # No load-driven pass may run during the test: only the watch moves experts.
 NEVER_S = 3600.0
@@ -58,20 +59,10 @@ def test_kill_9_of_a_server_restores_every_expert_to_two_copies_while_serving():
         procs = [spawn_expert_server(SPEC, h, f"mr{i}", TOKEN) for i, h in enumerate(HOSTED)]
         urls = [p.url for p in procs]
         assert all(min(c) == K for c in copies(urls).values())
-        client = AttentionClient(
-            urls,
-            None,
-            SPEC.hidden,
-            TOPK,
-            MAX_TOKENS,
-            encoding="f32",
-            out_dtype=torch.float32,
-            token=TOKEN,
-            timeout=20.0,
-        )
-        client.connect()
+        client = connect_client(urls, SPEC.hidden, TOPK, MAX_TOKENS, token=TOKEN, timeout=20.0)
+        # Pulled from peers (the path this test follows); the default reads the checkpoint.
         controller = PlacementController(
-            urls, TOKEN, min_replicas=K, min_tokens=10**12, watch_s=WATCH_S
+            urls, TOKEN, min_replicas=K, min_tokens=10**12, watch_s=WATCH_S, weights_from="peer"
         )
         controller.start(NEVER_S)
 

@@ -258,7 +258,8 @@ def make_app(server: ExpertServer, token: str = "") -> FastAPI:
     @app.get("/experts")
     def experts(client_id: int | None = None, load: bool = True):
         """The placement table (local index -> expert, -1: do not use) with its epoch and the
-        per-expert load. A client that passes its id acks the epoch (see ServerPlacement)."""
+        per-expert load, and whether the server has a checkpoint to load experts from. A client
+        that passes its id acks the epoch (see ServerPlacement)."""
         counts = [
             {"layer": layer, "expert": expert, "tokens": n}
             for (layer, expert), n in sorted(server.stats.expert_load.items())
@@ -266,7 +267,13 @@ def make_app(server: ExpertServer, token: str = "") -> FastAPI:
         ]
         table_reads[0] += 1
         table = server.placement.describe(client_id)
-        return {"server_id": server.server_id, "hidden": server.hidden, **table, "load": counts}
+        return {
+            "server_id": server.server_id,
+            "hidden": server.hidden,
+            "checkpoint": server.weight_source is not None,
+            **table,
+            "load": counts,
+        }
 
     @app.post("/experts/load")
     def load_expert(body: LoadModel):

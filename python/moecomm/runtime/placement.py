@@ -53,9 +53,9 @@ class PlacementController(PlacementApply, RedundancyWatch):
     """Re-places experts over live expert servers. `servers` is a list of control URLs or a
     callable returning the current ones (a front end passes its client's live servers).
 
-    weights_from: "peer" pulls a replica's weights from a server that hosts it (over the
-    transport), falling back to the target's checkpoint; "checkpoint" reads the checkpoint
-    first and falls back to a peer.
+    weights_from: "checkpoint" (the default: measured faster, docs/placement.md) reads the
+    target's checkpoint first and falls back to a peer; "peer" pulls a replica's weights from a
+    server that hosts it (over the transport), falling back to the target's checkpoint.
 
     min_replicas: copies of every expert on distinct servers (default 1, EPLB's placement;
     `moecomm` commands default to 2). watch_s: how often start()'s watch looks at its events
@@ -74,7 +74,7 @@ class PlacementController(PlacementApply, RedundancyWatch):
         servers: Sequence[str] | Callable[[], Sequence[str]],
         token: str = "",
         *,
-        weights_from: str = "peer",
+        weights_from: str = "checkpoint",
         num_groups: int = 1,
         min_gain: float = 0.05,
         windows: int = DEFAULT_WINDOWS,

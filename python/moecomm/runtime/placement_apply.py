@@ -66,6 +66,9 @@ class PlacementApply:
     def _sources(self, move: Move, views: list[ServerView]) -> list[tuple[str, str]]:
         """Where `move`'s weights may come from, preferred first: (source, peer URL)."""
         peers = [v.url for v in views if v.url != move.server and move.expert in v.live(move.layer)]
+        target = next((v for v in views if v.url == move.server), None)
+        if target is not None and not target.checkpoint and peers:
+            return [("peer", peers[0])]  # it has no checkpoint: asking it would only fail
         order = [("peer", p) for p in peers[:1]] + [("checkpoint", "")]
         if self.weights_from == "checkpoint":
             order.reverse()

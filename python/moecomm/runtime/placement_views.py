@@ -27,6 +27,8 @@ class ServerView:
     layers: dict[int, list[int]]  # local index -> logical expert, -1 where none
     leaving: dict[int, list[int]]
     load: dict[tuple[int, int], int]  # (layer, expert) -> tokens served since start
+    # Whether it can read experts from a checkpoint (a server that does not say: assume so).
+    checkpoint: bool = True
 
     def live(self, layer: int) -> set[int]:
         return {e for e in self.layers.get(layer, []) if e >= 0}
@@ -40,6 +42,7 @@ class ServerView:
             {int(k): list(v) for k, v in body["layers"].items()},
             {int(k): list(v) for k, v in body.get("leaving", {}).items()},
             {(int(r["layer"]), int(r["expert"])): int(r["tokens"]) for r in body["load"]},
+            bool(body.get("checkpoint", True)),
         )
 
 

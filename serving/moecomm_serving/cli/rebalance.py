@@ -33,11 +33,12 @@ def add_controller_arguments(p: argparse.ArgumentParser, prefix: str = "") -> No
     """The placement settings shared by `moecomm rebalance` and `moecomm frontend`."""
     p.add_argument(
         f"--{prefix}weights-from",
-        default="peer",
+        # The checkpoint restores faster than a peer's pull (docs/placement.md, quiet run).
+        default="checkpoint",
         choices=WEIGHT_SOURCES,
-        help="where a server gets the weights of an expert it is given: pulled from a server "
-        "that hosts it (over the transport), or read from its checkpoint; the other is the "
-        "fallback",
+        help="where a server gets the weights of an expert it is given: read from its "
+        "checkpoint, or pulled from a server that hosts it (over the transport); the other is "
+        "the fallback",
     )
     p.add_argument(
         f"--{prefix}min-gain",
