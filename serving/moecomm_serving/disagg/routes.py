@@ -29,6 +29,7 @@ transport is not ``shm``; the receipt's ``transport`` tells ``/pd/decode`` where
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -64,6 +65,8 @@ from moecomm_serving.disagg.transfer import (
 from moecomm_serving.kv.package import KvHandoffError, decode_package, encode_package, pack, unpack
 from moecomm_serving.types import ErrorEvent, FinishEvent, HandoffEvent, Resume, TokenEvent
 
+log = logging.getLogger(__name__)
+
 ROLES = ("both", "prefill", "decode")
 PREFILL_ROLES, DECODE_ROLES = ("both", "prefill"), ("both", "decode")
 # The prefill front end answers the router only once the transfer's completion word is set, so
@@ -91,7 +94,14 @@ class PdState:
         # the staged hand-off across hosts (`staged`: its transport spec; None: none)
         self.inbox = self.outbox = None
         if staged is not None and role in DECODE_ROLES:
-            self.inbox = KvInbox(staged, host).start()
+            try:
+                self.inbox = KvInbox(staged, host).start()
+            except MoecommError as exc:
+                if staged != "auto":
+                    raise
+                # "auto" is shm pools, and nixl for other hosts where it works: a front end
+                # whose NIXL cannot start still serves hand-offs on this host
+                log.warning("staged KV hand-offs across hosts are off: %s", exc)
         if staged is not None and role in PREFILL_ROLES:
             self.outbox = KvOutbox(staged, host, KV_SEND_TIMEOUT_S)
         # the reservation calls to decode front ends (prefill roles), made on worker threads
@@ -371,7 +381,9 @@ class PdRoutes:
         except PdRequestError as exc:
             raise oa.ApiError(400, str(exc)) from None
         try:
-            answer = await asyncio.to_thread(state.endpoint.reserve, call)
+            # bookkeeping (and, from a new peer, mapping its regions): on the event loop, where
+            # a worker thread would add a wake-up to every hand-off
+            answer = state.endpoint.reserve(call)
         except KvReservationError as exc:
             state.count("received", "failures")
             raise oa.ApiError(400, str(exc)) from None
@@ -389,16 +401,19 @@ class PdRoutes:
         if any(t >= fe.vocab_size for t in call.tokens):
             raise oa.ApiError(400, f"tokens must be ids in [0, {fe.vocab_size})")
         try:
+            take = (
+                state.endpoint.take,
+                call.handoff_id,
+                call.client_id,
+                call.tag,
+                KV_ARRIVAL_TIMEOUT_S,
+            )
             if call.transport != KV_TRANSPORT:
                 held = await self._take_staged(call)
+            elif state.endpoint.ready(call.tag):  # the usual case: written before the call
+                held = take[0](*take[1:])
             else:
-                held = await asyncio.to_thread(
-                    state.endpoint.take,
-                    call.handoff_id,
-                    call.client_id,
-                    call.tag,
-                    KV_ARRIVAL_TIMEOUT_S,
-                )
+                held = await asyncio.to_thread(*take)
         except DeadlineExceededError as exc:
             state.count("received", "failures")
             raise oa.ApiError(504, f"the KV transfer did not arrive: {exc}") from None

@@ -261,6 +261,17 @@ class KvEndpoint:
         r.recv.release()
         return r.held
 
+    def ready(self, seq: int) -> bool:
+        """Whether transfer `seq` is reserved here and complete (its completion word set): then
+        :meth:`take` returns without waiting."""
+        with self._lock:
+            r = self._reserved.get(seq)
+        if r is None:
+            return False
+        with contextlib.suppress(Exception):
+            return r.recv.poll() == KvState.DONE
+        return False
+
     def _abandon(self, r: _Reservation, now: float | None = None) -> None:
         """Frees a reservation that will not be used; its blocks wait out QUARANTINE_S first
         when a live sender may still write into them (the transfer is not complete: a sender
