@@ -19,7 +19,8 @@ A router (:mod:`moecomm_serving.disagg.router`) runs each request in two places:
 itself goes through its own pool). The bodies are checked by
 :mod:`moecomm_serving.disagg.schema`, so a malformed call is a 400 before anything is reserved.
 
-Across hosts the pools cannot map each other (:mod:`moecomm.wire.kv` pools speak shm only):
+Across hosts the front ends' shm pools cannot map each other (the serving does not register
+its pools with nixl yet, though :mod:`moecomm.wire.kv` now can):
 ``/pd/reserve`` answers 409 and the prefill front end hands that request off the staged way
 (:mod:`moecomm_serving.disagg.staged`: a byte package over a nixl stage channel, set up by
 ``/pd/kv/offer``, ``/pd/kv/connect`` and ``/pd/kv/disconnect``), when NIXL is installed and the

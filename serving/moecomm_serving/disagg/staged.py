@@ -1,6 +1,6 @@
 """KV hand-offs across hosts, staged: the one case the pool-to-pool transfer
 (:mod:`moecomm_serving.disagg.transfer`) cannot serve yet, a prefill and a decode front end that
-do not share a host's shared memory (:mod:`moecomm.wire.kv` pools speak shm only; nixl pools
+do not share a host's shared memory (the serving's KV pools are shm only; nixl pools
 are to replace this module). The sending side (:class:`KvOutbox`), the receiving side
 (:class:`KvInbox`) and the inbox's routes.
 

@@ -28,7 +28,7 @@ sender may still be writing (a reservation abandoned while its transfer is under
 out of the pool for :data:`QUARANTINE_S` before they are reused.
 
 The pools are shared memory (:mod:`moecomm.wire.shm`): the two front ends must share this host's
-/dev/shm. Pools across hosts (nixl) are not supported by :mod:`moecomm.wire.kv` yet; a decode
+/dev/shm. Pools across hosts (nixl) are not used by the serving yet; a decode
 front end that cannot map the prefill's pool refuses the reservation
 (:class:`KvUnreachableError`, HTTP 409), and the prefill front end hands that request off the
 staged way instead (:mod:`moecomm_serving.disagg.staged`, over nixl) when it can.
@@ -185,8 +185,8 @@ class KvEndpoint:
         except Exception as exc:  # no such segment here: another host's /dev/shm, or gone
             raise KvUnreachableError(
                 f"cannot map the peer's KV pool ({exc}); the two front ends must share this "
-                "host's shared memory (KV pools across hosts need nixl, not supported by "
-                "moecomm.wire.kv yet)"
+                "host's shared memory (the serving's KV pools are shm only; across hosts the "
+                "prefill falls back to the staged hand-off over nixl)"
             ) from None
         with self._lock:
             old = self._peers.setdefault(info.control_handle, peer)

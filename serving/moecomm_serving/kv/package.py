@@ -1,6 +1,6 @@
 """The KV byte package: a request's KV cache as one flat byte buffer, for the one hand-off that
 cannot go pool to pool yet — a prefill and a decode front end on different hosts, whose KV
-pools cannot map each other (:mod:`moecomm.wire.kv` pools speak shm only);
+pools cannot map each other (the serving's KV pools are shm only);
 :mod:`moecomm_serving.disagg.staged` moves the bytes over a stage channel (nixl). On one host
 the blocks move pool to pool (:mod:`moecomm_serving.disagg.transfer`) and no package is made.
 
