@@ -27,8 +27,8 @@ import itertools
 
 from _lib.common import format_table, write_json
 from moecomm.errors import MoecommError
-from moecomm.runtime import AttentionClient
 from moecomm.runtime.launch import ModelSpec, spawn_expert_server
+from moecomm.testing.clients import connect_client
 
 SPEC = ModelSpec(num_layers=2, num_experts=8, hidden=256, intermediate=128, seed=0)
 TOPK = 2
@@ -83,17 +83,7 @@ def main(argv=None) -> int:
     w = torch.rand(TOKENS, TOPK, generator=g)
     done, failed, kills = [], 0, []
     try:
-        c = AttentionClient(
-            [s.url for s in servers],
-            1,
-            SPEC.hidden,
-            TOPK,
-            TOKENS,
-            encoding="f32",
-            out_dtype=torch.float32,
-            timeout=a.timeout,
-        )
-        c.connect()
+        c = connect_client(servers, SPEC.hidden, TOPK, TOKENS, 1, timeout=a.timeout)
         want = [c.combine(c.dispatch(x, ids, w, layer)) for layer in range(SPEC.num_layers)]
         start = time.monotonic()
         step = 0

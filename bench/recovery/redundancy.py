@@ -49,6 +49,7 @@ from moecomm.runtime import AttentionClient
 from moecomm.runtime.experts import LayerExperts
 from moecomm.runtime.launch import ModelSpec, spawn_expert_server
 from moecomm.runtime.placement import REDUNDANCY_WATCH_S, PlacementController
+from moecomm.testing.clients import connect_client
 
 SPEC = ModelSpec(num_layers=2, num_experts=16, hidden=512, intermediate=1024, seed=3)
 SERVERS, TOPK, MAX_TOKENS = 8, 2, 32
@@ -145,18 +146,7 @@ def run_contender(name: str, args, k: int) -> tuple[list[dict], dict]:
     procs = [spawn_expert_server(SPEC, h, f"r{i}", TOKEN) for i, h in enumerate(initial_hosted(k))]
     live = list(procs)
     urls = [p.url for p in procs]  # the controller's list: dead servers stay (left out)
-    client = AttentionClient(
-        urls,
-        None,
-        SPEC.hidden,
-        TOPK,
-        MAX_TOKENS,
-        encoding="f32",
-        out_dtype=torch.float32,
-        token=TOKEN,
-        timeout=20.0,
-    )
-    client.connect()
+    client = connect_client(urls, SPEC.hidden, TOPK, MAX_TOKENS, token=TOKEN, timeout=20.0)
     controller = PlacementController(
         lambda: list(urls), TOKEN, min_replicas=k, min_tokens=10**12, **CONTENDERS[name]
     )

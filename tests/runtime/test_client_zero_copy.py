@@ -5,9 +5,9 @@ allocating combine of the same answers."""
 
 import pytest
 import torch
-from moecomm.runtime import AttentionClient
 from moecomm.runtime.experts import LayerExperts
 from moecomm.runtime.launch import ModelSpec, spawn_expert_server
+from moecomm.testing.clients import connect_client
 
 SPEC = ModelSpec(num_layers=2, num_experts=6, hidden=64, intermediate=32, seed=4)
 TOPK, MAX_TOKENS = 3, 24
@@ -35,10 +35,7 @@ def routed(n: int, seed: int):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_in_place_dispatch_and_combine_into_caller_memory(servers, out_dtype):
-    c = AttentionClient(
-        [s.url for s in servers], None, SPEC.hidden, TOPK, MAX_TOKENS, "f32", out_dtype
-    )
-    c.connect()
+    c = connect_client(servers, SPEC.hidden, TOPK, MAX_TOKENS, out_dtype=out_dtype)
     try:
         assert all(ch.zero_copy for ch in c.channels), "shm servers are mapped: packed in place"
         weights = SPEC.experts()

@@ -10,9 +10,9 @@ import moecomm
 import pytest
 import torch
 from moecomm.ops.dispatch import pack_dispatch
-from moecomm.runtime import AttentionClient
 from moecomm.runtime.experts import LayerExperts
 from moecomm.runtime.launch import ModelSpec, spawn_expert_server
+from moecomm.testing.clients import connect_client
 from proc_helpers import stop_process
 
 SPEC = ModelSpec(num_layers=2, num_experts=8, hidden=64, intermediate=32, seed=3)
@@ -68,19 +68,9 @@ def naive_monolith(x, ids, w, layer):
 
 
 def client(servers, cid, **kw):
-    args = {
-        "hidden": SPEC.hidden,
-        "topk": TOPK,
-        "max_tokens": 64,
-        "encoding": "f32",
-        "out_dtype": torch.float32,
-        "token": TOKEN,
-        "timeout": 20.0,
-    }
-    args.update(kw)
-    c = AttentionClient([s.url for s in servers], client_id=cid, **args)
-    c.connect()
-    return c
+    return connect_client(
+        servers, SPEC.hidden, TOPK, 64, cid, **{"token": TOKEN, "timeout": 20.0, **kw}
+    )
 
 
 @pytest.mark.timeout(300)

@@ -12,8 +12,8 @@ import torch
 from long_run import LONG
 from membership_procs import MONITOR_TOKEN
 from moecomm.membership import connect_membership
-from moecomm.runtime import AttentionClient
 from moecomm.runtime.launch import ModelSpec, spawn_expert_server
+from moecomm.testing.clients import connect_client
 
 SPEC = ModelSpec(num_layers=2, num_experts=6, hidden=48, intermediate=24, seed=11)
 TTL = 1.0
@@ -44,17 +44,7 @@ def batches():
 
 
 def run(servers, cid, kill_at=None, victim=None, membership=None):
-    c = AttentionClient(
-        [s.url for s in servers],
-        cid,
-        SPEC.hidden,
-        TOPK,
-        16,
-        encoding="f32",
-        out_dtype=torch.float32,
-        timeout=2.0,
-    )
-    c.connect()
+    c = connect_client(servers, SPEC.hidden, TOPK, 16, cid, timeout=2.0)
     if membership is not None:
         c.follow(membership, TTL)
     ys = []
@@ -117,17 +107,7 @@ def test_graceful_drain_and_elastic_join_without_restart():
         # start with all three, drain one, then let a fresh server join in its place.
         servers.append(spawn_expert_server(SPEC, HOSTED[2], "d2"))
         clean, _ = run(servers, 300)
-        c = AttentionClient(
-            [s.url for s in servers],
-            301,
-            SPEC.hidden,
-            TOPK,
-            16,
-            encoding="f32",
-            out_dtype=torch.float32,
-            timeout=5.0,
-        )
-        c.connect()
+        c = connect_client(servers, SPEC.hidden, TOPK, 16, 301, timeout=5.0)
         try:
             got = []
             for step, (x, ids, w, layer) in enumerate(batches()):

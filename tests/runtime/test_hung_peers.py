@@ -10,8 +10,8 @@ import time
 import httpx
 import pytest
 import torch
-from moecomm.runtime import AttentionClient
 from moecomm.runtime.launch import ModelSpec, spawn_expert_server
+from moecomm.testing.clients import connect_client
 from proc_helpers import stop_process
 
 SPEC = ModelSpec(num_layers=1, num_experts=4, hidden=32, intermediate=16, seed=9)
@@ -22,19 +22,7 @@ ALL = {0: list(range(SPEC.num_experts))}
 
 
 def client(urls, client_id=None, timeout=DEADLINE_S):
-    c = AttentionClient(
-        urls,
-        client_id,
-        SPEC.hidden,
-        TOPK,
-        8,
-        encoding="f32",
-        out_dtype=torch.float32,
-        timeout=timeout,
-        evict_s=EVICT_S,
-    )
-    c.connect()
-    return c
+    return connect_client(urls, SPEC.hidden, TOPK, 8, client_id, timeout=timeout, evict_s=EVICT_S)
 
 
 def batch(seed):

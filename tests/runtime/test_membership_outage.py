@@ -22,6 +22,7 @@ from membership_procs import STOP_TIMEOUT_S, EtcdProcess, MonitorProcess, etcd_b
 from moecomm.membership import connect_membership
 from moecomm.runtime import AttentionClient, LayerExperts
 from moecomm.runtime.launch import SERVING_TTL_S, ModelSpec, spawn_expert_server, spawn_ready
+from moecomm.testing.clients import connect_client
 
 SPEC = ModelSpec(num_layers=2, num_experts=4, hidden=32, intermediate=16, seed=28)
 # Two experts per token: a sum of two terms is the same in either order, so any replica choice
@@ -77,18 +78,7 @@ class Reference:
 
 
 def make_client(urls: list[str], client_id: int) -> AttentionClient:
-    c = AttentionClient(
-        urls,
-        client_id,
-        SPEC.hidden,
-        TOPK,
-        MAX_TOKENS,
-        encoding="f32",
-        out_dtype=torch.float32,
-        timeout=REQUEST_TIMEOUT_S,
-    )
-    c.connect()
-    return c
+    return connect_client(urls, SPEC.hidden, TOPK, MAX_TOKENS, client_id, timeout=REQUEST_TIMEOUT_S)
 
 
 class Traffic:

@@ -10,8 +10,8 @@ import httpx
 import pytest
 import torch
 from moecomm.membership import MonitorServer, connect_membership
-from moecomm.runtime import AttentionClient
 from moecomm.runtime.launch import ModelSpec, spawn_expert_server
+from moecomm.testing.clients import connect_client
 from proc_helpers import stop_process
 
 SPEC = ModelSpec(num_layers=1, num_experts=4, hidden=32, intermediate=16, seed=2)
@@ -37,11 +37,7 @@ def batch(seed, n=5):
 
 
 def make_client(urls, cid, timeout):
-    c = AttentionClient(
-        urls, cid, SPEC.hidden, TOPK, 16, encoding="f32", out_dtype=torch.float32, timeout=timeout
-    )
-    c.connect()
-    return c
+    return connect_client(urls, SPEC.hidden, TOPK, 16, cid, timeout=timeout)
 
 
 def _client_process(conn, url, monitor_url):

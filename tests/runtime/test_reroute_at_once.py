@@ -14,8 +14,8 @@ import time
 import httpx
 import pytest
 import torch
-from moecomm.runtime import AttentionClient
 from moecomm.runtime.launch import ModelSpec, spawn_expert_server
+from moecomm.testing.clients import connect_client
 from proc_helpers import stop_process
 
 SPEC = ModelSpec(num_layers=1, num_experts=4, hidden=32, intermediate=16, seed=7)
@@ -45,20 +45,16 @@ def _tokens_served(url: str) -> int:
 
 
 def _client(servers, client_id, resend=None):
-    c = AttentionClient(
-        [s.url for s in servers],
-        client_id,
+    return connect_client(
+        servers,
         SPEC.hidden,
         TOPK,
         8,
-        encoding="f32",
-        out_dtype=torch.float32,
+        client_id,
         timeout=CLIENT_TIMEOUT_S,
         replica_policy="least_outstanding",
         resend=resend,
     )
-    c.connect()
-    return c
 
 
 class Combine(threading.Thread):
