@@ -19,12 +19,10 @@ A router (:mod:`moecomm_serving.disagg.router`) runs each request in two places:
 itself goes through its own pool). The bodies are checked by
 :mod:`moecomm_serving.disagg.schema`, so a malformed call is a 400 before anything is reserved.
 
-Across hosts the front ends' shm pools cannot map each other (the serving does not register
-its pools with nixl yet, though :mod:`moecomm.wire.kv` now can):
-``/pd/reserve`` answers 409 and the prefill front end hands that request off the staged way
-(:mod:`moecomm_serving.disagg.staged`: a byte package over a nixl stage channel, set up by
-``/pd/kv/offer``, ``/pd/kv/connect`` and ``/pd/kv/disconnect``), when NIXL is installed and the
-transport is not ``shm``; the receipt's ``transport`` tells ``/pd/decode`` where to look.
+Across hosts each front end's pool is also registered with NIXL (the same memory): a decode
+front end that cannot map the prefill's shm pool reserves over nixl instead, and the prefill
+WRITEs its blocks there (``KvReceipt.transport`` is then ``nixl``), when NIXL is installed and
+the transport is not ``shm``.
 """
 
 from __future__ import annotations
@@ -54,7 +52,6 @@ from moecomm_serving.disagg.schema import (
     ReserveCall,
     to_line,
 )
-from moecomm_serving.disagg.staged import KvInbox, KvOutbox, install_kv_routes
 from moecomm_serving.disagg.transfer import (
     DEFAULT_KV_POOL_BYTES,
     KvBusyError,
@@ -63,7 +60,6 @@ from moecomm_serving.disagg.transfer import (
     KvTransferError,
     KvUnreachableError,
 )
-from moecomm_serving.kv.package import KvHandoffError, decode_package, encode_package, pack, unpack
 from moecomm_serving.types import ErrorEvent, FinishEvent, HandoffEvent, Resume, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -75,9 +71,9 @@ PREFILL_ROLES, DECODE_ROLES = ("both", "prefill"), ("both", "decode")
 KV_ARRIVAL_TIMEOUT_S = 30.0
 # The transport the KV pools are written over (the only one moecomm.wire.kv pools speak yet).
 KV_TRANSPORT = "shm"
-# How long a prefill front end waits for a decode front end on another host to take a staged
-# package's chunks.
-KV_SEND_TIMEOUT_S = 30.0
+# The transports a hand-off's KV can go over (KvReceipt.transport): pool to pool over shm on one
+# host, over nixl across hosts.
+KV_TRANSPORTS = (KV_TRANSPORT, "nixl")
 NDJSON = "application/x-ndjson"
 
 
@@ -85,26 +81,11 @@ class PdState:
     """A front end's side of the split: its KV endpoint (the pool hand-offs are written from
     and into) and the counters /metrics renders."""
 
-    def __init__(
-        self, role: str, endpoint: KvEndpoint, staged: str | None = None, host: str | None = None
-    ):
+    def __init__(self, role: str, endpoint: KvEndpoint):
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         self.role = role
         self.endpoint = endpoint
-        # the staged hand-off across hosts (`staged`: its transport spec; None: none)
-        self.inbox = self.outbox = None
-        if staged is not None and role in DECODE_ROLES:
-            try:
-                self.inbox = KvInbox(staged, host).start()
-            except MoecommError as exc:
-                if staged != "auto":
-                    raise
-                # "auto" is shm pools, and nixl for other hosts where it works: a front end
-                # whose NIXL cannot start still serves hand-offs on this host
-                log.warning("staged KV hand-offs across hosts are off: %s", exc)
-        if staged is not None and role in PREFILL_ROLES:
-            self.outbox = KvOutbox(staged, host, KV_SEND_TIMEOUT_S)
         # the reservation calls to decode front ends (prefill roles), made on worker threads
         self.http = httpx.Client(trust_env=False) if role in PREFILL_ROLES else None
         self._lock = threading.Lock()
@@ -180,10 +161,6 @@ class PdState:
     def close(self) -> None:
         if self.http is not None:
             self.http.close()
-        if self.inbox is not None:
-            self.inbox.close()
-        if self.outbox is not None:
-            self.outbox.close()
         self.endpoint.close()
 
 
@@ -193,9 +170,9 @@ class PdRoutes:
     ``/pd/info``, ``/pd/prefill`` (prefill roles), ``/pd/reserve`` and ``/pd/decode`` (decode
     roles). Its :class:`PdState` is ``.state`` once installed.
 
-    `transport`: "shm" (pool to pool only), "auto" or "nixl" (pool to pool on one host, and the
-    staged hand-off over nixl with front ends on other hosts, when NIXL is installed); `host`:
-    the address nixl carries bytes over. `kv_pool_bytes`: the size of the front end's KV pool
+    `transport`: "shm" (pools on this host only), "auto" or "nixl" (the pool registered with
+    nixl too, for front ends on other hosts, when NIXL is installed); `host`: the address nixl
+    carries bytes over. `kv_pool_bytes`: the size of the front end's KV pool
     (:data:`~moecomm_serving.disagg.transfer.DEFAULT_KV_POOL_BYTES`)."""
 
     def __init__(
@@ -210,13 +187,13 @@ class PdRoutes:
         name = getattr(transport, "name", transport)
         if name not in ("auto", "shm", "nixl"):
             raise ValueError(f"transport must be auto, shm or nixl, got {name!r}")
-        self.staged = None
+        self.nixl = None
         if name != "shm":
             from moecomm.wire.nixl import available
 
             ok, _ = available()
             if ok:
-                self.staged = name
+                self.nixl = name
             elif name == "nixl":
                 raise ValueError(
                     "transport nixl: NIXL is not installed (pip install 'moecomm[nixl]')"
@@ -232,20 +209,23 @@ class PdRoutes:
         if fe.engine.pool is None:
             raise ValueError(f"role {self.role!r} hands KV off: it needs the paged KV cache")
         self.fe = fe
-        endpoint = KvEndpoint(fe.engine.pool, self.kv_pool_bytes)
         try:
-            self.state = PdState(self.role, endpoint, self.staged, self.host)
-        except BaseException:
-            endpoint.close()
-            raise
+            endpoint = KvEndpoint(
+                fe.engine.pool, self.kv_pool_bytes, nixl=self.nixl is not None, nixl_host=self.host
+            )
+        except MoecommError as exc:
+            if self.nixl != "auto":
+                raise
+            # "auto" is shm pools, and nixl for other hosts where it works: a front end whose
+            # NIXL cannot start still serves hand-offs on this host
+            log.warning("KV hand-offs across hosts are off: %s", exc)
+            endpoint = KvEndpoint(fe.engine.pool, self.kv_pool_bytes)
+        self.state = PdState(self.role, endpoint)
         # its calls to decode front ends carry the deployment's secret, when it has one
         peer_headers = getattr(fe, "peer_headers", None) or {}
         if self.state.http is not None:
             self.state.http.headers.update(peer_headers)
-        if self.state.outbox is not None:  # the staged channel's set-up calls too
-            self.state.outbox._http.headers.update(peer_headers)
         fe.extra_metrics.append(self.state.metric_rows)
-        install_kv_routes(app, lambda: self.state.inbox)
         app.add_api_route("/pd/info", self.info, methods=["GET"])
         app.add_api_route("/pd/prefill", self.prefill, methods=["POST"])
         app.add_api_route("/pd/reserve", self.reserve, methods=["POST"])
@@ -302,75 +282,16 @@ class PdRoutes:
         held = handed.package
         t1 = time.monotonic()
         try:
-            slot, seq = await asyncio.to_thread(
+            slot, seq, transport = await asyncio.to_thread(
                 state.endpoint.send, state.http, call.decode_url, call.handoff_id, held
             )
-        except KvUnreachableError as exc:
-            if state.outbox is None:
-                state.count("sent", "failures")
-                raise oa.ApiError(502, f"KV hand-off to {call.decode_url}: {exc}") from None
-            return await self._send_staged(call, held, t1)
         except KvTransferError as exc:
             state.count("sent", "failures")
             raise oa.ApiError(502, f"KV hand-off to {call.decode_url} failed: {exc}") from None
         transfer_s = time.monotonic() - t1
         nbytes = len(held.blocks) * self.fe.engine.pool.block_bytes
-        state.sent(KV_TRANSPORT, transfer_s, nbytes)
-        return KvReceipt(slot, seq, nbytes, transfer_s, KV_TRANSPORT)
-
-    async def _send_staged(self, call: PrefillCall, held, t1: float) -> KvReceipt:
-        """The hand-off to a decode front end on another host: the blocks as a byte package
-        over the outbox's stage channel (nixl)."""
-        state = self.state
-        try:
-            data = await asyncio.to_thread(lambda: encode_package(pack(held), call.handoff_id))
-            client_id, tag = await asyncio.to_thread(
-                state.outbox.send, call.decode_url, data, KV_SEND_TIMEOUT_S
-            )
-        except KvTransferError as exc:
-            state.count("sent", "failures")
-            raise oa.ApiError(502, f"KV hand-off to {call.decode_url} failed: {exc}") from None
-        transfer_s = time.monotonic() - t1
-        transport = state.outbox.connected().get(call.decode_url.rstrip("/"), "") or "nixl"
-        state.sent(transport, transfer_s, data.numel())
-        return KvReceipt(client_id, tag, data.numel(), transfer_s, transport)
-
-    async def _take_staged(self, call: DecodeCall):
-        """The blocks of a staged hand-off (another host's prefill): the package taken from the
-        inbox, checked, and written into blocks reserved in this pool."""
-        state = self.state
-        if state.inbox is None:
-            raise oa.ApiError(
-                400, f"kv.transport {call.transport!r}: this front end takes no staged hand-offs"
-            )
-        try:
-            data = await asyncio.to_thread(
-                state.inbox.take, call.client_id, call.tag, KV_ARRIVAL_TIMEOUT_S
-            )
-        except DeadlineExceededError as exc:
-            state.count("received", "failures")
-            raise oa.ApiError(504, f"the KV package did not arrive: {exc}") from None
-        except PeerLostError as exc:
-            state.count("received", "failures")
-            raise oa.ApiError(502, f"the prefill side was lost mid-package: {exc}") from None
-        except MoecommError as exc:  # KvTransferError: refused chunk, closed inbox
-            state.count("received", "failures")
-            raise oa.ApiError(502, f"the KV package will not come: {exc}") from None
-
-        def place():
-            return unpack(self.fe.engine.pool, decode_package(data, call.handoff_id))
-
-        try:
-            return await asyncio.to_thread(place)
-        except KvHandoffError as exc:
-            state.count("received", "failures")
-            raise oa.ApiError(400, f"KV package refused: {exc}") from None
-        except MoecommError as exc:  # KvPoolFullError
-            state.count("received", "failures")
-            raise oa.ApiError(503, f"no room for the KV package: {exc}") from None
-        except ValueError as exc:
-            state.count("received", "failures")
-            raise oa.ApiError(400, f"KV package refused: {exc}") from None
+        state.sent(transport, transfer_s, nbytes)
+        return KvReceipt(slot, seq, nbytes, transfer_s, transport)
 
     async def reserve(self, request: Request):
         state = self.state
@@ -402,16 +323,17 @@ class PdRoutes:
         if any(t >= fe.vocab_size for t in call.tokens):
             raise oa.ApiError(400, f"tokens must be ids in [0, {fe.vocab_size})")
         try:
+            if call.transport not in KV_TRANSPORTS:
+                raise oa.ApiError(400, f"kv.transport must be one of {', '.join(KV_TRANSPORTS)}")
             take = (
                 state.endpoint.take,
                 call.handoff_id,
                 call.client_id,
                 call.tag,
                 KV_ARRIVAL_TIMEOUT_S,
+                call.transport,
             )
-            if call.transport != KV_TRANSPORT:
-                held = await self._take_staged(call)
-            elif state.endpoint.ready(call.tag):  # the usual case: written before the call
+            if state.endpoint.ready(call.tag, call.transport):  # usual: written before the call
                 held = take[0](*take[1:])
             else:
                 held = await asyncio.to_thread(*take)

@@ -240,16 +240,24 @@ class ReserveCall:
     handoff_id: str
     kv: KvPackage
     pool: str
+    pool_nixl: str | None = None  # the same memory registered with nixl, for another host
 
     def to_json(self) -> dict[str, Any]:
-        return {"handoff_id": self.handoff_id, "kv": package_to_json(self.kv), "pool": self.pool}
+        d = {"handoff_id": self.handoff_id, "kv": package_to_json(self.kv), "pool": self.pool}
+        if self.pool_nixl is not None:
+            d["pool_nixl"] = self.pool_nixl
+        return d
 
     @classmethod
     def from_json(cls, raw: bytes | str | dict) -> ReserveCall:
         d = _object(raw, "reserve call")
-        _fields(d, "reserve call", {"handoff_id", "kv", "pool"})
+        _fields(d, "reserve call", {"handoff_id", "kv", "pool"}, frozenset({"pool_nixl"}))
+        nixl = d.get("pool_nixl")
         return cls(
-            _handoff_id(d["handoff_id"]), package_from_json(d["kv"]), _kv_json(d["pool"], "pool")
+            _handoff_id(d["handoff_id"]),
+            package_from_json(d["kv"]),
+            _kv_json(d["pool"], "pool"),
+            None if nixl is None else _kv_json(nixl, "pool_nixl"),
         )
 
 
@@ -284,9 +292,9 @@ class KvReceipt:
     tag: int
     bytes: int
     transfer_s: float
-    # how the KV went: "shm" pool to pool (:mod:`moecomm_serving.disagg.transfer`), or the
-    # transport of the staged hand-off across hosts ("nixl", :mod:`~.staged`: `client_id` and
-    # `tag` are then the sender's id and the package's tag in the decode front end's inbox)
+    # the transport the decode front end's pool was written over: "shm" on one host, "nixl"
+    # across hosts (its pool registered with nixl; the transfer's slot and sequence number
+    # are then that pool's)
     transport: str
 
     def to_json(self) -> dict[str, Any]:
@@ -354,8 +362,8 @@ class DecodeCall:
     """Router -> decode front end: continue from the KV transfer (`client_id`: its slot,
     `tag`: its sequence number, :class:`KvReceipt`) written into its pool, and generate the
     rest of the request after `tokens` (at least the prefill's first). `transport` is the
-    receipt's: "shm" unless the KV came the staged way (then it is in the inbox, and the wire's
-    ``kv`` object carries ``transport`` too)."""
+    receipt's: "shm" unless the KV came over nixl from another host (then the wire's ``kv``
+    object carries ``transport`` too)."""
 
     handoff_id: str
     prompt: list[int]

@@ -28,10 +28,11 @@ sender may still be writing (a reservation abandoned while its transfer is under
 out of the pool for :data:`QUARANTINE_S` before they are reused.
 
 The pools are shared memory (:mod:`moecomm.wire.shm`): the two front ends must share this host's
-/dev/shm. Pools across hosts (nixl) are not used by the serving yet; a decode
-front end that cannot map the prefill's pool refuses the reservation
-(:class:`KvUnreachableError`, HTTP 409), and the prefill front end hands that request off the
-staged way instead (:mod:`moecomm_serving.disagg.staged`, over nixl) when it can.
+/dev/shm. Across hosts the same memory is also registered with NIXL (``nixl=True``: a second
+:class:`~moecomm.wire.kv.KvPool` over the shm pool's views): the prefill's reservation call
+carries both pools' info, a decode front end that cannot map the shm pool connects to the nixl
+one, and the prefill WRITEs its blocks over nixl into the same reserved blocks. Without nixl on
+either side the reservation is refused (:class:`KvUnreachableError`, HTTP 409).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from moecomm.wire.kv import (
     KvPoolInfo,
     KvRecv,
     KvState,
+    KvTransferRequest,
 )
 from moecomm.wire.shm import ShmTransport
 
@@ -136,6 +138,8 @@ class KvEndpoint:
         block_pool: BlockPool,
         pool_bytes: int = DEFAULT_KV_POOL_BYTES,
         ttl_s: float = UNCLAIMED_KV_TTL_S,
+        nixl: bool = False,
+        nixl_host: str | None = None,
     ):
         if not ttl_s > 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s!r}")
@@ -157,6 +161,25 @@ class KvEndpoint:
             self.kv.close()
             raise
         self.info = self.kv.info().to_json()
+        # Across hosts: the same memory registered with NIXL (the shm pool's views as the
+        # pool's tensors, part by part), so a peer on another host WRITEs into the same blocks.
+        self.kv_nixl: KvPool | None = None
+        self.info_nixl: str | None = None
+        if nixl:
+            try:
+                from moecomm.wire.nixl import open_nixl_transport
+
+                self.nixl_transport = open_nixl_transport(host=nixl_host)
+                parts = self.kv.layout.parts
+                self.kv_nixl = KvPool(
+                    self.nixl_transport,
+                    self.kv.layout,
+                    tensors=[self.kv.view(p.layer, p.name) for p in parts],
+                )
+                self.info_nixl = self.kv_nixl.info().to_json()
+            except BaseException:
+                self.kv.close()
+                raise
         self._lock = threading.Lock()
         self._peers: dict[str, KvPeer] = {}  # by the peer pool's control handle
         self._reserved: dict[int, _Reservation] = {}  # by the transfer's sequence number
@@ -178,15 +201,21 @@ class KvEndpoint:
             peer = self._peers.get(info.control_handle)
             if peer is not None:
                 return peer
+        pool = self.kv if info.transport == self.kv.transport.name else self.kv_nixl
+        if pool is None or info.transport != pool.transport.name:
+            raise KvUnreachableError(
+                f"the peer's KV pool speaks {info.transport}; this front end's pools speak "
+                f"{self.kv.transport.name}" + ("" if self.kv_nixl is None else " and nixl")
+            )
         try:
-            peer = self.kv.connect(info)
+            peer = pool.connect(info)
         except BlockTransferError as exc:  # layouts differ: another model or block size
             raise KvReservationError(str(exc)) from None
         except Exception as exc:  # no such segment here: another host's /dev/shm, or gone
             raise KvUnreachableError(
                 f"cannot map the peer's KV pool ({exc}); the two front ends must share this "
-                "host's shared memory (the serving's KV pools are shm only; across hosts the "
-                "prefill falls back to the staged hand-off over nixl)"
+                "host's shared memory (across hosts both front ends need NIXL: --transport "
+                "auto or nixl)"
             ) from None
         with self._lock:
             old = self._peers.setdefault(info.control_handle, peer)
@@ -207,8 +236,13 @@ class KvEndpoint:
     def reserve(self, call: ReserveCall) -> ReserveAnswer:
         """Reserves blocks for the cache `call` describes, written from `call.pool`. Raises
         KvReservationError (400: does not fit), KvBusyError (503: no room now),
-        KvUnreachableError (the sender's pool cannot be mapped here)."""
-        peer = self.peer(call.pool)
+        KvUnreachableError (the sender's pool cannot be reached from here)."""
+        try:
+            peer = self.peer(call.pool)
+        except KvUnreachableError:
+            if call.pool_nixl is None or self.kv_nixl is None:
+                raise
+            peer = self.peer(call.pool_nixl)  # another host: its pool over nixl
         try:
             held = HeldBlocks.reserve(self.block_pool, call.kv)
         except MoecommError as exc:  # KvPoolFullError
@@ -223,21 +257,25 @@ class KvEndpoint:
         except BaseException:
             held.release()
             raise
+        name = peer.pool.transport.name
         with self._lock:
-            self._reserved[recv.seq] = _Reservation(
+            self._reserved[(name, recv.seq)] = _Reservation(
                 call.handoff_id, held, recv, time.monotonic() + self.ttl_s
             )
             self.stats["reserved"] += 1
-        return ReserveAnswer(self.info, recv.request.to_json())
+        info = self.info if peer.pool is self.kv else self.info_nixl
+        return ReserveAnswer(info, recv.request.to_json())
 
-    def take(self, handoff_id: str, slot: int, seq: int, timeout: float) -> HeldBlocks:
+    def take(
+        self, handoff_id: str, slot: int, seq: int, timeout: float, transport: str = "shm"
+    ) -> HeldBlocks:
         """The blocks of transfer `seq`, once written (its completion word); the caller hands
         them to the engine. Raises DeadlineExceededError (never reserved, expired, or not
         written in `timeout`), PeerLostError (the sender died first), KvReservationError (the
         transfer is another hand-off's), KvTransferError (the sender reported a failure).
         Whatever it raises, the reservation is gone and its blocks are freed."""
         with self._lock:
-            r = self._reserved.pop(seq, None)
+            r = self._reserved.pop((transport, seq), None)
         if r is None:
             raise DeadlineExceededError(
                 f"no KV transfer {seq} is reserved here (never reserved, or expired after "
@@ -261,11 +299,11 @@ class KvEndpoint:
         r.recv.release()
         return r.held
 
-    def ready(self, seq: int) -> bool:
+    def ready(self, seq: int, transport: str = "shm") -> bool:
         """Whether transfer `seq` is reserved here and complete (its completion word set): then
         :meth:`take` returns without waiting."""
         with self._lock:
-            r = self._reserved.get(seq)
+            r = self._reserved.get((transport, seq))
         if r is None:
             return False
         with contextlib.suppress(Exception):
@@ -301,13 +339,13 @@ class KvEndpoint:
         handoff_id: str,
         held: HeldBlocks,
         headers: dict[str, str] | None = None,
-    ) -> tuple[int, int]:
+    ) -> tuple[int, int, str]:
         """Writes `held`'s blocks into the decode front end at `decode_url` (reserve, then
         write); returns the transfer's slot and sequence number (what ``/pd/decode`` names it
         by). `headers` go with the reservation call (the deployment's secret). Raises
         KvTransferError (the decode front end is unreachable, refused, or died meanwhile)."""
         url = decode_url.rstrip("/")
-        call = ReserveCall(handoff_id, held.package, self.info)
+        call = ReserveCall(handoff_id, held.package, self.info, self.info_nixl)
         try:
             r = http.post(
                 f"{url}/pd/reserve",
@@ -329,9 +367,11 @@ class KvEndpoint:
             raise KvTransferError(f"{url} answered a malformed reservation: {exc}") from None
         return self.write(answer, held, url)
 
-    def write(self, answer: ReserveAnswer, held: HeldBlocks, where: str = "") -> tuple[int, int]:
+    def write(
+        self, answer: ReserveAnswer, held: HeldBlocks, where: str = ""
+    ) -> tuple[int, int, str]:
         """Writes `held`'s blocks into the reservation `answer` describes (every layer, then
-        the completion word); returns the transfer's slot and sequence number. Raises
+        the completion word); returns the transfer's slot, sequence number and transport. Raises
         KvTransferError (the reservation is malformed or refused, the receiver died)."""
         where = where or "the decode front end"
         try:
@@ -339,16 +379,14 @@ class KvEndpoint:
         except KvReservationError as exc:
             raise KvTransferError(f"{where} answered a malformed reservation: {exc}") from None
         try:
-            send = peer.start(answer.request, held.blocks)
-            for layer in range(self.kv.layout.num_layers):
-                send.layer(layer)
-            send.finish()
+            peer.send(answer.request, held.blocks)
         except PeerLostError as exc:
             self._forget(peer)
             raise KvTransferError(f"{where} died mid-transfer: {exc}") from None
         except MoecommError as exc:  # BlockTransferError: refused as asked
             raise KvTransferError(f"KV transfer to {where} refused: {exc}") from None
-        return send.req.slot, send.req.seq
+        req = KvTransferRequest.from_json(answer.request)
+        return req.slot, req.seq, peer.pool.transport.name
 
     # ------------------------------------------------------------------ housekeeping
     def _sweep_loop(self) -> None:
@@ -395,6 +433,8 @@ class KvEndpoint:
         for p in peers:
             with contextlib.suppress(Exception):
                 p.close()
+        if self.kv_nixl is not None:
+            self.kv_nixl.close()
         self.kv.close()
 
 

@@ -123,7 +123,8 @@ def test_blocks_arrive_bit_exactly_from_another_process(spawn, decode):
     package, info = recv(conn, "start")
     answer = decode.reserve(ReserveCall("h1", package, info))
     conn.send(answer)
-    slot, seq = recv(conn, "write")
+    slot, seq, transport = recv(conn, "write")
+    assert transport == "shm"
     req = KvTransferRequest.from_json(answer.request)
     assert (req.slot, req.seq) == (slot, seq)
     held = decode.take("h1", slot, seq, STEP_S)
@@ -197,7 +198,7 @@ def test_an_untaken_reservation_expires_and_a_wrong_name_is_refused(decode):
             decode.take("h4", req.slot, req.seq, STEP_S)
         # written, then taken under another hand-off's name: refused, and freed
         answer = decode.reserve(ReserveCall("h5", held.package, src.info))
-        slot, seqno = src.write(answer, held)
+        slot, seqno, _ = src.write(answer, held)
         with pytest.raises(KvReservationError, match="hand-off 'h5'"):
             decode.take("other", slot, seqno, STEP_S)
         assert decode.block_pool.num_used == 0 and decode.num_reserved == 0

@@ -83,7 +83,7 @@ def hand_off(prefill, decode, ev, handoff_id="h", package=None):
     try:
         call = ReserveCall(handoff_id, package or held.package, prefill.kv.info)
         answer = decode.kv.reserve(ReserveCall.from_json(call.to_json()))
-        slot, seq = prefill.kv.write(answer, held)
+        slot, seq, _ = prefill.kv.write(answer, held)
     finally:
         held.release()
     req = KvTransferRequest.from_json(answer.request)
