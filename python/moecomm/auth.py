@@ -14,6 +14,8 @@ import hmac
 import os
 import secrets
 
+from moecomm.errors import MoecommError
+
 # Bytes of a secret generate() makes: 256 bits, as `openssl rand -hex 32`.
 GENERATED_BYTES = 32
 # The scheme of the Authorization header (RFC 6750); compared without regard to case.
@@ -23,7 +25,7 @@ BEARER = "bearer"
 MAX_SECRET_CHARS = 4096
 
 
-class SecretError(ValueError):
+class SecretError(MoecommError, ValueError):
     """A secret that cannot be used: an unreadable or empty file, an empty or oversized value."""
 
 
