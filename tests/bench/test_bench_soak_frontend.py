@@ -1,7 +1,7 @@
-"""bench/serving/soak_frontend.py, short enough for CI: the real script as a user runs it (monitor, two
-expert servers and a front end started from the `moecomm` CLI, concurrent OpenAI clients over
-HTTP, the reference run, the shutdown), for seconds instead of 30 minutes, and its JSON verdict
-read back. Speed is not asserted: CI machines are shared and small."""
+"""bench/serving/soak_frontend.py, short enough for CI: the real script as a user runs it
+(monitor, two expert servers and a front end started from the `moecomm` CLI, concurrent OpenAI
+clients over HTTP, the reference run, the shutdown), for seconds instead of 30 minutes, and its
+JSON verdict read back. Speed is not asserted: CI machines are shared and small."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
-SCRIPT = BENCH_DIR / "soak_frontend.py"
+SCRIPT = BENCH_DIR / "serving" / "soak_frontend.py"
 DURATION_S = 12.0
 INTERVAL_S = 4.0
 # The load lasts 12 s here: sample often enough for a drift over dozens of points.
@@ -33,8 +33,9 @@ RUN_TIMEOUT_S = 240
 
 
 def soak_frontend():
-    if str(BENCH_DIR) not in sys.path:
-        sys.path.insert(0, str(BENCH_DIR))
+    for path in (BENCH_DIR, BENCH_DIR / "serving"):  # bench/ for _lib, then the serving group
+        if str(path) not in sys.path:
+            sys.path.insert(0, str(path))
     import soak_frontend
 
     return soak_frontend
@@ -71,7 +72,7 @@ def test_rss_verdict_flags_growth_and_missing_samples():
     that grows and one with too few samples, and passes a flat one."""
     if str(BENCH_DIR) not in sys.path:
         sys.path.insert(0, str(BENCH_DIR))
-    import soak_report
+    from _lib import soak_report
 
     flat = [(float(t), 100_000) for t in range(100)]
     leak = [(float(t), 100_000 + 1_000 * t) for t in range(100)]

@@ -11,8 +11,8 @@ it alone with
 
 The figures printed at the end give p50/p99/max of kill -> first re-routed completion, the
 kills no client re-routed around, and the slowest reroutes with their parts (dispatched,
-evicted, waiting for a CPU, held by SIGSTOP); bench/recovery/chaos_reroute.py runs kill seeds with the
-trial loop before and after issue 28's fix, side by side.
+evicted, waiting for a CPU, held by SIGSTOP); bench/recovery/chaos_reroute.py runs kill seeds
+with the trial loop before and after issue 28's fix, side by side.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
 
 def baseline():
     """The published-greedy baseline module from bench/ (the tests compare against it)."""
-    if str(BENCH_DIR) not in sys.path:
-        sys.path.insert(0, str(BENCH_DIR))
+    if str(BENCH_DIR / "ops") not in sys.path:
+        sys.path.insert(0, str(BENCH_DIR / "ops"))
     import eplb_baseline
 
     return eplb_baseline

@@ -1,6 +1,6 @@
-"""bench/scale/scale.py --quick runs from a clean tree (real monitor, real etcd, member-host processes)
-and writes a JSON whose figures agree with each other and a plot. Speed is not asserted here:
-the bench reports it."""
+"""bench/scale/scale.py --quick runs from a clean tree (real monitor, real etcd, member-host
+processes) and writes a JSON whose figures agree with each other and a plot. Speed is not
+asserted here: the bench reports it."""
 
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ ROW_KEYS = {
 def test_quick_scale_bench_writes_consistent_json(tmp_path, etcd_process):
     # etcd_process: installs etcd when it is missing (the bench starts its own).
     out, png = tmp_path / "scale.json", tmp_path / "scale.png"
-    cmd = [sys.executable, "bench/scale/scale.py", "--quick", "--json", str(out), "--plot", str(png)]
+    script = "bench/scale/scale.py"
+    cmd = [sys.executable, script, "--quick", "--json", str(out), "--plot", str(png)]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     data = json.loads(out.read_text())

@@ -18,8 +18,9 @@ from moecomm.pipeline.predictor import (
 SEED = 7
 PHI1, PHI2, EPS = 2.0e-5, 3.0e-8, 4.0e-5  # s/token, s/(token·context), s/request
 ALPHA, BETA = 1.5e-5, 2.0e-4  # s/sequence, s
-# The machine model's extra terms, of the magnitudes bench/serving/pipeline.py measures: per chunk (s),
-# per context token of a request (s), a cold call's extra per chunk (s) and per request (s).
+# The machine model's extra terms, of the magnitudes bench/serving/pipeline.py measures: per
+# chunk (s), per context token of a request (s), a cold call's extra per chunk (s) and per
+# request (s).
 CHUNK, LAM, COLD_CHUNK, COLD_REQ = 7.0e-4, 3.0e-7, 3.5e-4, 1.0e-5
 
 

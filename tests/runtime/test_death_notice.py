@@ -130,7 +130,8 @@ def test_a_peer_that_execs_is_dead_at_once_though_its_pid_lives_on(reaper):
 @pytest.mark.timeout(120)
 def test_poll_only_detection_still_exists_for_comparison(reaper):
     """MOECOMM_SHM_DEATH_WATCH=poll (watch_death=False): the exec'd peer looks alive until
-    the deadline — the detection before life words, which bench/recovery/chaos_reroute.py compares."""
+    the deadline — the detection before life words, which bench/recovery/chaos_reroute.py
+    compares."""
     _, conn, handle = _peer(reaper, _region_then_exec)
     t = moecomm.ShmTransport(watch_death=False)
     assert not t.watch_death

@@ -27,8 +27,8 @@ IDLE_S = 3.0
 MAX_IDLE_READS = 2
 # Far past the test: a loss must be found by the watch's connection, not by its safety poll.
 NO_SAFETY_POLL_S = 3600.0
-# A restore on this 2-core machine takes well under a second (bench/recovery/redundancy.py); room for a
-# loaded machine.
+# A restore on this 2-core machine takes well under a second (bench/recovery/redundancy.py);
+# room for a loaded machine.
 LOSS_DEADLINE_S = 20.0
 # No load-driven pass may run during the test: only the watch acts.
 NEVER_S = 3600.0

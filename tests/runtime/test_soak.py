@@ -30,10 +30,11 @@ WATCHDOG_S = 150.0
 
 
 def soak_modules():
-    if str(BENCH_DIR) not in sys.path:
-        sys.path.insert(0, str(BENCH_DIR))
+    for path in (BENCH_DIR, BENCH_DIR / "soak"):  # bench/ for _lib, then the soak group
+        if str(path) not in sys.path:
+            sys.path.insert(0, str(path))
     import soak
-    import soak_report
+    from _lib import soak_report
 
     return soak, soak_report
 

@@ -58,9 +58,9 @@ def test_metrics_memory_is_flat_per_token_once_the_window_is_full():
     assert grown / tokens < 1.0, f"{grown} B for {tokens} tokens"
 
 
-# bench/serving/frontend_memory.py end to end, a few dozen requests: the script keeps working (front end
-# in this test's child, its client in a grandchild, tracemalloc sites and their holders).
-SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "frontend_memory.py"
+# bench/serving/frontend_memory.py end to end, a few dozen requests: the script keeps working
+# (front end in this test's child, its client in a grandchild, tracemalloc sites and their holders).
+SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "serving" / "frontend_memory.py"
 # One torch import (the client imports httpx only) and 40 tiny requests with tracemalloc on
 # (~5 per second on 2 busy cores), with a wide margin.
 SCRIPT_TIMEOUT_S = 240
