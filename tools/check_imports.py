@@ -6,9 +6,10 @@ The graph has one node per module of ``python/`` and ``serving/`` (packages, dot
 ``bench/`` and ``tools/`` (script folders: their modules import each other by bare name, the
 folder being on ``sys.path``). Every import statement is an edge, wherever it stands: an import
 inside a function (a lazy import) runs as surely as one at the top, so a lazy import back still
-closes a circle. Not counted:
+closes a circle, and so does an import under ``if TYPE_CHECKING:``: it never runs, but the two
+modules still depend on each other (reported "type only"; such an import is not an upward
+arrow, since no code of the higher layer runs). Not counted:
 
-- imports under ``if TYPE_CHECKING:`` (they never run);
 - the implicit import of parent packages: ``import pkg.sub`` runs ``pkg/__init__`` first, but
   that alone does not make ``pkg/__init__ -> pkg.sub -> pkg`` a circle. ``from pkg import name``
   is an edge to ``pkg`` (its ``__init__``) only when ``name`` is not a submodule;
@@ -80,6 +81,7 @@ class Edge:
     dst: str
     line: int
     lazy: bool  # inside a function
+    typed: bool = False  # under `if TYPE_CHECKING:`: never runs, still a dependency
 
 
 @dataclass(frozen=True)
@@ -148,21 +150,23 @@ def _is_type_checking(test: ast.expr) -> bool:
 
 
 def _imports(tree: ast.Module):
-    """(node, lazy) for every import statement that can run: TYPE_CHECKING bodies skipped."""
+    """(node, lazy, typed) for every import statement; typed: under `if TYPE_CHECKING:`."""
     out = []
 
-    def visit(node: ast.AST, lazy: bool) -> None:
+    def visit(node: ast.AST, lazy: bool, typed: bool) -> None:
         if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.body:
+                visit(child, lazy, True)
             for child in node.orelse:
-                visit(child, lazy)
+                visit(child, lazy, typed)
             return
         if isinstance(node, ast.Import | ast.ImportFrom):
-            out.append((node, lazy))
+            out.append((node, lazy, typed))
         inner = lazy or isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
         for child in ast.iter_child_nodes(node):
-            visit(child, inner)
+            visit(child, inner, typed)
 
-    visit(tree, False)
+    visit(tree, False, False)
     return out
 
 
@@ -231,21 +235,21 @@ class Graph:
 
     def _scan(self, m: Module) -> None:
         aliases: dict[str, str] = {}  # local name -> module node, for the m._x check
-        for node, lazy in _imports(m.tree):
+        for node, lazy, typed in _imports(m.tree):
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     # "import a.b.c" needs a.b.c; a and a.b come first only as its parents. A
                     # name not in the tree is outside it or compiled (import moecomm._C).
                     target = self._lookup(alias.name, m)
                     if target is not None and target != m.name:
-                        self._add(Edge(m.name, target, node.lineno, lazy))
+                        self._add(Edge(m.name, target, node.lineno, lazy, typed))
                         if alias.asname:
                             aliases[alias.asname] = target
                 continue
             for target, name, local in self._from_targets(node, m):
                 if target == m.name:
                     continue
-                self._add(Edge(m.name, target, node.lineno, lazy))
+                self._add(Edge(m.name, target, node.lineno, lazy, typed))
                 if name is None:
                     aliases[local] = target
                 elif _private(name) and self._private_checked(m.name, target):
@@ -326,7 +330,7 @@ def upward(g: Graph, layers: tuple[str, ...] = LAYERS) -> list[Edge]:
     out = []
     for e in g.edges:
         src, dst = layer_of(e.src, layers), layer_of(e.dst, layers)
-        if src is not None and dst is not None and dst > src:
+        if src is not None and dst is not None and dst > src and not e.typed:
             out.append(e)
     return out
 
@@ -347,6 +351,7 @@ def report(root: Path, out=sys.stdout) -> int:
             if e.src in members and e.dst in members:
                 rel = g.mods[e.src].path.relative_to(root)
                 how = " (lazy, inside a function)" if e.lazy else ""
+                how += " (type only)" if e.typed else ""
                 print(f"  {rel}:{e.line}: {e.src} -> {e.dst}{how}", file=out)
     for e in sorted(upward(g), key=lambda e: (e.src, e.line)):
         problems += 1

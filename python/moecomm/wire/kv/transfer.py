@@ -5,7 +5,6 @@ receiving side: wait, wait per layer, poll, release)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,9 +36,6 @@ from moecomm.wire.mailbox import WAIT_SLICE_S, peer_lost, ring, wait_for
 from moecomm.wire.shm import reap_stale_segments
 from moecomm.wire.transport import Region, SignalOp, WaitOp
 
-if TYPE_CHECKING:
-    from moecomm.wire.kv.pool import KvPool
-
 # WAIT_SLICE_S (re-exported): the longest sleep of a wait before it re-checks its deadline and
 # the sender's liveness, the shared mailbox's.
 __all__ = ["WAIT_SLICE_S", "KvPeer", "KvRecv", "KvSend"]
@@ -47,9 +43,11 @@ __all__ = ["WAIT_SLICE_S", "KvPeer", "KvRecv", "KvSend"]
 
 class KvPeer:
     """A connection from a pool to a peer pool: :meth:`expect` blocks from it, :meth:`send`
-    blocks to it."""
+    blocks to it. Made by ``KvPool.connect``; ``pool`` is that local KvPool (left unannotated:
+    pool.py builds peers from this module, so naming its class here would be an import circle,
+    even a type-only one)."""
 
-    def __init__(self, pool: KvPool, info: KvPoolInfo):
+    def __init__(self, pool, info: KvPoolInfo):
         if info.transport != pool.transport.name:
             raise BlockTransferError(
                 f"kv peer: it speaks {info.transport}, this pool {pool.transport.name}"
