@@ -108,10 +108,12 @@ def stream_receiver(conn, seed, count):
 
 
 # ----------------------------------------------- the slot protocol over nixl: the server
-def nixl_identity_server(conn, layout_dict, client_id, num_slots):
-    """moecomm.testing.serve_identity over nixl (that one builds its own ShmTransport)."""
+def nixl_identity_server(conn, layout_dict, client_id, num_slots, borrow=True):
+    """moecomm.testing.serve_identity over nixl (that one builds its own ShmTransport). Each
+    answer is the request's own activations, from the slot they landed in (sent in place when
+    `borrow`); at "stop" it reports what it served, its WRITEs and its puts sent in place."""
     layout = moecomm.SlotLayout.from_dict(layout_dict)
-    t = moecomm.wire.nixl.open_nixl_transport()
+    t = moecomm.wire.nixl.open_nixl_transport(borrow=borrow)
     channel = ServerChannel(t, layout, client_id, num_slots)
     conn.send((channel.handle, channel.request_ring.poison))
     channel.connect(conn.recv())
@@ -133,7 +135,14 @@ def nixl_identity_server(conn, layout_dict, client_id, num_slots):
             served += 1
         if not reqs and conn.poll() and conn.recv() == "stop":
             break
-    conn.send({"served": served, "rejected": rejected})
+    conn.send(
+        {
+            "served": served,
+            "rejected": rejected,
+            "writes": t.engine.transfers_by_op["WRITE"],
+            "in_place": t.zero_copy_stats,
+        }
+    )
 
 
 # -------------------------------------------------------------- peers for the fault tests

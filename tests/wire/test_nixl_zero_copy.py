@@ -16,8 +16,8 @@ import torch
 from moecomm.testing import make_pattern
 from moecomm.wire.client import ClientChannel
 from moecomm.wire.views import region_bytes_view
-from nixl_helpers import NIXL_OK, NIXL_WHY, SEED, recv, spawn
-from nixl_zero_copy_procs import LINE, counting_identity_server, payload_reporter
+from nixl_helpers import NIXL_OK, NIXL_WHY, SEED, nixl_identity_server, recv, spawn
+from nixl_zero_copy_procs import LINE, payload_reporter
 
 pytestmark = [
     pytest.mark.skipif(not NIXL_OK, reason=f"NIXL is not installed: {NIXL_WHY}"),
@@ -158,7 +158,9 @@ def _registered_request_buffer(t, layout: moecomm.SlotLayout):
 
 @pytest.mark.parametrize("borrow", [True, False], ids=["in-place", "staged"])
 def test_the_slot_protocol_moves_every_payload_in_place_and_bit_exact(reaper, borrow):
-    _p, conn, handle = spawn(reaper, counting_identity_server, LAYOUT.to_dict(), CLIENT_ID, borrow)
+    _p, conn, (handle, _poison) = spawn(
+        reaper, nixl_identity_server, LAYOUT.to_dict(), CLIENT_ID, 1, borrow
+    )
     t = moecomm.wire.nixl.open_nixl_transport(borrow=borrow)
     client = ClientChannel(t, LAYOUT, CLIENT_ID, num_slots=1)
     client.connect(handle)
