@@ -65,13 +65,9 @@ layer during the forward: :meth:`save_kv_layer`, :meth:`wait_for_layer_load` and
 from __future__ import annotations
 
 import contextlib
-import hmac
-import ipaddress
 import json
 import logging
 import queue
-import socket
-import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -88,6 +84,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, UniformTypeKVCacheSpecs
 
+from moecomm.engines.side_channel import Listener, ask, is_loopback
 from moecomm.errors import MoecommError
 from moecomm.wire.kv import BlockTransferError, KvLayout, KvPart, KvPool, KvState
 from moecomm.wire.kv.layout import DTYPES
@@ -115,16 +112,9 @@ DEFAULT_LOAD_TIMEOUT_S = 120.0
 # router sent it elsewhere) are freed after this long; vLLM's NIXL connector leases 30 s and
 # renews with heartbeats, which this connector does not send, hence the longer lease.
 DEFAULT_LEASE_S = 120.0
-# The side channel carries small JSON (pool descriptions, block lists): a message above this is
-# malformed, not big.
-MAX_MESSAGE_BYTES = 16 << 20
-# Connecting to and answering on the side channel: a healthy peer answers in milliseconds; a
-# silent one must not hold a decode step longer than this.
-SIDE_CHANNEL_TIMEOUT_S = 5.0
 # vLLM's null block (the block pool's first block) stands for tokens a sliding window dropped:
 # never moved.
 NULL_BLOCK = 0
-_LEN = struct.Struct("!I")
 
 
 # ----------------------------------------------------------------------------- metadata
@@ -203,15 +193,6 @@ class Options:
         return opts
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _tp_rank() -> int:
     from vllm.distributed import parallel_state
 
@@ -249,104 +230,6 @@ def _pairs(src: list[int], dst: list[int]) -> tuple[list[int], list[int]]:
     s, d = src[len(src) - n :], dst[len(dst) - n :]
     keep = [i for i in range(n) if s[i] != NULL_BLOCK and d[i] != NULL_BLOCK]
     return [s[i] for i in keep], [d[i] for i in keep]
-
-
-# ----------------------------------------------------------------------------- side channel
-def _send_msg(sock: socket.socket, obj: dict) -> None:
-    data = json.dumps(obj).encode()
-    sock.sendall(_LEN.pack(len(data)) + data)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise BlockTransferError("moecomm side channel: the peer closed the connection")
-        buf += chunk
-    return bytes(buf)
-
-
-def _recv_msg(sock: socket.socket) -> dict:
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-    if n > MAX_MESSAGE_BYTES:
-        raise BlockTransferError(
-            f"moecomm side channel: a {n}-byte message (max {MAX_MESSAGE_BYTES})"
-        )
-    try:
-        obj = json.loads(_recv_exact(sock, n))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BlockTransferError(f"moecomm side channel: malformed message ({exc})") from None
-    if not isinstance(obj, dict):
-        raise BlockTransferError("moecomm side channel: a message must be a JSON object")
-    return obj
-
-
-def ask(host: str, port: int, message: dict, timeout: float = SIDE_CHANNEL_TIMEOUT_S) -> dict:
-    """One request/answer on a prefill worker's side channel; raises BlockTransferError when
-    it refuses, and OSError when it cannot be reached."""
-    with socket.create_connection((host, port), timeout=timeout) as sock:
-        sock.settimeout(timeout)
-        _send_msg(sock, message)
-        answer = _recv_msg(sock)
-    if not answer.get("ok"):
-        raise BlockTransferError(
-            f"moecomm side channel {host}:{port} refused {message.get('op')!r}: "
-            f"{answer.get('error', 'no reason given')}"
-        )
-    return answer
-
-
-class _Listener:
-    """The prefill worker's side channel: answers ``info`` (its pools) and takes ``pull``
-    orders (a decode's transfer requests), one JSON message per connection."""
-
-    def __init__(self, host: str, port: int, token: str, on_pull, pools: list[str]):
-        self.token = token
-        self.on_pull = on_pull
-        self.pools = pools
-        self.sock = socket.create_server((host, port))
-        self.sock.settimeout(0.5)  # the accept loop's check of `stopping`
-        self.port = self.sock.getsockname()[1]
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="moecomm-kv-listener", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self.stopping.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            with conn:
-                conn.settimeout(SIDE_CHANNEL_TIMEOUT_S)
-                try:
-                    msg = _recv_msg(conn)
-                    _send_msg(conn, self._answer(msg))
-                except (OSError, BlockTransferError) as exc:
-                    logger.warning("moecomm kv side channel: dropped a connection: %s", exc)
-
-    def _answer(self, msg: dict) -> dict:
-        given = str(msg.get("token", ""))
-        if self.token and not hmac.compare_digest(given.encode(), self.token.encode()):
-            return {"ok": False, "error": "bad or missing token"}
-        op = msg.get("op")
-        if op == "info":
-            return {"ok": True, "pools": self.pools}
-        if op == "pull":
-            try:
-                self.on_pull(msg)
-            except (BlockTransferError, KeyError, TypeError, ValueError) as exc:
-                return {"ok": False, "error": str(exc)}
-            return {"ok": True}
-        return {"ok": False, "error": f"unknown op {op!r}"}
-
-    def close(self) -> None:
-        self.stopping.set()
-        self.sock.close()
-        self.thread.join(timeout=2.0)
 
 
 # ----------------------------------------------------------------------------- scheduler side
@@ -490,7 +373,7 @@ class MoecommConnectorWorker:
         self.pools: list[KvPool] = []
         self.caches: list[list[torch.Tensor]] = []  # per group: the tensors, pool part order
         self.staged = False
-        self.listener: _Listener | None = None
+        self.listener: Listener | None = None
         self._lock = threading.Lock()
         self._peers: dict[str, object] = {}  # a peer pool's control handle -> KvPeer
         self._remote_pools: dict[tuple[str, int], list[str]] = {}
@@ -507,7 +390,7 @@ class MoecommConnectorWorker:
         if (
             self.role in ("kv_producer", "kv_both")
             and not opts.token
-            and not _is_loopback(opts.host)
+            and not is_loopback(opts.host)
         ):
             raise BlockTransferError(
                 f"moecomm connector: a side channel on {opts.host} (not loopback) needs the "
@@ -544,7 +427,7 @@ class MoecommConnectorWorker:
             self.caches.append(tensors)
         if self.role in ("kv_producer", "kv_both"):
             port = self.opts.port + self.tp_rank if self.opts.port else 0
-            self.listener = _Listener(
+            self.listener = Listener(
                 self.opts.host,
                 port,
                 self.opts.token,
