@@ -21,6 +21,8 @@ import pytest
 import torch
 from long_run import LONG  # MOECOMM_LONG=1 also runs the tests marked slow
 from membership_procs import MONITOR_TOKEN, EtcdProcess, MonitorProcess, etcd_binary
+from moecomm import prefork
+from moecomm.testing.procs import SERVING_PRELOAD
 
 # Triton reads TRITON_INTERPRET when it is first imported, and modules collected before
 # tests/ops (transformers, imported by the tokenizer and parity tests) import it: without a
@@ -66,6 +68,22 @@ def skip_for_machine(reason: str):
 def is_machine_skip(why: str) -> bool:
     """Whether a skip reason (as pytest reports it: "Skipped: ...") came from skip_for_machine."""
     return why.removeprefix("Skipped: ").startswith(MACHINE_SKIP_TAG)
+
+
+# The processes the tests start (the harness's commands, and workers through
+# prefork.process_context()) are forked from one server that imported torch, moecomm and the
+# `moecomm` commands once: ~2 s less per start-up, more on a loaded machine. Tests of how a
+# command starts its own processes (the demos) run it as production does. MOECOMM_TEST_FRESH=1
+# starts every process fresh; a GPU run (MOECOMM_REQUIRE_GPU=1) always does.
+def pytest_sessionstart(session):
+    if os.environ.get("MOECOMM_TEST_FRESH") != "1" and not REQUIRE_GPU:
+        prefork.enable((*prefork.DEFAULT_PRELOAD, *SERVING_PRELOAD))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if prefork.enabled():
+        counts = ", ".join(f"{n} {how}" for how, n in prefork.starts.most_common())
+        terminalreporter.write_line(f"processes started by the tests: {counts or 'none'}")
 
 
 @pytest.fixture(name="skip_for_machine")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import multiprocessing as mp
 import os
 import random
 import signal
@@ -16,6 +15,7 @@ import time
 import moecomm
 import moecomm.wire.nixl
 import torch
+from moecomm import prefork
 from moecomm.errors import PeerLostError
 from moecomm.testing import check_pattern
 from moecomm.wire.server import ServerChannel
@@ -35,7 +35,7 @@ WAIT_NS = 30 * S
 def start(reaper, target, *args):
     """Starts `target(conn, *args)` in a spawned process, killed at teardown whatever happens
     (the reaper fixture); returns (process, our end of the pipe)."""
-    ctx = mp.get_context("spawn")
+    ctx = prefork.process_context()
     parent, child = ctx.Pipe()
     p = reaper.process(ctx.Process(target=target, args=(child, *args), daemon=True))
     p.start()

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from moecomm.testing import forking_env
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
 SCRIPT = BENCH_DIR / "serving" / "pd.py"
@@ -87,6 +88,7 @@ def test_quick_run_writes_both_contenders(tmp_path):
         capture_output=True,
         text=True,
         timeout=RUN_TIMEOUT_S,
+        env=forking_env(),
     )
     log = run.stdout[-4000:] + run.stderr[-4000:]
     assert run.returncode == 0, log

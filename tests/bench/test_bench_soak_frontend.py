@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from moecomm.testing import forking_env
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
 SCRIPT = BENCH_DIR / "serving" / "soak_frontend.py"
@@ -111,6 +112,7 @@ def test_short_soak_through_the_front_end(tmp_path):
         capture_output=True,
         text=True,
         timeout=RUN_TIMEOUT_S,
+        env=forking_env(),
     )
     log = run.stdout[-4000:] + run.stderr[-4000:]
     r = json.loads(out.read_text())["soak_frontend"]

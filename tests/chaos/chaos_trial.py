@@ -18,6 +18,7 @@ from chaos_checks import probe_problems, segment_problems, server_problems
 from chaos_client import GO, ClientJob, Timing, client_main
 from chaos_model import HOSTED, SPEC, BatchKey, Reference
 from chaos_plan import CLIENT_IDS, CLIENT_TIMEOUT_S, EVICT_S, THINK_S, Fault, TrialPlan
+from moecomm import prefork
 from moecomm.runtime.launch import spawn_expert_server
 from proc_helpers import stop_process
 
@@ -84,7 +85,7 @@ class Trial:
     def __init__(self, plan: TrialPlan, reference: Reference):
         self.plan = plan
         self.ref = reference
-        self.ctx = mp.get_context("spawn")
+        self.ctx = prefork.process_context()
         self.servers: list[ServerState] = []
         self.queue = {c: list(runs) for c, runs in plan.processes.items()}
         self.generation = dict.fromkeys(plan.processes, 0)

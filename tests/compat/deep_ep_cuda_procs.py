@@ -33,6 +33,7 @@ import deep_ep_procs
 import moecomm
 import moecomm.wire.cuda
 import torch
+from moecomm import prefork
 
 M, HIDDEN, TOPK, NUM_EXPERTS = 32, 2048, 4, 16
 # The Buffers' own deadline (every wait in the adapter), scaled like every device deadline.
@@ -565,7 +566,7 @@ class _Group:
     """One launch of `num_ranks` rank processes over `names`, driven by deadlines."""
 
     def __init__(self, num_ranks: int, store_path: str, names: list[str], kind: str):
-        ctx = mp.get_context("spawn")
+        ctx = prefork.process_context()
         self.names, self.kind, self.procs, self.conns = names, kind, [], []
         self.launched = time.monotonic()
         for r in range(num_ranks):

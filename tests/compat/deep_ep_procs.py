@@ -10,13 +10,13 @@ Combine: ``out[t] = Σ_k w[t, k] · y(t, k)`` in f32, k ascending, skipping ``-1
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import time
 import traceback
 
 import torch
+from moecomm import prefork
 
 M, HIDDEN, TOPK, EXPERTS_PER_RANK = 8, 256, 3, 4
 TIMEOUT_S = 20.0
@@ -351,7 +351,7 @@ def launch(
     names, conn)`, rank_main by default); returns each rank's results (killing them all at the
     deadline, whatever happens)."""
     target = rank_main if target is None else target
-    ctx = mp.get_context("spawn")
+    ctx = prefork.process_context()
     conns, procs = [], []
     for r in range(num_ranks):
         parent, child = ctx.Pipe()

@@ -5,16 +5,16 @@ its shared memory reaped at the end, pass or fail."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import time
 
 import moecomm
+from moecomm import prefork
 
 
 def launch(rank_main, num_ranks: int, store_path: str, procs: list, timeout: float) -> list:
-    ctx = mp.get_context("spawn")
+    ctx = prefork.process_context()
     conns = []
     for r in range(num_ranks):
         parent, child = ctx.Pipe()

@@ -5,7 +5,6 @@ dead and silent peers reported within the deadline.
 The scenarios of one rank count run in one spawned group (spawning costs seconds per process);
 each is reported as its own test."""
 
-import multiprocessing as mp
 import os
 import signal
 import subprocess
@@ -19,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from deep_ep_procs import EXPERTS_PER_RANK, HIDDEN, SCENARIOS, TOPK, M, launch, make_inputs
+from moecomm import prefork
 from moecomm.compat.deep_ep import Buffer
 from moecomm.wire.protocol import SlotLayout
 
@@ -152,7 +152,7 @@ def _idle_rank(store_path: str, conn) -> None:
 
 @pytest.mark.timeout(120)
 def test_silent_peer_times_out_and_dead_peer_is_reported_fast(tmp_path, reaper):
-    ctx = mp.get_context("spawn")
+    ctx = prefork.process_context()
     parent, child = ctx.Pipe()
     path = str(tmp_path / "store")
     p = reaper.process(ctx.Process(target=_idle_rank, args=(path, child), daemon=True))

@@ -28,7 +28,6 @@ from __future__ import annotations
 import ast
 import datetime
 import inspect
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -41,6 +40,7 @@ import nixl_ep_procs as procs
 import pytest
 import torch
 import torch.distributed as dist
+from moecomm import prefork
 from moecomm.compat import nixl_ep
 from moecomm.compat.nixl_ep import Buffer, Config, EventOverlap
 from moecomm.compat.nixl_ep_impl import buffer as nixl_ep_buffer
@@ -54,7 +54,7 @@ GROUP_TIMEOUT_S = 150
 def _launch(target, num_ranks: int, store_spec: tuple, timeout: float) -> dict:
     """{rank: [(phase, status, seconds)]}: each rank's phases until its "end", its death or the
     deadline. Every process is killed and its shared memory reaped at the end."""
-    ctx = mp.get_context("spawn")
+    ctx = prefork.process_context()
     procs_, conns = [], {}
     out: dict[int, list] = {r: [] for r in range(num_ranks)}
     try:

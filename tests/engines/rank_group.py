@@ -18,13 +18,13 @@ import dataclasses
 import datetime
 import faulthandler
 import importlib
-import multiprocessing as mp
 import os
 import signal
 import time
 import traceback
 
 import moecomm
+from moecomm import prefork
 
 OK = "ok"
 SETUP_DEADLINE_S = 180.0  # importing vLLM or SGLang in every rank at once, on 2 cores
@@ -104,7 +104,7 @@ def run_group(
 ) -> dict:
     """{scenario: [outcome of each rank]} plus {"setup": [...], "seconds": {...}}; an outcome is
     OK or a traceback / reason."""
-    ctx = mp.get_context("spawn")
+    ctx = prefork.process_context()
     procs, conns = [], []
     results = {name: [f"not run: {name} was not reached"] * num_ranks for name in names}
     seconds: dict[str, float] = {}

@@ -17,7 +17,6 @@ decode reports the load failed.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -25,6 +24,7 @@ import time
 import pytest
 import vllm_kv_procs as vp
 from engine_checks import engines_or_skip
+from moecomm import prefork
 from moecomm.testing.procs import reap_segments
 
 START_S = 240.0  # importing vLLM in two processes at once on a loaded two-core machine
@@ -76,7 +76,7 @@ def instances(tmp_path):
     """`start(role, extra=None, policy="fail")` -> a started instance; all are killed and
     their shared memory reaped at the end, pass or fail."""
     engines_or_skip()
-    ctx = mp.get_context("spawn")
+    ctx = prefork.process_context()
     started: list[Inst] = []
 
     def start(*specs):

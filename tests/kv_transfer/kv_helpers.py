@@ -5,12 +5,12 @@ the bit-exact comparison."""
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import signal
 
 import torch
 from kv_peer_proc import fill, serve
+from moecomm import prefork
 from moecomm.wire.kv import KvLayout, KvPool
 from moecomm.wire.shm import ShmTransport
 
@@ -38,7 +38,7 @@ class Peer:
     kv_peer_proc.engine_tensors; `transport`: "shm" or "nixl"."""
 
     def __init__(self, num_blocks: int, seed: int, tensors: str = "", transport: str = "shm"):
-        ctx = mp.get_context("spawn")
+        ctx = prefork.process_context()
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(
             target=serve, args=(child, layout(num_blocks).to_dict(), seed, tensors, transport)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import json
-import multiprocessing as mp
 import os
 import random
 import time
@@ -30,6 +29,7 @@ from kv_helpers import (
     reference,
 )
 from kv_peer_proc import engine_tensors, fill, write_as
+from moecomm import prefork
 from moecomm.errors import DeadlineExceededError, PeerLostError, ProtocolError, RemoteError
 from moecomm.wire.kv import (
     SEQ_SHIFT,
@@ -187,7 +187,7 @@ def test_engine_pool_across_hosts_is_refused(transport):
 
 
 def _write_from_child(pid: int, address: int, nbytes: int, drop: bool):
-    ctx = mp.get_context("spawn")
+    ctx = prefork.process_context()
     a, b = ctx.Pipe()
     p = ctx.Process(target=write_as, args=(b, pid, address, nbytes, drop))
     p.start()
@@ -230,7 +230,7 @@ def test_cma_refusals_are_clear(guard):
     kind, err, msg = _write_from_child(os.getpid(), guard, 64, drop=False)
     assert (kind, err) == ("CmaError", errno.EFAULT), msg
     # A pid that exited (its child reaped): nobody has it until pids wrap.
-    ctx = mp.get_context("spawn")
+    ctx = prefork.process_context()
     gone = ctx.Process(target=time.sleep, args=(0,))
     gone.start()
     gone.join(30)

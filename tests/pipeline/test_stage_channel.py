@@ -4,13 +4,13 @@ sender with its reason, and so does one the receiver's own check refuses."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import time
 
 import pytest
 import torch
+from moecomm import prefork
 from moecomm.errors import PeerLostError, ProtocolError, RemoteError
 from moecomm.wire.protocol import PAYLOAD_OFFSET, ResponseStatus
 from moecomm.wire.shm import ShmTransport, reap_stale_segments
@@ -48,7 +48,7 @@ def _sender(conn, client_id: int, tags: list[int], numel: int, then_hold: bool) 
 
 @pytest.fixture
 def sender_proc():
-    ctx = mp.get_context("spawn")
+    ctx = prefork.process_context()
     procs = []
 
     def start(client_id=CLIENT, tags=(1,), numel=HIDDEN, then_hold=False):
@@ -113,7 +113,7 @@ def test_activations_round_trip_as_rows(sender_proc):
 def test_a_dead_receiver_is_an_error_for_the_sender(sender_proc):
     """The sender fills its slots, then waits for an ack that never comes: the receiver's
     process is gone, so it fails fast with PeerLostError instead of waiting out its deadline."""
-    ctx = mp.get_context("spawn")
+    ctx = prefork.process_context()
     _, parent = sender_proc(tags=(1,), numel=BIG_CHUNKS * LAYOUT.request_slot_bytes // 8)
     # The receiver lives in a child that attaches and then is killed without reading.
     child_conn, mine = ctx.Pipe()

@@ -6,14 +6,13 @@ What the 20 ms /proc liveness poll alone (MOECOMM_SHM_DEATH_WATCH=poll) cannot d
 tests ask: wake once per poll interval no longer while the peer lives, and see the end of a
 peer whose pid lives on (it exec'd: its moecomm mappings are gone, /proc shows it running)."""
 
-import multiprocessing as mp
 import os
 import threading
 import time
 
 import moecomm
 import pytest
-from moecomm import _C
+from moecomm import _C, prefork
 from moecomm.wire.transport import WaitStatus
 
 # The answer never comes in these tests: a wait ends by the peer's death or this deadline.
@@ -74,7 +73,7 @@ class Waiter(threading.Thread):
 
 
 def _peer(reaper, target):
-    ctx = mp.get_context("spawn")
+    ctx = prefork.process_context()
     parent, child = ctx.Pipe()
     p = reaper.process(ctx.Process(target=target, args=(child,), daemon=True))
     p.start()

@@ -2,7 +2,6 @@
 resumed, is routed to again only after its health probe passes; a client stopped or killed in
 the middle of its traffic never blocks a server, which drops it under load."""
 
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -10,6 +9,7 @@ import time
 import httpx
 import pytest
 import torch
+from moecomm import prefork
 from moecomm.runtime.launch import ModelSpec, spawn_expert_server
 from moecomm.testing.clients import connect_client
 from proc_helpers import stop_process
@@ -82,7 +82,7 @@ def _busy_client(urls, ready):
 @pytest.mark.timeout(180)
 def test_a_stopped_then_killed_client_never_blocks_the_server(reaper):
     server = reaper.server(spawn_expert_server(SPEC, ALL, "busy"))
-    ctx = mp.get_context("spawn")
+    ctx = prefork.process_context()
     ready = ctx.Event()
     other = reaper.process(ctx.Process(target=_busy_client, args=([server.url], ready)))
     other.start()

@@ -1,7 +1,6 @@
 """The runtime following a membership (embedded monitor): lost clients are freed, lost servers
 are dropped before any deadline, new servers join without a restart."""
 
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -9,6 +8,7 @@ import time
 import httpx
 import pytest
 import torch
+from moecomm import prefork
 from moecomm.membership import MonitorServer, connect_membership
 from moecomm.runtime.launch import ModelSpec, spawn_expert_server
 from moecomm.testing.clients import connect_client
@@ -57,7 +57,7 @@ def clients_of(url):
 def test_client_lost_per_monitor_frees_its_slots_within_a_ttl(monitor, reaper):
     server = spawn_expert_server(SPEC, {0: list(range(4))}, "m0", monitor_url=monitor, ttl=TTL)
     try:
-        ctx = mp.get_context("spawn")
+        ctx = prefork.process_context()
         parent, child = ctx.Pipe()
         p = reaper.process(
             ctx.Process(target=_client_process, args=(child, server.url, monitor), daemon=True)

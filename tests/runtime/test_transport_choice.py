@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from moecomm import prefork
 from moecomm.errors import MoecommError
 from moecomm.runtime import AttentionClient
 from moecomm.runtime.experts import LayerExperts
@@ -161,7 +162,6 @@ def _stopped_client(conn, url):
 def test_a_stopped_nixl_client_never_stalls_the_server_for_others():
     """A write over nixl waits for the peer's side of the transfer: the server's answer to a
     stopped client fails after SERVER_XFER_TIMEOUT_S instead of holding the loop."""
-    import multiprocessing as mp
     import os
     import signal
     import time
@@ -171,7 +171,7 @@ def test_a_stopped_nixl_client_never_stalls_the_server_for_others():
     server = spawn_expert_server(
         SPEC, everything, "s-win", TOKEN, batching_window_s=0.3, transport="nixl"
     )
-    ctx = mp.get_context("spawn")
+    ctx = prefork.process_context()
     a, b = ctx.Pipe()
     p = ctx.Process(target=_stopped_client, args=(b, server.url), daemon=True)
     try:

@@ -1,6 +1,5 @@
 """Failures: deadlines, dead peers, oversized and malformed requests, late answers."""
 
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -9,7 +8,7 @@ import time
 import moecomm
 import pytest
 import torch
-from moecomm import _C
+from moecomm import _C, prefork
 from moecomm.testing import make_pattern, spawn_identity_server
 from moecomm.wire.client import ClientChannel
 from moecomm.wire.protocol import SlotState, make_signal
@@ -65,7 +64,7 @@ def _client_then_hang(conn, layout_dict):
 
 @pytest.mark.timeout(120)
 def test_killed_client_is_noticed_by_the_server_and_reaped(transport, reaper):
-    ctx = mp.get_context("spawn")
+    ctx = prefork.process_context()
     parent, child = ctx.Pipe()
     p = reaper.process(
         ctx.Process(target=_client_then_hang, args=(child, LAYOUT.to_dict()), daemon=True)

@@ -5,10 +5,9 @@ are marked gpu and run where a device exists."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import pytest
 import torch
+from moecomm import prefork
 from moecomm.wire.nixl import TensorRegion, available, open_nixl_transport
 from moecomm.wire.transport import WaitOp
 
@@ -34,7 +33,7 @@ def _receiver(conn, device: str, numel: int, rounds: int) -> None:
 
 def _roundtrip(device: str) -> list[bool]:
     numel, rounds = 1 << 16, 5
-    ctx = mp.get_context("spawn")
+    ctx = prefork.process_context()
     a, b = ctx.Pipe()
     p = ctx.Process(target=_receiver, args=(b, device, numel, rounds), daemon=True)
     p.start()

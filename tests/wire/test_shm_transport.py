@@ -1,6 +1,5 @@
 """The shm backend in one process (and a few helper processes): regions, puts, signals, waits."""
 
-import multiprocessing as mp
 import os
 import signal
 import stat
@@ -10,7 +9,7 @@ import time
 import moecomm
 import pytest
 import torch
-from moecomm import _C
+from moecomm import _C, prefork
 from moecomm.wire.transport import SignalOp, WaitOp
 from moecomm.wire.views import region_bytes_view
 
@@ -125,7 +124,7 @@ def _make_segment_and_hang(conn):
 
 
 def test_segments_of_a_killed_process_are_reaped(reaper):
-    ctx = mp.get_context("spawn")
+    ctx = prefork.process_context()
     parent, child = ctx.Pipe()
     p = reaper.process(ctx.Process(target=_make_segment_and_hang, args=(child,), daemon=True))
     p.start()

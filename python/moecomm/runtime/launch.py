@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moecomm import prefork
 from moecomm.errors import DeadlineExceededError
 from moecomm.http_thread import HttpServer
 from moecomm.runtime.control import make_app
@@ -153,10 +154,11 @@ def start_server_process(target, args: tuple, server_id: str) -> ServerProcess:
 
 
 def spawn_ready(target, args: tuple, what: str, timeout: float = SERVER_START_TIMEOUT_S):
-    """Spawns a fresh process running `target(conn, *args)` and waits up to `timeout` for the
+    """Starts a process running `target(conn, *args)` (a fresh one; forked from the preloaded
+    server where tests enabled :mod:`moecomm.prefork`) and waits up to `timeout` for the
     first message it sends on `conn`, its sign that it serves. Returns (process, conn,
     message); `what` names the process in the error when it does not start."""
-    ctx = mp.get_context("spawn")
+    ctx = prefork.process_context()  # "spawn", or the preloaded fork server in tests
     parent, child = ctx.Pipe()
     p = ctx.Process(target=target, args=(child, *args), daemon=True)
     p.start()

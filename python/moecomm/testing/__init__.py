@@ -4,7 +4,8 @@
   wire tests, `bench/wire/rtt.py`);
 - ``procs``: moecomm processes started in groups of their own, waited for through their ready
   file (:mod:`moecomm.readiness`), always stopped with their shared memory reaped
-  (:class:`Processes`);
+  (:class:`Processes`), forked from a preloaded server in a test run (:mod:`moecomm.prefork`;
+  :func:`forking_env` passes that on to a benchmark a test runs);
 - ``cluster``: a whole local deployment from the `moecomm` command (monitor, expert servers,
   front ends of any role, router) with one teardown (:func:`start_local_cluster`);
 - ``clients``: attention clients set up as tests use them (:func:`connect_client`).
@@ -30,6 +31,7 @@ _LAZY = {
     "Proc": "procs",
     "ProcessStartError": "procs",
     "Processes": "procs",
+    "forking_env": "procs",
     "wait_all": "procs",
     "FrontendSpec": "cluster",
     "LocalCluster": "cluster",

@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from moecomm import prefork
 from moecomm.errors import DeadlineExceededError, MoecommError
 from moecomm.readiness import READY_FILE_ENV, read_ready
 
@@ -30,6 +31,15 @@ CLI_ARGV = (sys.executable, "-m", "moecomm_serving.cli")
 # every command (torch included) that the `moecomm` entry point pays: ~3 s to ready instead of
 # ~13 s on a loaded two-core machine (median of 3, load average 22).
 MONITOR_CMD = (sys.executable, "-m", "moecomm.membership.monitor")
+# The modules of the `moecomm` commands, named (not imported): a test run's fork server imports
+# them once for all its processes (moecomm.prefork; PREFORK_ENV passes them to a benchmark).
+SERVING_PRELOAD = (
+    "moecomm.membership.monitor",
+    "moecomm_serving.cli.main",
+    "moecomm_serving.cli.frontend",
+    "moecomm_serving.cli.expert_server",
+    "moecomm_serving.cli.router",
+)
 # A process that imports torch and loads a checkpoint, several starting at once on a loaded
 # two-core machine, serves within this long; longer means it is broken, not slow.
 START_TIMEOUT_S = 120.0
@@ -42,6 +52,15 @@ STOP_TIMEOUT_S = 30.0
 POLL_S = 0.02
 # How much of a process's output an error carries.
 TAIL_CHARS = 3000
+
+
+def forking_env(env: dict | None = None) -> dict:
+    """`env` (default: this process's) for a benchmark or tool a test runs: where this process
+    forks its own processes (moecomm.prefork enabled), the child's harness does too."""
+    env = dict(os.environ if env is None else env)
+    if prefork.enabled():
+        env[prefork.PREFORK_ENV] = ",".join(SERVING_PRELOAD)
+    return env
 
 
 class ProcessStartError(MoecommError):
@@ -80,18 +99,23 @@ class Proc:
         self._lines: list[str] = []
         self._offset = 0
         self._partial = b""
-        with open(self.log_path, "wb") as log:
-            # A group of its own: a Ctrl-C of the test reaches the test only, and teardown can
-            # kill the process with everything it started.
-            self.popen = subprocess.Popen(
-                self.argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env={**env, READY_FILE_ENV: str(self.ready_path)},
-                start_new_session=True,
-                preexec_fn=_sigint_default if _sigint_ignored() else None,
-            )
+        full_env = {**env, READY_FILE_ENV: str(self.ready_path)}
+        self.log_path.write_bytes(b"")
+        # Forked from the preloaded server where tests enabled it (same process, no imports to
+        # pay), else started fresh. Either way a group of its own: a Ctrl-C of the test reaches
+        # the test only, and teardown can kill the process with everything it started.
+        self.popen = prefork.popen_module(self.argv, full_env, self.log_path)
+        if self.popen is None:
+            with open(self.log_path, "wb") as log:
+                self.popen = subprocess.Popen(
+                    self.argv,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=full_env,
+                    start_new_session=True,
+                    preexec_fn=_sigint_default if _sigint_ignored() else None,
+                )
         self.seen_pids.add(self.popen.pid)
 
     # ------------------------------------------------------------------ state
@@ -304,6 +328,7 @@ class Processes:
         env: dict | None = None,
         cli: Sequence[str] = CLI_ARGV,
     ):
+        prefork.enable_from_env()  # a benchmark or demo run by a test forks its processes
         self._own_dir = log_dir is None
         if log_dir is None:
             log_dir = tempfile.mkdtemp(prefix="moecomm-procs-")

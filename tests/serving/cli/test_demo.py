@@ -7,6 +7,7 @@ import sys
 import time
 
 import pytest
+from moecomm.testing import forking_env
 
 CLI = [sys.executable, "-m", "moecomm_serving.cli"]
 
@@ -43,7 +44,11 @@ def test_demo_with_two_pipeline_stages():
     client of both expert servers (token equality with the single-process model is
     tests/serving/api/test_frontend_pipeline.py's)."""
     out = subprocess.run(
-        [*CLI, "demo", "--stages", "2"], capture_output=True, text=True, timeout=280
+        [*CLI, "demo", "--stages", "2"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=forking_env(),  # its processes forked: how the demo starts them is tested above
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     text = out.stdout

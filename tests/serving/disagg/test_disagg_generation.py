@@ -4,12 +4,12 @@ token — also when a server is killed with SIGKILL in the middle while a replic
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import signal
 
 import pytest
 import torch
+from moecomm import prefork
 from moecomm.runtime import AttentionClient
 from moecomm.runtime.control import HttpServer, make_app
 from moecomm.runtime.server import ExpertServer
@@ -39,7 +39,7 @@ def _serve(conn, ckpt_dir, hosted):
 @pytest.fixture
 def server_procs(mixtral_dir):
     """Two expert-server processes, each hosting every expert of every layer (replicas)."""
-    ctx = mp.get_context("spawn")
+    ctx = prefork.process_context()
     procs = []
     try:
         for _ in range(2):

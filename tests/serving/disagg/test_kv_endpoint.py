@@ -7,13 +7,13 @@ shared-memory segment of the dead process is left."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import time
 
 import pytest
 import torch
+from moecomm import prefork
 from moecomm.errors import DeadlineExceededError, PeerLostError
 from moecomm.wire.kv import KvTransferRequest
 from moecomm.wire.shm import list_segments, reap_stale_segments
@@ -85,7 +85,7 @@ def _receiver(conn) -> None:
 
 @pytest.fixture
 def spawn():
-    ctx = mp.get_context("spawn")
+    ctx = prefork.process_context()
     procs = []
 
     def start(target, *args):

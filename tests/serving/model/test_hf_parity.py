@@ -15,12 +15,12 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
-import multiprocessing as mp
 import os
 
 import pytest
 import torch
 import transformers
+from moecomm import prefork
 from moecomm.runtime import AttentionClient
 from moecomm.runtime.control import HttpServer, make_app
 from moecomm.runtime.server import ExpertServer
@@ -97,7 +97,7 @@ def _host(conn) -> None:
 @pytest.fixture(scope="module")
 def server_procs():
     """Two expert-server processes, reused by every case of the module."""
-    ctx = mp.get_context("spawn")
+    ctx = prefork.process_context()
     procs = []
     try:
         for _ in range(2):
