@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import signal
 import subprocess
 from pathlib import Path
 
@@ -146,7 +145,7 @@ def reaper():
     for p in procs:
         pids.append(p.pid)
         if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
+            p.kill()  # a forked one may be reaped already
         p.join(5.0)
     for pid in pids:
         moecomm.reap_stale_segments(pid)

@@ -19,13 +19,13 @@ Usage: python bench/ops/deepep_modes.py [--num-processes 2] [--tokens 512] [--tr
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import sys
 import tempfile
 import time
 
 import torch
+from moecomm import prefork
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: _lib
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this group's scripts
@@ -122,7 +122,7 @@ def modes_rank(rank: int, a, store_dir: str, conn) -> None:
 
 def run_modes(a) -> dict:
     """Runs the modes on a.num_processes ranks; returns {"rows": [...], "exact": bool}."""
-    ctx = mp.get_context("spawn")
+    ctx = prefork.process_context()
     with tempfile.TemporaryDirectory(prefix="moecomm-modes-") as tmp:
         conns, procs = [], []
         for r in range(a.num_processes):

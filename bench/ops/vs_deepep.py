@@ -38,13 +38,13 @@ Usage: python bench/ops/vs_deepep.py [--num-processes 2] [--trials 5] [--iters 2
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import sys
 import tempfile
 import time
 
 import torch
+from moecomm import prefork
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: _lib
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this group's scripts
@@ -190,7 +190,7 @@ def deepep_rank(rank: int, a, init_file: str, conn) -> None:
 
 
 def spawn_ranks(target, a, path: str) -> list[dict]:
-    ctx = mp.get_context("spawn")
+    ctx = prefork.process_context()
     conns, procs = [], []
     for r in range(a.num_processes):
         parent, child = ctx.Pipe()

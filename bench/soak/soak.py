@@ -32,7 +32,6 @@ Exit status: 0 when every check passed, 1 otherwise (the reasons are printed las
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import queue as queue_mod
 import signal
@@ -44,6 +43,7 @@ from dataclasses import asdict, dataclass
 
 import httpx
 import torch
+from moecomm import prefork
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: _lib
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this group's scripts
@@ -272,7 +272,7 @@ def _supervise(run: Run, clients, servers, go, stop, q, t0) -> None:
 
 def run_soak(cfg: SoakConfig) -> dict:
     """The whole soak; every process and segment is gone when it returns, whatever happened."""
-    ctx = mp.get_context("spawn")
+    ctx = prefork.process_context()
     run = Run(cfg)
     servers: list = []
     clients: list = []

@@ -15,12 +15,13 @@ Usage: python bench/wire/death_notice.py [--trials 10] [--live 1.0]
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import signal
 import sys
 import threading
 import time
+
+from moecomm import prefork
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: _lib
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this group's scripts
@@ -88,7 +89,7 @@ def trial(ctx, watch: bool, live_s: float) -> dict:
         }
     finally:
         if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
+            p.kill()  # a forked one may be reaped already
         p.join(10)
         from moecomm.wire.shm import reap_stale_segments
 
@@ -102,7 +103,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     args = argv if argv is not None else sys.argv[1:]
-    ctx = mp.get_context("spawn")
+    ctx = prefork.process_context()
     rows, trials = [], []
     load_before = os.getloadavg()[0]
     for i in range(a.trials):

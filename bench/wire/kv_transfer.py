@@ -40,13 +40,13 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import multiprocessing as mp
 import os
 import random
 import sys
 import time
 
 import torch
+from moecomm import prefork
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: _lib
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this group's scripts
@@ -205,7 +205,7 @@ def run(
     for p in pool.layout.parts:
         v = pool.view(p.layer, p.name)
         v.copy_(torch.randn(v.shape).to(v.dtype))
-    ctx = mp.get_context("spawn")
+    ctx = prefork.process_context()
     conn, child_conn = ctx.Pipe()
     child = ctx.Process(target=receiver, args=(child_conn, num_blocks), daemon=True)
     child.start()

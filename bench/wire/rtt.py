@@ -18,12 +18,12 @@ Usage: python bench/wire/rtt.py [--iters-signal N] [--iters-decode N] [--json PA
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import socket
 import sys
 
 import torch
+from moecomm import prefork
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: _lib
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this group's scripts
@@ -59,7 +59,7 @@ def _pong(conn, iters: int) -> None:
 
 
 def moecomm_signal(iters: int, warmup: int) -> Stats:
-    ctx = mp.get_context("spawn")
+    ctx = prefork.process_context()
     parent, child = ctx.Pipe()
     p = ctx.Process(target=_pong, args=(child, iters + warmup), daemon=True)
     p.start()
@@ -119,7 +119,7 @@ def zmq_bench(iters: int, warmup: int, decode: bool) -> Stats:
     import zmq
 
     addr = f"ipc:///tmp/moecomm-rtt-{os.getpid()}.ipc"
-    ctx = mp.get_context("spawn")
+    ctx = prefork.process_context()
     p = ctx.Process(target=_zmq_server, args=(addr, iters + warmup + 1, decode), daemon=True)
     p.start()
     sock = zmq.Context.instance().socket(zmq.REQ)
@@ -180,7 +180,7 @@ def gloo_bench(iters: int, warmup: int, decode: bool) -> Stats:
     import torch.distributed as dist
 
     port = _free_port()
-    ctx = mp.get_context("spawn")
+    ctx = prefork.process_context()
     p = ctx.Process(target=_gloo_server, args=(port, iters + warmup + 1, decode), daemon=True)
     p.start()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)

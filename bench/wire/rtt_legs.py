@@ -15,12 +15,12 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 
 import moecomm
 import torch
 from _lib.common import Stats, time_calls
+from moecomm import prefork
 from moecomm.ops.dispatch import ExpertMap, pack_dispatch
 from moecomm.testing import spawn_identity_server
 from moecomm.wire.client import ClientChannel
@@ -52,7 +52,7 @@ def _floor_peer(conn, nbytes: int, iters: int) -> None:
 
 def copy_floor(req_bytes: int, iters: int, warmup: int) -> Stats:
     """Two cross-process copies of `req_bytes` (request out, same bytes back), no protocol."""
-    ctx = mp.get_context("spawn")
+    ctx = prefork.process_context()
     parent, child = ctx.Pipe()
     p = ctx.Process(target=_floor_peer, args=(child, req_bytes, iters + warmup), daemon=True)
     p.start()
@@ -156,7 +156,7 @@ def _native_pong(conn, offset: int, iters: int) -> None:
 def native_signal(offset: int, iters: int, warmup: int) -> Stats:
     """The signal-only round trip with both loops in C++ (Transport.ping_pong): what is left
     when Python, pybind and the GIL are taken out — the cache-line exchange between the cores."""
-    ctx = mp.get_context("spawn")
+    ctx = prefork.process_context()
     parent, child = ctx.Pipe()
     p = ctx.Process(target=_native_pong, args=(child, offset, iters + warmup), daemon=True)
     p.start()

@@ -42,6 +42,7 @@ DEFAULT_PRELOAD = (
     "moecomm",
     "moecomm.runtime.server",
     "moecomm.runtime.client",
+    "moecomm.pipeline.stage",
 )
 # Variables read while a module is imported (so a preloaded module holds the server's value):
 # a process whose environment differs from the server's in one of these starts fresh. Others
@@ -159,11 +160,11 @@ class _Process(mp_context.ForkServerProcess):
     def __getstate__(self):
         state = self.__dict__.copy()
         # Pickled while the parent launches it: the fds travel to the child with it.
-        state["_stdio"] = [reduction.DupFd(fd) for fd in (1, 2)]
+        state["_stdio"] = [(fd, reduction.DupFd(fd)) for fd in (1, 2) if _is_open(fd)]
         return state
 
     def run(self):
-        for fd, dup in zip((1, 2), self.__dict__.pop("_stdio", ()), strict=False):
+        for fd, dup in self.__dict__.pop("_stdio", ()):
             for stream in (sys.stdout, sys.stderr):
                 with contextlib.suppress(Exception):
                     stream.flush()
@@ -176,6 +177,14 @@ class _Process(mp_context.ForkServerProcess):
         super().run()
 
 
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
 class _Context(mp_context.ForkServerContext):
     Process = _Process
 
@@ -185,7 +194,9 @@ _CONTEXT = _Context()
 
 def process_context():
     """A multiprocessing context for workers: the fork server's when enabled and this process's
-    environment allows it, else "spawn"."""
+    environment allows it, else "spawn". A benchmark a test runs (PREFORK_ENV set) enables it
+    here."""
+    enable_from_env()
     if _decide(os.environ):
         return _CONTEXT
     return mp.get_context("spawn")

@@ -22,7 +22,6 @@ import itertools
 import multiprocessing as mp
 import multiprocessing.connection
 import os
-import signal
 import time
 import traceback
 from datetime import timedelta
@@ -696,7 +695,7 @@ class _Group:
     def kill(self) -> None:
         for p in self.procs:
             if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
+                p.kill()  # a forked one may be reaped already
             p.join(5)
             moecomm.reap_stale_segments(p.pid)
         for c in self.conns:

@@ -10,8 +10,6 @@ Combine: ``out[t] = Σ_k w[t, k] · y(t, k)`` in f32, k ascending, skipping ``-1
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 import traceback
 
@@ -368,7 +366,7 @@ def launch(
         if not conn.poll(max(deadline - time.monotonic(), 0.0)):
             for p in procs:
                 if p.is_alive():
-                    os.kill(p.pid, signal.SIGKILL)
+                    p.kill()  # a forked one may be reaped already
             raise AssertionError(f"rank {r} of {num_ranks} gave no result within {timeout} s")
         results.append(conn.recv())
     for p in procs:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from deep_ep_procs import EXPERTS_PER_RANK, HIDDEN, SCENARIOS, TOPK, M, launch, make_inputs
 from moecomm import prefork
 from moecomm.compat.deep_ep import Buffer
+from moecomm.testing import forking_env
 from moecomm.wire.protocol import SlotLayout
 
 ALL = list(SCENARIOS)
@@ -50,7 +51,7 @@ def runs(tmp_path_factory):
     finally:
         for p in reaped:
             if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
+                p.kill()  # a forked one may be reaped already
             p.join(5)
             moecomm.reap_stale_segments(p.pid)
     return out
@@ -202,6 +203,7 @@ def test_benchmark_quick_runs(tmp_path):
             str(out),
         ],
         capture_output=True,
+        env=forking_env(),  # its processes forked, as the suite's are
         text=True,
         timeout=150,
     )

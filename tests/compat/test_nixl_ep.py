@@ -28,8 +28,6 @@ from __future__ import annotations
 import ast
 import datetime
 import inspect
-import os
-import signal
 import threading
 import time
 from multiprocessing.connection import wait as wait_conns
@@ -88,7 +86,7 @@ def _launch(target, num_ranks: int, store_spec: tuple, timeout: float) -> dict:
             if p.is_alive():
                 p.join(5)
             if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
+                p.kill()  # a forked one may be reaped already
             p.join(5)
             moecomm.reap_stale_segments(p.pid)
     return out

@@ -158,7 +158,7 @@ def run_group(
     finally:
         for p in procs:
             if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
+                p.kill()  # a forked one may be reaped already
             p.join(5)
             moecomm.reap_stale_segments(p.pid)
     results["seconds"] = seconds

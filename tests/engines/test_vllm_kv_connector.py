@@ -67,7 +67,7 @@ class Inst:
 
     def kill(self):
         if self.proc.is_alive():
-            os.kill(self.pid, signal.SIGKILL)
+            self.proc.kill()  # a forked one may be reaped already
         self.proc.join(10)
 
 

@@ -5,8 +5,6 @@ the bit-exact comparison."""
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 
 import torch
 from kv_peer_proc import fill, serve
@@ -60,7 +58,7 @@ class Peer:
 
     def kill(self) -> None:
         if self.proc.is_alive():
-            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.kill()  # a forked one may be reaped already
         self.proc.join(10)
 
     def close(self) -> None:

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from moecomm.testing import forking_env
+
 ROOT = Path(__file__).resolve().parents[2]
 # The quick run spawns one process and moves ~35 MiB; a loaded 2-core host needs a while.
 BENCH_TIMEOUT_S = 240
@@ -29,6 +31,7 @@ def test_quick_bench_writes_its_results(tmp_path):
         ],
         cwd=ROOT,
         capture_output=True,
+        env=forking_env(),  # its processes forked, as the suite's are
         text=True,
         timeout=BENCH_TIMEOUT_S,
     )

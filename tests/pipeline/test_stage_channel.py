@@ -61,7 +61,7 @@ def sender_proc():
     yield start
     for p in procs:
         if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
+            p.kill()  # a forked one may be reaped already
         p.join(DEADLINE_S)
         reap_stale_segments(p.pid)
 

@@ -9,7 +9,6 @@ scheduler (DynaPipe).
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -18,6 +17,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from moecomm import prefork
 from moecomm.errors import MoecommError
 from moecomm.pipeline.predictor import LatencyPredictor
 from moecomm.pipeline.remote import RemoteStage, start_remote
@@ -134,7 +134,7 @@ class Pipeline:
         if not 0 <= initial_k <= k_max:
             raise ValueError(f"initial_k must be in [0, k_max = {k_max}], got {initial_k}")
         self.preloads = [_preload(num_layers, num_stages, k_max, i) for i in range(num_stages)]
-        ctx = mp.get_context("spawn")
+        ctx = prefork.process_context()  # "spawn", or the preloaded fork server in tests
         self.procs, self.conns = [], []
         self.next_step = 0
         self.inflight: deque[int] = deque()
@@ -356,7 +356,7 @@ class Pipeline:
             if isinstance(p, RemoteStage):
                 p.kill()  # its end of the connection closes: it exits (nothing to reap here)
             elif p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
+                p.kill()  # a forked one may be reaped already
                 p.join(self.timeout_s / 4)
         for p in self.procs:
             if not isinstance(p, RemoteStage):

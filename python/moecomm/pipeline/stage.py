@@ -31,6 +31,7 @@ local driver, or a TCP connection (``moecomm.pipeline.agent``) to a driver on an
 from __future__ import annotations
 
 import contextlib
+import multiprocessing as mp
 import os
 import signal
 import socket
@@ -218,10 +219,10 @@ class _Stage:
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> None:
-        parent = os.getppid()
+        driver_alive = _driver_alive_check()
         while True:
             if not self.conn.poll(IDLE_POLL_S):
-                if os.getppid() != parent:
+                if not driver_alive():
                     return  # the driver died: nobody to serve
                 continue
             msg = self.conn.recv()
@@ -347,3 +348,14 @@ def stage_main(spec: StageSpec, conn) -> None:
     finally:
         if stage is not None:
             stage.close()
+
+
+def _driver_alive_check() -> Callable[[], bool]:
+    """Whether the process that started this stage still lives: multiprocessing's sentinel of
+    its parent (at EOF once the parent died, whether the stage was spawned or forked from a
+    server, where the parent pid is the server's), else the parent pid."""
+    parent = mp.parent_process()
+    if parent is not None:
+        return parent.is_alive
+    ppid = os.getppid()
+    return lambda: os.getppid() == ppid

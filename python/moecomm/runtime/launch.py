@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
-import os
-import signal
 import sys
 from dataclasses import dataclass
 
@@ -117,7 +115,7 @@ class ServerProcess:
                 self.conn.send(STOP)
             self.process.join(timeout)
         if self.process.is_alive():
-            os.kill(self.process.pid, signal.SIGKILL)
+            self.process.kill()  # a forked one may be reaped already
             self.process.join(timeout)
 
 
