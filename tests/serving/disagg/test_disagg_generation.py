@@ -10,9 +10,9 @@ import signal
 import pytest
 import torch
 from moecomm import prefork
-from moecomm.runtime import AttentionClient
 from moecomm.runtime.control import HttpServer, make_app
 from moecomm.runtime.server import ExpertServer
+from moecomm.testing import connect_client
 from moecomm_serving.engine.generate import Generation, generate, step
 from moecomm_serving.model.checkpoint import Checkpoint
 from moecomm_serving.model.tokenizer import ByteTokenizer
@@ -67,17 +67,14 @@ def server_procs(mixtral_dir):
 @pytest.mark.timeout(300)
 def test_greedy_tokens_survive_a_kill_9_mid_generation(server_procs, mixtral_dir, mixtral):
     cfg = mixtral.config
-    client = AttentionClient(
+    client = connect_client(
         [url for _, _, url in server_procs],
-        3,
         cfg.hidden_size,
         cfg.num_experts_per_tok,
         64,
-        encoding="f32",
-        out_dtype=torch.float32,
+        client_id=3,
         timeout=2.0,
     )
-    client.connect()
     try:
         remote = load_model(mixtral_dir, experts=client)
         tok = ByteTokenizer()

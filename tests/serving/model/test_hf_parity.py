@@ -21,9 +21,9 @@ import pytest
 import torch
 import transformers
 from moecomm import prefork
-from moecomm.runtime import AttentionClient
 from moecomm.runtime.control import HttpServer, make_app
 from moecomm.runtime.server import ExpertServer
+from moecomm.testing import connect_client
 from moecomm_serving.engine.generate import generate
 from moecomm_serving.model.checkpoint import Checkpoint, save_checkpoint
 from moecomm_serving.model.config import MoEConfig
@@ -208,17 +208,9 @@ def test_logits_and_greedy_tokens_match_transformers(
 
     cfg = MoEConfig.from_file(ckpt_dir)
     with hosting(server_procs, ckpt_dir, cfg) as urls:
-        client = AttentionClient(
-            urls,
-            None,
-            cfg.hidden_size,
-            cfg.num_experts_per_tok,
-            MAX_TOKENS,
-            encoding="f32",
-            out_dtype=torch.float32,
-            timeout=CLIENT_TIMEOUT_S,
+        client = connect_client(
+            urls, cfg.hidden_size, cfg.num_experts_per_tok, MAX_TOKENS, timeout=CLIENT_TIMEOUT_S
         )
-        client.connect()
         try:
             remote = load_model(ckpt_dir, experts=client, dtype=torch.float32)
             check_model(remote, ids, logits, tokens)

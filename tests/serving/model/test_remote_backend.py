@@ -4,9 +4,9 @@ experts from the checkpoint, reached through a client, generate what the local m
 from __future__ import annotations
 
 import pytest
-import torch
-from moecomm.runtime import AttentionClient, ExpertServer
+from moecomm.runtime import ExpertServer
 from moecomm.runtime.control import HttpServer, make_app
+from moecomm.testing import connect_client
 from moecomm_serving.engine.generate import generate
 from moecomm_serving.model.checkpoint import Checkpoint
 from moecomm_serving.model.tokenizer import ByteTokenizer
@@ -36,17 +36,9 @@ def servers(mixtral_dir):
 
 def test_generation_through_expert_servers(servers, mixtral_dir, mixtral):
     cfg = mixtral.config
-    client = AttentionClient(
-        servers,
-        client_id=1,
-        hidden=cfg.hidden_size,
-        topk=cfg.num_experts_per_tok,
-        max_tokens=64,
-        encoding="f32",
-        out_dtype=torch.float32,
-        timeout=20.0,
+    client = connect_client(
+        servers, cfg.hidden_size, cfg.num_experts_per_tok, 64, client_id=1, timeout=20.0
     )
-    client.connect()
     try:
         remote = load_model(mixtral_dir, experts=client)
         tok = ByteTokenizer()
