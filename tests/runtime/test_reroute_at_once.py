@@ -1,7 +1,8 @@
 """A dead server's share is re-sent the moment its death is seen, while the step's other
 servers still owe their answers: real expert server processes over shm.
 
-Server A is held by SIGSTOP (its answer cannot come), server D is killed after the dispatch;
+Server A is held by SIGSTOP (its answer cannot come), server D is stopped before the dispatch
+and killed after it;
 every expert of D has a replica on R. The re-sent share must be served by R while A is still
 held — the old combine waited for A first, and re-sent only once every server had answered or
 failed (MOECOMM_RESEND=after_step keeps that behaviour; the last test pins it)."""
@@ -79,6 +80,9 @@ def _held_step(reaper, resend, watch_s=RESEND_BOUND_S):
     clean = c.combine(c.dispatch(x, ids, w, 0))  # every server up
     before = _tokens_served(servers[R].url)
     stop_process(servers[A].process.pid)
+    # D is stopped before the dispatch and killed after it: its share is lost for certain (a
+    # running D could answer between the dispatch and the kill, leaving nothing to re-send).
+    stop_process(servers[D].process.pid)
     h = c.dispatch(x, ids, w, 0)
     assert sorted(s.server for s in h.sent) == [A, D], "precondition: the step uses A and D"
     os.kill(servers[D].process.pid, signal.SIGKILL)
