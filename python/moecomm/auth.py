@@ -11,6 +11,7 @@ not what it is.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import os
 import secrets
 
@@ -127,3 +128,14 @@ class SharedSecret:
         return isinstance(other, SharedSecret) and constant_time_equal(self._value, other._value)
 
     __hash__ = None  # a secret is not a dict key (its hash would leak through timing)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or name a server binds) is reachable from this host only: where
+    a server may run without a secret."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

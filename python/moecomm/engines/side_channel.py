@@ -5,7 +5,6 @@ importing it needs no engine."""
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import socket
@@ -24,15 +23,6 @@ MAX_MESSAGE_BYTES = 16 << 20
 # silent one must not hold a decode step longer than this.
 SIDE_CHANNEL_TIMEOUT_S = 5.0
 _LEN = struct.Struct("!I")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def send_msg(sock: socket.socket, obj: dict) -> None:

@@ -84,7 +84,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, UniformTypeKVCacheSpecs
 
-from moecomm.engines.side_channel import Listener, ask, is_loopback
+from moecomm.auth import is_loopback
+from moecomm.engines.side_channel import Listener, ask
 from moecomm.errors import MoecommError
 from moecomm.wire.kv import BlockTransferError, KvLayout, KvPart, KvPool, KvState
 from moecomm.wire.kv.layout import DTYPES

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import signal
 import sys
@@ -26,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from moecomm.auth import SecretError, SharedSecret, read_secret_file
+from moecomm.auth import SecretError, SharedSecret, is_loopback, read_secret_file
 from moecomm.http_thread import DEFAULT_HOST, START_TIMEOUT_S, STOP_TIMEOUT_S, HttpServer
 from moecomm.membership import member as m
 from moecomm.membership.base import TOKEN_ENV, monitor_token
@@ -126,13 +125,6 @@ def status_of(exc: Exception) -> int:
     if isinstance(exc, ValueError):
         return 422
     raise exc
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def make_app(token: str = "") -> FastAPI:
@@ -349,7 +341,7 @@ class MonitorServer:
     """The monitor served by uvicorn from a background thread."""
 
     def __init__(self, host: str = DEFAULT_HOST, port: int = 0, token: str = ""):
-        if not _is_loopback(host) and not token:
+        if not is_loopback(host) and not token:
             log.warning("monitor on %s without a token: anyone who can reach it can register", host)
         self.app = make_app(token)
         self._http = HttpServer(

@@ -20,12 +20,11 @@ without one: :func:`check_exposure`).
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
-from moecomm.auth import SharedSecret
+from moecomm.auth import SharedSecret, is_loopback
 
 from moecomm_serving.api import openai as oa
 
@@ -108,16 +107,6 @@ def install_access(app: FastAPI, access: Access | None) -> None:
     """Puts `access` in front of every route of `app` (nothing when None or nothing is set)."""
     if access is not None and access.enforced:
         app.add_middleware(AccessGuard, access=access)
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` (an address or name a server binds) is reachable from this host only."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check_exposure(role: str | None, host: str, access: Access, command: str) -> None:
